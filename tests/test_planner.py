@@ -1,0 +1,280 @@
+"""planner: budgets, monotone hot sets, byte accounting, stock baseline, plan files."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _geometry import MiB, make_geometry
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from spark_cli import vram
+from spark_cli.errors import PlanError
+from spark_cli.planner import PLAN_VERSION, Plan, make_plan, stock_baseline, tensor_overrides
+
+GiB = 1 << 30
+SETTINGS = settings(max_examples=int(os.environ.get("SPARK_HYP_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def fixed_bytes(g, n_ctx: int = 4096, tk: str = "f16", tv: str = "f16") -> int:
+    return (g.device_global_bytes + sum(l.nonexpert_bytes for l in g.layers if not l.is_nextn)
+            + vram.kv_cache_bytes(g, n_ctx, tk, tv) + vram.compute_buffer_bytes(g, n_ctx)
+            + vram.DEVICE_OVERHEAD_BYTES)
+
+
+def floor_bytes(g, max_slots: int | None = None) -> int:
+    k, total = g.n_expert_used, 0
+    for i in g.moe_layers:
+        b, n = g.layers[i].expert_bytes_per_expert, g.n_expert
+        resident = k + 1 >= n or (max_slots is not None and max_slots < k)
+        total += n * b if resident else (k + 1) * b
+    return total
+
+
+def full_bytes(g) -> int:
+    return fixed_bytes(g) + sum(g.n_expert * g.layers[i].expert_bytes_per_expert for i in g.moe_layers)
+
+
+@st.composite
+def scenarios(draw, feasible: bool = False):
+    """Geometry, profile, miss ratio, slot cap and two budgets; feasible: budgets >= the floor."""
+    n_layer = draw(st.integers(1, 6))
+    n_expert = draw(st.sampled_from([4, 8, 16, 32]))
+    k = draw(st.integers(1, min(n_expert, 6)))
+    dense = draw(st.sets(st.integers(0, n_layer - 1), max_size=n_layer - 1))
+    bpe = draw(st.lists(st.integers(1, 40).map(lambda m: m * MiB // 4), min_size=n_layer, max_size=n_layer))
+    nextn = draw(st.integers(0, 1)) if n_layer > 1 else 0
+    g = make_geometry(n_layer=n_layer, n_expert=n_expert, k=k, bpe=bpe, dense=tuple(dense),
+                      shared=draw(st.sampled_from([0, MiB])), nextn=nextn, bias=draw(st.sampled_from([0, 4096])))
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    profile = None
+    if draw(st.booleans()):
+        profile = rng.zipf(1.5, size=(n_layer, n_expert)).astype(float) * (rng.random((n_layer, n_expert)) > 0.2)
+    miss = None
+    if draw(st.booleans()):
+        decay = rng.uniform(0.5, 8.0, size=n_layer)
+        miss = lambda l, s: float(np.exp(-s / decay[l]))  # noqa: E731
+    max_slots = draw(st.sampled_from([None, None, k, k + 3]))
+    span = full_bytes(g) - fixed_bytes(g)
+    lo = fixed_bytes(g) + floor_bytes(g, max_slots) if feasible else fixed_bytes(g) - span // 10 - 1
+    hi = full_bytes(g) + span // 10
+    fractions = draw(st.lists(st.floats(0, 1), min_size=2, max_size=2))
+    budgets = sorted(int(lo + f * (hi - lo)) for f in fractions)
+    return g, profile, miss, max_slots, budgets
+
+
+def hot_sets(plan: Plan) -> dict[int, frozenset[int]]:
+    return plan.hot_set()
+
+
+def check_plan(g, plan: Plan, budget: int, max_slots: int | None) -> None:
+    b = plan.breakdown
+    assert b["total"] <= budget
+    assert b["total"] == sum(v for key, v in b.items() if key != "total")
+    per_layer = sum(l.device_bytes for l in plan.layers)
+    assert per_layer + b["weights_global"] + b["kv_cache"] + b["compute"] + b["overhead"] == b["total"]
+    assert b["weights_global"] == g.device_global_bytes
+    for lp in plan.layers:
+        lg = g.layers[lp.index]
+        bpe, n = lg.expert_bytes_per_expert, g.n_expert
+        if lp.mode == "skipped":
+            assert lg.is_nextn and lp.device_bytes == lp.host_bytes == 0
+        elif lp.mode == "dense":
+            assert not lg.is_moe and lp.device_bytes == lg.nonexpert_bytes
+        elif lp.mode == "resident":
+            assert lp.device_bytes == lg.nonexpert_bytes + n * bpe and lp.host_bytes == 0
+        else:
+            assert lp.mode == "cached" and lg.is_moe
+            assert lp.lru_slots >= g.n_expert_used
+            assert lp.slots + 1 < n
+            assert len(set(lp.pinned)) == len(lp.pinned) and all(0 <= e < n for e in lp.pinned)
+            assert lp.device_bytes == lg.nonexpert_bytes + (lp.slots + 1) * bpe
+            assert lp.host_bytes == n * bpe
+            if max_slots is not None:
+                assert lp.slots <= max_slots
+    assert b["experts_resident"] + b["expert_banks"] == sum(
+        lp.device_bytes - g.layers[lp.index].nonexpert_bytes for lp in plan.layers if lp.mode in ("resident", "cached"))
+
+
+@SETTINGS
+@given(scenarios())
+def test_budget_respected_or_refused(s) -> None:
+    g, profile, miss, max_slots, budgets = s
+    for budget in budgets:
+        need = fixed_bytes(g) + floor_bytes(g, max_slots)
+        try:
+            plan = make_plan(g, budget, 4096, profile, miss_ratio=miss, max_slots_per_layer=max_slots)
+        except PlanError as e:
+            assert need > budget
+            assert "over by" in e.message and "\n" not in e.one_line()
+            continue
+        assert need <= budget
+        check_plan(g, plan, budget, max_slots)
+        if profile is None:
+            assert plan.predicted_cold_hit is None
+        else:
+            assert 0.0 <= plan.predicted_cold_hit <= 1.0
+
+
+@SETTINGS
+@given(scenarios(feasible=True))
+def test_hot_set_grows_with_budget(s) -> None:
+    g, profile, miss, max_slots, (b1, b2) = s
+    p1 = make_plan(g, b1, 4096, profile, miss_ratio=miss, max_slots_per_layer=max_slots)
+    p2 = make_plan(g, b2, 4096, profile, miss_ratio=miss, max_slots_per_layer=max_slots)
+    h1, h2 = hot_sets(p1), hot_sets(p2)
+    for layer, hot in h1.items():
+        assert hot <= h2[layer]
+    for a, b in zip(p1.layers, p2.layers):
+        if a.mode == "resident":
+            assert b.mode == "resident"
+        if a.mode == b.mode == "cached":
+            assert b.pinned[: len(a.pinned)] == a.pinned
+            assert a.lru_slots <= b.lru_slots
+    if profile is not None:
+        assert p2.predicted_cold_hit <= p1.predicted_cold_hit + 1e-12
+
+
+def test_floor_without_miss_ratio() -> None:
+    g = make_geometry(n_layer=4, n_expert=16, k=4)
+    budget = fixed_bytes(g) + floor_bytes(g) + 25 * MiB
+    plan = make_plan(g, budget, 4096)
+    cached = [l for l in plan.layers if l.mode == "cached"]
+    assert len(cached) == 3 and all(l.lru_slots == 4 for l in cached)
+    assert sum(len(l.pinned) for l in cached) == 2  # 25 MiB left buys two 10 MiB pins
+    assert plan.breakdown["expert_banks"] == (3 * 5 + 2) * 10 * MiB
+
+
+def test_pins_follow_profile_and_predict_cold_hit() -> None:
+    g = make_geometry(n_layer=3, n_expert=8, k=2, dense=())
+    counts = np.zeros((3, 8))
+    counts[0] = [0, 50, 0, 30, 10, 5, 5, 0]
+    counts[1] = [1, 1, 1, 1, 1, 1, 1, 93]
+    counts[2] = [10] * 8
+    budget = fixed_bytes(g) + floor_bytes(g) + 3 * 10 * MiB
+    plan = make_plan(g, budget, 4096, counts)
+    pins = {l.index: l.pinned for l in plan.layers}
+    # gains per byte: layer1 e7 (.93), layer0 e1 (.5), layer0 e3 (.3); layer 2 is 1/8 each
+    assert pins == {0: (1, 3), 1: (7,), 2: ()}
+    expected = np.mean([1 - 0.8, 1 - 0.93, 1.0])
+    assert plan.predicted_cold_hit == pytest.approx(expected)
+
+
+def test_uniform_prior_makes_whole_layers_resident() -> None:
+    g = make_geometry(n_layer=4, n_expert=8, k=2, dense=())
+    budget = fixed_bytes(g) + floor_bytes(g) + 2 * 5 * 10 * MiB
+    plan = make_plan(g, budget, 4096)
+    assert [l.mode for l in plan.layers] == ["resident", "resident", "cached", "cached"]
+    assert plan.predicted_cold_hit is None
+
+
+def test_miss_ratio_buys_lru_slots() -> None:
+    g = make_geometry(n_layer=3, n_expert=32, k=2, dense=())
+    calls: dict[tuple[int, int], int] = {}
+
+    def miss(layer: int, slots: int) -> float:
+        calls[(layer, slots)] = calls.get((layer, slots), 0) + 1
+        return max(0.0, 1.0 - slots / 12) if layer == 1 else 0.9 ** slots
+
+    counts = np.ones((3, 32))  # flat profile: pins are worth 1/32 each
+    budget = fixed_bytes(g) + floor_bytes(g) + 10 * 10 * MiB
+    plan = make_plan(g, budget, 4096, counts, miss_ratio=miss)
+    assert plan.layers[1].lru_slots > 2
+    assert max(calls.values()) == 1
+    without = make_plan(g, budget, 4096, counts)
+    assert all(l.lru_slots == 2 for l in without.layers)
+
+
+def test_max_slots_forces_residency_jump() -> None:
+    g = make_geometry(n_layer=2, n_expert=16, k=2, dense=())
+    plan = make_plan(g, full_bytes(g), 4096, max_slots_per_layer=4)
+    assert all(l.mode == "resident" for l in plan.layers)
+    small = make_plan(g, fixed_bytes(g) + floor_bytes(g) + 40 * MiB, 4096, max_slots_per_layer=4)
+    assert all(l.slots <= 4 for l in small.layers)
+
+
+def test_refuses_when_fixed_costs_do_not_fit() -> None:
+    g = make_geometry()
+    need = fixed_bytes(g, 32768)
+    with pytest.raises(PlanError) as e:
+        make_plan(g, need - GiB // 4, 32768)
+    msg = e.value.one_line()
+    assert msg.startswith("--vram ") and "the model without experts needs" in msg
+    assert "kv_cache" in msg and "n_ctx 32768" in msg and "over by 0.25 GiB" in msg
+
+
+def test_refuses_when_cache_floor_does_not_fit() -> None:
+    g = make_geometry(n_layer=4, n_expert=8, k=2)
+    budget = fixed_bytes(g) + floor_bytes(g) - GiB // 50
+    with pytest.raises(PlanError, match=r"expert cache floor does not fit: 3 MoE layers x \(2 LRU \+ 1 guard\)") as e:
+        make_plan(g, budget, 4096)
+    assert "over by 0.02 GiB" in e.value.message
+
+
+def test_profile_shape_checked() -> None:
+    g = make_geometry()
+    with pytest.raises(PlanError, match="profile: shape"):
+        make_plan(g, 8 * GiB, 4096, np.ones((3, 8)))
+
+
+def test_stock_baseline_by_hand() -> None:
+    # layer 0 dense, layers 1-3 MoE with 8 x 10 MiB experts (80 MiB each), 4 KiB of expert biases
+    g = make_geometry(n_layer=4, n_expert=8, k=2, bias=4096)
+    fixed = fixed_bytes(g)
+    s = stock_baseline(g, fixed + 2 * 80 * MiB, fixed)
+    assert (s.n_cpu_moe, s.fits) == (2, True)  # layers 0 and 1 on the CPU, 2 and 3 on the device
+    assert s.device_bytes == fixed + 2 * 80 * MiB - 4096  # layer 1 biases follow its experts
+    assert s.override_patterns == (r"blk\.0\.ffn_(up|down|gate|gate_up)_(ch|)exps",
+                                   r"blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps")
+    assert s.ot_argument == r"blk\.0\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU,blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"
+    assert s.cpu_moe_device_bytes == fixed - 3 * 4096 and s.cpu_moe_fits
+    pat = re.compile(s.override_patterns[1])
+    assert pat.search("blk.1.ffn_gate_up_exps.weight") and pat.search("blk.1.ffn_down_exps.bias")
+    assert not pat.search("blk.11.ffn_down_exps.weight") and not pat.search("blk.1.ffn_down_shexp.weight")
+    assert stock_baseline(g, fixed + 3 * 80 * MiB, fixed).n_cpu_moe == 0
+    none = stock_baseline(g, fixed - 3 * 4096 - 1, fixed)
+    assert (none.n_cpu_moe, none.fits, none.cpu_moe_fits) == (4, False, False)
+    plan = make_plan(g, fixed + 2 * 80 * MiB, 4096)
+    assert plan.stock == s
+
+
+def test_tensor_overrides() -> None:
+    g = make_geometry(n_layer=5, n_expert=8, k=2, nextn=1)
+    plan = make_plan(g, fixed_bytes(g) + floor_bytes(g) + 50 * MiB, 4096)
+    assert [l.mode for l in plan.layers] == ["dense", "resident", "cached", "cached", "skipped"]
+    ov = tensor_overrides(plan)
+    assert [m for _, m in ov] == ["host", "host"]
+    r2 = re.compile(ov[0][0])
+    assert r2.search("blk.2.ffn_up_exps.weight") and r2.search("blk.2.ffn_gate_up_exps.weight")
+    assert not r2.search("blk.2.ffn_up_exps.bias") and not r2.search("blk.12.ffn_up_exps.weight")
+
+
+def test_json_round_trip_and_identity(tmp_path: Path) -> None:
+    g = make_geometry(n_layer=4, n_expert=8, k=2)
+    counts = np.arange(32, dtype=float).reshape(4, 8)
+    plan = make_plan(g, fixed_bytes(g) + floor_bytes(g) + 100 * MiB, 4096, counts, "q8_0", "q8_0")
+    d = json.loads(plan.to_json())
+    assert d["version"] == PLAN_VERSION and d["model"] == g.identity()
+    assert set(d["breakdown"]) >= {"weights_global", "expert_banks", "kv_cache", "total"}
+    assert Plan.from_json(plan.to_json()) == plan
+    path = tmp_path / "p" / "plan.json"
+    plan.save(path)
+    assert Plan.load(path, g.identity()) == plan
+    other = make_geometry(n_layer=4, n_expert=8, k=2, fingerprint="0" * 64)
+    with pytest.raises(PlanError, match=r"plan is for another model \(fingerprint ffffffffffff != 000000000000\)"):
+        Plan.load(path, other.identity())
+    d["version"] = 99
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="version: expected 1, got 99"):
+        Plan.load(path)
+    path.write_text("{not json")
+    with pytest.raises(PlanError, match="not JSON"):
+        Plan.load(path)
+    with pytest.raises(PlanError, match="cannot read plan"):
+        Plan.load(tmp_path / "missing.json")

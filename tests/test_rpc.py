@@ -1,0 +1,65 @@
+"""The RPC stand-in GPU: weights really live in the server, and generation matches CPU-only."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+from spark_cli.engine import Engine, EngineOptions
+from spark_cli.errors import SparkError
+from spark_cli.rpc import parse_endpoints
+
+pytestmark = pytest.mark.model
+
+PROMPT = "What is the capital of France?"
+
+
+def _greedy(engine: Engine, n: int = 24) -> list[int]:
+    prompt = engine.tokenize(engine.chat_prompt([{"role": "user", "content": PROMPT}]))
+    return list(engine.generate(prompt, n))
+
+
+def test_weights_live_in_the_server(small_model, rpc_server):
+    proc = psutil.Process(rpc_server.proc.pid)
+    before = proc.memory_info().rss
+    with Engine(EngineOptions(small_model, n_ctx=256, rpc=[rpc_server.endpoint])) as eng:
+        assert eng.devices and eng.devices[0].name.startswith("RPC")
+        grown = proc.memory_info().rss - before
+    size = os.path.getsize(small_model)
+    # the whole model is offloaded: the server's resident memory grows by about its size
+    assert grown > 0.8 * size, f"server RSS grew by {grown / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB model"
+
+
+def test_rpc_generation_equals_cpu(small_model, rpc_server):
+    with Engine(EngineOptions(small_model, n_ctx=256, device="cpu")) as eng:
+        cpu_tokens = _greedy(eng)
+        text = eng.detokenize(cpu_tokens)
+    with Engine(EngineOptions(small_model, n_ctx=256, rpc=[rpc_server.endpoint])) as eng:
+        rpc_tokens = _greedy(eng)
+    assert "Paris" in text
+    assert rpc_tokens == cpu_tokens
+
+
+def test_rpc_server_is_stopped_without_leaks(small_model):
+    from spark_cli.rpc import RpcServer
+
+    srv = RpcServer().start()
+    pid = srv.proc.pid
+    srv.stop()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize("value", ["localhost", "host:", ":80", "a:b", "h:70000", "h:1,bad"])
+def test_bad_rpc_endpoint_is_one_line_error(value):
+    with pytest.raises(SparkError) as e:
+        parse_endpoints(value)
+    assert "--rpc" in e.value.one_line() and "\n" not in e.value.one_line()
+
+
+def test_unreachable_rpc_server_is_an_error(small_model):
+    from spark_cli.rpc import free_port
+
+    with pytest.raises(SparkError, match="no RPC server answers"):
+        Engine(EngineOptions(small_model, rpc=[f"127.0.0.1:{free_port()}"]))
