@@ -18,7 +18,14 @@ app = typer.Typer(
 )
 
 
+_registered = False
+
+
 def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
     from .commands import bench, chat, demo, plan, profile, system
 
     system.register(app)

@@ -132,12 +132,23 @@ class Engine:
         self._keep.append(dev_arr)
         mp.devices = ctypes.cast(dev_arr, ctypes.c_void_p)
         mp.n_gpu_layers = -1 if self.devices else 0
-        host_layers = sorted(set(opts.host_layers) | {c.il for c in opts.cache_layers})
-        if host_layers and self.devices:
-            host_buft = self.lib.dev_host_buffer_type(self.devices[0].handle) or self.lib.cpu_buffer_type()
-            pat = expert_pattern(host_layers).encode()
-            ov = (llama_lib.BuftOverride * 2)(llama_lib.BuftOverride(pat, host_buft), llama_lib.BuftOverride(None, None))
-            self._keep += [pat, ov]
+        overrides = []
+        if self.devices and opts.cache_layers:
+            # NOTE: cached experts live in the device's pinned host memory where it has one (faster uploads)
+            pinned = self.lib.dev_host_buffer_type(self.devices[0].handle) or self.lib.cpu_buffer_type()
+            overrides.append((expert_pattern([c.il for c in opts.cache_layers]), pinned))
+        stock = sorted(set(opts.host_layers) - {c.il for c in opts.cache_layers})
+        if self.devices and stock:
+            # as llama.cpp's --n-cpu-moe: the CPU buffer type, computed on the CPU
+            overrides.append((expert_pattern(stock), self.lib.cpu_buffer_type()))
+        if overrides:
+            ov = (llama_lib.BuftOverride * (len(overrides) + 1))()
+            for i, (pat, buft) in enumerate(overrides):
+                b = pat.encode()
+                self._keep.append(b)
+                ov[i] = llama_lib.BuftOverride(b, buft)
+            ov[len(overrides)] = llama_lib.BuftOverride(None, None)
+            self._keep.append(ov)
             mp.tensor_buft_overrides = ctypes.cast(ov, ctypes.c_void_p)
         # NOTE: the cache copies expert slices byte for byte: host weights must keep plain layout
         mp.use_extra_bufts = bool(opts.repack and not opts.cache_layers)

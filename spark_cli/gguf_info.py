@@ -236,7 +236,7 @@ def _parse(path: Path, size: int) -> _Shard:
 
 def _open(path: Path) -> _Shard:
     if not path.exists():
-        raise ModelFileError(f"{path}: no such file", hint="check the path or run `spark download`")
+        raise ModelFileError(f"{path}: no such file", hint="check the path; omit MODEL to use the demo model")
     if not path.is_file():
         raise ModelFileError(f"{path}: not a regular file")
     size = path.stat().st_size

@@ -1,0 +1,87 @@
+"""scripts/build_native.py: patch failures name the file and hunk; the cache key follows native/."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("build_native", REPO / "scripts" / "build_native.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_native_patch_applies_to_the_pinned_sdist(tmp_path):
+    bn = _module()
+    sdist = bn.fetch_sdist()
+    import tarfile
+
+    with tarfile.open(sdist) as tf:
+        members = [m for m in tf.getmembers() if "/vendor/llama.cpp/src/" in m.name or "/vendor/llama.cpp/include/" in m.name]
+        tf.extractall(tmp_path, members=members)
+    vendor = next(tmp_path.glob("*/vendor/llama.cpp"))
+    bn.apply_native(vendor)
+    assert (vendor / "src" / "llama-expert-cache.cpp").exists()
+    assert (vendor / "include" / "llama-expert-cache-api.h").exists()
+    assert "ecache->build(" in (vendor / "src" / "llama-graph.cpp").read_text()
+
+
+def test_a_patch_that_does_not_apply_names_file_and_hunk(tmp_path, monkeypatch):
+    bn = _module()
+    native = tmp_path / "native"
+    (native / "patches").mkdir(parents=True)
+    (native / "src").mkdir()
+    (native / "include").mkdir()
+    vendor = tmp_path / "vendor"
+    (vendor / "src").mkdir(parents=True)
+    (vendor / "include").mkdir()
+    (vendor / "src" / "a.cpp").write_text("one\ntwo\nthree\n")
+    (native / "patches" / "0001-x.patch").write_text(
+        "--- a/src/a.cpp\n+++ b/src/a.cpp\n@@ -1,3 +1,3 @@\n one\n-zwei\n+2\n three\n")
+    monkeypatch.setattr(bn, "NATIVE", native)
+    monkeypatch.setattr(bn, "REPO", tmp_path)
+    with pytest.raises(bn.BuildError) as e:
+        bn.apply_native(vendor)
+    msg = str(e.value)
+    assert "native/patches/0001-x.patch" in msg and "hunk #1" in msg and "src/a.cpp" in msg
+    assert (vendor / "src" / "a.cpp").read_text() == "one\ntwo\nthree\n"  # nothing half-applied
+
+
+def test_cache_key_changes_with_native_content(tmp_path, monkeypatch):
+    bn = _module()
+    native = tmp_path / "native"
+    native.mkdir()
+    (native / "x.h").write_text("a")
+    monkeypatch.setattr(bn, "NATIVE", native)
+    h1 = bn.native_hash()
+    (native / "x.h").write_text("b")
+    assert bn.native_hash() != h1
+
+
+def test_cuda_detection_respects_spark_cuda(monkeypatch):
+    bn = _module()
+    monkeypatch.setenv("SPARK_CUDA", "0")
+    assert bn.detect_cuda() == (False, None)
+    monkeypatch.setenv("SPARK_CUDA", "1")
+    monkeypatch.setenv("SPARK_CUDA_ARCH", "90")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(bn.BuildError, match="nvcc"):
+        bn.detect_cuda()
+    flags = bn.cmake_flags(True, "90")
+    assert "-DGGML_CUDA=ON" in flags and "-DCMAKE_CUDA_ARCHITECTURES=90" in flags and "-DGGML_RPC=ON" in flags
+
+
+def test_unchanged_rebuild_is_a_cache_hit():
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "build_native.py"), "--venv", str(Path(sys.prefix))],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert "cache hit" in last and "RPC" in last
