@@ -1,0 +1,272 @@
+"""`spark plan`: budgets, profiles, the VRAM bill, the stock baseline, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import typer
+
+from spark_cli import cli, planner, session, vram
+from spark_cli.commands import common
+from spark_cli.commands import plan as plan_cmd
+from spark_cli.errors import PlanError
+from spark_cli.gguf_info import _open, load_geometry
+from spark_cli.profile import RoutingProfile, profile_path_for
+from spark_cli.trace import RoutingTrace
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def spark(monkeypatch, capsys):
+    """cli.main with only `plan` registered on a fresh app (the error boundary is the real one);
+    returns (exit code, stdout, stderr). Rich is pinned to a wide console."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+    @app.callback()
+    def _root() -> None:
+        pass
+
+    monkeypatch.setattr(cli, "app", app)
+    monkeypatch.setattr(cli, "_register", lambda: plan_cmd.register(app))
+    monkeypatch.setattr(common.console, "_width", 200)
+    monkeypatch.setattr(common.err_console, "_width", 200)
+    monkeypatch.setattr(session, "gpu_free_bytes", lambda: None)  # no GPU unless a test says so
+    monkeypatch.delenv("SPARK_DEBUG", raising=False)
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        rc = cli.main(["plan", *map(str, args)])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def geo(small_model):
+    return load_geometry(small_model)
+
+
+def fixed_bytes(g, n_ctx: int = 8192, type_k: str = "f16", type_v: str = "f16") -> int:
+    return sum(planner._fixed_costs(g, n_ctx, type_k, type_v, 512).values())
+
+
+def floor_bytes(g) -> int:
+    return sum((g.n_expert_used + 1) * g.layers[i].expert_bytes_per_expert for i in g.moe_layers)
+
+
+def partial_budget(g, share: float = 0.5) -> int:
+    return fixed_bytes(g) + int(share * g.total_expert_bytes)
+
+
+def test_writes_plan_that_loads_and_fits(spark, small_model, geo, tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    budget = partial_budget(geo)
+    rc, stdout, stderr = spark(small_model, "--vram", budget, "-o", out)
+    assert rc == 0, stderr
+    p = planner.Plan.load(out, expect_identity=geo.identity())
+    assert p.budget_bytes == budget and p.n_ctx == 8192
+    assert p.breakdown["total"] <= budget
+    modes = {l.mode for l in p.layers}
+    assert modes == {"resident", "cached"}, modes  # half the experts: some layers of each
+    assert sum(l.device_bytes for l in p.layers) + p.breakdown["weights_global"] + p.breakdown["kv_cache"] \
+        + p.breakdown["compute"] + p.breakdown["overhead"] == p.breakdown["total"]
+    for text in ("placement per layer", "host + cache", "resident", "VRAM bill", "KV cache", "K f16 / V f16",
+                 "expert banks", "free", "uniform prior", f"wrote {out}"):
+        assert text in stdout, text
+
+
+def test_table_shows_stock_baseline(spark, small_model, geo) -> None:
+    rc, stdout, stderr = spark(small_model, "--vram", partial_budget(geo), "--json")
+    assert rc == 0, stderr
+    stock = json.loads(stdout)["stock"]
+    assert stock["fits"] and 0 < stock["n_cpu_moe"] <= geo.n_layer
+    assert len(stock["override_patterns"]) == stock["n_cpu_moe"]
+    rc, stdout, _ = spark(small_model, "--vram", partial_budget(geo))
+    assert f"--n-cpu-moe {stock['n_cpu_moe']}" in stdout
+    assert "-ot 'blk\\.(0|1|" in stdout and "exps=CPU'" in stdout
+    assert "--cpu-moe (all experts on the CPU)" in stdout and "fits" in stdout
+
+
+def test_stock_baseline_when_everything_fits(spark, small_model) -> None:
+    rc, stdout, _ = spark(small_model, "--vram", "64GiB")
+    assert rc == 0
+    assert "every expert fits on the device" in stdout and "--n-cpu-moe" not in stdout
+
+
+@pytest.mark.parametrize("budget, words", [
+    ("100MiB", "the model without experts needs"),
+    ("floor", "the expert cache floor does not fit"),
+])
+def test_too_small_budget_names_the_shortfall(spark, small_model, geo, budget, words) -> None:
+    if budget == "floor":
+        budget = str(fixed_bytes(geo) + floor_bytes(geo) // 2)
+    rc, stdout, stderr = spark(small_model, "--vram", budget)
+    assert rc == 2 and stdout == ""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error:") and words in lines[0] and "over by" in lines[0]
+
+
+def test_no_gpu_and_no_vram_is_refused(spark, small_model) -> None:
+    rc, stdout, stderr = spark(small_model)
+    assert rc == 2 and stdout == ""
+    assert len(stderr.strip().splitlines()) == 1 and "--vram is required for a dry run" in stderr
+
+
+def test_budget_from_gpu_free_memory(spark, small_model, monkeypatch) -> None:
+    monkeypatch.setattr(session, "gpu_free_bytes", lambda: 4 << 30)
+    rc, stdout, stderr = spark(small_model, "--json")
+    assert rc == 0, stderr
+    assert json.loads(stdout)["budget_bytes"] == (4 << 30) - session.BUDGET_MARGIN
+
+
+def test_plan_of_another_model_is_refused(spark, small_model, tmp_path) -> None:
+    from spark_cli.demo_model import build_tiny_model
+
+    out = tmp_path / "tiny.plan.json"
+    rc, _, stderr = spark(build_tiny_model("qwen3moe"), "--vram", "1GiB", "-o", out)
+    assert rc == 0, stderr
+    with pytest.raises(PlanError, match="plan is for another model"):
+        planner.Plan.load(out, expect_identity=load_geometry(small_model).identity())
+
+
+def _beside(model: Path, folder: Path) -> Path:
+    """The model in `folder` (a symlink where possible: the file is 400+ MiB)."""
+    dst = folder / model.name
+    try:
+        os.symlink(model, dst)
+    except OSError:
+        shutil.copyfile(model, dst)
+    return dst
+
+
+def test_skewed_profile_pins_exactly_the_hot_experts(spark, small_model, geo, tmp_path) -> None:
+    model = _beside(Path(small_model), tmp_path)
+    hot = (5, 2)  # hottest first
+    decode = np.zeros((geo.n_layer, geo.n_expert))
+    for il in geo.moe_layers:
+        decode[il, :] = 1.0
+        decode[il, hot[0]], decode[il, hot[1]] = 60.0, 50.0
+    RoutingProfile.empty(geo.identity()).add(None, decode, 0.0, 1000.0, "test").save(profile_path_for(model))
+    bpe = geo.layers[geo.moe_layers[0]].expert_bytes_per_expert
+    budget = fixed_bytes(geo) + floor_bytes(geo) + len(hot) * len(geo.moe_layers) * bpe
+    rc, stdout, stderr = spark(model, "--vram", budget, "--json")
+    assert rc == 0, stderr
+    p = planner.Plan.from_json(stdout)
+    cached = [l for l in p.layers if l.mode == "cached"]
+    assert len(cached) == len(geo.moe_layers)
+    assert all(l.pinned == hot and l.lru_slots == geo.n_expert_used for l in cached)
+    assert p.predicted_cold_hit == pytest.approx(6 / 116)
+    rc, stdout, _ = spark(model, "--vram", budget)
+    assert f"profile {profile_path_for(model).name}" in stdout and "2 each: 5 2" in stdout
+    assert "predicted cold-hit rate: 5.2%" in stdout
+
+
+def test_missing_profile_flag_is_refused(spark, small_model, tmp_path) -> None:
+    rc, _, stderr = spark(small_model, "--vram", "2GiB", "--profile", tmp_path / "none.json")
+    assert rc == 2 and "no such file" in stderr
+
+
+def test_output_to_a_directory_is_refused(spark, small_model, tmp_path) -> None:
+    rc, _, stderr = spark(small_model, "--vram", "2GiB", "-o", tmp_path)
+    assert rc == 2 and "is a directory" in stderr
+
+
+def test_quantized_kv_cache_costs_less(spark, small_model) -> None:
+    kv = {}
+    for t in ("f16", "q8_0", "q4_0"):
+        rc, stdout, stderr = spark(small_model, "--vram", "4GiB", "--cache-type-k", t, "--cache-type-v", t, "--json")
+        assert rc == 0, stderr
+        d = json.loads(stdout)
+        assert d["type_k"] == d["type_v"] == t
+        kv[t] = d["breakdown"]["kv_cache"]
+    assert kv["q4_0"] < kv["q8_0"] < kv["f16"]
+    assert kv["q8_0"] == pytest.approx(kv["f16"] * 34 / 64, rel=1e-6)  # 34 bytes per 32 values vs 64
+    rc, _, stderr = spark(small_model, "--vram", "4GiB", "--cache-type-k", "q3_k")
+    assert rc == 2 and "--cache-type-k: unknown KV cache type" in stderr
+
+
+def test_trace_sizes_lru_slots(spark, small_model, geo, tmp_path) -> None:
+    rng = np.random.default_rng(0)
+    n, k = 300, geo.n_expert_used
+    p = np.array([2.0 ** -i for i in range(geo.n_expert)])
+    ids = np.stack([np.stack([rng.choice(geo.n_expert, k, replace=False, p=p / p.sum())
+                              for _ in range(geo.n_layer)]) for _ in range(n)])
+    path = tmp_path / "t.npz"
+    RoutingTrace(ids, np.ones(n), np.arange(n), geo.n_expert, geo.fingerprint).save(path)
+    rc, stdout, stderr = spark(small_model, "--vram", partial_budget(geo, 0.4), "--trace", path)
+    assert rc == 0, stderr
+    assert "routing counts from the trace" in stdout and "on the trace (300 decode rows" in stdout
+    other = tmp_path / "other.npz"
+    RoutingTrace(ids, np.ones(n), np.arange(n), geo.n_expert, "0" * 64).save(other)
+    rc, _, stderr = spark(small_model, "--vram", "2GiB", "--trace", other)
+    assert rc == 2 and "another model" in stderr
+
+
+def test_unknown_family_warns(spark, monkeypatch) -> None:
+    from spark_cli import gguf_info
+    from spark_cli.demo_model import build_tiny_model
+
+    monkeypatch.setattr(gguf_info, "family_for", lambda arch: None)
+    rc, stdout, stderr = spark(build_tiny_model("qwen3moe"), "--vram", "1GiB")
+    assert rc == 0, stderr
+    assert "warning: architecture 'qwen3moe' is not in models.toml" in stdout
+
+
+def test_long_models_compress_identical_rows(spark, small_model, geo) -> None:
+    rc, stdout, _ = spark(small_model, "--vram", "64GiB")
+    rows = [l for l in stdout.splitlines() if "resident (8 experts)" in l]
+    assert len(rows) == 1 and f"0-{geo.n_layer - 1}" in rows[0]
+
+
+def _tensor_bytes(path) -> int:
+    return sum(t.n_bytes for t in _open(Path(path)).tensors)
+
+
+def _accounted(p: planner.Plan, g) -> int:
+    """Every tensor byte the plan places: device weights, layers (banks replaced by the
+    experts they cache), plus the input embeddings llama.cpp keeps on the CPU."""
+    layers = sum(l.device_bytes + l.host_bytes for l in p.layers) - p.breakdown["expert_banks"]
+    untied = 0 if g.output_tied else g.token_embd_bytes
+    nextn = sum(l.expert_bytes + l.nonexpert_bytes for l in g.layers if l.is_nextn)
+    return p.breakdown["weights_global"] + untied + layers + nextn
+
+
+def test_byte_accounting_equals_gguf_tensor_sizes(spark, small_model, geo) -> None:
+    import gguf
+
+    total = sum(int(t.n_bytes) for t in gguf.GGUFReader(small_model).tensors)  # an independent reader
+    assert total == _tensor_bytes(small_model)
+    rc, stdout, _ = spark(small_model, "--vram", "64GiB", "--json")
+    p = planner.Plan.from_json(stdout)
+    assert all(l.mode == "resident" for l in p.layers)
+    b = p.breakdown
+    assert geo.output_tied  # SmolLM2: tok_embd is the output matrix, on the device
+    assert b["weights_global"] + b["weights_layers_nonexpert"] + b["experts_resident"] == total
+    rc, stdout, _ = spark(small_model, "--vram", partial_budget(geo), "--json")
+    assert _accounted(planner.Plan.from_json(stdout), geo) == total
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss"])
+def test_byte_accounting_tiny_archs(spark, arch) -> None:
+    from spark_cli.demo_model import build_tiny_model
+
+    path = build_tiny_model(arch)
+    g = load_geometry(path)
+    total = _tensor_bytes(path)
+    for share in (1.0, 0.5):
+        budget = fixed_bytes(g, 512) + int(share * g.total_expert_bytes) + floor_bytes(g)
+        rc, stdout, stderr = spark(path, "--vram", budget, "--ctx", 512, "--json")
+        assert rc == 0, stderr
+        p = planner.Plan.from_json(stdout)
+        assert p.breakdown["total"] <= budget
+        assert _accounted(p, g) == total
+        assert p.stock.device_bytes <= budget or not p.stock.fits
+        assert vram.kv_cache_bytes(g, 512) == p.breakdown["kv_cache"]
