@@ -118,6 +118,8 @@ class Engine:
         self._keep: list[object] = []
         self.records: list[TopkRecord] = []
         self.n_past = 0
+        self._last_il = 1 << 30  # eval-callback capture: layer seen last, to find ubatch starts
+        self._ubatch_tokens = 0
 
         path = Path(opts.model_path)
         if not path.is_file():
@@ -380,6 +382,11 @@ class Engine:
         if name.startswith(b"ffn_moe_topk-"):
             il = int(name.split(b"-", 1)[1])
             k, n_tok = t.ne[0], t.ne[1]
+            # NOTE: the phase is the ubatch's: a new ubatch starts when the layer index does not grow,
+            # and its first MoE layer routes every token (the last layer may route only the outputs)
+            if il <= self._last_il:
+                self._ubatch_tokens = n_tok
+            self._last_il = il
             size = self.lib.nbytes(t_ptr)
             raw = (ctypes.c_char * size)()
             self.lib.tensor_get(t_ptr, raw, 0, size)
@@ -387,7 +394,8 @@ class Engine:
             # NOTE: a strided view of the argsort result: read it by its strides
             ids = np.lib.stride_tricks.as_strided(base.view(np.int32) if t.nb[0] == 4 and size % 4 == 0 else base,
                                                   shape=(n_tok, k), strides=(t.nb[1], t.nb[0]))
-            self.records.append(TopkRecord(il, PHASE_DECODE if n_tok == 1 else PHASE_PREFILL, ids.astype(np.int32)))
+            phase = PHASE_DECODE if self._ubatch_tokens == 1 else PHASE_PREFILL
+            self.records.append(TopkRecord(il, phase, ids.astype(np.int32)))
         return True
 
     # -- expert cache figures -------------------------------------------------------------

@@ -126,18 +126,22 @@ def _layer_steps(trace: RoutingTrace, layer: int, keep: np.ndarray) -> _Steps:
     b = trace.step_bounds()
     lo, hi = b[:-1], b[1:]
     col = trace.ids[:, layer, :]
-    sel = keep[lo] & (col[lo, 0] >= 0) if lo.size else np.zeros(0, dtype=bool)  # -1: layer not run
-    lo, hi = lo[sel], hi[sel]
+    # -1 rows: the layer did not run (or, for the last layer, routed only the output rows,
+    # which come first in their step)
+    valid = (col[:, 0] >= 0).astype(np.int64)
+    nval = np.add.reduceat(valid, lo) if lo.size else np.zeros(0, dtype=np.int64)
+    sel = keep[lo] & (nval > 0) if lo.size else np.zeros(0, dtype=bool)
+    lo, nval = lo[sel], nval[sel]
     srt = np.sort(col, axis=1)
     dup = (srt[:, 1:] == srt[:, :-1]).any(axis=1)  # rows routing one expert twice
     rows = col.tolist()  # python ints: much faster than numpy scalars in the loops
     distinct = []
-    for a, z in zip(lo.tolist(), hi.tolist()):
-        if z - a == 1 and not dup[a]:
+    for a, m in zip(lo.tolist(), nval.tolist()):
+        if m == 1 and not dup[a]:
             distinct.append(rows[a])
         else:
-            distinct.append(list(dict.fromkeys(e for r in rows[a:z] for e in r)))
-    return _Steps(decode=trace.phase[lo] == DECODE, n_tokens=hi - lo,
+            distinct.append(list(dict.fromkeys(e for r in rows[a:a + m] for e in r)))
+    return _Steps(decode=trace.phase[lo] == DECODE, n_tokens=nval,
                   n_distinct=np.fromiter(map(len, distinct), dtype=np.int64, count=len(distinct)),
                   distinct=distinct)
 

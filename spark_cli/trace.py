@@ -219,10 +219,11 @@ class TraceBuilder:
             self._phase.append(p)
             self._ntok.append(n_tokens)
             self._layers = set()
-        elif n_tokens != self._ntok[-1] or p != self._phase[-1]:
+        elif n_tokens > self._ntok[-1] or p != self._phase[-1]:
             raise ProfileError(f"trace record for layer {layer} has {n_tokens} tokens ({phase}) "
                                f"inside a step of {self._ntok[-1]} tokens")
-        self._ids[-1][:, layer, :] = arr
+        # NOTE: llama.cpp runs the last layer on the output rows only: they fill the first rows
+        self._ids[-1][:n_tokens, layer, :] = arr
         self._layers.add(layer)
 
     def __len__(self) -> int:

@@ -183,3 +183,19 @@ def test_invalid_configurations_are_errors(case, match, small_model, rpc_server)
     with pytest.raises(NativeError, match=match) as e:
         Engine(EngineOptions(small_model, cache_layers=layers, **cfg))
     assert "\n" not in e.value.one_line()
+
+
+def test_prompt_routing_is_prefill_in_every_layer(small_model, rpc_server):
+    # the last layer routes only the output row of a prompt; it is still prefill
+    g = load_geometry(small_model)
+    opts = EngineOptions(small_model, n_ctx=256, rpc=[rpc_server.endpoint], count_experts=True, capture_topk=True)
+    with Engine(opts) as eng:
+        toks = eng.tokenize(PROMPTS[1])
+        eng.eval(toks, logits="last")
+        pre, dec = eng.routing_counts(PHASE_PREFILL), eng.routing_counts(PHASE_DECODE)
+        cap_pre, cap_dec = records_to_counts(eng.records, g.n_layer, g.n_expert)
+    last = max(g.moe_layers)
+    assert dec.sum() == 0 and cap_dec.sum() == 0
+    assert pre[last].sum() == g.n_expert_used  # one output row
+    assert all(pre[il].sum() == len(toks) * g.n_expert_used for il in g.moe_layers if il != last)
+    assert np.array_equal(pre, cap_pre)

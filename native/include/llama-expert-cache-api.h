@@ -26,7 +26,7 @@ extern "C" {
     };
 
     enum llama_expert_cache_phase {
-        LLAMA_EXPERT_CACHE_PHASE_PREFILL = 0, // ubatch of more than one token
+        LLAMA_EXPERT_CACHE_PHASE_PREFILL = 0, // ubatch of more than one token (all its layers)
         LLAMA_EXPERT_CACHE_PHASE_DECODE  = 1, // ubatch of one token
     };
 

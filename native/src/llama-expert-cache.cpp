@@ -20,16 +20,16 @@ namespace {
 void expert_cache_node_remap(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) nth;
     if (ith == 0) {
-        auto * L = (llama_expert_cache_layer *) userdata;
-        L->owner->step(*L, dst->src[0], dst, true);
+        auto * n = (llama_expert_cache_node *) userdata;
+        n->layer->owner->step(*n->layer, n->phase, dst->src[0], dst, true);
     }
 }
 
 void expert_cache_node_count(ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) nth;
     if (ith == 0) {
-        auto * L = (llama_expert_cache_layer *) userdata;
-        L->owner->step(*L, dst->src[0], dst, false);
+        auto * n = (llama_expert_cache_node *) userdata;
+        n->layer->owner->step(*n->layer, n->phase, dst->src[0], dst, false);
     }
 }
 
@@ -80,6 +80,8 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
         L->counts[0].assign(n_expert, 0);
         L->counts[1].assign(n_expert, 0);
         L->seen.assign(n_expert, 0);
+        L->nodes[0] = { L.get(), LLAMA_EXPERT_CACHE_PHASE_PREFILL };
+        L->nodes[1] = { L.get(), LLAMA_EXPERT_CACHE_PHASE_DECODE };
         layers[il] = std::move(L);
     }
 
@@ -230,6 +232,7 @@ ggml_tensor * llama_expert_cache::build(
         ggml_backend_sched_t  sched,
         ggml_backend_t        backend_cpu,
         int                   il,
+        int64_t               n_ubatch_tokens,
         ggml_tensor         * selected_experts,
         bool                  can_remap,
         ggml_tensor        ** up_exps,
@@ -263,7 +266,8 @@ ggml_tensor * llama_expert_cache::build(
 
     ggml_tensor * args[1] = { selected_experts };
     ggml_tensor * node = ggml_custom_4d(ctx0, GGML_TYPE_I32, k, n_tokens, 1, 1, args, 1,
-            remap ? expert_cache_node_remap : expert_cache_node_count, 1, L);
+            remap ? expert_cache_node_remap : expert_cache_node_count, 1,
+            &L->nodes[n_ubatch_tokens == 1 ? LLAMA_EXPERT_CACHE_PHASE_DECODE : LLAMA_EXPERT_CACHE_PHASE_PREFILL]);
     ggml_format_name(node, "%s-%d", remap ? "spark_ec_remap" : "spark_ec_count", il);
     ggml_backend_sched_set_tensor_backend(sched, node, backend_cpu);
 
@@ -279,10 +283,9 @@ ggml_tensor * llama_expert_cache::build(
     return node;
 }
 
-void llama_expert_cache::step(llama_expert_cache_layer & L, const ggml_tensor * ids, ggml_tensor * dst, bool remap) {
+void llama_expert_cache::step(llama_expert_cache_layer & L, int phase, const ggml_tensor * ids, ggml_tensor * dst, bool remap) {
     const int64_t k        = ids->ne[0];
     const int64_t n_tokens = ids->ne[1];
-    const int phase = n_tokens == 1 ? LLAMA_EXPERT_CACHE_PHASE_DECODE : LLAMA_EXPERT_CACHE_PHASE_PREFILL;
 
     auto id_at = [&](int64_t t, int64_t j) {
         return *(const int32_t *) ((const char *) ids->data + t * ids->nb[1] + j * ids->nb[0]);

@@ -22,6 +22,14 @@ struct llama_expert_cache_bank {
     ggml_tensor * bank = nullptr; // device tensor [ne0, ne1, n_slots + 1]; the last slice is a zeroed guard
 };
 
+struct llama_expert_cache_layer;
+
+// Userdata of a host node: the layer and the phase of the ubatch it was built for.
+struct llama_expert_cache_node {
+    llama_expert_cache_layer * layer = nullptr;
+    int32_t phase = LLAMA_EXPERT_CACHE_PHASE_PREFILL;
+};
+
 struct llama_expert_cache_layer {
     llama_expert_cache * owner = nullptr;
     int32_t il       = -1;
@@ -37,6 +45,7 @@ struct llama_expert_cache_layer {
     std::vector<uint8_t>  seen;        // [n_expert] scratch: already listed in this step
 
     std::vector<uint64_t> counts[2];   // [phase][n_expert] routed occurrences
+    llama_expert_cache_node nodes[2];  // [phase] host-node userdata
     llama_expert_cache_stats stats = {};
 };
 
@@ -55,6 +64,7 @@ struct llama_expert_cache {
             ggml_backend_sched_t  sched,
             ggml_backend_t        backend_cpu,
             int                   il,
+            int64_t               n_ubatch_tokens,
             ggml_tensor         * selected_experts,
             bool                  can_remap,
             ggml_tensor        ** up_exps,
@@ -63,7 +73,9 @@ struct llama_expert_cache {
             ggml_tensor        ** gate_up_exps);
 
     // Run by the host node: count, trace, and (remap) plan the step and write slot ids to dst.
-    void step(llama_expert_cache_layer & L, const ggml_tensor * ids, ggml_tensor * dst, bool remap);
+    // NOTE: the phase comes from the ubatch, not from ids: the last layer of a prompt may route
+    // only its output tokens, and a one-row step there is still prefill.
+    void step(llama_expert_cache_layer & L, int phase, const ggml_tensor * ids, ggml_tensor * dst, bool remap);
 
     llama_expert_cache_layer * layer(int32_t il);
 

@@ -11,6 +11,8 @@ from .common import console
 
 
 def register(app: typer.Typer) -> None:
+    register_demo(app)
+
     @app.command("demo-model")
     def demo_model(
         n_expert: int = typer.Option(16, "--experts", "-E", help="experts per layer"),
@@ -34,3 +36,67 @@ def register(app: typer.Typer) -> None:
                 path = build_demo_model(n_expert=n_expert, n_expert_used=n_used, seed=seed, out_dir=out_dir)
         console.print(f"{path.stat().st_size / 2**20:.0f} MiB", style="dim")
         print(path)
+
+
+def register_demo(app: typer.Typer) -> None:
+    @app.command("demo")
+    def demo(
+        rpc: str = typer.Option(None, "--rpc", help="use this RPC server instead of a local stand-in GPU"),
+        residency: float = typer.Option(0.6, "--residency", min=0.05, max=1.0,
+                                        help="share of expert bytes the budget holds on the device"),
+        quick: bool = typer.Option(False, "--quick", help="shorter profile and bench (for smoke tests)"),
+    ) -> None:
+        """The main job on the demo model: profile -> plan -> one answer -> bench against stock offload."""
+        from ..bench import residency_budget
+        from ..cli import main as spark
+        from ..corpus import bundled_corpus
+        from ..demo_model import build_demo_model
+        from ..gguf_info import load_geometry
+        from ..paths import spark_home
+        from ..rpc import RpcServer
+        from ..session import gpu_free_bytes
+
+        out = spark_home() / "demo"
+        out.mkdir(parents=True, exist_ok=True)
+        console.rule("1/5 demo model")
+        with console.status("building the demo model (first run only) ..."):
+            model = build_demo_model()
+        g = load_geometry(model)
+        console.print(f"{model} ({model.stat().st_size / 2**20:.0f} MiB): {g.arch}, {len(g.moe_layers)} MoE layers, "
+                      f"{g.n_expert} experts, {g.n_expert_used} used per token")
+        server = None
+        if rpc is None and gpu_free_bytes() is None:
+            server = RpcServer().start()
+            rpc = server.endpoint
+            console.print(f"no GPU here: using an RPC stand-in GPU on {rpc}")
+        dev = ["--rpc", rpc] if rpc else []
+        ctx = 2048
+        budget = residency_budget(g, ctx, residency)
+        trace = out / "demo-trace.npz"
+        plan = out / "demo-plan.json"
+        steps = [
+            ("2/5 profile: routing on the bundled corpus",
+             ["profile", str(model), "--corpus", str(bundled_corpus()), "--gen", "4" if quick else "16",
+              "--trace", str(trace), "--held-out", "0.25", "--plot", str(out / "demo-heatmap.png"), *dev]),
+            (f"3/5 plan: {residency:.0%} of the expert bytes on the device",
+             ["plan", str(model), "--vram", str(budget), "--ctx", str(ctx), "--trace", str(trace), "-o", str(plan)]),
+            ("4/5 chat: one answer through the expert cache",
+             ["chat", str(model), "--plan", str(plan), "--prompt", "What is the capital of France?", "--temp", "0",
+              "-n", "24", *dev]),
+            ("5/5 bench: Spark against stock llama.cpp offload, same budget",
+             ["bench", str(model), "--vram", str(budget), "--ctx", str(ctx), "-p", "64" if quick else "256",
+              "-n", "8" if quick else "48", "-r", "1" if quick else "3", "--json", str(out / "demo-bench.json"),
+              "--plot", str(out / "demo-bench.png"), *dev]),
+        ]
+        try:
+            for title, argv in steps:
+                console.rule(title)
+                rc = spark(argv)
+                if rc != 0:
+                    raise typer.Exit(rc)
+        finally:
+            if server:
+                server.stop()
+        console.rule("done")
+        console.print(f"outputs in {out}: demo-plan.json, demo-trace.npz, demo-heatmap.png, demo-bench.json, "
+                      f"demo-bench.png; profile beside the model")

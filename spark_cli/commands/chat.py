@@ -1,0 +1,395 @@
+"""`spark chat [MODEL]`: an interactive session on the planned placement, or one-shot --prompt."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from .common import RPC_HELP, console, err_console, model_or_demo
+
+DEFAULT_CTX = 4096
+HELP = ("/stats  per-layer cache table    /reset  forget the conversation    /system TEXT  set the system prompt\n"
+        "/save FILE  conversation as JSON    /exit  leave (or Ctrl-D)    Ctrl-C stops an answer")
+
+
+# ---------------------------------------------------------------- devices and memory
+
+
+def _gpu_devices(endpoints: list[str], device: str) -> list:
+    """The GPU-type devices the engine will use ([] = stock CPU path), read before loading."""
+    from .. import llama_lib, rpc
+
+    if endpoints:
+        return rpc.connect(endpoints)
+    if device == "cpu":
+        return []
+    gpus = [d for d in llama_lib.gpu_devices() if not d.name.startswith("RPC")]
+    if device == "auto":
+        return gpus[:1]
+    return [d for d in llama_lib.devices() if d.name == device and d.is_gpu]
+
+
+def _free_bytes(dev) -> int | None:
+    import ctypes
+
+    from .. import llama_lib
+
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    llama_lib.load().dev_memory(dev.handle, ctypes.byref(free), ctypes.byref(total))
+    return free.value if total.value else None
+
+
+class _VramMeter:
+    """Device memory this process took: free before loading minus free now; the plan's
+    total where the device does not report a change (the RPC stand-in reports host RAM)."""
+
+    def __init__(self, dev, plan):
+        self.dev, self.plan = dev, plan
+        self.before = _free_bytes(dev) if dev is not None else None
+
+    def __call__(self) -> tuple[int | None, str]:
+        if self.dev is None:
+            return None, ""
+        now = _free_bytes(self.dev)
+        if self.before is not None and now is not None and self.before > now:
+            return self.before - now, "measured"
+        if self.plan is not None:
+            return int(self.plan.breakdown["total"]), "planned"
+        return None, ""
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _fmt_bytes(n: int | None) -> str:
+    from ..render_plan import fmt_bytes
+
+    return "-" if n is None else fmt_bytes(n)
+
+
+def figures_line(f) -> str:
+    """One line after each answer: speeds, cache hit rate, uploads, VRAM."""
+    parts = []
+    pt, gt = f.prompt_tps, f.gen_tps
+    parts.append(f"prompt {pt:.1f} tok/s ({f.prompt_tokens} tok)" if pt else f"prompt {f.prompt_tokens} tok")
+    parts.append(f"generation {gt:.1f} tok/s ({f.generated_tokens} tok)" if gt else
+                 f"generation {f.generated_tokens} tok")
+    if f.cached_layers:
+        hr = f.hit_rate
+        parts.append(f"cache hit {100 * hr:.1f}%" if hr is not None else "cache hit -")
+        parts.append(f"{f.uploads} uploads ({_fmt_bytes(f.bytes_uploaded)})")
+    if f.vram_bytes is not None:
+        parts.append(f"VRAM {_fmt_bytes(f.vram_bytes)}" + (" (plan)" if f.vram_source == "planned" else ""))
+    if f.stop in ("interrupted", "context", "length"):
+        parts.append({"interrupted": "stopped", "context": "context full", "length": "-n reached"}[f.stop])
+    return " · ".join(parts)
+
+
+def start_summary(path: Path, geometry, devices: list, plan, info, meter: _VramMeter, n_ctx: int,
+                  sampling, cpu_reason: str | None, budget_source: str) -> Table:
+    g = geometry
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("model", f"{escape(path.name)}: {g.arch}, {g.n_layer} layers, {len(g.moe_layers)} MoE, "
+                       f"{g.n_expert} experts (top-{g.n_expert_used})")
+    if devices:
+        d = devices[0]
+        rpc_note = ", RPC stand-in GPU" if d.name.startswith("RPC") else ""
+        t.add_row("device", escape(f"{d.name} ({d.description})") + rpc_note)
+    else:
+        t.add_row("device", f"CPU: {cpu_reason}; stock CPU path, every expert in host RAM")
+    if plan is not None:
+        used, src = meter()
+        used_text = f"{_fmt_bytes(used)} in use (measured)" if src == "measured" else \
+            "in use: not reported by this device"
+        t.add_row("VRAM", f"planned {_fmt_bytes(plan.breakdown['total'])} of {_fmt_bytes(plan.budget_bytes)} "
+                          f"({budget_source}); {used_text}")
+        res = [l for l in plan.layers if l.mode == "resident"]
+        cached = [l for l in plan.layers if l.mode == "cached"]
+        pins = sum(len(l.pinned) for l in cached)
+        lru = sum(l.lru_slots for l in cached)
+        t.add_row("experts", f"{len(res)} MoE layers resident, {len(cached)} cached: {pins} pinned experts + "
+                             f"{lru} LRU cache slots (of {len(cached) * g.n_expert} experts in host RAM)")
+    t.add_row("profile", escape(info.summary()))
+    samp = "greedy" if sampling.temp <= 0 else \
+        f"temp {sampling.temp:g}, top-k {sampling.top_k}, top-p {sampling.top_p:g}, seed {sampling.seed}"
+    t.add_row("session", f"context {n_ctx} tokens, {samp}")
+    return t
+
+
+def stats_table(chat, plan) -> Table | str:
+    """Per-layer hits, misses, uploads of the cached layers, and a total row."""
+    if not chat.cached_layers:
+        return "no expert cache in this run: " + ("every expert is resident on the device" if plan is not None
+                                                  else "stock CPU path")
+    stats = chat.layer_stats()
+    by_index = {l.index: l for l in plan.layers} if plan is not None else {}
+    t = Table(title="expert cache per layer (since start)", title_justify="left")
+    for name in ("layer", "pinned", "LRU slots", "hits", "misses", "hit rate", "uploads", "uploaded",
+                 "upload ms", "steps cached", "steps stock"):
+        t.add_column(name, justify="right")
+    tot = {k: 0 for k in ("hits", "misses", "uploads", "bytes_uploaded", "upload_us", "steps_cached", "steps_stock")}
+
+    def row(label, s, pinned="", lru=""):
+        n = s["hits"] + s["misses"]
+        return (label, pinned, lru, str(s["hits"]), str(s["misses"]), f"{100 * s['hits'] / n:.1f}%" if n else "-",
+                str(s["uploads"]), _fmt_bytes(s["bytes_uploaded"]), f"{s['upload_us'] / 1000:.1f}",
+                str(s["steps_cached"]), str(s["steps_stock"]))
+
+    for il in sorted(chat.cached_layers):
+        s = stats.get(il)
+        if s is None:
+            continue
+        for k in tot:
+            tot[k] += s[k]
+        l = by_index.get(il)
+        t.add_row(*row(str(il), s, str(len(l.pinned)) if l else "", str(l.lru_slots) if l else ""))
+    t.add_section()
+    t.add_row(*row("[bold]all[/]", tot))
+    return t
+
+
+# ---------------------------------------------------------------- the command
+
+
+def _interactive(chat, plan, model_name: str) -> None:
+    try:
+        import readline  # noqa: F401 - line editing and history for input()
+    except ImportError:
+        pass
+    console.print(f"[dim]{HELP}[/]")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            console.print()
+            return
+        except KeyboardInterrupt:
+            console.print("\n[dim](Ctrl-D or /exit to leave)[/]")
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            cmd, _, arg = text.partition(" ")
+            arg = arg.strip()
+            if cmd in ("/exit", "/quit"):
+                return
+            if cmd == "/stats":
+                console.print(stats_table(chat, plan))
+                t = chat.totals()
+                console.print(f"[dim]session: {t.prompt_tokens} prompt + {t.generated_tokens} generated tokens, "
+                              f"{t.uploads} uploads ({_fmt_bytes(t.bytes_uploaded)})[/]")
+            elif cmd == "/reset":
+                chat.reset()
+                console.print("[dim]conversation cleared[/]")
+            elif cmd == "/system":
+                chat.set_system(arg)
+                console.print(f"[dim]system prompt {'set' if arg else 'cleared'}[/]")
+            elif cmd == "/save":
+                from ..errors import SparkError
+
+                if not arg:
+                    console.print("[red]usage:[/] /save FILE")
+                    continue
+                try:
+                    console.print(f"[dim]saved {escape(str(chat.save(arg, model_name)))}[/]")
+                except SparkError as e:
+                    console.print(f"[bold red]error:[/] {escape(e.one_line())}")
+            elif cmd == "/help":
+                console.print(f"[dim]{HELP}[/]")
+            else:
+                console.print(f"[red]unknown command {escape(cmd)}[/] [dim](/help lists them)[/]")
+            continue
+        _answer(chat, text, interactive=True)
+
+
+def _answer(chat, text: str, interactive: bool, stream: bool = True):
+    from ..errors import SparkError
+
+    stop = threading.Event()
+
+    def on_sigint(*_) -> None:
+        if stop.is_set():  # a second Ctrl-C: the answer is stuck, leave
+            raise KeyboardInterrupt
+        stop.set()
+
+    old = signal.signal(signal.SIGINT, on_sigint) if interactive else None
+
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    say = console if interactive else err_console
+    try:
+        ans = chat.answer(text, on_text=write if stream else None, should_stop=stop.is_set,
+                          on_notice=lambda msg: say.print(f"[yellow]{escape(msg)}[/]"))
+    except SparkError as e:
+        if not interactive:
+            raise
+        console.print(f"[bold red]error:[/] {escape(e.one_line())}")
+        return None
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+    if stream:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if ans.error:
+        if not interactive:
+            raise SparkError(f"the answer failed: {ans.error}")
+        console.print(f"[bold red]error:[/] the answer failed: {escape(ans.error)} [dim](session kept)[/]")
+    if ans.figures.stop == "interrupted":
+        console.print("[yellow]stopped[/]")
+    if stream:
+        say.print(f"[dim]{figures_line(ans.figures)}[/]", soft_wrap=True)
+    return ans
+
+
+def _placement(path: Path, geometry, info, *, plan_path: Path | None, vram_text: str | None, ctx: int | None,
+               endpoints: list[str], device: str, say):
+    """(GPU-type devices, plan or None, n_ctx, where the budget came from, why the CPU path)."""
+    from .. import session
+    from ..errors import PlanError
+
+    file_plan = None
+    if plan_path is not None:  # checked even where it will not be used: a plan of another model is an error
+        from ..planner import Plan
+
+        if not plan_path.is_file():
+            raise PlanError(f"--plan {plan_path}: no such file", hint="write one with spark plan -o FILE")
+        file_plan = Plan.load(plan_path, expect_identity=geometry.identity())
+    devices = _gpu_devices(endpoints, device)
+    cpu_reason = None
+    if not devices:
+        cpu_reason = "--device cpu" if device == "cpu" else "no GPU found"
+        if plan_path is not None or vram_text:
+            say.print(f"[yellow]warning:[/] {cpu_reason}: --plan/--vram ignored")
+        plan_path = vram_text = file_plan = None
+    free = _free_bytes(devices[0]) if devices else None
+    if file_plan is not None:
+        plan, budget_source = file_plan, f"plan {plan_path.name}"
+        n_ctx = ctx or plan.n_ctx
+        if n_ctx > plan.n_ctx:
+            say.print(f"[yellow]warning:[/] --ctx {n_ctx} is above the plan's {plan.n_ctx}: "
+                      "the KV cache takes more VRAM than planned")
+        if free is not None and plan.budget_bytes > free:
+            say.print(f"[yellow]warning:[/] the plan's budget {_fmt_bytes(plan.budget_bytes)} is above the "
+                      f"device's free {_fmt_bytes(free)}")
+    else:
+        n_ctx = ctx or DEFAULT_CTX
+        budget_source = f"--vram {vram_text}" if vram_text else "device free memory minus a margin"
+        plan = session.resolve_plan(path, geometry, plan_path=None, vram_text=vram_text, n_ctx=n_ctx,
+                                    info=info, have_gpu=bool(devices), free_bytes=free)
+    if plan is not None and not any(l.mode in ("resident", "cached") for l in plan.layers):
+        raise PlanError("the plan places no MoE layer", hint="write it again with spark plan")
+    return devices, plan, n_ctx, budget_source, cpu_reason
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("chat")
+    def chat_cmd(
+        model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),
+        plan_path: Path = typer.Option(None, "--plan", help="placement from spark plan -o (default: plan now)"),
+        vram_text: str = typer.Option(None, "--vram", help="device budget for planning now, e.g. 16GiB "
+                                      "(default: the device's free memory minus a margin)"),
+        rpc: str = typer.Option(None, "--rpc", help=RPC_HELP),
+        device: str = typer.Option("auto", "--device", help="auto (first GPU, or --rpc) or cpu"),
+        ctx: int = typer.Option(None, "--ctx", "-c", min=16, help=f"context length (default: the plan's, "
+                                f"else {DEFAULT_CTX})", show_default=False),
+        n_predict: int = typer.Option(-1, "--n-predict", "-n", help="tokens per answer at most (-1: until done)"),
+        temp: float = typer.Option(0.8, "--temp", min=0.0, help="temperature (0: greedy, deterministic)"),
+        top_k: int = typer.Option(40, "--top-k", min=0, help="top-k sampling (0: off)"),
+        top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="top-p sampling (1.0: off)"),
+        seed: int = typer.Option(-1, "--seed", "-s", help="sampling seed (-1: random)"),
+        system: str = typer.Option(None, "--system", "-sys", help="system prompt"),
+        threads: int = typer.Option(0, "--threads", "-t", min=0, help="CPU threads (0: all cores)"),
+        prompt: str = typer.Option(None, "--prompt", "-p", help="one-shot: answer this prompt and exit "
+                                   "('-' reads stdin)"),
+        as_json: bool = typer.Option(False, "--json", help="one-shot: print {answer, figures} as JSON"),
+        learn: bool = typer.Option(True, "--learn/--no-learn", help="fold this session's routing into the "
+                                   "model's profile on exit"),
+    ) -> None:
+        """Chat with a model on the planned placement; --prompt answers once (for scripts)."""
+        from .. import session
+        from ..chat_session import ChatSession, Sampling
+        from ..engine import Engine
+        from ..errors import SparkError
+        from ..rpc import parse_endpoints
+
+        if as_json and prompt is None:
+            raise SparkError("--json needs --prompt", hint="spark chat MODEL --prompt 'text' --json")
+        if prompt == "-":
+            prompt = sys.stdin.read()
+        one_shot = prompt is not None
+        say = err_console if one_shot else console
+        endpoints = parse_endpoints(rpc)
+        if endpoints and device == "cpu":
+            raise SparkError("--rpc and --device cpu contradict each other", hint="drop one of them")
+        path = model_or_demo(model)
+        geometry = session.open_geometry(path)
+        info = session.load_profile(path, geometry)
+        devices, plan, n_ctx, budget_source, cpu_reason = _placement(
+            path, geometry, info, plan_path=plan_path, vram_text=vram_text, ctx=ctx, endpoints=endpoints,
+            device=device, say=say)
+        opts = session.engine_options(path, plan, n_ctx=n_ctx, rpc=endpoints, device=device,
+                                      n_ubatch=plan.n_ubatch if plan else 512,
+                                      type_k=plan.type_k if plan else "f16", type_v=plan.type_v if plan else "f16",
+                                      learn=learn)
+        opts.n_threads = threads or None
+        meter = _VramMeter(devices[0] if devices else None, plan)
+        sampling = Sampling(temp, top_k, top_p, seed if seed >= 0 else secrets.randbelow(1 << 31), n_predict)
+        with console.status(f"loading {path.name} ...") if not one_shot else contextlib.nullcontext():
+            engine = Engine(opts)
+        chat = None
+        try:
+            cached = {c.il for c in opts.cache_layers}
+            chat = ChatSession(engine, sampling, system=system, cached_layers=cached,
+                               vram_probe=meter if devices else None)
+            if one_shot:
+                chat.check_fits(prompt)  # a prompt that cannot fit: one error line, no summary
+            if not one_shot or not as_json:
+                say.print(start_summary(path, geometry, engine.devices, plan, info, meter, engine.n_ctx,
+                                        sampling, cpu_reason, budget_source))
+            if one_shot:
+                ans = _answer(chat, prompt, interactive=False, stream=not as_json)
+                if as_json:
+                    typer.echo(json.dumps({"answer": ans.text, "figures": ans.figures.to_dict()}, ensure_ascii=False))
+            else:
+                _interactive(chat, plan, path.name)
+        finally:
+            try:
+                if learn and chat is not None:
+                    _fold(path, geometry, chat, say)
+            finally:
+                if chat is not None:
+                    chat.close()
+                engine.close()
+
+
+def _fold(path: Path, geometry, chat, say) -> None:
+    """Self-tuning: add the session's decode routing to the profile (locked, atomic)."""
+    from .. import session
+    from ..errors import SparkError
+
+    counts = chat.learned.counts
+    if counts is None or counts.sum() <= 0:
+        return
+    try:
+        session.fold_into_profile(path, geometry, counts, source="spark chat")
+    except (SparkError, OSError) as e:
+        msg = e.one_line() if isinstance(e, SparkError) else str(e)
+        say.print(f"[yellow]warning:[/] routing counts not saved: {msg}")
+        return
+    say.print(f"[dim]learned: {chat.learned.tokens} decode tokens folded into "
+              f"{session.profile_path_for(path).name}[/]")

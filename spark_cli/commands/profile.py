@@ -1,0 +1,643 @@
+"""`spark profile MODEL --corpus PATH` and `spark profile merge|simulate|show`.
+
+Profiling runs a corpus through the model and records which experts the router picks:
+native routing counters when the patched library has them, else an eval callback on
+`ffn_moe_topk-<il>`. Counts go into the profile beside the model (locked, atomic, aged).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import typer
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
+from typer.core import TyperGroup
+
+from ..errors import NativeError, PlanError, ProfileError, SparkError
+from .common import RPC_HELP, console, err_console, model_or_demo
+
+CAPTURE_MODES = ("auto", "native", "callback")
+DEFAULT_RESIDENCIES = "0.4,0.6,0.8"
+
+
+class _ModelFirstGroup(TyperGroup):
+    """`spark profile MODEL ...` runs the hidden default command `run`; names of the
+    subcommands (merge, simulate, show) and --help keep their meaning."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+profile_app = typer.Typer(
+    cls=_ModelFirstGroup,
+    subcommand_metavar="MODEL --corpus PATH | COMMAND [ARGS]...",
+    no_args_is_help=True,
+    add_completion=False,
+    help="Learn which experts real traffic routes to: spark profile MODEL.gguf --corpus PATH.\n\n"
+         "Subcommands: merge, simulate, show.",
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(profile_app, name="profile")
+
+
+# ---------------------------------------------------------------- gathering
+
+
+@dataclass
+class Gathered:
+    """What a profiling run recorded; counts are [n_layer, n_expert] routed occurrences."""
+
+    prefill: np.ndarray
+    decode: np.ndarray
+    tokens_prefill: int = 0
+    tokens_decode: int = 0
+    chunks_done: int = 0
+    traces: list[Any] = field(default_factory=list)  # one RoutingTrace per chunk (when kept)
+    interrupted: bool = False
+    seconds: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.tokens_prefill + self.tokens_decode
+
+
+class _Capture:
+    """Routing since the last harvest, from the native counters or the eval callback."""
+
+    def __init__(self, engine, mode: str, n_layer: int, n_expert: int, fingerprint: str, keep_trace: bool):
+        self.engine, self.mode = engine, mode
+        self.n_layer, self.n_expert, self.fingerprint = n_layer, n_expert, fingerprint
+        self.keep_trace = keep_trace
+
+    def _fit(self, a: np.ndarray) -> np.ndarray:
+        out = np.zeros((self.n_layer, self.n_expert), dtype=np.float64)
+        rows, cols = min(self.n_layer, a.shape[0]), min(self.n_expert, a.shape[1])
+        out[:rows, :cols] = a[:rows, :cols]
+        return out
+
+    def harvest(self) -> tuple[np.ndarray, np.ndarray, Any]:
+        from ..capture import records_to_counts, records_to_trace
+        from ..engine import PHASE_DECODE, PHASE_PREFILL
+
+        e = self.engine
+        if self.mode == "native":
+            pre = self._fit(e.routing_counts(PHASE_PREFILL))
+            dec = self._fit(e.routing_counts(PHASE_DECODE))
+            records = e.trace_records() if self.keep_trace else []
+        else:
+            records = list(e.records)
+            pre, dec = (a.astype(np.float64) for a in records_to_counts(records, self.n_layer, self.n_expert))
+        trace = records_to_trace(records, self.n_layer, self.n_expert, self.fingerprint) if self.keep_trace else None
+        e.reset_stats()  # zeroes native counts and trace, and clears callback records
+        return pre, dec, trace
+
+
+class StopFlag:
+    """First Ctrl-C asks the loop to stop at the next ubatch and save; a second one aborts."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: Any = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.requested:
+            signal.signal(signal.SIGINT, self._old if callable(self._old) else signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> "StopFlag":
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+
+
+def _pieces(tokens: Sequence[int], n_batch: int) -> list[Sequence[int]]:
+    """Even pieces of at most n_batch tokens: none of one token (that would count as decode)."""
+    n = len(tokens)
+    k = max(1, -(-n // n_batch))
+    base, extra = divmod(n, k)
+    out, start = [], 0
+    for i in range(k):
+        size = base + (i < extra)
+        out.append(tokens[start:start + size])
+        start += size
+    return out
+
+
+def gather(engine, capture: _Capture, chunks: Sequence[Any], gen: int, stop: StopFlag | None = None,
+           advance: Callable[[int], None] | None = None, drop: Callable[[int], None] | None = None,
+           n_batch: int = 512) -> Gathered:
+    """Prefill every chunk (fresh KV each), then decode `gen` greedy tokens after it.
+
+    `advance(n)` reports evaluated tokens, `drop(n)` planned decode tokens that an
+    end-of-generation token made unnecessary. Stops early, keeping what was gathered,
+    when `stop.requested` turns true (checked after every ubatch).
+    """
+    shape = (capture.n_layer, capture.n_expert)
+    g = Gathered(np.zeros(shape), np.zeros(shape))
+    advance = advance or (lambda n: None)
+    drop = drop or (lambda n: None)
+    stopped = (lambda: stop.requested) if stop is not None else (lambda: False)
+    t0 = time.perf_counter()
+    try:
+        for chunk in chunks:
+            engine.reset()
+            pieces = _pieces(chunk.tokens, n_batch)
+            for piece in pieces:
+                # NOTE: llama.cpp runs the last layer only on tokens with outputs: ask for all
+                engine.eval(piece, logits="all")
+                g.tokens_prefill += len(piece)
+                advance(len(piece))
+                if stopped():
+                    break
+            if gen > 0 and not stopped():
+                start = last = engine.n_past
+                for _ in engine.generate([], gen):  # greedy; each yielded token is fed back
+                    advance(engine.n_past - last)
+                    last = engine.n_past
+                    if stopped():
+                        break
+                advance(engine.n_past - last)
+                made = engine.n_past - start
+                g.tokens_decode += made
+                if not stopped():
+                    drop(gen - made)
+            pre, dec, trace = capture.harvest()
+            g.prefill += pre
+            g.decode += dec
+            if trace is not None and trace.n_rows:
+                g.traces.append(trace)
+            g.chunks_done += 1
+            if stopped():
+                g.interrupted = True
+                break
+    finally:
+        g.seconds = time.perf_counter() - t0
+    return g
+
+
+def resolve_capture(requested: str) -> str:
+    """`auto` -> native counters when the library has the expert cache, else the callback."""
+    from .. import llama_lib
+
+    if requested not in CAPTURE_MODES:
+        raise SparkError(f"--capture {requested}: expected one of {', '.join(CAPTURE_MODES)}")
+    has = llama_lib.load().has_expert_cache
+    if requested == "native" and not has:
+        raise NativeError("--capture native: this llama.cpp build has no expert cache",
+                          hint="use --capture callback, or rebuild with scripts/bootstrap.sh")
+    if requested == "auto":
+        return "native" if has else "callback"
+    return requested
+
+
+def _has_gpu(device: str, rpc: list[str]) -> bool:
+    from .. import llama_lib
+
+    return bool(rpc) or (device != "cpu" and bool(llama_lib.gpu_devices()))
+
+
+def open_engine(model: Path, geometry, mode: str, keep_trace: bool, n_ctx: int, n_batch: int,
+                device: str = "auto", rpc: Sequence[str] = (), n_threads: int | None = None):
+    """An engine that reports routing by `mode`; experts fall back to host RAM if the
+    whole model does not load on the device."""
+    from ..engine import Engine, EngineOptions
+
+    opts = EngineOptions(Path(model), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, device=device,
+                         n_threads=n_threads or None,
+                         rpc=list(rpc), count_experts=mode == "native", trace=mode == "native" and keep_trace,
+                         capture_topk=mode == "callback")
+    try:
+        return Engine(opts)
+    except NativeError:
+        raise
+    except SparkError:
+        if not _has_gpu(device, list(rpc)):
+            raise
+        opts.host_layers = list(geometry.moe_layers)
+        engine = Engine(opts)
+        console.print("[yellow]note:[/] the model does not fit the device whole: expert weights stay in host RAM")
+        return engine
+
+
+def _parse_floats(text: str, flag: str, lo: float, hi: float) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SparkError(f"{flag} {text}: expected comma-separated numbers, e.g. {DEFAULT_RESIDENCIES}") from None
+    if not vals or any(not lo < v <= hi for v in vals):
+        raise SparkError(f"{flag} {text}: each value must be in ({lo}, {hi}]")
+    return vals
+
+
+def _parse_ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SparkError(f"{flag} {text}: expected comma-separated integers, e.g. 4,8,16") from None
+    if not vals or any(v < 1 for v in vals):
+        raise SparkError(f"{flag} {text}: each value must be a positive integer")
+    return vals
+
+
+def _held_out_indices(n: int, frac: float) -> set[int]:
+    """Chunks to hold out, spread evenly: i where floor((i + 1) * frac) > floor(i * frac)."""
+    out = {i for i in range(n) if int((i + 1) * frac + 1e-9) > int(i * frac + 1e-9)}
+    return out or {n - 1}
+
+
+def split_held_out(traces: Sequence[Any], frac: float) -> tuple[Any, Any]:
+    """(train, test) traces: whole chunks held out when there are several, else a row cut."""
+    from ..trace import concat
+
+    if len(traces) >= 2:
+        test_idx = _held_out_indices(len(traces), frac)
+        if len(test_idx) == len(traces):
+            test_idx = set(list(sorted(test_idx))[1:])
+        train = concat([t for i, t in enumerate(traces) if i not in test_idx])
+        test = concat([t for i, t in enumerate(traces) if i in test_idx])
+        return train, test
+    return concat(traces).split(1.0 - frac)
+
+
+# ---------------------------------------------------------------- rendering
+
+
+class _RateColumn(ProgressColumn):
+    def render(self, task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text(f"{speed:,.0f} tok/s" if speed else "- tok/s", style="progress.data.speed")
+
+
+def _coverage_points(k: int, n_expert: int) -> list[int]:
+    pts = {k, 2 * k, n_expert // 4, n_expert // 2}
+    return sorted(p for p in pts if 1 <= p < n_expert)
+
+
+def skew_report(counts: np.ndarray, k: int, title: str) -> tuple[Table, dict[str, float]]:
+    """Per-layer skew table and its means (entropy / max, top-k share)."""
+    from ..report import layer_skew
+
+    counts = np.asarray(counts, dtype=np.float64)
+    n_expert = counts.shape[1]
+    pts = _coverage_points(k, n_expert)
+    t = Table(title=title, title_justify="left")
+    for col in ("layer", "routed", "entropy bits", "entropy/max", f"top-{k} share"):
+        t.add_column(col, justify="right")
+    for p in pts:
+        t.add_column(f"top-{p} cov.", justify="right")
+    rows = layer_skew(counts, k)
+    for s in rows:
+        t.add_row(str(s.layer), f"{s.routed:,.0f}", f"{s.entropy_bits:.2f}", f"{s.entropy_norm:.3f}",
+                  f"{s.top_k_share:.3f}", *(f"{s.coverage[p - 1]:.3f}" for p in pts))
+    means = {
+        "layers": float(len(rows)),
+        "entropy_norm": float(np.mean([s.entropy_norm for s in rows])) if rows else 0.0,
+        "top_k_share": float(np.mean([s.top_k_share for s in rows])) if rows else 0.0,
+        "uniform_top_k_share": min(k, n_expert) / n_expert,
+    }
+    return t, means
+
+
+def _means_line(k: int, m: dict[str, float]) -> str:
+    return (f"mean over {m['layers']:.0f} MoE layers: entropy {m['entropy_norm']:.3f} of the maximum, "
+            f"top-{k} share {m['top_k_share']:.3f} (uniform routing: {m['uniform_top_k_share']:.3f})")
+
+
+def _routing_for_report(prefill: np.ndarray, decode: np.ndarray) -> tuple[np.ndarray, str]:
+    if decode.sum() > 0:
+        return decode, "decode"
+    return prefill + decode, "prefill (no decode tokens: use --gen N)"
+
+
+def held_out_report(train, test, geometry, residencies: Sequence[float]) -> Table:
+    from ..report import held_out_cold_hit
+
+    bpe = {l.index: l.expert_bytes_per_expert for l in geometry.layers if l.is_moe}
+    t = Table(title=f"held-out cold-hit ({train.n_rows:,} train rows, {test.n_rows:,} test rows, "
+                    f"{test.n_decode:,} test decode tokens)", title_justify="left")
+    for col in ("residency", "budget GiB", "resident experts", "cold-hit", "cold-hit (oracle)"):
+        t.add_column(col, justify="right")
+    for r in residencies:
+        try:
+            (h,) = held_out_cold_hit(train, test, bpe, [r])
+        except PlanError:  # the budget cannot hold k experts in every MoE layer
+            t.add_row(f"{r:.0%}", "-", "-", "[yellow]too small[/]", "-")
+            continue
+        t.add_row(f"{r:.0%}", f"{h.budget_bytes / 2**30:.2f}", f"{h.resident_experts:,}",
+                  f"{h.cold_hit:.3f}", f"{h.oracle_cold_hit:.3f}")
+    return t
+
+
+# ---------------------------------------------------------------- commands
+
+
+@profile_app.command("run", help="Profile MODEL on a corpus (the default: `spark profile MODEL --corpus PATH`).")
+def run_cmd(
+    model: Path = typer.Argument(None, help="the .gguf model (default: the demo model)", show_default=False),
+    corpus: Path = typer.Option(None, "--corpus", "-c", show_default=False,
+                                help="a text file, or a folder of .txt, .md and .jsonl files "
+                                     "(default: the small bundled sample)"),
+    gen: int = typer.Option(16, "--gen", min=0, help="greedy tokens decoded after each chunk, so decode routing is seen"),
+    ctx: int = typer.Option(2048, "--ctx", min=32, help="context size; longer documents are cut into chunks"),
+    trace: Path = typer.Option(None, "--trace", help="also write the routing trace (.npz) for `spark profile simulate`"),
+    held_out: float = typer.Option(0.0, "--held-out", min=0.0, max=0.9,
+                                   help="share of the corpus held out to test placements built from the rest"),
+    residency: str = typer.Option(DEFAULT_RESIDENCIES, "--residency",
+                                  help="shares of expert bytes held resident, for --held-out"),
+    plot: Path = typer.Option(None, "--plot", help="write a layers x experts heatmap PNG"),
+    rpc: str = typer.Option(None, "--rpc", help=RPC_HELP),
+    device: str = typer.Option("auto", "--device", help="auto (first GPU), cpu, or a device name"),
+    capture: str = typer.Option("auto", "--capture", help="native (patched counters), callback (eval callback), or auto"),
+    profile: Path = typer.Option(None, "--profile", help="profile file to update (default: beside the model)"),
+    threads: int = typer.Option(0, "--threads", "-t", min=0, help="CPU threads (0: all cores)"),
+) -> None:
+    from ..corpus import CorpusError, bundled_corpus, make_chunks, read_corpus
+    from ..gguf_info import load_geometry
+    from ..profile import RoutingProfile, profile_path_for, update_file
+    from ..rpc import parse_endpoints
+
+    residencies = _parse_floats(residency, "--residency", 0.0, 1.0)
+    endpoints = parse_endpoints(rpc)
+    if capture not in CAPTURE_MODES:
+        raise SparkError(f"--capture {capture}: expected one of {', '.join(CAPTURE_MODES)}")
+    max_len = ctx - gen
+    if max_len < 16:
+        raise SparkError(f"--ctx {ctx} leaves {max_len} tokens per chunk after --gen {gen}",
+                         hint="raise --ctx or lower --gen")
+
+    model = model_or_demo(model)
+    geometry = load_geometry(model, require_moe=True)
+    ident = geometry.identity()
+    prof_path = Path(profile) if profile else profile_path_for(model)
+    old = RoutingProfile.load(prof_path, expect=ident) if prof_path.exists() else None  # refuse early
+
+    corpus_path = Path(corpus) if corpus else bundled_corpus()
+    docs = read_corpus(corpus_path)
+    console.print(f"corpus {corpus_path}{' (bundled sample)' if corpus is None else ''}: {docs.summary()}")
+    for p, why in docs.unreadable[:5]:
+        err_console.print(f"[yellow]warning:[/] cannot read {p}: {why}")
+    if len(docs.unreadable) > 5:
+        err_console.print(f"[yellow]warning:[/] ... and {len(docs.unreadable) - 5} more unreadable files")
+
+    mode = resolve_capture(capture)
+    keep_trace = trace is not None or held_out > 0
+    n_batch = min(512, ctx)
+    engine = open_engine(model, geometry, mode, keep_trace, ctx, n_batch, device, endpoints, threads)
+    try:
+        prefix = engine.tokenize("", add_special=True)
+        chunks = list(make_chunks(
+            docs.documents, max_len,
+            tokenize=lambda text, special: engine.tokenize(text, add_special=False, parse_special=special),
+            render_chat=lambda msgs: engine.chat_prompt(msgs, add_generation_prompt=False),
+            prefix=prefix))
+        if not chunks:
+            raise CorpusError(f"--corpus {corpus_path}: no document gives two tokens or more")
+        n_docs_cut = _count_cut(chunks)
+        where = ", ".join(d.name for d in engine.devices) or "CPU"
+        console.print(f"model {model.name}: {len(geometry.moe_layers)} MoE layers x {geometry.n_expert} experts, "
+                      f"top-{geometry.n_expert_used}; {geometry.arch} on {where}; capture: "
+                      + ("native counters" if mode == "native" else "eval callback")
+                      + ("" if mode == "native" or capture == "callback" else " (this build has no expert cache)"))
+        total = sum(len(c.tokens) for c in chunks) + gen * len(chunks)
+        console.print(f"profiling {len(chunks)} chunks of up to {max_len} tokens"
+                      + (f" ({n_docs_cut} documents longer than the context were cut)" if n_docs_cut else "")
+                      + (f", {gen} decoded tokens after each" if gen else "")
+                      + ": Ctrl-C stops and keeps what was gathered")
+        cap = _Capture(engine, mode, geometry.n_layer, geometry.n_expert, geometry.fingerprint, keep_trace)
+        progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                            TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"), _RateColumn(),
+                            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                            console=console)
+        with StopFlag() as stop, progress:
+            task = progress.add_task("profiling", total=total)
+            g = gather(engine, cap, chunks, gen, stop,
+                       advance=lambda n: progress.advance(task, n),
+                       drop=lambda n: progress.update(task, total=progress.tasks[0].total - n),
+                       n_batch=n_batch)
+    finally:
+        engine.close()
+
+    if g.tokens == 0:
+        console.print("interrupted before any routing was recorded: the profile is unchanged")
+        raise typer.Exit(130)
+    source = f"profile {corpus_path.name}" + (" (interrupted)" if g.interrupted else "")
+    saved = update_file(prof_path, ident, lambda p: p.add(g.prefill, g.decode, g.tokens_prefill,
+                                                             g.tokens_decode, source=source))
+    rate = g.tokens / g.seconds if g.seconds > 0 else 0.0
+    console.print(f"{'[yellow]interrupted:[/] kept ' if g.interrupted else 'profiled '}"
+                  f"{g.tokens:,} tokens ({g.tokens_prefill:,} prefill + {g.tokens_decode:,} decode) from "
+                  f"{g.chunks_done}/{len(chunks)} chunks in {g.seconds:.1f} s: {rate:,.1f} tok/s")
+    console.print(f"{'updated' if old else 'new'} profile {prof_path}: {saved.tokens_prefill:,.0f} prefill + "
+                  f"{saved.tokens_decode:,.0f} decode tokens")
+
+    full = None
+    if g.traces:
+        from ..trace import concat
+
+        full = concat(g.traces)
+        if trace is not None:
+            full.save(trace)
+            console.print(f"trace {trace}: {full.n_rows:,} token rows")
+
+    counts, what = _routing_for_report(g.prefill, g.decode)
+    k = geometry.n_expert_used
+    table, means = skew_report(counts, k, f"routing skew per layer, this run's {what} routing")
+    console.print(table)
+    console.print(_means_line(k, means))
+    if held_out > 0:
+        if len(g.traces) == 0:
+            console.print("[yellow]held-out:[/] no trace was gathered")
+        else:
+            train, test = split_held_out(g.traces, held_out)
+            if test.n_decode == 0 or train.n_rows == 0:
+                console.print("[yellow]held-out:[/] the held-out part has no decode tokens; "
+                              "use --gen N and a corpus of several chunks")
+            else:
+                console.print(held_out_report(train, test, geometry, residencies))
+    if plot is not None:
+        from ..report import heatmap_png
+
+        heatmap_png(counts, plot, f"{model.name}: {what.split(' ')[0]} routing share")
+        console.print(f"heatmap {plot}")
+    if g.interrupted:
+        raise typer.Exit(130)
+
+
+def _count_cut(chunks: Sequence[Any]) -> int:
+    """Documents that gave more than one chunk."""
+    seen: dict[str, int] = {}
+    for c in chunks:
+        seen[c.source] = seen.get(c.source, 0) + 1
+    return sum(1 for n in seen.values() if n > 1)
+
+
+@profile_app.command("merge")
+def merge_cmd(
+    a: Path = typer.Argument(..., help="older profile"),
+    b: Path = typer.Argument(..., help="newer profile (a is aged by b's tokens)"),
+    output: Path = typer.Option(..., "--output", "-o", help="merged profile to write"),
+) -> None:
+    """Merge two profiles of one model: A aged by B's tokens, plus B."""
+    from ..profile import RoutingProfile, merge
+
+    pa, pb = RoutingProfile.load(a), RoutingProfile.load(b)
+    out = merge(pa, pb)
+    out.save(output)
+    console.print(f"merged {a} ({pa.tokens_prefill + pa.tokens_decode:,.0f} tokens) + {b} "
+                  f"({pb.tokens_prefill + pb.tokens_decode:,.0f} tokens) -> {output}: "
+                  f"{out.tokens_prefill:,.0f} prefill + {out.tokens_decode:,.0f} decode tokens")
+
+
+@dataclass
+class SimRow:
+    slots: int
+    policy: str
+    pinned: int
+    hit_rate: float
+    uploads_per_token: float
+    bytes_per_token: float | None
+
+
+def simulate_rows(trace, slot_counts: Sequence[int], policies: Sequence[str], *, pinned_from: np.ndarray | None,
+                  bytes_per_expert: dict[int, int] | None, k: int, pin: int | None = None,
+                  phases: Sequence[str] = ("decode",), lfu_half_life: int = 128) -> list[SimRow]:
+    """Each policy at each slot count; lru-pinned pins the top experts of `pinned_from`
+    ([n_layer, E] counts; none without it): `pin` per layer, default half the slots,
+    keeping at least k LRU slots."""
+    from ..simulator import simulate
+
+    all_phases = len(phases) > 1
+    rows = []
+    moe = trace.moe_layers()
+    for s in slot_counts:
+        for policy in policies:
+            pinned: dict[int, list[int]] = {}
+            n_pin = 0
+            if policy == "lru-pinned" and pinned_from is not None:
+                n_pin = max(0, min(s // 2 if pin is None else pin, s - k, trace.n_expert))
+                for layer in moe:
+                    order = np.argsort(-pinned_from[layer], kind="stable")
+                    pinned[layer] = [int(e) for e in order[:n_pin]]
+            r = simulate(trace, policy, s, pinned=pinned or None, bytes_per_expert=bytes_per_expert,
+                         phases=phases, lfu_half_life=lfu_half_life)
+            if all_phases:
+                tokens = r.tokens
+                hit, ups = r.hit_rate, (r.misses / tokens if tokens else 0.0)
+                bpt = (sum(st.misses * bytes_per_expert.get(st.layer, 0) for st in r.layers.values()) / tokens
+                       if bytes_per_expert is not None and tokens else (0.0 if bytes_per_expert else None))
+            else:
+                hit, ups, bpt = r.hit_rate_decode, r.uploads_per_token, r.bytes_per_token
+            rows.append(SimRow(s, policy, n_pin, hit, ups, bpt))
+    return rows
+
+
+@profile_app.command("simulate")
+def simulate_cmd(
+    trace: Path = typer.Argument(..., help="a routing trace (.npz) from spark profile --trace"),
+    model: Path = typer.Option(None, "--model", "-m", help="the trace's model: checks it, and gives bytes per token"),
+    slots: str = typer.Option("4,8,16", "--slots", help="slot counts per cached layer to try"),
+    policy: str = typer.Option("lru,lru-pinned,lfu,belady", "--policy", help="policies: lru, lru-pinned, lfu, belady"),
+    profile: Path = typer.Option(None, "--profile", help="profile whose top experts lru-pinned pins (none without)"),
+    pin: int = typer.Option(None, "--pin", min=0, help="experts pinned per layer by lru-pinned (default: half the slots)"),
+    phases: str = typer.Option("decode", "--phases", help="decode, or all (prefill steps too, as the native cache)"),
+    as_json: bool = typer.Option(False, "--json", help="print the rows as JSON"),
+) -> None:
+    """Replay a trace through cache policies: hit rate, uploads and bytes per token by slot count."""
+    from ..gguf_info import load_geometry
+    from ..profile import RoutingProfile
+    from ..simulator import POLICIES
+    from ..trace import RoutingTrace
+
+    slot_counts = _parse_ints(slots, "--slots")
+    policies = [p.strip() for p in policy.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        raise SparkError(f"--policy {policy}: unknown {', '.join(bad) or 'empty list'}",
+                         hint=f"use some of {', '.join(POLICIES)}")
+    if phases not in ("decode", "all"):
+        raise SparkError(f"--phases {phases}: expected decode or all")
+    geometry = load_geometry(model, require_moe=True) if model is not None else None
+    tr = RoutingTrace.load(trace, expect_fingerprint=geometry.fingerprint if geometry else None)
+    if geometry is not None and (tr.n_layer, tr.n_expert) != (geometry.n_layer, geometry.n_expert):
+        raise ProfileError(f"trace {trace} has {tr.n_layer} layers x {tr.n_expert} experts; "
+                           f"the model has {geometry.n_layer} x {geometry.n_expert}")
+    if not tr.moe_layers():
+        raise ProfileError(f"trace {trace} holds no routed steps")
+    pinned_from = None
+    if profile is not None:
+        prof = RoutingProfile.load(profile)
+        if prof.fingerprint != tr.fingerprint or prof.shape != (tr.n_layer, tr.n_expert):
+            raise ProfileError(f"profile {profile} is of another model than trace {trace}")
+        pinned_from = prof.decode if prof.decode.sum() > 0 else prof.prefill + prof.decode
+    bpe = {l.index: l.expert_bytes_per_expert for l in geometry.layers if l.is_moe} if geometry else None
+    k = geometry.n_expert_used if geometry else tr.k
+    rows = simulate_rows(tr, slot_counts, policies, pinned_from=pinned_from, bytes_per_expert=bpe, k=k, pin=pin,
+                         phases=("decode",) if phases == "decode" else ("prefill", "decode"))
+    if as_json:
+        print(json.dumps([r.__dict__ for r in rows], indent=1))
+        return
+    n_tok = tr.n_decode if phases == "decode" else tr.n_rows
+    t = Table(title=f"cache simulation of {trace.name}: {n_tok:,} {'decode ' if phases == 'decode' else ''}tokens, "
+                    f"{len(tr.moe_layers())} MoE layers x {tr.n_expert} experts, top-{tr.k}", title_justify="left")
+    for col in ("slots", "policy", "pinned", "hit rate", "uploads/token", "MiB/token"):
+        t.add_column(col, justify="right" if col != "policy" else "left")
+    for r in rows:
+        t.add_row(str(r.slots), r.policy, str(r.pinned), f"{r.hit_rate:.3f}", f"{r.uploads_per_token:.2f}",
+                  "-" if r.bytes_per_token is None else f"{r.bytes_per_token / 2**20:.2f}")
+    console.print(t)
+    if "lru-pinned" in policies and pinned_from is None:
+        console.print("note: no --profile, so lru-pinned pins nothing (the same as lru)")
+    if geometry is None:
+        console.print("note: pass --model for bytes per token")
+
+
+@profile_app.command("show")
+def show_cmd(
+    model: Path = typer.Argument(None, help="the .gguf model (default: the demo model)", show_default=False),
+    profile: Path = typer.Option(None, "--profile", help="profile file (default: beside the model)"),
+    plot: Path = typer.Option(None, "--plot", help="write a layers x experts heatmap PNG"),
+) -> None:
+    """Report skew and coverage from the model's saved profile."""
+    from ..gguf_info import load_geometry
+    from ..profile import RoutingProfile, profile_path_for
+
+    model = model_or_demo(model)
+    geometry = load_geometry(model, require_moe=True)
+    path = Path(profile) if profile else profile_path_for(model)
+    if not path.exists():
+        raise ProfileError(f"no profile for {model.name} at {path}",
+                           hint=f"run: spark profile {model} --corpus PATH")
+    p = RoutingProfile.load(path, expect=geometry.identity())
+    console.print(f"profile {path}: {p.tokens_prefill:,.0f} prefill + {p.tokens_decode:,.0f} decode tokens "
+                  f"(half-life {p.half_life_tokens:,.0f} tokens), updated {p.updated}")
+    if p.sources:
+        console.print(f"sources: {', '.join(p.sources)}")
+    counts, what = _routing_for_report(p.prefill, p.decode)
+    k = geometry.n_expert_used
+    table, means = skew_report(counts, k, f"routing skew per layer, {what} routing")
+    console.print(table)
+    console.print(_means_line(k, means))
+    if plot is not None:
+        from ..report import heatmap_png
+
+        heatmap_png(counts, plot, f"{model.name}: {what.split(' ')[0]} routing share")
+        console.print(f"heatmap {plot}")

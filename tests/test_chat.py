@@ -1,0 +1,316 @@
+"""`spark chat`: a real terminal session, one-shot answers with and without the cache,
+self-tuning counts, context trimming, a crashed answer, and one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import typer
+
+from spark_cli import cli, planner
+from spark_cli.chat_session import ChatSession, Sampling
+from spark_cli.commands import chat as chat_cmd
+from spark_cli.commands import common
+from spark_cli.errors import PlanError, SparkError
+from spark_cli.gguf_info import load_geometry
+from spark_cli.profile import RoutingProfile, profile_path_for
+
+SPARK = str(Path(sys.executable).parent / "spark")
+QUESTION = "What is the capital of France?"
+
+
+def _model_copy(src: Path, tmp_path: Path) -> Path:
+    """A symlink in tmp_path: the profile is written beside it, not in the shared cache."""
+    dst = tmp_path / src.name
+    dst.symlink_to(src)
+    return dst
+
+
+def _min_budget(g, n_ctx: int) -> int:
+    """The smallest budget the planner accepts: every MoE layer cached at the slot floor."""
+    lo, hi = 1 << 20, 64 << 30
+    while hi - lo > (1 << 20):
+        mid = (lo + hi) // 2
+        try:
+            planner.make_plan(g, mid, n_ctx)
+            hi = mid
+        except PlanError:
+            lo = mid
+    return hi
+
+
+def _env() -> dict:
+    return {**os.environ, "COLUMNS": "160", "SPARK_DEBUG": ""}
+
+
+def _run(*args, check_rc: int | None = 0):
+    import subprocess
+
+    r = subprocess.run([SPARK, "chat", *map(str, args)], capture_output=True, text=True, env=_env(), timeout=300)
+    if check_rc is not None:
+        assert r.returncode == check_rc, r.stdout + r.stderr
+    return r
+
+
+# ---------------------------------------------------------------- through a real terminal
+
+
+@pytest.mark.model
+def test_terminal_session(small_model, rpc_server, tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    model = _model_copy(small_model, tmp_path)
+    g = load_geometry(model)
+    budget = _min_budget(g, 512)
+    child = pexpect.spawn(SPARK, ["chat", str(model), "--rpc", rpc_server.endpoint, "--vram", str(budget),
+                                  "--temp", "0", "-c", "512"],
+                          env=_env(), encoding="utf-8", timeout=120, dimensions=(60, 160))
+    try:
+        child.expect("no profile yet")
+        child.expect(r"\n> ")
+        child.sendline(QUESTION)
+        child.expect("Paris")  # streamed before the figures line
+        child.expect(r"tok/s.*cache hit [\d.]+%.*uploads.*VRAM")
+        child.expect(r"\n> ")
+        child.sendline("/stats")
+        child.expect(r"hits.*misses.*uploads")
+        child.expect(r"session: \d+ prompt \+ \d+ generated tokens")
+        child.expect(r"\n> ")
+        child.sendline("Write a very long story about a dragon who learns to fly.")
+        child.expect(r"fly\.\r\n")  # the echo of the line
+        child.expect(r"\w+\W+\w+\W+\w+")  # the answer is streaming
+        child.sendintr()
+        child.expect("stopped")
+        child.expect(r"\n> ")
+        child.sendline("/save " + str(tmp_path / "chat.json"))
+        child.expect("saved")
+        child.expect(r"\n> ")
+        child.sendline("/exit")
+        child.expect("learned: \\d+ decode tokens")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
+    saved = json.loads((tmp_path / "chat.json").read_text())
+    roles = [m["role"] for m in saved["messages"]]
+    assert roles == ["user", "assistant", "user", "assistant"]
+    assert "Paris" in saved["messages"][1]["content"]
+    assert saved["messages"][3]["stop"] == "interrupted"
+    prof = RoutingProfile.load(profile_path_for(model))
+    assert prof.tokens_decode > 0 and prof.sources == ["spark chat"]
+
+
+# ---------------------------------------------------------------- one-shot
+
+
+@pytest.mark.model
+def test_one_shot_cache_matches_resident_and_learns(small_model, rpc_server, tmp_path):
+    model = _model_copy(small_model, tmp_path)
+    g = load_geometry(model)
+    n_ctx = 512
+    plan = planner.make_plan(g, _min_budget(g, n_ctx), n_ctx)
+    cached = [l for l in plan.layers if l.mode == "cached"]
+    assert len(cached) == len(g.moe_layers) and all(l.slots <= g.n_expert // 2 for l in cached)
+    plan.save(tmp_path / "plan.json")
+
+    r = _run(model, "--rpc", rpc_server.endpoint, "--plan", tmp_path / "plan.json", "--temp", "0", "-n", "12",
+             "--prompt", QUESTION, "--json")
+    got = json.loads(r.stdout)
+    fig = got["figures"]
+    assert "Paris" in got["answer"]
+    assert fig["cached_layers"] == len(g.moe_layers) and fig["misses"] > 0 and fig["uploads"] > 0
+    n_gen = fig["generated_tokens"]
+    assert 0 < n_gen <= 12
+    prof_path = profile_path_for(model)
+    prof = RoutingProfile.load(prof_path)
+    # every generated token was evaluated alone: k experts in each MoE layer
+    assert prof.decode.sum() == n_gen * g.n_expert_used * len(g.moe_layers)
+    assert prof.tokens_decode == n_gen
+    before = prof_path.read_bytes()
+
+    r2 = _run(model, "--rpc", rpc_server.endpoint, "--vram", "4GiB", "--temp", "0", "-n", "12",
+              "--prompt", QUESTION, "--json", "--no-learn")
+    ref = json.loads(r2.stdout)
+    assert ref["figures"]["cached_layers"] == 0
+    assert ref["answer"] == got["answer"]
+    assert prof_path.read_bytes() == before  # --no-learn
+
+
+# ---------------------------------------------------------------- the session logic
+
+
+class _FakeEngine:
+    """Word tokens, a fixed three-word reply; records evals and truncations."""
+
+    EOG = 0
+
+    def __init__(self, n_ctx: int):
+        self.n_ctx, self.n_past, self.ctx, self.vocab = n_ctx, 0, None, None
+        self.words: dict[str, int] = {}
+        self.evals: list[int] = []
+        self.truncations: list[int] = []
+        self._reply: list[int] = []
+        self.lib = SimpleNamespace(lc=SimpleNamespace(llama_sampler_sample=self._sample,
+                                                      llama_sampler_free=lambda s: None,
+                                                      llama_vocab_bos=lambda v: -1))
+        self.cache_enabled = False
+
+    def _id(self, w: str) -> int:
+        return self.words.setdefault(w, len(self.words) + 1)
+
+    def tokenize(self, text, add_special=True, parse_special=True):
+        return [self._id(w) for w in text.split()]
+
+    def chat_prompt(self, messages, add_generation_prompt=True):
+        return "".join(f"<{m['role']}> {m['content']} " for m in messages) + "<assistant>"
+
+    def make_sampler(self, *a):
+        return object()
+
+    def _sample(self, sampler, ctx, i):
+        if not self._reply:
+            self._reply = [self._id(w) for w in ("yes", "of", "course")] + [self.EOG]
+        return self._reply.pop(0)
+
+    def is_eog(self, t):
+        return t == self.EOG
+
+    def eval(self, tokens, logits="last"):
+        assert self.n_past + len(tokens) <= self.n_ctx
+        self.n_past += len(tokens)
+        self.evals.append(len(tokens))
+
+    def piece(self, t):
+        return (next(w for w, i in self.words.items() if i == t) + " ").encode()
+
+    def truncate(self, n):
+        self.truncations.append(n)
+        self.n_past = min(self.n_past, n)
+
+    def reset(self):
+        self.n_past = 0
+
+    def cache_stats(self):
+        return {}
+
+
+def test_history_kv_reuse_trimming_and_save(tmp_path):
+    eng = _FakeEngine(n_ctx=64)
+    chat = ChatSession(eng, Sampling(temp=0, n_predict=4), system="be brief")
+    words = " ".join(f"w{i}" for i in range(18))
+    notices: list[str] = []
+    a1 = chat.answer("first " + words, on_notice=notices.append)
+    assert a1.text.split() == ["yes", "of", "course"] and a1.figures.stop == "eog"
+    kv1 = eng.n_past  # prompt + the reply tokens (the end-of-generation token is never evaluated)
+    a2 = chat.answer("second " + words, on_notice=notices.append)
+    assert a2.figures.reused_tokens == kv1 and eng.truncations[-1] == kv1  # the KV prefix is kept
+    assert not notices and a2.figures.dropped_turns == 0
+    a3 = chat.answer("third " + words, on_notice=notices.append)
+    assert a3.figures.dropped_turns == 1 and notices == ["context full: dropped the oldest turn"]
+    contents = [m["content"] for m in chat.messages()]
+    assert contents[0] == "be brief" and not any(c.startswith("first") for c in contents)
+    assert a3.figures.reused_tokens < kv1  # the history changed near its start
+    with pytest.raises(SparkError, match="context holds 64"):
+        chat.answer("x " * 80)
+    path = chat.save(tmp_path / "s.json", model="fake.gguf")
+    d = json.loads(path.read_text())
+    assert [m["role"] for m in d["messages"]] == ["user", "assistant"] * 3  # dropped turns stay in the transcript
+    assert d["messages"][1]["figures"]["generated_tokens"] == 3 and d["system"] == "be brief"
+    chat.reset()
+    assert chat.messages() == [{"role": "system", "content": "be brief"}] and eng.n_past == 0
+
+
+@pytest.mark.model
+def test_crashed_answer_keeps_learned_counts(small_model, tmp_path):
+    from spark_cli import session
+    from spark_cli.engine import Engine, EngineOptions
+
+    g = load_geometry(small_model)
+    per_token = g.n_expert_used * len(g.moe_layers)
+    with Engine(EngineOptions(small_model, n_ctx=256, device="cpu", count_experts=True)) as eng:
+        chat = ChatSession(eng, Sampling(temp=0, n_predict=3))
+        a = chat.answer(QUESTION)
+        assert a.error is None and a.figures.generated_tokens == 3
+        assert chat.learned.counts.sum() == 3 * per_token
+
+        real_eval, calls = eng.eval, []
+
+        def failing_eval(tokens, logits="last"):
+            calls.append(len(tokens))
+            if len(tokens) == 1 and calls.count(1) == 2:
+                raise RuntimeError("injected failure")
+            return real_eval(tokens, logits)
+
+        eng.eval = failing_eval
+        b = chat.answer("And of Italy?")
+        assert b.error and "injected failure" in b.error and b.figures.stop == "error"
+        assert chat.learned.counts.sum() == 4 * per_token  # the one token decoded before the failure
+        eng.eval = real_eval
+        c = chat.answer("And of Spain?")
+        assert c.error is None and c.figures.reused_tokens == 0  # the KV cache was dropped
+        n = 4 + c.figures.generated_tokens
+        assert chat.learned.counts.sum() == n * per_token and chat.learned.tokens == n
+        chat.close()
+    prof = session.fold_into_profile(small_model, g, chat.learned.counts, "test", path=tmp_path / "p.json")
+    assert prof.decode.sum() == n * per_token and prof.tokens_decode == n
+
+
+# ---------------------------------------------------------------- refusals
+
+
+@pytest.fixture
+def spark(monkeypatch, capsys):
+    """cli.main with only `chat` registered (the real error boundary); (rc, stdout, stderr)."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+    @app.callback()
+    def _root() -> None:
+        pass
+
+    monkeypatch.setattr(cli, "app", app)
+    monkeypatch.setattr(cli, "_register", lambda: chat_cmd.register(app))
+    monkeypatch.setattr(common.console, "_width", 200)
+    monkeypatch.setattr(common.err_console, "_width", 200)
+    monkeypatch.delenv("SPARK_DEBUG", raising=False)
+
+    def run(*args) -> tuple[int, str, str]:
+        capsys.readouterr()
+        rc = cli.main(["chat", *map(str, args)])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return run
+
+
+def _other_model_plan(tmp_path: Path) -> Path:
+    from spark_cli.demo_model import build_tiny_model
+
+    tiny = load_geometry(build_tiny_model("qwen3moe"))
+    p = tmp_path / "tiny-plan.json"
+    planner.make_plan(tiny, 4 << 30, 512).save(p)
+    return p
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("case", ["missing", "other-plan", "budget", "context", "json-alone"])
+def test_bad_input_is_one_line(case, spark, small_model, rpc_server, tmp_path):
+    args = {
+        "missing": [tmp_path / "nope.gguf", "--prompt", "hi"],
+        "other-plan": [small_model, "--plan", "PLAN", "--device", "cpu", "--prompt", "hi"],
+        "budget": [small_model, "--rpc", rpc_server.endpoint, "--vram", "100MiB", "--prompt", "hi"],
+        "context": [small_model, "--device", "cpu", "-c", "16", "--no-learn", "--prompt", "word " * 400],
+        "json-alone": [small_model, "--json"],
+    }[case]
+    if case == "other-plan":
+        args[2] = _other_model_plan(tmp_path)
+    rc, out, err = spark(*args)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert rc == 2 and out == ""
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    want = {"missing": "no such file", "other-plan": "another model", "budget": "--vram",
+            "context": "context holds", "json-alone": "--json needs --prompt"}[case]
+    assert want in lines[0]
