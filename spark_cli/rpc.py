@@ -81,6 +81,15 @@ def serve(host: str, port: int, threads: int | None = None) -> None:
     raise SparkError(f"rpc-server: could not serve on {host}:{port}", hint="is the port already in use?")
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the parent dies, so a killed client leaks no server (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -106,7 +115,7 @@ class RpcServer:
         if self.threads:
             cmd += ["--threads", str(self.threads)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -63,3 +63,21 @@ def test_unreachable_rpc_server_is_an_error(small_model):
 
     with pytest.raises(SparkError, match="no RPC server answers"):
         Engine(EngineOptions(small_model, rpc=[f"127.0.0.1:{free_port()}"]))
+
+
+def test_rpc_server_dies_with_a_killed_client():
+    import subprocess
+    import sys
+    import time
+
+    code = ("from spark_cli.rpc import RpcServer; s = RpcServer().start(); print(s.proc.pid, flush=True); "
+            "import time; time.sleep(120)")
+    client = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid = int(client.stdout.readline())
+    assert psutil.pid_exists(pid)
+    client.kill()
+    client.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
