@@ -1,0 +1,215 @@
+"""`spark bench`: every configuration end to end on the RPC stand-in GPU, the JSON report,
+ratios from the medians, "does not fit" instead of a failure, the pure report math."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import typer
+
+from spark_cli import bench, cli, planner, session
+from spark_cli.commands import bench as bench_cmd
+from spark_cli.commands import common
+from spark_cli.gguf_info import load_geometry
+from spark_cli.profile import profile_path_for
+
+SMALL = ("-p", "32", "-n", "8")
+
+
+@pytest.fixture
+def spark(monkeypatch, capsys):
+    """cli.main with only `bench` registered; returns (exit code, stdout, stderr)."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+    @app.callback()
+    def _root() -> None:
+        pass
+
+    monkeypatch.setattr(cli, "app", app)
+    monkeypatch.setattr(cli, "_register", lambda: bench_cmd.register(app))
+    monkeypatch.setattr(common.console, "_width", 200)
+    monkeypatch.setattr(common.err_console, "_width", 200)
+    monkeypatch.setattr(session, "gpu_free_bytes", lambda: None)
+    monkeypatch.delenv("SPARK_DEBUG", raising=False)
+
+    def run(*args) -> tuple[int, str, str]:
+        capsys.readouterr()
+        rc = cli.main(["bench", *map(str, args)])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A small corpus: a chat (the generation prompt) and two held-out texts (calibration)."""
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "chat.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": "Name three rivers in Europe."},
+        {"role": "assistant", "content": "The Danube, the Rhine and the Loire."}]}) + "\n")
+    (d / "code.md").write_text("def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n")
+    (d / "prose.txt").write_text("The lighthouse keeper climbed the stairs every evening to light the lamp.\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def model_link(small_model, tmp_path_factory) -> Path:
+    """The small model under a private name, so the profile bench writes stays in tmp."""
+    link = tmp_path_factory.mktemp("model") / Path(small_model).name
+    link.symlink_to(small_model)
+    return link
+
+
+@pytest.fixture(scope="module")
+def geo(small_model):
+    return load_geometry(small_model)
+
+
+@pytest.mark.model
+def test_every_configuration_end_to_end(spark, model_link, corpus, rpc_server, tmp_path) -> None:
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc, stdout, stderr = spark(model_link, "--rpc", rpc_server.endpoint, "--residency", "0.6", "--ceiling",
+                               "--corpus", corpus, *SMALL, "-r", "2", "--json", out, "--plot", png)
+    assert rc == 0, stderr
+    d = json.loads(out.read_text())
+    by = {c["name"]: c for c in d["configs"]}
+    assert list(by) == list(bench.CONFIG_NAMES)
+    for name, c in by.items():
+        assert c["status"] == "ok", (name, c["reason"])
+        assert len(c["runs"]) == 2 and all(r["tg_tokens"] == 8 and r["pp_tokens"] == 32 for r in c["runs"])
+    assert by["resident"]["over_budget"] and by["resident"]["vram_planned_bytes"] > d["budget_bytes"]
+    for name in ("cpu-moe", "n-cpu-moe", "spark-step", "spark"):
+        assert by[name]["vram_planned_bytes"] <= d["budget_bytes"], name
+
+    # medians and spreads from the runs, ratios from the medians
+    for c in by.values():
+        for what in ("pp", "tg"):
+            rates = [r[f"{what}_tok_s"] for r in c["runs"]]
+            s = c[f"{what}_tok_s"]
+            assert s["median"] == pytest.approx(statistics.median(rates))
+            assert (s["min"], s["max"]) == (pytest.approx(min(rates)), pytest.approx(max(rates)))
+    best = max(("cpu-moe", "n-cpu-moe"), key=lambda n: by[n]["tg_tok_s"]["median"])
+    assert d["baseline"] == best and d["ceiling"] == "resident"
+    for c in by.values():
+        for what in ("pp", "tg"):
+            mine = c[f"{what}_tok_s"]["median"]
+            assert c["ratios"][f"{what}_vs_stock"] == pytest.approx(mine / by[best][f"{what}_tok_s"]["median"])
+            assert c["ratios"][f"{what}_vs_ceiling"] == pytest.approx(mine / by["resident"][f"{what}_tok_s"]["median"])
+    assert d["targets"]["tg_vs_stock"]["value"] == pytest.approx(by["spark"]["ratios"]["tg_vs_stock"])
+
+    # hardware-independent figures: stock offload computes on the CPU, Spark uploads misses
+    n_moe = d["model"]["n_moe_layers"]
+    assert by["resident"]["cold_hit"] == 0 and by["cpu-moe"]["cold_hit"] == 1
+    assert by["n-cpu-moe"]["cold_hit"] == pytest.approx(len(by["n-cpu-moe"]["placement"]["host_layers"]) / n_moe)
+    for name in ("spark-step", "spark"):
+        c = by[name]
+        assert 0 < c["bank_bytes"] and c["decode_tokens"] == 16
+        assert c["uploads_per_token"] == pytest.approx(c["misses"] / 16)
+        assert c["cold_hit"] == pytest.approx(c["misses"] / (16 * d["model"]["n_expert_used"] * n_moe))
+        assert 0.5 < c["placement"]["expert_residency"] <= 0.6 + 1e-9
+    # the cache is exact: Spark generates the all-resident run's tokens
+    assert by["spark"]["tokens_digest"] == by["resident"]["tokens_digest"]
+
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Spark + cache" in stdout and "tg/stock" in stdout
+    prof = json.loads(profile_path_for(model_link).read_text())  # bench folded its decode counts
+    assert prof["tokens_decode"] > 0 and "spark bench" in prof["sources"]
+
+
+@pytest.mark.model
+def test_budget_without_room_for_the_ceiling_says_does_not_fit(spark, model_link, corpus, rpc_server, tmp_path,
+                                                                geo) -> None:
+    out = tmp_path / "b.json"
+    before = profile_path_for(model_link).read_text() if profile_path_for(model_link).exists() else None
+    rc, stdout, stderr = spark(model_link, "--rpc", rpc_server.endpoint, "--residency", "0.5", "--corpus", corpus,
+                               *SMALL, "-r", "1", "--configs", "resident,n-cpu-moe", "--json", out, "--md",
+                               "--no-learn")
+    assert rc == 0, stderr
+    d = json.loads(out.read_text())
+    res, stock = d["configs"]
+    assert res["status"] == "does not fit" and res["runs"] == [] and "budget" in res["reason"]
+    assert stock["status"] == "ok" and stock["ratios"]["tg_vs_ceiling"] is None
+    assert stock["ratios"]["tg_vs_stock"] == pytest.approx(1.0)
+    assert "| all resident |" in stdout and "does not fit" in stdout  # --md
+    after = profile_path_for(model_link).read_text() if profile_path_for(model_link).exists() else None
+    assert after == before  # --no-learn
+
+
+@pytest.mark.model
+def test_no_device_runs_on_the_cpu_with_a_note(spark, small_model, corpus, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(bench, "device_memory", lambda *a, **k: None)
+    out = tmp_path / "cpu.json"
+    rc, stdout, stderr = spark(small_model, "--corpus", corpus, "-p", "16", "-n", "4", "-r", "1", "--json", out)
+    assert rc == 0, stderr
+    assert "no GPU-type device" in stderr and "--rpc auto" in stderr
+    d = json.loads(out.read_text())
+    assert [c["name"] for c in d["configs"]] == ["cpu"] and d["configs"][0]["status"] == "ok"
+
+
+def test_unknown_configuration_is_one_line(spark, small_model) -> None:
+    rc, stdout, stderr = spark(small_model, "--configs", "resident,turbo")
+    assert rc == 2 and "--configs" in stderr and "turbo" in stderr and "Traceback" not in stderr
+
+
+def test_tiny_budget_marks_what_does_not_fit(geo) -> None:
+    budget = bench.fixed_bytes(geo, 4096) + 1  # room for no expert at all
+    plan = bench_cmd._plan(lambda: planner.make_plan(geo, budget, 4096))
+    cfgs = bench.make_configs(geo, budget, 4096, bench.CONFIG_NAMES, plan, plan)
+    status = {c.name: c.status for c in cfgs}
+    assert status == {"resident": "does not fit", "cpu-moe": "ready", "n-cpu-moe": "ready",
+                      "spark-step": "does not fit", "spark": "does not fit"}
+    assert "expert cache floor" in cfgs[3].note and cfgs[1].key() == cfgs[2].key()  # N = every layer
+    roomy = bench.make_configs(geo, 64 << 30, 4096, ["resident", "n-cpu-moe"], None, None)
+    assert all(c.status == "ready" for c in roomy) and roomy[1].host_layers == ()
+    assert roomy[0].key() == roomy[1].key()  # measured once, reported twice
+
+
+def _result(name: str, kind: str, tg: list[float], pp: list[float] | None = None) -> bench.Result:
+    pp = pp or [100.0] * len(tg)
+    runs = [bench.Run(10, 10 / p, 5, 5 / t) for p, t in zip(pp, tg)]
+    return bench.Result(bench.Config(name, name, kind), status="ok", runs=runs)
+
+
+def test_ratios_use_medians_and_the_best_stock(geo) -> None:
+    rep = bench.Report(Path("m.gguf"), geo, 1 << 30, "test", 4096, 10, 5, 3, "RPC0", "c")
+    rep.results = [_result("resident", "ceiling", [100, 110, 90]),
+                   _result("cpu-moe", "stock", [10, 12, 11]),
+                   _result("n-cpu-moe", "stock", [40, 20, 50]),
+                   _result("spark", "spark", [90, 95, 1], pp=[50, 60, 70])]
+    rep.finalize()
+    spark = rep.result("spark")
+    assert rep.baseline == "n-cpu-moe" and rep.ceiling == "resident"
+    assert spark.tg == bench.Spread(90, 1, 95)
+    assert spark.ratios["tg_vs_stock"] == pytest.approx(90 / 40)
+    assert spark.ratios["tg_vs_ceiling"] == pytest.approx(90 / 100)
+    assert spark.ratios["pp_vs_stock"] == pytest.approx(60 / 100)
+    t = rep.targets()
+    assert t["tg_vs_stock"]["met"] is True and t["tg_vs_ceiling"]["met"] is True
+    md = bench.to_markdown(rep)
+    assert md.count("\n") == 5 and "2.25x" in md and "90.0 (1.0-95.0)" in md
+
+
+class _FakeEngine:
+    """Tokens are characters; BOS is 1; a chat renders as 'role: content' lines."""
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return ([1] if add_special else []) + [ord(c) for c in text]
+
+    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if add_generation_prompt else "")
+
+
+def test_workload_generates_after_a_chat_and_calibrates_on_the_rest(corpus) -> None:
+    from spark_cli.corpus import read_corpus
+
+    docs = read_corpus(corpus).documents
+    w = bench.make_workload(_FakeEngine(), docs, n_prompt=1000)
+    assert bytes(w.gen_prompt[1:]).decode() == "user: Name three rivers in Europe.\nassistant:"
+    assert len(w.calibration) == 2 and all(p[0] == 1 for p in w.calibration)
+    assert not any(p == w.gen_prompt for p in w.calibration)
+    assert len(w.pp_tokens) == 1000 and w.pp_tokens[0] == 1 and w.pp_tokens.count(1) == 1  # BOS once
+    assert "repeated" in w.note
