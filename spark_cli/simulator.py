@@ -123,8 +123,7 @@ class _Steps:
 
 
 def _layer_steps(trace: RoutingTrace, layer: int, keep: np.ndarray) -> _Steps:
-    b = trace.step_bounds()
-    lo, hi = b[:-1], b[1:]
+    lo = trace.step_bounds()[:-1]
     col = trace.ids[:, layer, :]
     # -1 rows: the layer did not run (or, for the last layer, routed only the output rows,
     # which come first in their step)

@@ -43,3 +43,33 @@ def rpc_server():
     proc = srv.proc
     srv.stop()
     assert proc is not None and proc.poll() is not None, "the RPC server process was left running"
+
+
+def cli_runner(monkeypatch, capsys, command: str, register):
+    """cli.main with only one command group registered on a fresh app (the real error
+    boundary), rich pinned to a wide console and no GPU; run(*args) -> (rc, stdout, stderr)."""
+    import typer
+
+    from spark_cli import cli, session
+    from spark_cli.commands import common
+
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+    @app.callback()
+    def _root() -> None:
+        pass
+
+    monkeypatch.setattr(cli, "app", app)
+    monkeypatch.setattr(cli, "_register", lambda: register(app))
+    monkeypatch.setattr(common.console, "_width", 200)
+    monkeypatch.setattr(common.err_console, "_width", 200)
+    monkeypatch.setattr(session, "gpu_free_bytes", lambda: None)  # no GPU unless a test says so
+    monkeypatch.delenv("SPARK_DEBUG", raising=False)
+
+    def run(*args) -> tuple[int, str, str]:
+        capsys.readouterr()
+        rc = cli.main([command, *map(str, args)])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return run

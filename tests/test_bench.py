@@ -8,11 +8,11 @@ import statistics
 from pathlib import Path
 
 import pytest
-import typer
 
-from spark_cli import bench, cli, planner, session
+from conftest import cli_runner
+
+from spark_cli import bench, planner
 from spark_cli.commands import bench as bench_cmd
-from spark_cli.commands import common
 from spark_cli.gguf_info import load_geometry
 from spark_cli.profile import profile_path_for
 
@@ -21,27 +21,7 @@ SMALL = ("-p", "32", "-n", "8")
 
 @pytest.fixture
 def spark(monkeypatch, capsys):
-    """cli.main with only `bench` registered; returns (exit code, stdout, stderr)."""
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-
-    @app.callback()
-    def _root() -> None:
-        pass
-
-    monkeypatch.setattr(cli, "app", app)
-    monkeypatch.setattr(cli, "_register", lambda: bench_cmd.register(app))
-    monkeypatch.setattr(common.console, "_width", 200)
-    monkeypatch.setattr(common.err_console, "_width", 200)
-    monkeypatch.setattr(session, "gpu_free_bytes", lambda: None)
-    monkeypatch.delenv("SPARK_DEBUG", raising=False)
-
-    def run(*args) -> tuple[int, str, str]:
-        capsys.readouterr()
-        rc = cli.main(["bench", *map(str, args)])
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    return run
+    return cli_runner(monkeypatch, capsys, "bench", bench_cmd.register)
 
 
 @pytest.fixture(scope="module")

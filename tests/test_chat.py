@@ -10,12 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import typer
 
-from spark_cli import cli, planner
+from conftest import cli_runner
+
+from spark_cli import planner
 from spark_cli.chat_session import ChatSession, Sampling
 from spark_cli.commands import chat as chat_cmd
-from spark_cli.commands import common
 from spark_cli.errors import PlanError, SparkError
 from spark_cli.gguf_info import load_geometry
 from spark_cli.profile import RoutingProfile, profile_path_for
@@ -264,26 +264,7 @@ def test_crashed_answer_keeps_learned_counts(small_model, tmp_path):
 
 @pytest.fixture
 def spark(monkeypatch, capsys):
-    """cli.main with only `chat` registered (the real error boundary); (rc, stdout, stderr)."""
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-
-    @app.callback()
-    def _root() -> None:
-        pass
-
-    monkeypatch.setattr(cli, "app", app)
-    monkeypatch.setattr(cli, "_register", lambda: chat_cmd.register(app))
-    monkeypatch.setattr(common.console, "_width", 200)
-    monkeypatch.setattr(common.err_console, "_width", 200)
-    monkeypatch.delenv("SPARK_DEBUG", raising=False)
-
-    def run(*args) -> tuple[int, str, str]:
-        capsys.readouterr()
-        rc = cli.main(["chat", *map(str, args)])
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    return run
+    return cli_runner(monkeypatch, capsys, "chat", chat_cmd.register)
 
 
 def _other_model_plan(tmp_path: Path) -> Path:

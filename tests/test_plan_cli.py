@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import typer
 
-from spark_cli import cli, planner, session, vram
-from spark_cli.commands import common
+from conftest import cli_runner
+
+from spark_cli import planner, session, vram
 from spark_cli.commands import plan as plan_cmd
 from spark_cli.errors import PlanError
 from spark_cli.gguf_info import _open, load_geometry
@@ -24,28 +24,7 @@ MiB = 1 << 20
 
 @pytest.fixture
 def spark(monkeypatch, capsys):
-    """cli.main with only `plan` registered on a fresh app (the error boundary is the real one);
-    returns (exit code, stdout, stderr). Rich is pinned to a wide console."""
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-
-    @app.callback()
-    def _root() -> None:
-        pass
-
-    monkeypatch.setattr(cli, "app", app)
-    monkeypatch.setattr(cli, "_register", lambda: plan_cmd.register(app))
-    monkeypatch.setattr(common.console, "_width", 200)
-    monkeypatch.setattr(common.err_console, "_width", 200)
-    monkeypatch.setattr(session, "gpu_free_bytes", lambda: None)  # no GPU unless a test says so
-    monkeypatch.delenv("SPARK_DEBUG", raising=False)
-
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        rc = cli.main(["plan", *map(str, args)])
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    return run
+    return cli_runner(monkeypatch, capsys, "plan", plan_cmd.register)
 
 
 @pytest.fixture(scope="module")
