@@ -217,6 +217,7 @@ def build(venv: Path, force: bool = False, stock: bool = False) -> dict:
         return info
 
     # build: unpack + patch in a scratch dir, sync into a stable tree for incremental builds
+    (home() / "native").mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=home() / "native", prefix=".unpack-") as tmp:
         with tarfile.open(sdist) as tf:
             tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)
@@ -269,6 +270,9 @@ def main() -> int:
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         info = build(venv, force=args.force, stock=args.stock)
     except BuildError as e:
+        print(f"build_native: {e}", file=sys.stderr)
+        return 1
+    except (OSError, subprocess.CalledProcessError) as e:
         print(f"build_native: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -85,3 +85,24 @@ def test_unchanged_rebuild_is_a_cache_hit():
     assert r.returncode == 0, r.stderr
     last = r.stdout.strip().splitlines()[-1]
     assert "cache hit" in last and "RPC" in last
+
+
+def test_build_starts_from_an_empty_spark_home(tmp_path, monkeypatch):
+    """A fresh SPARK_HOME: the folders the build writes into are created (stops before pip)."""
+    bn = _module()
+    sdist = bn.fetch_sdist()  # from the real cache, before SPARK_HOME moves
+    monkeypatch.setenv("SPARK_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(bn, "fetch_sdist", lambda: sdist)
+    monkeypatch.setattr(bn, "detect_cuda", lambda: (False, None))
+
+    real_run = bn.subprocess.run
+
+    def stop(cmd, *a, **k):
+        if "pip" in cmd:
+            raise bn.BuildError("stop before pip")
+        return real_run(cmd, *a, **k)
+
+    monkeypatch.setattr(bn.subprocess, "run", stop)
+    with pytest.raises(bn.BuildError, match="stop before pip"):
+        bn.build(tmp_path / "venv")
+    assert (tmp_path / "home" / "native" / "src" / "cpu" / "vendor" / "llama.cpp" / "src" / "llama-expert-cache.cpp").exists()
