@@ -259,8 +259,7 @@ def calibrate(engine: Engine, g: ModelGeometry, prompts: Sequence[Sequence[int]]
     engine.reset_stats()
     for p in prompts:
         engine.reset()
-        # NOTE: logits of every row, else llama.cpp's last layer routes only the output row
-        logits = engine.eval(list(p), logits="all")[-1]
+        logits = engine.eval(list(p), logits="last")  # the last layer routes the output row only
         for _ in range(n_decode):
             logits = engine.eval([greedy(engine, logits)], logits="last")
         done += len(p) + n_decode

@@ -293,7 +293,9 @@ class Engine:
         self.n_past = min(self.n_past, n_keep)
 
     def eval(self, tokens: Sequence[int], logits: str = "last") -> np.ndarray | None:
-        """Feed tokens (in n_batch chunks). logits: 'last' -> [n_vocab], 'all' -> [n, n_vocab], 'none'."""
+        """Feed tokens (in n_batch chunks). logits: 'last' -> [n_vocab], 'all' -> [n, n_vocab], 'none',
+        'outputs' -> None, but every token is an output (llama.cpp then runs the last layer on
+        every token, so routing is recorded for all of them) without copying the logits."""
         lc = self.lib.lc
         if self.n_past + len(tokens) > self.n_ctx:
             raise SparkError(f"the prompt needs {self.n_past + len(tokens)} tokens but the context holds {self.n_ctx}",
@@ -310,7 +312,7 @@ class Engine:
                 b.pos[i] = self.n_past + i
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = 0
-                b.logits[i] = logits == "all" or (logits == "last" and last_chunk and i == len(chunk) - 1)
+                b.logits[i] = logits in ("all", "outputs") or (logits == "last" and last_chunk and i == len(chunk) - 1)
             rc = lc.llama_decode(self.ctx, b)
             if rc != 0:
                 raise SparkError(f"llama_decode failed with {rc} ({_logs.last_error()})")

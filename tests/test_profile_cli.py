@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spark_cli.commands.profile import (_Capture, _held_out_indices, _pieces, gather, open_engine, resolve_capture,
-                                        split_held_out)
+from spark_cli.profiling import (_Capture, _held_out_indices, _pieces, gather, open_engine, resolve_capture,
+                                 split_held_out)
 from spark_cli.corpus import Chunk
 from spark_cli.gguf_info import load_geometry
 from spark_cli.profile import RoutingProfile, profile_path_for
