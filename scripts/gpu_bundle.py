@@ -19,7 +19,6 @@ Run with the project's venv: .venv/bin/python scripts/gpu_bundle.py [--out DIR]
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import shutil
 import sys
@@ -46,11 +45,7 @@ def _load_build_native():
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return _load_build_native().sha256_file(path)
 
 
 def _tar_xz(out: Path, root: Path, arcname: str, keep=lambda rel: True) -> int:
