@@ -114,6 +114,15 @@ def _means_line(k: int, m: dict[str, float]) -> str:
             f"top-{k} share {m['top_k_share']:.3f} (uniform routing: {m['uniform_top_k_share']:.3f})")
 
 
+def _print_skew(prefill: np.ndarray, decode: np.ndarray, k: int, whose: str = "") -> tuple[np.ndarray, str]:
+    """Print the per-layer skew table and its means; returns (counts, which routing)."""
+    counts, what = _routing_for_report(prefill, decode)
+    table, means = skew_report(counts, k, f"routing skew per layer, {whose}{what} routing")
+    console.print(table)
+    console.print(_means_line(k, means))
+    return counts, what
+
+
 def _routing_for_report(prefill: np.ndarray, decode: np.ndarray) -> tuple[np.ndarray, str]:
     if decode.sum() > 0:
         return decode, "decode"
@@ -251,11 +260,7 @@ def run_cmd(
             full.save(trace)
             console.print(f"trace {trace}: {full.n_rows:,} token rows")
 
-    counts, what = _routing_for_report(g.prefill, g.decode)
-    k = geometry.n_expert_used
-    table, means = skew_report(counts, k, f"routing skew per layer, this run's {what} routing")
-    console.print(table)
-    console.print(_means_line(k, means))
+    counts, what = _print_skew(g.prefill, g.decode, geometry.n_expert_used, "this run's ")
     if held_out > 0:
         if len(g.traces) == 0:
             console.print("[yellow]held-out:[/] no trace was gathered")
@@ -424,11 +429,7 @@ def show_cmd(
                   f"(half-life {p.half_life_tokens:,.0f} tokens), updated {p.updated}")
     if p.sources:
         console.print(f"sources: {', '.join(p.sources)}")
-    counts, what = _routing_for_report(p.prefill, p.decode)
-    k = geometry.n_expert_used
-    table, means = skew_report(counts, k, f"routing skew per layer, {what} routing")
-    console.print(table)
-    console.print(_means_line(k, means))
+    counts, what = _print_skew(p.prefill, p.decode, geometry.n_expert_used)
     if plot is not None:
         from ..report import heatmap_png
 
