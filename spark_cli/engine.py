@@ -6,10 +6,8 @@ llama-cpp-python's `Llama` class exposes neither `model_params.devices` nor
 
 from __future__ import annotations
 
-import codecs
 import ctypes
 import os
-import re
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -362,18 +360,6 @@ class Engine:
             if own:
                 lc.llama_sampler_free(sampler)
 
-    @staticmethod
-    def text_stream(engine: "Engine", tokens: Iterator[int]) -> Iterator[str]:
-        """Decode a token stream into text pieces without splitting UTF-8 characters."""
-        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        for t in tokens:
-            s = dec.decode(engine.piece(t))
-            if s:
-                yield s
-        tail = dec.decode(b"", final=True)
-        if tail:
-            yield tail
-
     # -- eval callback capture (works without the native patch) ---------------------------
 
     def _on_eval(self, t_ptr: int, ask: bool, user_data) -> bool:
@@ -503,7 +489,3 @@ CACHE_HINTS = {
     -7: "list each layer once, within the model's layer count",
 }
 
-
-def layer_of(name: str) -> int | None:
-    m = re.match(r"blk\.(\d+)\.", name)
-    return int(m.group(1)) if m else None

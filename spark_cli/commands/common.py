@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import typer
 from rich.console import Console
 
 console = Console(highlight=False)
@@ -23,10 +21,3 @@ def model_or_demo(model: Path | None) -> Path:
     with console.status("building the demo model (first run only) ..."):
         return build_demo_model()
 
-
-def rpc_option() -> str | None:
-    return typer.Option(None, "--rpc", help=RPC_HELP)
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0")
