@@ -2,12 +2,22 @@
 //
 // For the MoE layers the caller names, expert weights stay in host memory and the
 // layer's device gets a bank of n_slots expert slices: n_pinned hot experts uploaded
-// at start and never evicted, the rest managed LRU and filled on demand. Routed ids
-// are remapped to slot ids for the expert matmuls only, so results are exact.
+// at start and never evicted, the rest managed LRU. A routed expert that is not
+// resident (a miss) is either uploaded into a slot before the step's matmuls
+// (LLAMA_EXPERT_CACHE_MISS_UPLOAD) or computed on the CPU from the host weights while
+// the resident ones run on the device (LLAMA_EXPERT_CACHE_MISS_CPU); in the CPU mode a
+// miss may be admitted into a slot by a background upload, usable from a later step.
+// Routed ids are remapped to slot ids for the expert matmuls only, so results are exact.
 // Without a cache (llama_expert_cache_init never called) the graph is stock.
 #pragma once
 
 #include "llama.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+// NOTE: bump when a struct or a function below changes; bindings check it at load
+#define LLAMA_EXPERT_CACHE_API_VERSION 2
 
 #ifdef __cplusplus
 extern "C" {
@@ -15,7 +25,7 @@ extern "C" {
 
     enum llama_expert_cache_status {
         LLAMA_EXPERT_CACHE_OK            =  0,
-        LLAMA_EXPERT_CACHE_ERR_ARG       = -1, // null pointer or negative count
+        LLAMA_EXPERT_CACHE_ERR_ARG       = -1, // null pointer, negative count or unknown enum value
         LLAMA_EXPERT_CACHE_ERR_NOT_MOE   = -2, // the layer (or model) has no routed experts
         LLAMA_EXPERT_CACHE_ERR_SLOTS     = -3, // n_slots - n_pinned < experts used per token, or n_slots > n_expert
         LLAMA_EXPERT_CACHE_ERR_EXPERT_ID = -4, // a pinned expert id out of range or repeated
@@ -23,6 +33,7 @@ extern "C" {
         LLAMA_EXPERT_CACHE_ERR_PLACEMENT = -6, // experts not in plain host memory, or layer not on a GPU-type device
         LLAMA_EXPERT_CACHE_ERR_LAYER     = -7, // layer index out of range or listed twice
         LLAMA_EXPERT_CACHE_ERR_INTERNAL  = -8, // unexpected exception (see the log)
+        LLAMA_EXPERT_CACHE_ERR_VERSION   = -9, // params.size does not match this library's struct
     };
 
     enum llama_expert_cache_phase {
@@ -30,29 +41,51 @@ extern "C" {
         LLAMA_EXPERT_CACHE_PHASE_DECODE  = 1, // ubatch of one token
     };
 
+    enum llama_expert_cache_miss_path {
+        LLAMA_EXPERT_CACHE_MISS_UPLOAD = 0, // upload the miss into a slot and wait for it (blocking)
+        LLAMA_EXPERT_CACHE_MISS_CPU    = 1, // compute the miss on the CPU; admit it in the background
+    };
+
     struct llama_expert_cache_layer_params {
-        int32_t         il;       // layer index
-        int32_t         n_slots;  // bank size S (pinned + LRU); S - n_pinned >= experts used per token
-        int32_t         n_pinned; // experts pinned in the first slots
-        const int32_t * pinned;   // [n_pinned] expert ids, distinct
+        int32_t         il;        // layer index
+        int32_t         n_slots;   // bank size S (pinned + LRU); S - n_pinned >= experts used per token
+        int32_t         n_pinned;  // experts pinned in the first slots
+        const int32_t * pinned;    // [n_pinned] expert ids, distinct
+        int32_t         miss_path; // enum llama_expert_cache_miss_path (changeable later with set_miss_path)
+        int32_t         max_admit; // CPU miss path: background admissions per decode step at most (<0: experts used per token)
     };
 
     struct llama_expert_cache_params {
+        size_t size;           // sizeof(struct llama_expert_cache_params); set by default_params
         const struct llama_expert_cache_layer_params * layers; // cached layers
         int32_t n_layers;      // 0: counting only, no bank is allocated
-        size_t  device_budget; // bytes the banks may take per device; 0: the device's free memory
+        size_t  device_budget; // bytes the banks may take per device; 0: the device's free memory less device_margin
+        size_t  device_margin; // bytes left free per device for compute buffers, pools and graphs (budget 0 only)
         bool    trace;         // record the routed ids of every step (llama_expert_cache_get_trace)
+        int64_t trace_max;     // trace capacity in int32 values; recording stops when full (get_trace_dropped)
+        int32_t n_threads;     // CPU threads for the CPU miss path (<= 0: 1)
     };
 
     struct llama_expert_cache_stats {
-        uint64_t hits;           // distinct experts per step found resident
-        uint64_t misses;         // distinct experts per step uploaded on demand
-        uint64_t uploads;        // expert uploads, misses plus pinned uploads at init
-        uint64_t bytes_uploaded; // bytes copied host -> device
-        uint64_t upload_us;      // time the steps waited on uploads
-        uint64_t steps_cached;   // steps served from the bank
-        uint64_t steps_stock;    // steps of a cached layer that took the stock path (batch larger than the LRU slots)
+        uint64_t hits;                  // distinct experts per step found resident
+        uint64_t misses;                // distinct experts per step not resident (uploaded or computed on the CPU)
+        uint64_t uploads;               // expert uploads: blocking misses, admissions and pinned uploads at init
+        uint64_t bytes_uploaded;        // bytes copied host -> device
+        uint64_t upload_us;             // time the steps waited on blocking uploads
+        uint64_t steps_cached;          // steps served from the bank
+        uint64_t steps_stock;           // steps of a cached layer that took the stock path
+        uint64_t syncs;                 // steps whose host node waited for the device (device -> host stops)
+        uint64_t blocking_upload_bytes; // bytes of uploads a step waited for (not counting pinned uploads at init)
+        uint64_t async_uploads;         // admissions uploaded in the background
+        uint64_t async_upload_bytes;    // their bytes
+        uint64_t cpu_experts;           // distinct experts per step computed on the CPU
+        uint64_t cpu_expert_bytes;      // host expert bytes those CPU computations read
+        uint64_t cpu_us;                // time spent computing misses on the CPU
+        uint64_t admit_skipped;         // CPU-path misses not admitted (bound reached or no evictable slot)
     };
+
+    // LLAMA_EXPERT_CACHE_API_VERSION of the library.
+    LLAMA_API int32_t llama_expert_cache_api_version(void);
 
     LLAMA_API struct llama_expert_cache_params llama_expert_cache_default_params(void);
 
@@ -69,6 +102,18 @@ extern "C" {
 
     LLAMA_API bool llama_expert_cache_enabled(const struct llama_context * ctx);
 
+    // Switch the miss path of cached layer il (the graph is unchanged). Returns a status;
+    // ERR_PLACEMENT when the layer cannot compute misses on the CPU (see the log).
+    LLAMA_API int32_t llama_expert_cache_set_miss_path(
+            struct llama_context * ctx,
+            int32_t                il,
+            int32_t                miss_path);
+
+    // Miss path in effect for layer il (enum llama_expert_cache_miss_path), or a status.
+    LLAMA_API int32_t llama_expert_cache_get_miss_path(
+            const struct llama_context * ctx,
+            int32_t                      il);
+
     // Per-layer counters; zeros for a MoE layer that is not cached. Returns a status.
     LLAMA_API int32_t llama_expert_cache_get_stats(
             const struct llama_context      * ctx,
@@ -83,7 +128,8 @@ extern "C" {
             uint64_t                   * out,
             int32_t                      n);
 
-    // Expert held by each slot of layer il (-1: free) into out[0..n_slots). Returns n_slots or a status.
+    // Expert held by each slot of layer il (-1: free) into out[0..n_slots). A slot whose
+    // background admission has not landed yet holds -2 - expert. Returns n_slots or a status.
     LLAMA_API int32_t llama_expert_cache_get_slots(
             const struct llama_context * ctx,
             int32_t                      il,
@@ -96,6 +142,9 @@ extern "C" {
             const struct llama_context * ctx,
             int32_t                    * out,
             int64_t                      n);
+
+    // Steps not recorded because the trace was full.
+    LLAMA_API int64_t llama_expert_cache_get_trace_dropped(const struct llama_context * ctx);
 
     // Zero the counters, the routing counts and the trace; the slots keep their experts.
     LLAMA_API void llama_expert_cache_reset_stats(struct llama_context * ctx);

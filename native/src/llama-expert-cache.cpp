@@ -143,8 +143,14 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
             }
             need[buft] += GGML_PAD(t->nb[2] * (size_t) (lp.n_slots + 1), ggml_backend_buft_get_alignment(buft));
         }
-        L->n_slots  = lp.n_slots;
-        L->n_pinned = lp.n_pinned;
+        if (lp.miss_path != LLAMA_EXPERT_CACHE_MISS_UPLOAD && lp.miss_path != LLAMA_EXPERT_CACHE_MISS_CPU) {
+            err = fmt("layer %d: unknown miss path %d", lp.il, lp.miss_path);
+            return LLAMA_EXPERT_CACHE_ERR_ARG;
+        }
+        L->n_slots   = lp.n_slots;
+        L->n_pinned  = lp.n_pinned;
+        L->miss_path = lp.miss_path;
+        L->max_admit = lp.max_admit < 0 ? k : lp.max_admit;
     }
 
     for (const auto & [buft, bytes] : need) {
@@ -402,12 +408,20 @@ void llama_expert_cache::step(llama_expert_cache_layer & L, int phase, const ggm
 // C API
 //
 
+int32_t llama_expert_cache_api_version(void) {
+    return LLAMA_EXPERT_CACHE_API_VERSION;
+}
+
 struct llama_expert_cache_params llama_expert_cache_default_params(void) {
     llama_expert_cache_params p = {};
+    p.size          = sizeof(llama_expert_cache_params);
     p.layers        = nullptr;
     p.n_layers      = 0;
     p.device_budget = 0;
+    p.device_margin = (size_t) 512 << 20;
     p.trace         = false;
+    p.trace_max     = (int64_t) 64 << 20;
+    p.n_threads     = 1;
     return p;
 }
 
@@ -418,6 +432,10 @@ int32_t llama_expert_cache_init(llama_context * ctx, const llama_expert_cache_pa
         if (!ctx || !params) {
             msg = "ctx or params is null";
             rc  = LLAMA_EXPERT_CACHE_ERR_ARG;
+        } else if (params->size != sizeof(llama_expert_cache_params)) {
+            msg = fmt("params.size is %zu, this library expects %zu (API version %d): rebuild the caller",
+                    params->size, sizeof(llama_expert_cache_params), LLAMA_EXPERT_CACHE_API_VERSION);
+            rc  = LLAMA_EXPERT_CACHE_ERR_VERSION;
         } else {
             auto ec = std::make_unique<llama_expert_cache>(ctx->get_model());
             rc = ec->init(*params, msg);
@@ -536,3 +554,36 @@ size_t llama_expert_cache_device_bytes(const llama_context * ctx) {
     return ec ? ec->device_bytes : 0;
 }
 
+
+int32_t llama_expert_cache_set_miss_path(llama_context * ctx, int32_t il, int32_t miss_path) {
+    int32_t rc;
+    llama_expert_cache_layer * L = layer_of(ctx, il, rc);
+    if (!L) {
+        return rc;
+    }
+    if (miss_path != LLAMA_EXPERT_CACHE_MISS_UPLOAD && miss_path != LLAMA_EXPERT_CACHE_MISS_CPU) {
+        return LLAMA_EXPERT_CACHE_ERR_ARG;
+    }
+    std::lock_guard<std::mutex> lock(L->owner->mutex);
+    L->miss_path = miss_path;
+    return LLAMA_EXPERT_CACHE_OK;
+}
+
+int32_t llama_expert_cache_get_miss_path(const llama_context * ctx, int32_t il) {
+    int32_t rc;
+    llama_expert_cache_layer * L = layer_of(ctx, il, rc);
+    if (!L) {
+        return rc;
+    }
+    std::lock_guard<std::mutex> lock(L->owner->mutex);
+    return L->miss_path;
+}
+
+int64_t llama_expert_cache_get_trace_dropped(const llama_context * ctx) {
+    llama_expert_cache * ec = ctx ? ctx->get_expert_cache() : nullptr;
+    if (!ec) {
+        return LLAMA_EXPERT_CACHE_ERR_ARG;
+    }
+    std::lock_guard<std::mutex> lock(ec->mutex);
+    return ec->trace_dropped;
+}

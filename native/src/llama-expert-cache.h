@@ -35,6 +35,8 @@ struct llama_expert_cache_layer {
     int32_t il       = -1;
     int32_t n_slots  = 0; // 0: counting only
     int32_t n_pinned = 0;
+    int32_t miss_path = LLAMA_EXPERT_CACHE_MISS_UPLOAD;
+    int32_t max_admit = 0;
 
     std::vector<llama_expert_cache_bank> banks;
 
@@ -89,6 +91,8 @@ struct llama_expert_cache {
 
     bool trace_on = false;
     std::vector<int32_t> trace;
+    int64_t trace_max = 0;
+    int64_t trace_dropped = 0;
 
     uint64_t tick = 0;
     mutable std::mutex mutex; // guards counters and slot tables against readers during compute
