@@ -151,8 +151,9 @@ def describe_failure(out: str) -> str:
 
 
 def sync_tree(src: Path, dst: Path) -> int:
-    """Make dst equal to src, rewriting only files whose bytes changed (keeps mtimes for
-    incremental CMake builds). Returns the number of files written."""
+    """Make dst equal to src, rewriting only files whose bytes changed (unchanged files keep
+    their mtimes for incremental CMake builds; rewritten ones get the current time, so they are
+    newer than objects built from another tree). Returns the number of files written."""
     written = 0
     src_files = {p.relative_to(src) for p in src.rglob("*") if p.is_file() or p.is_symlink()}
     if dst.exists():
@@ -169,6 +170,8 @@ def sync_tree(src: Path, dst: Path) -> int:
         if d.exists() or d.is_symlink():
             d.unlink()
         shutil.copy2(s, d, follow_symlinks=False)
+        if not d.is_symlink():
+            os.utime(d)  # NOTE: copy2 keeps the source's mtime, which may be older than the objects
         written += 1
     return written
 

@@ -20,6 +20,10 @@
 #    holds 60% of the expert bytes (--residency 0.6, the ceiling measured as a reference) and
 #    prints the table last. JSON, PNG and logs go to $OUT (the device tool brings them back).
 #    `bash scripts/gpu_bench.sh all` does both stages in one call where one carry can hold both.
+# 3. Then, on the same warm machine: run(command="bash scripts/gpu_check.sh", timeout_s=600)
+#    (= gpu_bench.sh check): cached vs all-resident logits for prompts of 1/4/12/20/40 tokens
+#    and 64 decode tokens at S = P + k, for each miss path, CUDA graphs on and off, with stock
+#    --cpu-moe as the bound, and the decode graph's split count (scripts/gpu_check.py).
 #    Expected device time: machine start 1-2 min, stage1 ~20 s, stage2 ~6-8 min (CUDA build
 #    ~3-5 min on 16 cores, estimated from per-file compile times on the CPU machine; bench ~2 min).
 #
@@ -197,6 +201,46 @@ wait_build() {
     fi
 }
 
+use_build() {  # point llama_cpp's bindings (they load lib/ beside them) at the fresh build
+    ln -sfn "$WORK/build/bin" "$WORK/py/llama_cpp/lib"
+    # shellcheck disable=SC1091
+    . "$WORK/env.sh"
+    export LLAMA_CPP_LIB_PATH=$WORK/build/bin LD_LIBRARY_PATH=$WORK/build/bin:${LD_LIBRARY_PATH:-}
+    "$PY" -c "from spark_cli import llama_lib as l; print('devices:', ', '.join(f'{d.name} ({d.type})' for d in l.devices(memory=True)))" ||
+        die "the built libraries do not load"
+}
+
+cmd_check() {  # scripts/gpu_check.sh: exactness on the device, after stage2 on the same warm machine
+    local t model rc=0 rpc=()
+    [ -f "$WORK/build.rc" ] || die "no finished build in $WORK: run stage1 and stage2 first (same warm machine)"
+    mkdir -p "$OUTDIR"
+    export SPARK_HOME=$WORK/home PYTHONPATH=$REPO:$WORK/py PYTHONUNBUFFERED=1
+    "$PY" -c 'import yaml, jinja2, typing_extensions' 2>/dev/null || PYTHONPATH=$PYTHONPATH:$WORK/py/fallback
+    use_build
+    t=$SECONDS
+    model=$("$PY" -c "from spark_cli.demo_model import build_demo_model; print(build_demo_model(8, 2))") ||
+        die "the E=8 demo model could not be built (did stage2 join the GGUF?)"
+    timing "demo model E=8 k=2" $((SECONDS - t))
+    if [ "$CUDA" != 1 ]; then
+        "$PY" -m spark_cli.rpc_main --host 127.0.0.1 --port 50052 >"$OUTDIR/rpc.log" 2>&1 &
+        sleep 2
+        rpc=(--rpc 127.0.0.1:50052)
+    fi
+    for graphs in on off; do
+        t=$SECONDS
+        log "exactness, CUDA graphs $graphs ..."
+        if [ "$graphs" = off ]; then export GGML_CUDA_DISABLE_GRAPHS=1; else unset GGML_CUDA_DISABLE_GRAPHS; fi
+        "$PY" "$REPO/scripts/gpu_check.py" "$model" "${rpc[@]}" --decode "${SPARK_GPU_CHECK_DECODE:-64}" \
+            --json "$OUTDIR/check-graphs-$graphs.json" 2>"$OUTDIR/check-graphs-$graphs.err" | tee "$OUTDIR/check-graphs-$graphs.txt" ||
+            rc=1
+        timing "check, graphs $graphs" $((SECONDS - t))
+    done
+    unset GGML_CUDA_DISABLE_GRAPHS
+    [ "$CUDA" = 1 ] || kill %1 2>/dev/null || true
+    [ "$rc" = 0 ] && log "all checks passed" || log "a check failed: see $OUTDIR/check-*.txt"
+    return "$rc"
+}
+
 cmd_stage2() {
     local t gguf model
     [ -d "$WORK/llama.cpp" ] || die "$WORK is empty: the machine was handed back after stage1; run stage1, then stage2 at once"
@@ -230,13 +274,7 @@ cmd_stage2() {
     wait_build
     [ $((SECONDS - t)) -gt 2 ] && timing "waiting for the build" $((SECONDS - t))
 
-    # llama_cpp's bindings load lib/ beside them: point it at the fresh build
-    ln -sfn "$WORK/build/bin" "$WORK/py/llama_cpp/lib"
-    # shellcheck disable=SC1091
-    . "$WORK/env.sh"
-    export LLAMA_CPP_LIB_PATH=$WORK/build/bin LD_LIBRARY_PATH=$WORK/build/bin:${LD_LIBRARY_PATH:-}
-    "$PY" -c "from spark_cli import llama_lib as l; print('devices:', ', '.join(f'{d.name} ({d.type})' for d in l.devices(memory=True)))" ||
-        die "the built libraries do not load"
+    use_build
     local extra=()
     [ "$CUDA" = 1 ] || extra+=(--rpc auto)
     if "$PY" -c 'import matplotlib' 2>/dev/null; then
@@ -263,5 +301,6 @@ case "${1:-}" in
     stage1) cmd_stage1 ;;
     stage2) cmd_stage2 ;;
     all) cmd_stage1 && cmd_stage2 ;;
+    check) cmd_check ;;
     *) sed -n '2,30p' "$0"; exit 2 ;;
 esac

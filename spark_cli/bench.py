@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -35,8 +35,8 @@ from .gguf_info import ModelGeometry
 REPORT_VERSION = 1
 CONFIG_NAMES = ("resident", "cpu-moe", "n-cpu-moe", "spark-step", "spark")
 CPU_CONFIG = "cpu"
-TARGET_VS_CEILING = 0.85  # Spark generation against the all-resident ceiling
-TARGET_VS_STOCK = 1.5  # Spark generation against the best stock offload
+TARGET_VS_CEILING = 0.6  # Spark generation against the all-resident ceiling
+TARGET_VS_STOCK = 2.0  # Spark generation against the best stock offload
 WARMUP_PROMPT = 32
 WARMUP_DECODE = 4
 CALIB_DECODE = 48  # decode tokens after each calibration prompt
@@ -92,9 +92,10 @@ class Config:
     planned_bytes: int = 0
     over_budget: bool = False  # the ceiling, run beyond the budget as a reference
     plan: planner.Plan | None = field(default=None, repr=False)
+    miss_path: str = "auto"  # spark: auto | cpu | upload (see miss_path.py)
 
     def key(self) -> tuple:
-        return self.device, self.host_layers, self.cache_layers
+        return self.device, self.host_layers, self.cache_layers, self.miss_path if self.kind == "spark" else None
 
     def summary(self, g: ModelGeometry) -> dict:
         """Where the experts are: layers on the CPU, cached layers, pins, LRU slots, residency."""
@@ -279,8 +280,15 @@ class Result:
     decode_tokens: int = 0  # decode steps the cache figures cover
     hits: int = 0
     misses: int = 0
+    uploads: int = 0
     bytes_uploaded: int = 0
     upload_us: int = 0
+    syncs: int = 0  # device -> host stops of the cache's host nodes (decode)
+    blocking_upload_bytes: int = 0
+    async_upload_bytes: int = 0
+    cpu_expert_bytes: int = 0
+    miss_path: str = ""  # what ran: cpu, upload, or a per-layer mix (spark)
+    miss_path_why: str = ""
     bank_bytes: int = 0
     device_name: str = ""
     device_used_bytes: int | None = None  # free before load - free after warm-up (measured)
@@ -308,8 +316,38 @@ def cold_figures(r: Result, g: ModelGeometry) -> dict[str, float | None]:
         cold = 1.0 if r.config.kind == "cpu" else len(r.config.host_layers) / moe
         return {"cold_hit": cold, "uploads_per_token": 0.0, "bytes_per_token": 0.0}
     n = max(r.decode_tokens, 1)
-    return {"cold_hit": r.misses / (n * g.n_expert_used * moe), "uploads_per_token": r.misses / n,
+    return {"cold_hit": r.misses / (n * g.n_expert_used * moe), "uploads_per_token": r.uploads / n,
             "bytes_per_token": r.bytes_uploaded / n}
+
+
+def accounting(r: Result, g: ModelGeometry) -> dict[str, float | str | None]:
+    """Hardware-independent figures per decode token: device -> host stops on the critical path
+    (the logits read-back included), bytes uploaded while the step waited, bytes uploaded in the
+    background, and host expert bytes the CPU computed with. Stock layers on the CPU stop the
+    device once each (it hands the routed ids and activations over) and read k experts each."""
+    keys = ("syncs_per_token", "blocking_upload_bytes_per_token", "async_upload_bytes_per_token",
+            "cpu_expert_bytes_per_token")
+    if not r.runs:
+        return {"miss_path": r.miss_path or None, **{k: None for k in keys}}
+    k = g.n_expert_used
+    if r.config.kind in ("stock", "ceiling", "cpu"):
+        host = set(g.moe_layers) if r.config.kind == "cpu" else set(r.config.host_layers)
+        cpu_bytes = sum(k * l.expert_bytes / max(g.n_expert, 1) for l in g.layers if l.index in host)
+        syncs = 0.0 if r.config.kind == "cpu" else float(len(host) + 1)
+        return {"miss_path": None, "syncs_per_token": syncs, "blocking_upload_bytes_per_token": 0.0,
+                "async_upload_bytes_per_token": 0.0, "cpu_expert_bytes_per_token": cpu_bytes}
+    n = max(r.decode_tokens, 1)
+    return {"miss_path": r.miss_path or None, "syncs_per_token": r.syncs / n + 1,
+            "blocking_upload_bytes_per_token": r.blocking_upload_bytes / n,
+            "async_upload_bytes_per_token": r.async_upload_bytes / n,
+            "cpu_expert_bytes_per_token": r.cpu_expert_bytes / n}
+
+
+def describe_paths(picks: dict[int, str]) -> str:
+    kinds = sorted(set(picks.values()))
+    if len(kinds) == 1:
+        return kinds[0]
+    return ", ".join(f"{p} {sum(1 for v in picks.values() if v == p)}" for p in kinds)
 
 
 def device_memory(rpc: Sequence[str], device: str = "auto") -> tuple[str, int, int] | None:
@@ -332,13 +370,16 @@ def device_memory(rpc: Sequence[str], device: str = "auto") -> tuple[str, int, i
 
 
 def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, n_gen: int,
-            result: Result, progress: Progress | None = None, learn: bool = True) -> Result:
+            result: Result, progress: Progress | None = None, learn: bool = True,
+            home: Path | None = None) -> Result:
     """Load the configuration, warm up, then `repetitions` runs of prompt processing and
     generation. Fills `result` as it goes, so an interrupted bench keeps the finished runs."""
     spark = cfg.kind == "spark"
+    first_path = "cpu" if cfg.miss_path == "auto" else cfg.miss_path
+    cache_layers = [replace(c, miss_path=first_path) for c in cfg.cache_layers]
     opts = EngineOptions(base.model_path, n_ctx=base.n_ctx, n_batch=base.n_batch, n_ubatch=base.n_ubatch,
                          n_threads=base.n_threads, device=cfg.device, rpc=[] if cfg.device == "cpu" else base.rpc,
-                         host_layers=list(cfg.host_layers), cache_layers=list(cfg.cache_layers),
+                         host_layers=list(cfg.host_layers), cache_layers=cache_layers,
                          count_experts=spark and learn, type_k=base.type_k, type_v=base.type_v)
     total = repetitions * (len(work.pp_tokens) + n_gen)
     done = 0
@@ -347,6 +388,13 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
         mem = device_memory(opts.rpc, cfg.device)
         with Engine(opts) as eng:
             result.device_name = eng.devices[0].name if eng.devices else "CPU"
+            if spark and cache_layers:
+                from . import miss_path
+                from .paths import spark_home
+
+                picks, result.miss_path_why = miss_path.resolve(eng, cfg.miss_path, eng_fingerprint(base),
+                                                                home or spark_home())
+                result.miss_path = describe_paths(picks)
             eng.reset()
             logits = eng.eval(work.pp_tokens[:WARMUP_PROMPT], logits="last")
             for _ in range(WARMUP_DECODE):
@@ -382,8 +430,13 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
                     for s in eng.cache_stats().values():
                         result.hits += s["hits"]
                         result.misses += s["misses"]
+                        result.uploads += s["uploads"]
                         result.bytes_uploaded += s["bytes_uploaded"]
                         result.upload_us += s["upload_us"]
+                        result.syncs += s["syncs"]
+                        result.blocking_upload_bytes += s["blocking_upload_bytes"]
+                        result.async_upload_bytes += s["async_upload_bytes"]
+                        result.cpu_expert_bytes += s["cpu_expert_bytes"]
                     if learn:
                         c = eng.routing_counts(PHASE_DECODE).astype(np.float64)
                         if c.size:
@@ -403,8 +456,11 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
 def copy_result(cfg: Config, other: Result) -> Result:
     """A configuration whose placement equals one already measured: same numbers."""
     r = Result(cfg, status=other.status, reason=other.reason, runs=list(other.runs),
-               decode_tokens=other.decode_tokens, hits=other.hits, misses=other.misses,
+               decode_tokens=other.decode_tokens, hits=other.hits, misses=other.misses, uploads=other.uploads,
                bytes_uploaded=other.bytes_uploaded, upload_us=other.upload_us, bank_bytes=other.bank_bytes,
+               syncs=other.syncs, blocking_upload_bytes=other.blocking_upload_bytes,
+               async_upload_bytes=other.async_upload_bytes, cpu_expert_bytes=other.cpu_expert_bytes,
+               miss_path=other.miss_path, miss_path_why=other.miss_path_why,
                device_name=other.device_name, device_used_bytes=other.device_used_bytes,
                tokens_digest=other.tokens_digest, same_as=other.config.name)
     return r
@@ -475,6 +531,8 @@ class Report:
                          for x in r.runs],
                 "pp_tok_s": _spread(r.pp), "tg_tok_s": _spread(r.tg),
                 **cold_figures(r, g),
+                **accounting(r, g),
+                "miss_path_why": r.miss_path_why or None,
                 "decode_tokens": r.decode_tokens, "hits": r.hits, "misses": r.misses,
                 "bytes_uploaded": r.bytes_uploaded, "upload_seconds": r.upload_us / 1e6,
                 "tokens_digest": r.tokens_digest or None,
@@ -507,6 +565,16 @@ def fmt_ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _mib(v: float | None) -> str:
+    return "-" if v is None else f"{v / (1 << 20):.2f}"
+
+
+def eng_fingerprint(base: EngineOptions) -> str:
+    from .gguf_info import load_geometry
+
+    return load_geometry(base.model_path).fingerprint
+
+
 def rows(report: Report) -> list[dict[str, str]]:
     """One row of display strings per configuration (shared by the rich and markdown tables);
     a configuration that did not run shows its status in the pp column (reasons: `footnotes`)."""
@@ -514,6 +582,7 @@ def rows(report: Report) -> list[dict[str, str]]:
     for r in report.results:
         c = r.config
         cold = cold_figures(r, report.geometry)
+        acc = accounting(r, report.geometry)
         row = {
             "configuration": c.label,
             "VRAM": _gib(c.planned_bytes) if c.planned_bytes else "-",
@@ -523,6 +592,11 @@ def rows(report: Report) -> list[dict[str, str]]:
             "cold-hit": "-" if cold["cold_hit"] is None else f"{100 * cold['cold_hit']:.1f}%",
             "up/tok": "-" if cold["uploads_per_token"] is None else f"{cold['uploads_per_token']:.2f}",
             "MiB/tok": "-" if cold["bytes_per_token"] is None else f"{cold['bytes_per_token'] / (1 << 20):.2f}",
+            "miss path": acc["miss_path"] or "-",
+            "syncs/tok": "-" if acc["syncs_per_token"] is None else f"{acc['syncs_per_token']:.1f}",
+            "blocking MiB/tok": _mib(acc["blocking_upload_bytes_per_token"]),
+            "async MiB/tok": _mib(acc["async_upload_bytes_per_token"]),
+            "CPU MiB/tok": _mib(acc["cpu_expert_bytes_per_token"]),
         }
         if not r.runs:
             row["pp tok/s"] = r.status

@@ -22,6 +22,7 @@ from .errors import ModelFileError, NativeError, SparkError
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 EXPERT_KINDS = "gate|up|down|gate_up"
 PHASE_PREFILL, PHASE_DECODE = 0, 1
+MISS_PATHS = {"upload": 0, "cpu": 1}
 
 
 def expert_pattern(layers: Sequence[int]) -> str:
@@ -37,6 +38,8 @@ class CacheLayer:
     il: int
     n_slots: int
     pinned: tuple[int, ...] = ()
+    miss_path: str = "upload"  # upload | cpu (see MISS_PATHS)
+    max_admit: int = -1        # cpu: background admissions per decode step (<0: k)
 
 
 @dataclass
@@ -213,9 +216,13 @@ class Engine:
             pinned = (ctypes.c_int32 * max(1, len(c.pinned)))(*c.pinned)
             self._keep.append(pinned)
             layers[i] = llama_lib.ExpertCacheLayerParams(c.il, c.n_slots, len(c.pinned),
-                                                        ctypes.cast(pinned, ctypes.POINTER(ctypes.c_int32)))
-        p = llama_lib.ExpertCacheParams(ctypes.cast(layers, ctypes.POINTER(llama_lib.ExpertCacheLayerParams)),
-                                        len(self.opts.cache_layers), self.opts.device_budget, self.opts.trace)
+                                                        ctypes.cast(pinned, ctypes.POINTER(ctypes.c_int32)),
+                                                        MISS_PATHS[c.miss_path], c.max_admit)
+        p = self.lib.ec_default_params()
+        p.layers = ctypes.cast(layers, ctypes.POINTER(llama_lib.ExpertCacheLayerParams))
+        p.n_layers = len(self.opts.cache_layers)
+        p.device_budget = self.opts.device_budget
+        p.trace = self.opts.trace
         err = ctypes.create_string_buffer(512)
         rc = self.lib.ec_init(self.ctx, ctypes.byref(p), err, len(err))
         if rc != 0:
@@ -401,6 +408,19 @@ class Engine:
             if self.lib.ec_get_stats(self.ctx, il, ctypes.byref(s)) == 0:
                 out[il] = {f: getattr(s, f) for f, _ in llama_lib.ExpertCacheStats._fields_}
         return out
+
+    def set_miss_path(self, path: str | dict[int, str]) -> None:
+        """Switch the miss path of every cached layer (or per layer: {il: path}); the graph stays."""
+        per_layer = path if isinstance(path, dict) else {c.il: path for c in self.opts.cache_layers}
+        for il, p in per_layer.items():
+            rc = self.lib.ec_set_miss_path(self.ctx, il, MISS_PATHS[p])
+            if rc != 0:
+                raise NativeError(f"expert cache: layer {il} cannot use the {p} miss path ({_logs.last_error()})",
+                                  hint=CACHE_HINTS.get(rc))
+
+    def miss_paths(self) -> dict[int, str]:
+        names = {v: k for k, v in MISS_PATHS.items()}
+        return {c.il: names.get(self.lib.ec_get_miss_path(self.ctx, c.il), "?") for c in self.opts.cache_layers}
 
     def routing_counts(self, phase: int) -> np.ndarray:
         """[n_layer, n_expert] routed occurrences in one phase (zeros for dense layers)."""

@@ -53,28 +53,29 @@ class ExpertCacheLayerParams(ctypes.Structure):
         ("n_slots", ctypes.c_int32),
         ("n_pinned", ctypes.c_int32),
         ("pinned", ctypes.POINTER(ctypes.c_int32)),
+        ("miss_path", ctypes.c_int32),
+        ("max_admit", ctypes.c_int32),
     ]
 
 
 class ExpertCacheParams(ctypes.Structure):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("layers", ctypes.POINTER(ExpertCacheLayerParams)),
         ("n_layers", ctypes.c_int32),
         ("device_budget", ctypes.c_size_t),
+        ("device_margin", ctypes.c_size_t),
         ("trace", ctypes.c_bool),
+        ("trace_max", ctypes.c_int64),
+        ("n_threads", ctypes.c_int32),
     ]
 
 
 class ExpertCacheStats(ctypes.Structure):
-    _fields_ = [
-        ("hits", ctypes.c_uint64),
-        ("misses", ctypes.c_uint64),
-        ("uploads", ctypes.c_uint64),
-        ("bytes_uploaded", ctypes.c_uint64),
-        ("upload_us", ctypes.c_uint64),
-        ("steps_cached", ctypes.c_uint64),
-        ("steps_stock", ctypes.c_uint64),
-    ]
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "hits", "misses", "uploads", "bytes_uploaded", "upload_us", "steps_cached", "steps_stock",
+        "syncs", "blocking_upload_bytes", "async_uploads", "async_upload_bytes", "cpu_experts",
+        "cpu_expert_bytes", "cpu_us", "admit_skipped")]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,14 @@ def _fn(lib: ctypes.CDLL, name: str, restype, argtypes) -> object:
     return f
 
 
+def _soname(libdir: Path, name: str) -> Path:
+    """The file libllama's dependencies load (`name.so.0`): the wheel holds copies, not links,
+    and loading `name.so` too would give a second instance with its own registries and RPC
+    connections."""
+    so0 = libdir / f"{name}.so.0"
+    return so0 if so0.exists() else libdir / f"{name}.so"
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> SimpleNamespace:
     """Import llama_cpp (the build from scripts/build_native.py) and bind what Spark needs."""
@@ -112,10 +121,10 @@ def load() -> SimpleNamespace:
         ) from None
     libdir = Path(lc.__file__).parent / "lib"
     mode = getattr(os, "RTLD_GLOBAL", 0)
-    base = ctypes.CDLL(str(libdir / "libggml-base.so"), mode=mode)
-    ggml = ctypes.CDLL(str(libdir / "libggml.so"), mode=mode)
-    cpu = ctypes.CDLL(str(libdir / "libggml-cpu.so"), mode=mode)
-    rpc_path = libdir / "libggml-rpc.so"
+    base = ctypes.CDLL(str(_soname(libdir, "libggml-base")), mode=mode)
+    ggml = ctypes.CDLL(str(_soname(libdir, "libggml")), mode=mode)
+    cpu = ctypes.CDLL(str(_soname(libdir, "libggml-cpu")), mode=mode)
+    rpc_path = _soname(libdir, "libggml-rpc")
     rpc = ctypes.CDLL(str(rpc_path), mode=mode) if rpc_path.exists() else None
     llama = lc._lib
 
@@ -142,6 +151,10 @@ def load() -> SimpleNamespace:
     ns.has_expert_cache = hasattr(llama, "llama_expert_cache_init")
     if ns.has_expert_cache:
         ctx = vp
+        ns.ec_default_params = _fn(llama, "llama_expert_cache_default_params", ExpertCacheParams, [])
+        ns.ec_set_miss_path = _fn(llama, "llama_expert_cache_set_miss_path", ctypes.c_int32,
+                                  [ctx, ctypes.c_int32, ctypes.c_int32])
+        ns.ec_get_miss_path = _fn(llama, "llama_expert_cache_get_miss_path", ctypes.c_int32, [ctx, ctypes.c_int32])
         ns.ec_init = _fn(llama, "llama_expert_cache_init", ctypes.c_int32,
                          [ctx, ctypes.POINTER(ExpertCacheParams), ctypes.c_char_p, sz])
         ns.ec_free = _fn(llama, "llama_expert_cache_free", None, [ctx])

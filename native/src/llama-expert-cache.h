@@ -8,6 +8,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
 
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -24,49 +25,102 @@ struct llama_expert_cache_bank {
 
 struct llama_expert_cache_layer;
 
-// Userdata of a host node: the layer and the phase of the ubatch it was built for.
+// Userdata of a host node, fixed when its graph is built (a reused graph keeps its own).
 struct llama_expert_cache_node {
     llama_expert_cache_layer * layer = nullptr;
-    int32_t phase = LLAMA_EXPERT_CACHE_PHASE_PREFILL;
+    int32_t phase  = LLAMA_EXPERT_CACHE_PHASE_PREFILL;
+    bool    hybrid = false; // the graph adds the CPU miss path's output: misses may read the guard slot
+};
+
+// The CPU miss path rebuilds, for the missed entries only, the ops of the graph between the
+// expert matmuls' input and the down projection. Recorded from the first graph of a layer; the
+// ops are the same in every graph of the layer (only the token count differs).
+enum llama_expert_cache_src_kind : int32_t {
+    LLAMA_EXPERT_CACHE_SRC_NONE   = 0,
+    LLAMA_EXPERT_CACHE_SRC_OP     = 1, // an earlier op of the recipe
+    LLAMA_EXPERT_CACHE_SRC_INPUT  = 2, // the matmuls' input rows
+    LLAMA_EXPERT_CACHE_SRC_IDS    = 3, // the routed expert ids
+    LLAMA_EXPERT_CACHE_SRC_HOST   = 4, // a model tensor in host memory (expert weights, biases)
+    LLAMA_EXPERT_CACHE_SRC_MIRROR = 5, // a small model tensor on the device, read from a host copy
+};
+
+struct llama_expert_cache_recipe_src {
+    int32_t       kind   = LLAMA_EXPERT_CACHE_SRC_NONE;
+    int32_t       op     = -1;      // SRC_OP: index of the op
+    ggml_tensor * tensor = nullptr; // SRC_HOST, SRC_MIRROR: the model tensor
+};
+
+struct llama_expert_cache_recipe_op {
+    ggml_op   op   = GGML_OP_NONE;
+    ggml_type type = GGML_TYPE_F32;
+    int64_t   ne0  = 0;
+    int32_t   op_params[GGML_MAX_OP_PARAMS / sizeof(int32_t)] = {};
+    size_t    view_offs = 0; // GGML_OP_VIEW: byte offset in its parent's rows
+    llama_expert_cache_recipe_src src[GGML_MAX_SRC];
+};
+
+enum llama_expert_cache_slot_state : uint8_t {
+    LLAMA_EXPERT_CACHE_SLOT_FREE    = 0,
+    LLAMA_EXPERT_CACHE_SLOT_READY   = 1,
+    LLAMA_EXPERT_CACHE_SLOT_PENDING = 2, // a background admission that has not landed: neither read nor evicted
 };
 
 struct llama_expert_cache_layer {
     llama_expert_cache * owner = nullptr;
-    int32_t il       = -1;
-    int32_t n_slots  = 0; // 0: counting only
-    int32_t n_pinned = 0;
+    int32_t il        = -1;
+    int32_t n_slots   = 0; // 0: counting only
+    int32_t n_pinned  = 0;
     int32_t miss_path = LLAMA_EXPERT_CACHE_MISS_UPLOAD;
     int32_t max_admit = 0;
+    int32_t cpu_ok    = -1; // the graph's expert ops can run on the CPU for misses: -1 unknown, 0 no, 1 yes
+    bool    on_device = false;
+    size_t  expert_bytes = 0; // host bytes of one expert across the layer's expert tensors
+
+    ggml_backend_t compute_backend = nullptr; // the scheduler's backend of the layer's device
+    ggml_backend_t upload_backend  = nullptr; // owned by the cache (per device), null: uploads block
 
     std::vector<llama_expert_cache_bank> banks;
 
     std::vector<int32_t>  slot_expert; // [n_slots] expert in slot, -1 free
-    std::vector<int32_t>  expert_slot; // [n_expert] slot of expert, -1 not resident
+    std::vector<uint8_t>  slot_state;  // [n_slots] llama_expert_cache_slot_state
+    std::vector<int32_t>  expert_slot; // [n_expert] slot of a READY expert, -1 otherwise
     std::vector<uint64_t> slot_tick;   // [n_slots] last use, for LRU
     std::vector<uint8_t>  slot_step;   // [n_slots] used by the current step
+    std::vector<ggml_backend_event_t> slot_event; // [n_slots] admission landed (null: no events)
     std::vector<uint8_t>  seen;        // [n_expert] scratch: already listed in this step
+    std::vector<int32_t>  distinct;    // [n_expert] scratch: distinct experts of the step
+    std::vector<int32_t>  admit;       // [n_expert] scratch: (expert, slot) admissions of the step
 
     std::vector<uint64_t> counts[2];   // [phase][n_expert] routed occurrences
-    llama_expert_cache_node nodes[2];  // [phase] host-node userdata
+    llama_expert_cache_node nodes[2][2]; // [phase][hybrid] host-node userdata
+
+    std::vector<llama_expert_cache_recipe_op> recipe; // CPU miss path; empty: misses are uploaded
+
+    // the host nodes of the graph being built, between build() and finish()
+    ggml_tensor * building_remap   = nullptr;
+    ggml_tensor * building_partial = nullptr;
+    ggml_tensor * building_count   = nullptr;
+    ggml_tensor * building_cur     = nullptr;
     llama_expert_cache_stats stats = {};
 };
 
 struct llama_expert_cache {
     llama_expert_cache(const llama_model & model);
+    ~llama_expert_cache();
 
     // Validate params, allocate and fill the banks. Returns a status and sets err.
     int32_t init(const llama_expert_cache_params & params, std::string & err);
 
-    // Graph hook, called from build_moe_ffn after the experts are selected. Adds a host node
-    // that counts (and, for a cached layer whose step fits, plans and uploads) and returns the
-    // ids the expert matmuls must use; swaps the expert tensors for their banks when remapped.
+    // Graph hook 1, in build_moe_ffn after the experts are selected: builds the host node(s)
+    // (not yet in the graph, see expand) and returns the ids the expert matmuls must use;
+    // swaps the expert tensors for their banks when remapped.
     ggml_tensor * build(
             ggml_context        * ctx0,
-            ggml_cgraph         * gf,
             ggml_backend_sched_t  sched,
             ggml_backend_t        backend_cpu,
             int                   il,
             int64_t               n_ubatch_tokens,
+            ggml_tensor         * cur,
             ggml_tensor         * selected_experts,
             bool                  can_remap,
             ggml_tensor        ** up_exps,
@@ -74,26 +128,44 @@ struct llama_expert_cache {
             ggml_tensor        ** down_exps,
             ggml_tensor        ** gate_up_exps);
 
-    // Run by the host node: count, trace, and (remap) plan the step and write slot ids to dst.
-    // NOTE: the phase comes from the ubatch, not from ids: the last layer of a prompt may route
-    // only its output tokens, and a one-row step there is still prefill.
-    void step(llama_expert_cache_layer & L, int phase, const ggml_tensor * ids, ggml_tensor * dst, bool remap);
+    // Graph hook 2, after the routing weights are expanded: adds the host nodes to the graph
+    // there, so the top-k routing stays fusable and the host nodes share one split.
+    void expand(ggml_cgraph * gf, int il);
+
+    // Graph hook 3, after the down projection: records the CPU recipe and adds the CPU-computed
+    // partial result (zero where the device computed) to the expert outputs.
+    ggml_tensor * finish(ggml_context * ctx0, int il, ggml_tensor * experts);
+
+    // Record the CPU recipe of a layer from its graph; false if some op cannot be rebuilt.
+    bool analyse(llama_expert_cache_layer & L, ggml_tensor * experts, ggml_tensor * sel, ggml_tensor * cur);
+
+    // Run by the host nodes.
+    void step(llama_expert_cache_node & n, const ggml_tensor * ids, ggml_tensor * dst, bool remap);
+    void compute_partial(llama_expert_cache_node & n, ggml_tensor * dst);
 
     llama_expert_cache_layer * layer(int32_t il);
 
     const llama_model & model;
     int32_t n_expert = 0;
+    int32_t n_threads = 1;
+    bool    failed = false; // a host node caught an exception (see the log)
 
     std::vector<std::unique_ptr<llama_expert_cache_layer>> layers; // [n_layer], null for dense layers
     std::vector<ggml_context_ptr>        ctxs;
     std::vector<ggml_backend_buffer_ptr> bufs;
+    std::map<ggml_backend_dev_t, ggml_backend_t> upload_backends; // owned
     size_t device_bytes = 0;
 
-    bool trace_on = false;
+    // CPU miss path: a private CPU backend and one arena reused by every step (steps run one at a time)
+    ggml_backend_t       cpu_backend = nullptr; // owned
+    std::vector<uint8_t> arena;
+    std::map<const ggml_tensor *, std::vector<uint8_t>> host_mirror; // small device weights (biases) copied once
+
+    bool    trace_on = false;
     std::vector<int32_t> trace;
     int64_t trace_max = 0;
     int64_t trace_dropped = 0;
 
     uint64_t tick = 0;
-    mutable std::mutex mutex; // guards counters and slot tables against readers during compute
+    mutable std::mutex mutex; // guards counters and slot tables against readers; never held across uploads
 };

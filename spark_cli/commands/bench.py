@@ -53,7 +53,9 @@ def _table(report):
     data = rows(report)
     t = Table(title=f"spark bench: {report.model.name} on {report.device}", title_justify="left",
               caption="tok/s: median (min-max); cold-hit: routed decode experts not on the device; "
-                      "up/tok, MiB/tok: expert uploads per decode token", caption_justify="left")
+                      "up/tok, MiB/tok: expert uploads per decode token; syncs/tok: device -> host stops; "
+                      "blocking/async MiB/tok: uploads waited for / in the background; CPU MiB/tok: host "
+                      "expert bytes computed on the CPU", caption_justify="left")
     for col in data[0] if data else []:
         t.add_column(col, justify="left" if col == "configuration" else "right")
     for r, res in zip(data, report.results):
@@ -182,6 +184,9 @@ def register(app: typer.Typer) -> None:
                                      "budget (a reference; needs the device memory)"),
         no_learn: bool = typer.Option(False, "--no-learn", help="do not fold this run's routing into the profile"),
         threads: int = typer.Option(None, "--threads", "-t", min=1, help="CPU threads (default: all cores)"),
+        miss_path: str = typer.Option("auto", "--miss-path", help="Spark's misses: cpu (computed on the CPU, "
+                                      "admitted in the background), upload (uploaded, waited for), or auto "
+                                      "(per layer, the cheaper on this machine)"),
     ) -> None:
         """Tokens/s of Spark against stock llama.cpp offload and the all-resident ceiling, same budget."""
         from .. import bench, session
@@ -190,6 +195,9 @@ def register(app: typer.Typer) -> None:
         from ..engine import EngineOptions
         from ..errors import SparkError
 
+        from ..miss_path import check_choice
+
+        check_choice(miss_path)
         names = bench.parse_config_names(configs)
         if plot is not None:
             if importlib.util.find_spec("matplotlib") is None:
@@ -225,14 +233,14 @@ def register(app: typer.Typer) -> None:
             report = bench.Report(path, g, budget, source, ctx, n_prompt, n_gen, reps,
                                   dev[0] if dev else "CPU", str(corpus_path or "bundled corpus"), notes=notes)
             _run(report, base, corpus, names, budget, ctx, reps, n_gen, n_prompt, ceiling, not no_learn,
-                 json_path, md, plot)
+                 json_path, md, plot, miss_path)
         finally:
             if server is not None:
                 server.stop()
 
 
 def _run(report, base, corpus, names, budget, ctx, reps, n_gen, n_prompt, ceiling, learn,
-         json_path, md, plot) -> None:
+         json_path, md, plot, miss_path: str = "auto") -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .. import bench, session
@@ -289,6 +297,8 @@ def _run(report, base, corpus, names, budget, ctx, reps, n_gen, n_prompt, ceilin
                 raise PlanError(f"budget {budget / 2**30:.2f} GiB: no configuration fits ("
                                 + "; ".join(f"{c.name}: {c.note}" for c in cfgs) + ")",
                                 hint="raise --vram or --residency, or lower --ctx")
+            for c in cfgs:
+                c.miss_path = miss_path
             seen: dict[tuple, bench.Result] = {}
             for c in cfgs:
                 if c.status != "ready":
@@ -302,6 +312,8 @@ def _run(report, base, corpus, names, budget, ctx, reps, n_gen, n_prompt, ceilin
                 on_progress(c.label, 0, reps * (len(work.pp_tokens) + n_gen))
                 bench.measure(c, base, work, reps, n_gen, r, progress=lambda _n, d, t, c=c: on_progress(c.label, d, t),
                               learn=learn)
+                if r.miss_path_why:
+                    err_console.print(f"{c.label}: {r.miss_path_why}")
                 seen[c.key()] = r
     except KeyboardInterrupt:
         report.interrupted = True

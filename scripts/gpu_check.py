@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Exactness of the expert cache on a real device: cached against all-resident logits.
+
+For each miss path (upload, cpu): prompts of 1, 4, 12, 20 and 40 tokens, each followed by
+`--decode` tokens, with S = P + k slots per MoE layer (every miss evicts). Every configuration
+is fed the all-resident run's greedy tokens, so logits are compared position by position even
+where an argmax would flip. The bound is what stock --cpu-moe (every expert on the CPU) shows
+on the same prompts: on CUDA each expert's output equals the device or the CPU kernel's, so a
+cached run may differ from all-resident by at most about that much; on the RPC stand-in both
+sides run ggml-cpu and every run must be bit-identical. Also reports the scheduler's graph
+splits of a decode step against 1 + 2 x cached layers.
+
+Usage: gpu_check.py MODEL [--rpc HOST:PORT] [--decode 64] [--json F]   (exit 1 if a check fails)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from spark_cli import engine as engine_mod  # noqa: E402
+from spark_cli.engine import CacheLayer, Engine, EngineOptions  # noqa: E402
+from spark_cli.gguf_info import load_geometry  # noqa: E402
+
+TEXT = ("The history of the printing press begins in the fifteenth century, when movable type "
+        "changed how books were made, sold and read across Europe. ") * 4
+PROMPT_TOKENS = (1, 4, 12, 20, 40)
+
+
+def run(eng: Engine, prompt: list[int], forced: list[int] | None, n_decode: int) -> tuple[np.ndarray, list[int]]:
+    """Logits of every prompt token and of each decode step; the tokens fed (greedy or forced)."""
+    eng.reset()
+    rows = [eng.eval(prompt, logits="all")]
+    fed = []
+    logits = rows[0][-1]
+    for i in range(n_decode):
+        t = forced[i] if forced is not None else int(np.argmax(logits))
+        fed.append(t)
+        logits = eng.eval([t], logits="last")
+        rows.append(logits[None, :])
+    return np.concatenate(rows), fed
+
+
+def graph_splits() -> int | None:
+    """Splits of the one-token graph from llama.cpp's reserve log line."""
+    for line in reversed(engine_mod._logs.lines):
+        m = re.search(r"graph splits = (\d+) \(with bs=\d+\), (\d+) \(with bs=1\)", line)
+        if m:
+            return int(m.group(2))
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--rpc", default=None)
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+
+    g = load_geometry(a.model)
+    k, pinned = g.n_expert_used, 1
+    base = dict(n_ctx=512, n_batch=512, n_ubatch=512, rpc=[a.rpc] if a.rpc else [])
+    report: dict = {"model": a.model.name, "graphs": "off" if os.environ.get("GGML_CUDA_DISABLE_GRAPHS") else "on",
+                    "decode": a.decode, "configs": {}}
+
+    with Engine(EngineOptions(a.model, **base)) as ref_eng:
+        report["device"] = ref_eng.devices[0].name if ref_eng.devices else "CPU"
+        toks = ref_eng.tokenize(TEXT)
+        prompts = [toks[:n] for n in PROMPT_TOKENS]
+        refs = [run(ref_eng, p, None, a.decode) for p in prompts]
+
+    def compare(name: str, opts: dict, miss_path: str | None = None) -> dict:
+        with Engine(EngineOptions(a.model, **base, **opts)) as eng:
+            if miss_path:
+                eng.set_miss_path(miss_path)
+            rows = []
+            for p, (ref_logits, fed) in zip(prompts, refs):
+                got, _ = run(eng, p, fed, a.decode)
+                d = np.abs(got.astype(np.float64) - ref_logits)
+                rows.append({"prompt_tokens": len(p), "bit_exact": bool(np.array_equal(got, ref_logits)),
+                             "max_abs_diff": float(d.max()),
+                             "argmax_agree": float(np.mean(got.argmax(1) == ref_logits.argmax(1)))})
+            out = {"rows": rows, "bit_exact": all(r["bit_exact"] for r in rows),
+                   "max_abs_diff": max(r["max_abs_diff"] for r in rows), "graph_splits": graph_splits()}
+            if miss_path:
+                st = eng.cache_stats()
+                out["stats"] = {key: sum(s[key] for s in st.values()) for key in next(iter(st.values()))}
+        report["configs"][name] = out
+        print(f"{name:<14} exact={out['bit_exact']!s:<5} max|d|={out['max_abs_diff']:.3g} "
+              f"splits(bs=1)={out['graph_splits']}", flush=True)
+        return out
+
+    stock = compare("stock-cpu-moe", {"host_layers": list(g.moe_layers)})
+    bound = stock["max_abs_diff"]
+    ok = True
+    for path in ("upload", "cpu"):
+        layers = [CacheLayer(il, pinned + k, tuple(range(pinned)), miss_path=path) for il in g.moe_layers]
+        res = compare(f"cached-{path}", {"cache_layers": layers}, path)
+        want_splits = 1 + 2 * len(layers)
+        res["graph_splits_expected"] = want_splits
+        exact_needed = a.rpc is not None  # the stand-in runs ggml-cpu on both sides
+        res["pass"] = res["bit_exact"] if exact_needed else res["bit_exact"] or res["max_abs_diff"] <= bound
+        res["splits_pass"] = res["graph_splits"] is None or res["graph_splits"] <= want_splits
+        ok = ok and res["pass"] and res["splits_pass"]
+        print(f"  {path}: {'PASS' if res['pass'] else 'FAIL'} (bound {bound:.3g}), splits "
+              f"{res['graph_splits']} vs expected <= {want_splits}", flush=True)
+    report["pass"] = ok
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

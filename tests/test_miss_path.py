@@ -1,0 +1,107 @@
+"""The CPU miss path on the RPC stand-in GPU: resident experts on the device from the banks,
+misses on the CPU from the host weights, admissions uploaded in the background. Both sides
+run ggml-cpu kernels, so logits must equal the all-resident run bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from spark_cli.engine import CacheLayer, Engine, EngineOptions
+from spark_cli.gguf_info import load_geometry
+
+pytestmark = pytest.mark.model
+
+TEXT = ("The history of the printing press begins in the fifteenth century, when movable type "
+        "changed how books were made, sold and read across Europe. ") * 4
+PROMPT_TOKENS = (1, 4, 12, 20, 40)
+N_DECODE = 10
+
+
+def _prompts(eng: Engine) -> list[list[int]]:
+    toks = eng.tokenize(TEXT)
+    assert len(toks) >= max(PROMPT_TOKENS)
+    return [toks[:n] for n in PROMPT_TOKENS]
+
+
+def _run(eng: Engine, toks: list[int]) -> tuple[np.ndarray, list[int], list[np.ndarray]]:
+    eng.reset()
+    prefill = eng.eval(toks, logits="all")
+    logits, out, steps = prefill[-1], [], []
+    for _ in range(N_DECODE):
+        t = int(np.argmax(logits))
+        out.append(t)
+        logits = eng.eval([t], logits="last")
+        steps.append(logits)
+    return prefill, out, steps
+
+
+def _same(ref, got, what: str) -> None:
+    assert np.array_equal(ref[0], got[0]), f"{what}: prefill logits differ"
+    assert ref[1] == got[1], f"{what}: greedy tokens differ"
+    for i, (a, b) in enumerate(zip(ref[2], got[2])):
+        assert np.array_equal(a, b), f"{what}: decode step {i} differs (max |d| {np.abs(a - b).max()})"
+
+
+def _check(path, endpoint: str, miss_path: str, n_ubatch: int = 512, pinned: int = 1) -> dict[int, dict[str, int]]:
+    opts = dict(n_ctx=512, n_batch=512, n_ubatch=n_ubatch, rpc=[endpoint])
+    with Engine(EngineOptions(path, **opts)) as ref_eng:
+        prompts = _prompts(ref_eng)
+        refs = [_run(ref_eng, p) for p in prompts]
+    g = load_geometry(path)
+    k = g.n_expert_used
+    # S = P + k: every step that misses must evict
+    layers = [CacheLayer(il, pinned + k, tuple(range(pinned)), miss_path=miss_path) for il in g.moe_layers]
+    with Engine(EngineOptions(path, cache_layers=layers, **opts)) as eng:
+        for p, ref in zip(prompts, refs):
+            _same(ref, _run(eng, p), f"{path.name} {miss_path} {len(p)} tokens")
+        return eng.cache_stats()
+
+
+def _total(stats: dict[int, dict[str, int]], key: str) -> int:
+    return sum(s[key] for s in stats.values())
+
+
+@pytest.mark.parametrize("miss_path", ["cpu", "upload"])
+def test_demo_model_exact_on_both_miss_paths(miss_path, small_model, rpc_server):
+    stats = _check(small_model, rpc_server.endpoint, miss_path)
+    assert _total(stats, "misses") > 0 and _total(stats, "hits") > 0
+    assert _total(stats, "steps_stock") == 0  # prefills too large for the slots still use the banks
+    # one device -> host stop per cached layer and step
+    assert all(s["syncs"] == s["steps_cached"] for s in stats.values())
+    if miss_path == "cpu":
+        assert _total(stats, "blocking_upload_bytes") == 0
+        assert _total(stats, "async_uploads") > 0 and _total(stats, "cpu_experts") > 0
+        assert _total(stats, "cpu_expert_bytes") > 0
+    else:
+        assert _total(stats, "async_uploads") == 0
+        assert _total(stats, "blocking_upload_bytes") > 0
+
+
+def test_small_ubatches_exact_on_cpu_path(small_model, rpc_server):
+    # several ubatches per prompt, some fitting the slots and some not
+    stats = _check(small_model, rpc_server.endpoint, "cpu", n_ubatch=3, pinned=0)
+    assert _total(stats, "cpu_experts") > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss"])
+def test_tiny_architectures_exact_on_cpu_path(arch, rpc_server):
+    from spark_cli.demo_model import build_tiny_model
+
+    stats = _check(build_tiny_model(arch), rpc_server.endpoint, "cpu")
+    assert _total(stats, "cpu_experts") > 0, f"{arch}: the CPU miss path was not used"
+    assert _total(stats, "blocking_upload_bytes") == 0
+
+
+def test_switching_the_miss_path_keeps_results(small_model, rpc_server):
+    opts = dict(n_ctx=512, rpc=[rpc_server.endpoint])
+    with Engine(EngineOptions(small_model, **opts)) as ref_eng:
+        toks = ref_eng.tokenize(TEXT)[:12]
+        ref = _run(ref_eng, toks)
+    g = load_geometry(small_model)
+    layers = [CacheLayer(il, g.n_expert_used + 1, (0,)) for il in g.moe_layers]
+    with Engine(EngineOptions(small_model, cache_layers=layers, **opts)) as eng:
+        for path in ("cpu", "upload", "cpu"):
+            eng.set_miss_path(path)
+            assert eng.miss_paths() == {il: path for il in g.moe_layers}
+            _same(ref, _run(eng, toks), f"after switching to {path}")
