@@ -31,6 +31,22 @@ def expert_pattern(layers: Sequence[int]) -> str:
     return rf"^blk\.({alt})\.ffn_({EXPERT_KINDS})_exps\.weight$"
 
 
+def repack_is_safe() -> bool:
+    """False on CPUs that advertise AMX: ggml's AMX weight buffer (an extra buffer type) crashes
+    in its matmul there (seen in a VM), so weights keep the plain layout. SPARK_REPACK=1 forces it."""
+    env = os.environ.get("SPARK_REPACK")
+    if env is not None:
+        return env not in ("", "0")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_tile" not in line.split()
+    except OSError:
+        pass
+    return True
+
+
 @dataclass(frozen=True)
 class CacheLayer:
     """One cached MoE layer: `n_slots` device slots, the first `len(pinned)` pinned."""
@@ -154,7 +170,7 @@ class Engine:
             self._keep.append(ov)
             mp.tensor_buft_overrides = ctypes.cast(ov, ctypes.c_void_p)
         # NOTE: the cache copies expert slices byte for byte: host weights must keep plain layout
-        mp.use_extra_bufts = bool(opts.repack and not opts.cache_layers)
+        mp.use_extra_bufts = bool(opts.repack and not opts.cache_layers and repack_is_safe())
         self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             raise ModelFileError(f"{path}: llama.cpp could not load it ({_logs.last_error() or 'see SPARK_VERBOSE=1'})")

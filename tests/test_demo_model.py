@@ -237,26 +237,20 @@ def test_tiny_rejects_unknown_arch():
 
 def _greedy(model_path: Path, prompt: str, n_tokens: int) -> tuple[str, list[np.ndarray]]:
     """Greedy decode on CPU; returns the text and the logits row of every step."""
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(model_path), n_gpu_layers=0, n_ctx=512, n_batch=512,
-                          verbose=False)
-    try:
-        n_vocab = llm.n_vocab()
-        tokens = llm.tokenize(prompt.encode(), add_bos=False, special=True)
+    from spark_cli.engine import Engine, EngineOptions
+
+    with Engine(EngineOptions(model_path, n_ctx=512, n_batch=512, device="cpu")) as eng:
+        tokens = eng.tokenize(prompt, add_special=False)
         out, logits = [], []
-        llm.eval(tokens)
+        row = eng.eval(tokens, logits="last")
         for _ in range(n_tokens):
-            # Llama.scores is only filled with logits_all; read the last row directly
-            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,)).copy()
             logits.append(row)
             tok = int(np.argmax(row))
-            if tok == llm.token_eos():
+            if eng.is_eog(tok):
                 break
             out.append(tok)
-            llm.eval([tok])
-        return llm.detokenize(out).decode("utf-8", errors="replace"), logits
-    finally:
-        llm.close()
+            row = eng.eval([tok], logits="last")
+        return eng.detokenize(out), logits
 
 
 @pytest.mark.model
