@@ -96,8 +96,9 @@ def engine_options(model: Path, plan: planner.Plan | None, *, n_ctx: int, rpc: l
     cache = []
     if plan is not None:
         cache = [CacheLayer(l.index, l.slots, tuple(l.pinned)) for l in plan.layers if l.mode == "cached"]
+    host = [l.index for l in plan.layers if l.mode == "host"] if plan is not None else []
     return EngineOptions(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, rpc=rpc, device=device,
-                         cache_layers=cache, count_experts=learn, type_k=type_k, type_v=type_v)
+                         cache_layers=cache, host_layers=host, count_experts=learn, type_k=type_k, type_v=type_v)
 
 
 def decode_counts(engine: Engine) -> np.ndarray | None:

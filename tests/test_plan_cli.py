@@ -79,18 +79,21 @@ def test_stock_baseline_when_everything_fits(spark, small_model) -> None:
     assert "every expert fits on the device" in stdout and "--n-cpu-moe" not in stdout
 
 
-@pytest.mark.parametrize("budget, words", [
-    ("100MiB", "the model without experts needs"),
-    ("floor", "the expert cache floor does not fit"),
-])
-def test_too_small_budget_names_the_shortfall(spark, small_model, geo, budget, words) -> None:
-    if budget == "floor":
-        budget = str(fixed_bytes(geo) + floor_bytes(geo) // 2)
-    rc, stdout, stderr = spark(small_model, "--vram", budget)
+def test_too_small_budget_names_the_shortfall(spark, small_model) -> None:
+    rc, stdout, stderr = spark(small_model, "--vram", "100MiB")
     assert rc == 2 and stdout == ""
     lines = stderr.strip().splitlines()
     assert len(lines) == 1, stderr
-    assert lines[0].startswith("error:") and words in lines[0] and "over by" in lines[0]
+    assert lines[0].startswith("error:") and "the model without experts needs" in lines[0] and "over by" in lines[0]
+
+
+def test_below_the_cache_floor_keeps_layers_on_the_host(spark, small_model, geo) -> None:
+    rc, stdout, stderr = spark(small_model, "--vram", str(fixed_bytes(geo) + floor_bytes(geo) // 2), "--json")
+    assert rc == 0, stderr
+    modes = [l["mode"] for l in json.loads(stdout)["layers"]]
+    n_host = modes.count("host")
+    assert 0 < n_host < len(modes) and modes[:n_host] == ["host"] * n_host  # the first layers, as --n-cpu-moe
+    assert set(modes[n_host:]) == {"cached"}
 
 
 def test_no_gpu_and_no_vram_is_refused(spark, small_model) -> None:

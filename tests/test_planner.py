@@ -89,6 +89,10 @@ def check_plan(g, plan: Plan, budget: int, max_slots: int | None) -> None:
             assert not lg.is_moe and lp.device_bytes == lg.nonexpert_bytes
         elif lp.mode == "resident":
             assert lp.device_bytes == lg.nonexpert_bytes + n * bpe and lp.host_bytes == 0
+        elif lp.mode == "host":  # as stock --n-cpu-moe: expert weights and biases on the host
+            assert lg.is_moe and not lp.pinned and lp.slots == 0
+            assert lp.device_bytes == lg.nonexpert_bytes - lg.expert_bias_bytes
+            assert lp.host_bytes == lg.expert_bytes + lg.expert_bias_bytes
         else:
             assert lp.mode == "cached" and lg.is_moe
             assert lp.lru_slots >= g.n_expert_used
@@ -108,14 +112,19 @@ def test_budget_respected_or_refused(s) -> None:
     g, profile, miss, max_slots, budgets = s
     for budget in budgets:
         need = fixed_bytes(g) + floor_bytes(g, max_slots)
+        stock_cpu_moe = fixed_bytes(g) - sum(g.layers[i].expert_bias_bytes for i in g.moe_layers)
         try:
             plan = make_plan(g, budget, 4096, profile, miss_ratio=miss, max_slots_per_layer=max_slots)
         except PlanError as e:
-            assert need > budget
+            assert stock_cpu_moe > budget  # refused only where stock --cpu-moe does not fit either
             assert "over by" in e.message and "\n" not in e.one_line()
             continue
-        assert need <= budget
+        assert stock_cpu_moe <= budget
         check_plan(g, plan, budget, max_slots)
+        host = [l.index for l in plan.layers if l.mode == "host"]
+        assert (need > budget) == bool(host)  # host layers only below the cache floor
+        loaded = [i for i in g.moe_layers if not g.layers[i].is_nextn]
+        assert host == loaded[: len(host)]  # the lowest-numbered MoE layers, as --n-cpu-moe
         if profile is None:
             assert plan.predicted_cold_hit is None
         else:
@@ -209,12 +218,21 @@ def test_refuses_when_fixed_costs_do_not_fit() -> None:
     assert "kv_cache" in msg and "n_ctx 32768" in msg and "over by 0.25 GiB" in msg
 
 
-def test_refuses_when_cache_floor_does_not_fit() -> None:
-    g = make_geometry(n_layer=4, n_expert=8, k=2)
-    budget = fixed_bytes(g) + floor_bytes(g) - GiB // 50
-    with pytest.raises(PlanError, match=r"expert cache floor does not fit: 3 MoE layers x \(2 LRU \+ 1 guard\)") as e:
-        make_plan(g, budget, 4096)
-    assert "over by 0.02 GiB" in e.value.message
+def test_below_the_cache_floor_layers_stay_on_the_host() -> None:
+    g = make_geometry(n_layer=4, n_expert=8, k=2, bias=4096)  # layer 0 dense, 1-3 MoE; 30 MiB floor each
+    fixed = fixed_bytes(g)
+    plan = make_plan(g, fixed + floor_bytes(g) - GiB // 50, 4096)  # 20 MiB short: layer 1 to the host
+    assert [l.mode for l in plan.layers] == ["dense", "host", "cached", "cached"]
+    assert plan.breakdown["weights_layers_nonexpert"] == sum(l.nonexpert_bytes for l in g.layers) - 4096
+    assert tensor_overrides(plan)[0] == (r"^blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps\.(weight|bias)$", "host")
+    counts = np.ones((4, 8))
+    p2 = make_plan(g, fixed - 3 * 4096, 4096, counts)  # exactly stock --cpu-moe
+    assert [l.mode for l in p2.layers] == ["dense", "host", "host", "host"]
+    assert p2.predicted_cold_hit == 1.0 and p2.breakdown["total"] == fixed - 3 * 4096
+    assert p2.stock.cpu_moe_fits
+    with pytest.raises(PlanError, match="the model without experts needs"):
+        make_plan(g, fixed - 3 * 4096 - 1, 4096)
+    assert Plan.from_json(p2.to_json()) == p2
 
 
 def test_profile_shape_checked() -> None:
