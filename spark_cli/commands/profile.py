@@ -200,7 +200,8 @@ def run_cmd(
         err_console.print(f"[yellow]warning:[/] ... and {len(docs.unreadable) - 5} more unreadable files")
 
     mode = resolve_capture(capture)
-    keep_trace = trace is not None or held_out > 0
+    full_trace = trace is not None or held_out > 0
+    keep_trace = True  # at least the decode steps: the profile keeps a ring of recent ones
     n_batch = min(512, ctx)
     engine = open_engine(model, geometry, mode, keep_trace, ctx, n_batch, device, endpoints, threads,
                          note=lambda msg: console.print(f"[yellow]note:[/] {msg}"))
@@ -225,6 +226,7 @@ def run_cmd(
                       + (f", {gen} decoded tokens after each" if gen else "")
                       + ": Ctrl-C stops and keeps what was gathered")
         cap = _Capture(engine, mode, geometry.n_layer, geometry.n_expert, geometry.fingerprint, keep_trace)
+        cap.decode_only = not full_trace
         progress = Progress(TextColumn("{task.description}"), BarColumn(),
                             TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"), _RateColumn(),
                             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
@@ -242,8 +244,13 @@ def run_cmd(
         console.print("interrupted before any routing was recorded: the profile is unchanged")
         raise typer.Exit(130)
     source = f"profile {corpus_path.name}" + (" (interrupted)" if g.interrupted else "")
-    saved = update_file(prof_path, ident, lambda p: p.add(g.prefill, g.decode, g.tokens_prefill,
-                                                             g.tokens_decode, source=source))
+
+    def fold(p: RoutingProfile) -> None:
+        p.add(g.prefill, g.decode, g.tokens_prefill, g.tokens_decode, source=source)
+        for t in g.traces:
+            p.add_recent(t)
+
+    saved = update_file(prof_path, ident, fold)
     rate = g.tokens / g.seconds if g.seconds > 0 else 0.0
     console.print(f"{'[yellow]interrupted:[/] kept ' if g.interrupted else 'profiled '}"
                   f"{g.tokens:,} tokens ({g.tokens_prefill:,} prefill + {g.tokens_decode:,} decode) from "
@@ -251,8 +258,10 @@ def run_cmd(
     console.print(f"{'updated' if old else 'new'} profile {prof_path}: {saved.tokens_prefill:,.0f} prefill + "
                   f"{saved.tokens_decode:,.0f} decode tokens")
 
-    full = None
-    if g.traces:
+    if saved.recent is not None:
+        console.print(f"recent decode steps kept in the profile: {len(saved.recent):,} "
+                      f"(at most {saved.recent_capacity(len(saved.recent_layers), saved.recent.shape[2]):,})")
+    if g.traces and full_trace:
         from ..trace import concat
 
         full = concat(g.traces)
@@ -262,7 +271,7 @@ def run_cmd(
 
     counts, what = _print_skew(g.prefill, g.decode, geometry.n_expert_used, "this run's ")
     if held_out > 0:
-        if len(g.traces) == 0:
+        if not g.traces:
             console.print("[yellow]held-out:[/] no trace was gathered")
         else:
             train, test = split_held_out(g.traces, held_out)
