@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import heapq
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -214,6 +214,12 @@ def stock_baseline(g: ModelGeometry, budget_bytes: int, fixed_bytes: int) -> Sto
     return StockBaseline(n, device(n) <= budget_bytes, device(n), pats, all_cpu, all_cpu <= budget_bytes)
 
 
+def hottest_first(row: np.ndarray) -> list[int]:
+    """Expert ids by routing count, highest first; ties: lower id first."""
+    row = np.asarray(row, dtype=np.float64)
+    return [int(e) for e in np.lexsort((np.arange(row.size), -row))]
+
+
 class _Layer:
     """Greedy state of one MoE layer."""
 
@@ -221,7 +227,7 @@ class _Layer:
                  mass: float, max_slots: int | None, miss_ratio: Callable[[int, int], float] | None,
                  miss_fn: Callable[[int, int], float] | None = None, allow_pins: bool = True):
         self.index, self.n, self.k, self.bpe, self.mass = index, n_expert, k, bpe, mass
-        self.order = [int(e) for e in np.lexsort((np.arange(n_expert), -freq))]  # hottest first
+        self.order = hottest_first(freq)
         self.unpinned = 1.0 - np.concatenate([[0.0], np.cumsum(freq[self.order])])  # u(P)
         self.max_slots, self.miss_ratio, self.miss_fn = max_slots, miss_ratio, miss_fn
         self.allow_pins = allow_pins
@@ -406,3 +412,130 @@ def tensor_overrides(plan: Plan) -> list[tuple[str, str]]:
         elif l.mode == "host":  # as stock --n-cpu-moe: weights and biases
             out.append((f"^blk\\.{l.index}{STOCK_EXPS_REGEX}\\.(weight|bias)$", "host"))
     return out
+
+
+# ---------------------------------------------------------------- planning by replay
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan made one way, and its miss share replayed on the planning trace."""
+
+    name: str  # "replay" (pins and slots priced by replay), "pins+k", "all-slots"
+    plan: Plan
+    miss: float
+
+
+def _policy_for(policy: str, pins: int) -> str:
+    return "lru-pinned" if policy == "lru" and pins else policy
+
+
+class LayerReplay:
+    """Replays one trace's decode steps, layer by layer, through `policy` with the P
+    hottest experts (by `counts`) pinned and L policy slots: miss(layer, P, L) in [0, 1]."""
+
+    def __init__(self, trace: Any, counts: np.ndarray | None, policy: str, miss_path: str = "upload",
+                 max_admit: int | None = None):
+        from .simulator import _layer_steps, _phase_mask
+
+        self.trace, self.policy, self.miss_path, self.max_admit = trace, policy, miss_path, max_admit
+        keep, _ = _phase_mask(trace, ("decode",))
+        self._keep, self._layer_steps = keep, _layer_steps
+        self._steps: dict[int, Any] = {}
+        self._memo: dict[tuple[int, tuple[int, ...], int], float] = {}
+        n = trace.n_expert
+        self.order = {l: hottest_first(counts[l] if counts is not None else np.zeros(n)) for l in trace.moe_layers()}
+
+    def miss(self, layer: int, pins: int, lru: int, pinned: tuple[int, ...] | None = None) -> float:
+        from .simulator import _replay
+
+        if layer not in self.order:
+            return 0.0  # the trace never routes this layer: nothing to miss
+        if layer not in self._steps:
+            self._steps[layer] = self._layer_steps(self.trace, layer, self._keep)
+        pin = pinned if pinned is not None else tuple(self.order[layer][:pins])
+        key = (layer, pin, lru)
+        if key in self._memo:
+            return self._memo[key]
+        st = _replay(self._steps[layer], self.trace.k, self.trace.n_expert, layer, len(pin) + lru, pin,
+                     _policy_for(self.policy, len(pin)), self.miss_path, self.max_admit)
+        n = st.hits_decode + st.misses_decode + st.stock_accesses_decode
+        self._memo[key] = 1.0 - st.hits_decode / n if n else 0.0
+        return self._memo[key]
+
+    def plan_miss(self, plan: Plan) -> float:
+        """Mean over the plan's MoE layers: resident 0, host 1, cached the replayed miss share."""
+        out = []
+        for l in plan.layers:
+            if l.mode == "resident":
+                out.append(0.0)
+            elif l.mode == "host":
+                out.append(1.0)
+            elif l.mode == "cached":
+                out.append(self.miss(l.index, len(l.pinned), l.lru_slots, tuple(l.pinned)))
+        return sum(out) / len(out) if out else 0.0
+
+
+def plan_by_replay(geometry: ModelGeometry, budget_bytes: int, n_ctx: int, trace: Any,
+                   profile_counts: np.ndarray | None = None, policy: str = "lru", type_k: str = "f16",
+                   type_v: str = "f16", n_ubatch: int = 512, miss_path: str = "upload",
+                   max_admit: int | None = None) -> tuple[Plan, list[Candidate]]:
+    """Price pins against policy slots per layer by replaying `trace` (decode steps)
+    through the policy that will run, and keep the best of three plans for the budget:
+
+    - "replay": the greedy of make_plan with miss_fn = the replayed miss share with the
+      P hottest pinned (by `profile_counts`, else the trace's decode counts) and L slots;
+    - "pins+k": make_plan from the counts alone (pins, k policy slots per layer);
+    - "all-slots": make_plan with slots only (no pins), priced by replay.
+
+    The chosen plan has the smallest replayed miss share on `trace` (ties: that order),
+    so on its own trace it is never worse than pins+k or all-slots. Returns (plan with
+    predicted_miss set, every candidate).
+    """
+    from .simulator import canonical_policy
+
+    policy = canonical_policy(policy)
+    counts = profile_counts
+    if counts is None or np.asarray(counts).sum() <= 0:
+        counts = trace.counts("decode") if trace.n_decode else None
+    rp = LayerReplay(trace, None if counts is None else np.asarray(counts, dtype=np.float64), policy,
+                     miss_path, max_admit)
+    common = dict(profile_counts=counts, type_k=type_k, type_v=type_v, n_ubatch=n_ubatch, policy=policy)
+    plans = [
+        ("replay", make_plan(geometry, budget_bytes, n_ctx, miss_fn=rp.miss, **common)),
+        ("pins+k", make_plan(geometry, budget_bytes, n_ctx, **common)),
+        ("all-slots", make_plan(geometry, budget_bytes, n_ctx, miss_fn=rp.miss, allow_pins=False, **common)),
+    ]
+    cands = [Candidate(name, p, rp.plan_miss(p)) for name, p in plans]
+    best = min(range(len(cands)), key=lambda i: (cands[i].miss, i))
+    return replace(cands[best].plan, predicted_miss=cands[best].miss), cands
+
+
+@dataclass(frozen=True)
+class HeldOutCheck:
+    """Plan on the first part of a trace's decode steps, then replay the rest."""
+
+    train_steps: int
+    test_steps: int
+    predicted: float  # the train plan's miss share replayed on the train part (what it predicts)
+    measured: float  # the train plan replayed on the held-out part
+    oracle: float  # a plan made from the held-out part itself, replayed on it
+    belady: float  # the train plan's pins and slots on the held-out part, Belady evicting
+
+
+def held_out_check(geometry: ModelGeometry, budget_bytes: int, n_ctx: int, trace: Any, train_frac: float = 0.7,
+                   policy: str = "lru", type_k: str = "f16", type_v: str = "f16", n_ubatch: int = 512,
+                   miss_path: str = "upload", max_admit: int | None = None) -> HeldOutCheck | None:
+    """Train on the first `train_frac` of the decode steps (their counts pick the pins),
+    predict the rest; None when either part has no decode step."""
+    train, test = trace.decode_steps().split(train_frac)
+    if not train.n_rows or not test.n_rows:
+        return None
+    kw = dict(policy=policy, type_k=type_k, type_v=type_v, n_ubatch=n_ubatch, miss_path=miss_path,
+              max_admit=max_admit)
+    p_train, _ = plan_by_replay(geometry, budget_bytes, n_ctx, train, train.counts("decode"), **kw)
+    p_test, _ = plan_by_replay(geometry, budget_bytes, n_ctx, test, test.counts("decode"), **kw)
+    measured = LayerReplay(test, None, policy, miss_path, max_admit).plan_miss(p_train)
+    belady = LayerReplay(test, None, "belady", miss_path, max_admit).plan_miss(p_train)
+    return HeldOutCheck(train.n_rows, test.n_rows, float(p_train.predicted_miss or 0.0), measured,
+                        float(p_test.predicted_miss or 0.0), belady)

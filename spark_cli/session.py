@@ -69,11 +69,17 @@ def gpu_free_bytes() -> int | None:
         return None
 
 
-def make_plan_for(model: Path, geometry: ModelGeometry, budget: int, n_ctx: int, info: ProfileInfo,
-                  type_k: str = "f16", type_v: str = "f16", trace=None) -> planner.Plan:
+def profile_counts(info: ProfileInfo) -> np.ndarray | None:
+    """Decode counts of the profile, or all its counts when it has no decode tokens."""
     counts = info.profile.decode if info.profile is not None and info.profile.tokens_decode > 0 else None
     if counts is None and info.profile is not None:
         counts = info.profile.prefill + info.profile.decode
+    return counts
+
+
+def make_plan_for(model: Path, geometry: ModelGeometry, budget: int, n_ctx: int, info: ProfileInfo,
+                  type_k: str = "f16", type_v: str = "f16", trace=None) -> planner.Plan:
+    counts = profile_counts(info)
     miss_ratio = None
     if trace is not None:
         from .simulator import miss_ratio_curve

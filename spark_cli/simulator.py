@@ -235,33 +235,34 @@ class LayerCache:
         self.protected = 0
         self.protected_cap = (slots - len(pin)) * params.protected_num // params.protected_den
         self.pending: list[int] = []
+        self.n_free = slots - len(pin)
         self.counts = policy in ("lfu-aged", "tinylfu")
 
-    def _key(self, s: int) -> tuple[int, int]:
-        p = self.policy
-        if p in ("lfu-aged", "tinylfu"):
-            return self.freq[self.slot_expert[s]], self.slot_tick[s]
-        if p == "slru":
-            return self.slot_seg[s], self.slot_tick[s]
-        if p == "belady":
-            return -self.next_use[self.slot_expert[s]], self.slot_tick[s]
-        return 0, self.slot_tick[s]
-
     def _free_slot(self) -> int:
+        if not self.n_free:
+            return -1
         for s in range(self.P, self.S):
             if self.slot_expert[s] < 0:
                 return s
         return -1
 
     def _victim(self, used: set[int]) -> int:
-        best, best_key = -1, None
-        for s in range(self.P, self.S):
-            if s in used or self.slot_pending[s] or self.slot_expert[s] < 0:
-                continue
-            key = self._key(s)
-            if best_key is None or key < best_key:
-                best, best_key = s, key
-        return best
+        """The evictable slot with the smallest key (see the class docstring); -1 if none."""
+        se, tick, pend = self.slot_expert, self.slot_tick, self.slot_pending
+        cands = [s for s in range(self.P, self.S) if s not in used and not pend[s] and se[s] >= 0]
+        if not cands:
+            return -1
+        p = self.policy
+        if p in ("lfu-aged", "tinylfu"):
+            f = self.freq
+            return min(cands, key=lambda s: (f[se[s]], tick[s]))
+        if p == "slru":
+            seg = self.slot_seg
+            return min(cands, key=lambda s: (seg[s], tick[s]))
+        if p == "belady":
+            nu = self.next_use
+            return min(cands, key=lambda s: (-nu[se[s]], tick[s]))
+        return min(cands, key=tick.__getitem__)
 
     def _touch(self, s: int) -> None:
         self.tick += 1
@@ -282,6 +283,8 @@ class LayerCache:
             out.evicted.append(old)
             if self.slot_seg[s] == 1:
                 self.protected -= 1
+        else:
+            self.n_free -= 1
         self.slot_expert[s] = e
         self.expert_slot[e] = s
         self.slot_seg[s] = 0

@@ -17,6 +17,7 @@ from spark_cli.commands import plan as plan_cmd
 from spark_cli.errors import PlanError
 from spark_cli.gguf_info import _open, load_geometry
 from spark_cli.profile import RoutingProfile, profile_path_for
+from spark_cli.simulator import DEFAULT_POLICY
 from spark_cli.trace import RoutingTrace
 
 MiB = 1 << 20
@@ -186,6 +187,15 @@ def test_trace_sizes_lru_slots(spark, small_model, geo, tmp_path) -> None:
     rc, stdout, stderr = spark(small_model, "--vram", partial_budget(geo, 0.4), "--trace", path)
     assert rc == 0, stderr
     assert "routing counts from the trace" in stdout and "on the trace (300 decode rows" in stdout
+    assert f"priced by replaying 300 decode steps of the trace t.npz through {DEFAULT_POLICY}" in stdout
+    assert "held-out check: planned on the first 210 decode steps" in stdout and "Belady" in stdout
+    rc, stdout, stderr = spark(small_model, "--vram", partial_budget(geo, 0.4), "--trace", path,
+                               "--policy", "lru", "--no-check", "--json")
+    assert rc == 0, stderr
+    d = json.loads(stdout)
+    assert d["policy"] == "lru" and 0.0 <= d["predicted_miss"] <= 1.0
+    rc, _, stderr = spark(small_model, "--vram", "2GiB", "--policy", "belady")
+    assert rc == 2 and "a cache cannot run it" in stderr
     other = tmp_path / "other.npz"
     RoutingTrace(ids, np.ones(n), np.arange(n), geo.n_expert, "0" * 64).save(other)
     rc, _, stderr = spark(small_model, "--vram", "2GiB", "--trace", other)

@@ -296,3 +296,57 @@ def test_json_round_trip_and_identity(tmp_path: Path) -> None:
         Plan.load(path)
     with pytest.raises(PlanError, match="cannot read plan"):
         Plan.load(tmp_path / "missing.json")
+
+
+# ---------------------------------------------------------------- planning by replay (issue 12)
+
+from spark_cli.planner import LayerReplay, held_out_check, plan_by_replay  # noqa: E402
+from spark_cli.trace import RoutingTrace  # noqa: E402
+
+
+def _skewed_trace(g, n: int, seed: int, drift: bool = False) -> RoutingTrace:
+    rng = np.random.default_rng(seed)
+    k, E = g.n_expert_used, g.n_expert
+    ids = np.full((n, g.n_layer, k), -1, dtype=np.int16)
+    for l in g.moe_layers:
+        perm = rng.permutation(E)
+        w = 1.0 / np.arange(1, E + 1) ** rng.uniform(0.3, 1.5)
+        for t in range(n):
+            if drift and t % 40 == 0:
+                perm = rng.permutation(E)  # a new hot set: recency pays, pins do not
+            ids[t, l] = perm[rng.choice(E, k, replace=False, p=w / w.sum())]
+    return RoutingTrace(ids, np.ones(n), np.arange(n), E, g.fingerprint)
+
+
+@settings(max_examples=int(os.environ.get("SPARK_HYP_EXAMPLES", "25")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), frac=st.floats(0.0, 1.0), drift=st.booleans(),
+       policy=st.sampled_from(["lru", "lfu-aged", "tinylfu"]))
+def test_replay_plan_never_worse_than_both_baselines(seed, frac, drift, policy) -> None:
+    g = make_geometry(n_layer=3, n_expert=8, k=2)
+    tr = _skewed_trace(g, 120, seed, drift)
+    lo = fixed_bytes(g)  # stock --cpu-moe (no expert biases here): every layer on the host
+    budget = int(lo + frac * (full_bytes(g) - lo))
+    plan, cands = plan_by_replay(g, budget, 4096, tr, None, policy)
+    by = {c.name: c for c in cands}
+    assert set(by) == {"replay", "pins+k", "all-slots"}
+    assert plan.predicted_miss <= min(by["pins+k"].miss, by["all-slots"].miss) + 1e-12
+    assert plan.policy == policy and plan.breakdown["total"] <= budget
+    assert all(not c.plan.layers[i].pinned for c in [by["all-slots"]] for i in range(g.n_layer))
+    again, _ = plan_by_replay(g, budget, 4096, tr, None, policy)
+    assert again == plan  # deterministic
+    assert LayerReplay(tr, None, policy).plan_miss(plan) == pytest.approx(plan.predicted_miss)
+
+
+def test_replay_prices_slots_when_the_hot_set_moves() -> None:
+    g = make_geometry(n_layer=3, n_expert=16, k=2, dense=())
+    tr = _skewed_trace(g, 400, 1, drift=True)
+    budget = fixed_bytes(g) + floor_bytes(g) + 3 * 6 * 10 * MiB
+    plan, cands = plan_by_replay(g, budget, 4096, tr, None, "lru")
+    by = {c.name: c.miss for c in cands}
+    assert plan.predicted_miss == min(by.values())
+    assert by["all-slots"] < by["pins+k"]  # pins bet on a hot set that moves away
+    c = held_out_check(g, budget, 4096, tr, policy="lru")
+    assert c is not None and (c.train_steps, c.test_steps) == (280, 120)
+    assert 0.0 <= c.belady <= c.measured <= 1.0 and 0.0 <= c.oracle <= 1.0
+    assert held_out_check(g, budget, 4096, tr.rows(0, 1), policy="lru") is None
