@@ -480,13 +480,13 @@ def _run(steps: list[list[int]], decode: list[bool], n_expert: int, slots: int, 
     if policy == "belady":
         nxt = _next_uses(steps)
         land = _next_uses(steps, decode) if miss_path == "cpu" else nxt
-    n = len(steps)
-    hits, misses, adm, skip = (np.zeros(n, dtype=np.int64) for _ in range(4))
+    out: list[tuple[int, int, int, int]] = []
     for t, distinct in enumerate(steps):
         o = cache.step(distinct, decode[t], nxt[t] if nxt is not None else None,
                        land[t] if land is not None else None)
-        hits[t], misses[t], adm[t], skip[t] = len(o.hits), len(o.misses), len(o.admitted), o.skipped
-    return _Run(hits, misses, adm, skip, cache.resident())
+        out.append((len(o.hits), len(o.misses), len(o.admitted), o.skipped))
+    a = np.asarray(out, dtype=np.int64).reshape(len(steps), 4)
+    return _Run(a[:, 0], a[:, 1], a[:, 2], a[:, 3], cache.resident())
 
 
 def _replay(steps: _Steps, k: int, n_expert: int, layer: int, slots: int, pinned: Sequence[int],

@@ -295,3 +295,26 @@ def test_simulate_refuses_a_trace_of_another_model(run, tmp_path):
     RoutingTrace(tr.ids, tr.phase, tr.step, tr.n_expert, "ef" * 32).save(tmp_path / "x.npz")
     rc, out, err = spark("profile", "simulate", tmp_path / "x.npz", "--model", run["model"])
     assert rc == 2 and "trace of another model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_simulate_marks_the_default_policy_without_a_model(tmp_path):
+    rng = np.random.default_rng(5)
+    n, E, k = 200, 8, 2
+    ids = np.stack([[rng.choice(E, k, replace=False, p=np.arange(E, 0, -1) / 36.0) for _ in range(2)]
+                    for _ in range(n)])
+    path = tmp_path / "t.npz"
+    RoutingTrace(ids, np.ones(n), np.arange(n), E, "ab" * 32).save(path)
+    rc, out, err = spark("profile", "simulate", path, "--slots", "3,5", "--miss-path", "both", "--json")
+    assert rc == 0, err
+    rows = json.loads(out)
+    assert len(rows) == 2 * 2 * 6
+    for r in rows:
+        assert r["default"] == (r["policy"] == DEFAULT_POLICY)
+        belady = next(b for b in rows if b["policy"] == "belady" and (b["slots"], b["miss_path"]) ==
+                      (r["slots"], r["miss_path"]))
+        assert r["vs_belady"] == pytest.approx(r["hit_rate"] / belady["hit_rate"])
+        if r["policy"] in ("lru", "lfu-aged", "slru", "tinylfu") and r["miss_path"] == "upload":
+            assert r["vs_belady"] <= 1.0 + 1e-12  # Belady is optimal in the upload path
+    rc, out, err = spark("profile", "simulate", path, "--slots", "3", "--max-admit", "1", "--miss-path", "cpu")
+    assert rc == 0, err
+    assert "(default)" in out and "vs Belady" in out
