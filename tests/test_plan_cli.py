@@ -262,3 +262,20 @@ def test_byte_accounting_tiny_archs(spark, arch) -> None:
         assert _accounted(p, g) == total
         assert p.stock.device_bytes <= budget or not p.stock.fits
         assert vram.kv_cache_bytes(g, 512) == p.breakdown["kv_cache"]
+
+
+def test_plan_replays_the_profiles_recent_steps(spark, small_model, geo, tmp_path) -> None:
+    rng = np.random.default_rng(1)
+    n, k = 120, geo.n_expert_used
+    p = np.array([2.0 ** -i for i in range(geo.n_expert)])
+    ids = np.stack([np.stack([rng.choice(geo.n_expert, k, replace=False, p=p / p.sum())
+                              for _ in range(geo.n_layer)]) for _ in range(n)])
+    prof = RoutingProfile.empty(geo.identity()).add_trace(
+        RoutingTrace(ids, np.ones(n), np.arange(n), geo.n_expert, geo.fingerprint), "test")
+    path = tmp_path / "p.json"
+    prof.save(path)
+    rc, stdout, stderr = spark(small_model, "--vram", partial_budget(geo, 0.4), "--profile", path,
+                               "--policy", "lfu-aged", "--no-check")
+    assert rc == 0, stderr
+    assert "priced by replaying 120 decode steps of the profile's recent decode steps through lfu-aged" in stdout
+    assert "held-out check" not in stdout
