@@ -376,12 +376,13 @@ def test_lfu_aged_integer_halving_by_hand():
 def test_slru_protects_reused_experts():
     # cap 3, protected 1 of 3 (num 1, den 2 -> 1): 0 0 (0 protected) 1 2 3 -> evicts 1 (probation LRU),
     # then 4 evicts 2: 0 stays although it is the least recent
+    half = PolicyParams(protected_num=1, protected_den=2)
     t = make_trace([[[0]], [[0]], [[1]], [[2]], [[3]], [[4]], [[0]]], n_expert=5)
-    s = simulate(t, "slru", 3).layers[0]
+    s = simulate(t, "slru", 3, params=half).layers[0]
     assert (s.hits, s.misses) == (2, 5)
     lru = simulate(t, "lru", 3).layers[0]
     assert (lru.hits, lru.misses) == (1, 6)
-    c = LayerCache(5, 3, (), "slru")
+    c = LayerCache(5, 3, (), "slru", params=half)
     for e in (0, 0, 1, 1, 2, 2):  # promoting 1 then 2 demotes the older protected one
         c.step([e])
     assert [c.slot_seg[c.expert_slot[e]] for e in (0, 1, 2)] == [0, 0, 1]
