@@ -196,8 +196,11 @@ class LayerCache:
         lru: slot_tick[s];  lfu-aged, tinylfu: (freq[slot_expert[s]], slot_tick[s]);
         slru: (slot_seg[s], slot_tick[s]);  belady: (-next_use[slot_expert[s]], slot_tick[s]).
     Admission (cpu path, free slot: always; else against the victim v):
-        tinylfu: freq[e] > freq[slot_expert[v]];  belady: next_use[e] < next_use[slot_expert[v]];
-        others: always.
+        tinylfu: freq[e] > freq[slot_expert[v]];  others: always;
+        belady: land_use[e] < next_use[slot_expert[v]] (land_use: e's next use at or after
+        the next decode step, where the admission lands).
+    The slru demotion may pick a slot used by this step (demotion is not eviction);
+    evicting a protected slot lowers the protected count.
     """
 
     def __init__(self, n_expert: int, slots: int, pinned: Sequence[int], policy: str,
