@@ -164,6 +164,7 @@ def make_configs(g: ModelGeometry, budget: int, n_ctx: int, names: Sequence[str]
                 c.plan, c.planned_bytes = plan, plan.breakdown["total"]
                 c.cache_layers = tuple(CacheLayer(l.index, l.slots, tuple(l.pinned))
                                        for l in plan.layers if l.mode == "cached")
+                c.host_layers = tuple(l.index for l in plan.layers if l.mode == "host")  # below the cache floor
             else:
                 c.status, c.note = "does not fit", (plan.one_line() if plan is not None else "no plan")
         else:

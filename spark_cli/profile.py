@@ -14,8 +14,17 @@ A profile lives beside its model as `<model>.spark-profile.json`:
       "updated": "2025-01-02T08:30:00+00:00",
       "sources": ["profile corpus wiki", "chat"],
       "prefill": [[...n_expert floats...], ...n_layer rows],
-      "decode":  [[...n_expert floats...], ...n_layer rows]
+      "decode":  [[...n_expert floats...], ...n_layer rows],
+      "recent":  {"layers": [1, 2, ...], "k": 8, "dtype": "uint8", "steps": 512,
+                  "ids": "<base64>"}          # version 2, optional
     }
+
+Version 2 adds `recent`: a bounded ring of the most recent decode steps (one token each),
+kept so that a plan can replay real traffic without a separate trace. `ids` is the
+base64 of a C-order array [steps, len(layers), k] of `dtype` (uint8 when n_expert <= 256,
+else little-endian uint16): the routed ids of each listed MoE layer, oldest step first.
+The ring holds at most `recent_capacity()` steps: RECENT_MAX_BYTES of ids, at most
+RECENT_MAX_STEPS. Version 1 files (no ring) are read as they are.
 
 Counts are routed (token, slot k) occurrences; non-MoE layers hold zeros. Floats are
 written with Python's shortest round-trip repr, so save/load is exact.
@@ -27,6 +36,8 @@ when it has none) first multiplies every existing count and token total by
 
 from __future__ import annotations
 
+import base64
+import binascii
 import copy
 import json
 import math
@@ -41,7 +52,10 @@ from .atomic import atomic_write_text, file_lock
 from .errors import ProfileError
 
 FORMAT = "spark-routing-profile"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
+RECENT_MAX_BYTES = 256 << 10
+RECENT_MAX_STEPS = 4096
 DEFAULT_HALF_LIFE_TOKENS = 1_000_000
 MODEL_KEYS = ("arch", "n_layer", "n_expert", "n_expert_used", "fingerprint", "tensor_layout_hash")
 MAX_SOURCES = 32
@@ -96,6 +110,8 @@ class RoutingProfile:
     updated: str = field(default_factory=_now)
     sources: list[str] = field(default_factory=list)
     version: int = FORMAT_VERSION
+    recent: np.ndarray | None = None  # [steps, len(recent_layers), k] routed ids, oldest first
+    recent_layers: tuple[int, ...] = ()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -167,12 +183,54 @@ class RoutingProfile:
         return self
 
     def add_trace(self, trace: Any, source: str = "") -> "RoutingProfile":
-        """Add the counts of a RoutingTrace of this model."""
+        """Add the counts of a RoutingTrace of this model, and its decode steps to the ring."""
         if trace.fingerprint != self.fingerprint:
             raise ProfileError("cannot add a trace of another model to this profile")
         n_dec = trace.n_decode
-        return self.add(trace.counts("prefill"), trace.counts("decode"),
-                        trace.n_rows - n_dec, n_dec, source)
+        self.add(trace.counts("prefill"), trace.counts("decode"), trace.n_rows - n_dec, n_dec, source)
+        return self.add_recent(trace)
+
+    def recent_capacity(self, n_layers: int, k: int) -> int:
+        """Steps the ring holds for `n_layers` MoE layers of `k` ids each."""
+        item = 1 if self.shape[1] <= 256 else 2
+        return max(1, min(RECENT_MAX_STEPS, RECENT_MAX_BYTES // max(1, n_layers * k * item)))
+
+    def add_recent(self, trace: Any) -> "RoutingProfile":
+        """Append the one-token decode steps of a RoutingTrace of this model to the ring
+        (the oldest fall out). A trace with other MoE layers or k restarts the ring."""
+        if trace.fingerprint != self.fingerprint:
+            raise ProfileError("cannot add a trace of another model to this profile")
+        dec = trace.decode_steps()
+        layers = tuple(trace.moe_layers())
+        if not dec.n_rows or not layers:
+            return self
+        ids = dec.ids[:, list(layers), :].astype(np.int16)
+        ids = ids[(ids >= 0).all(axis=(1, 2))]  # steps where every MoE layer ran
+        if self.recent is not None and (self.recent_layers != layers or self.recent.shape[2] != trace.k):
+            self.recent, self.recent_layers = None, ()
+        ring = ids if self.recent is None else np.concatenate([self.recent, ids])
+        cap = self.recent_capacity(len(layers), trace.k)
+        self.recent, self.recent_layers = ring[-cap:], layers
+        return self
+
+    def recent_trace(self) -> Any:
+        """The ring as a RoutingTrace of decode steps (None when empty)."""
+        from .trace import DECODE, RoutingTrace
+
+        if self.recent is None or not len(self.recent):
+            return None
+        n, n_layer = len(self.recent), self.shape[0]
+        ids = np.full((n, n_layer, self.recent.shape[2]), -1, dtype=np.int16)
+        ids[:, list(self.recent_layers), :] = self.recent
+        return RoutingTrace(ids, np.full(n, DECODE), np.arange(n), self.shape[1], self.fingerprint)
+
+    def _recent_json(self) -> dict[str, Any] | None:
+        if self.recent is None or not len(self.recent):
+            return None
+        dtype = "uint8" if self.shape[1] <= 256 else "uint16"
+        raw = np.ascontiguousarray(self.recent.astype("<u2" if dtype == "uint16" else np.uint8)).tobytes()
+        return {"layers": list(self.recent_layers), "k": int(self.recent.shape[2]), "dtype": dtype,
+                "steps": int(len(self.recent)), "ids": base64.b64encode(raw).decode("ascii")}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -187,6 +245,7 @@ class RoutingProfile:
             "sources": list(self.sources),
             "prefill": self.prefill.tolist(),
             "decode": self.decode.tolist(),
+            **({"recent": r} if (r := self._recent_json()) is not None else {}),
         }
 
     def _write(self, path: Path) -> None:
@@ -203,9 +262,9 @@ class RoutingProfile:
         bad = f"profile {where} is corrupt"
         if not isinstance(d, dict) or d.get("format", FORMAT) != FORMAT:
             raise ProfileError(f"{bad}: not a Spark routing profile")
-        if d.get("version") != FORMAT_VERSION:
+        if d.get("version") not in READ_VERSIONS:
             raise ProfileError(f"profile {where} has format version {d.get('version')}; "
-                               f"this Spark reads version {FORMAT_VERSION}",
+                               f"this Spark reads versions {', '.join(map(str, READ_VERSIONS))}",
                                hint="run spark profile again to rebuild it")
         try:
             model = model_identity(d["model"])
@@ -223,8 +282,10 @@ class RoutingProfile:
                 raise ProfileError(f"{bad}: {k} holds negative or non-finite counts")
         if any(not math.isfinite(v) or v < 0 for v in nums.values()):
             raise ProfileError(f"{bad}: negative or non-finite token totals")
+        recent, recent_layers = _recent_from_json(d.get("recent"), shape, bad)
         return cls(model, counts["prefill"], counts["decode"], nums["tokens_prefill"],
-                   nums["tokens_decode"], nums["half_life_tokens"], created, updated, sources)
+                   nums["tokens_decode"], nums["half_life_tokens"], created, updated, sources,
+                   recent=recent, recent_layers=recent_layers)
 
     @classmethod
     def load(cls, path: Path | str, expect: Mapping[str, Any] | object | None = None) -> "RoutingProfile":
@@ -247,6 +308,26 @@ class RoutingProfile:
         return p
 
 
+def _recent_from_json(r: Any, shape: tuple[int, int], bad: str) -> tuple[np.ndarray | None, tuple[int, ...]]:
+    if r is None:
+        return None, ()
+    try:
+        layers = tuple(int(x) for x in r["layers"])
+        k, steps, dtype = int(r["k"]), int(r["steps"]), str(r["dtype"])
+        raw = base64.b64decode(r["ids"], validate=True)
+    except (KeyError, TypeError, ValueError, binascii.Error) as e:
+        raise ProfileError(f"{bad}: recent: {type(e).__name__}: {e}".splitlines()[0]) from None
+    if dtype not in ("uint8", "uint16") or k < 1 or steps < 0:
+        raise ProfileError(f"{bad}: recent: dtype {dtype!r}, k {k}, steps {steps}")
+    item = 1 if dtype == "uint8" else 2
+    if len(raw) != steps * len(layers) * k * item or any(not 0 <= l < shape[0] for l in layers):
+        raise ProfileError(f"{bad}: recent: {len(raw)} bytes for {steps} steps x {len(layers)} layers x {k}")
+    ids = np.frombuffer(raw, dtype=np.uint8 if item == 1 else "<u2").astype(np.int16)
+    if ids.size and ids.max() >= shape[1]:
+        raise ProfileError(f"{bad}: recent: expert ids outside [0, {shape[1]})")
+    return ids.reshape(steps, len(layers), k), layers
+
+
 def merge(a: RoutingProfile, b: RoutingProfile) -> RoutingProfile:
     """`a` aged by b's new tokens, plus `b`: b is taken as the more recent history.
 
@@ -259,6 +340,9 @@ def merge(a: RoutingProfile, b: RoutingProfile) -> RoutingProfile:
                            f"({a.fingerprint[:16]}) and {_describe(b.model)} ({b.fingerprint[:16]})")
     out = a.copy()
     out.add(b.prefill, b.decode, b.tokens_prefill, b.tokens_decode)
+    rb = b.recent_trace()
+    if rb is not None:  # b's steps are the more recent ones
+        out.add_recent(rb)
     for s in b.sources:
         out._add_source(s)
     out.created = min(a.created, b.created)

@@ -44,6 +44,7 @@ class _Capture:
         self.engine, self.mode = engine, mode
         self.n_layer, self.n_expert, self.fingerprint = n_layer, n_expert, fingerprint
         self.keep_trace = keep_trace
+        self.decode_only = False  # keep only the one-token decode steps (the profile's ring)
 
     def _fit(self, a: np.ndarray) -> np.ndarray:
         out = np.zeros((self.n_layer, self.n_expert), dtype=np.float64)
@@ -64,6 +65,8 @@ class _Capture:
             records = list(e.records)
             pre, dec = (a.astype(np.float64) for a in records_to_counts(records, self.n_layer, self.n_expert))
         trace = records_to_trace(records, self.n_layer, self.n_expert, self.fingerprint) if self.keep_trace else None
+        if trace is not None and self.decode_only:
+            trace = trace.decode_steps()
         e.reset_stats()  # zeroes native counts and trace, and clears callback records
         return pre, dec, trace
 

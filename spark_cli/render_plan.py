@@ -82,8 +82,9 @@ def layer_table(plan: Plan, compress_over: int = COMPRESS_OVER) -> Table:
     t.add_column("host", justify="right")
     for run in layer_runs(plan, compress_over):
         l = run.layer
-        mode = {"resident": f"resident ({n_expert} experts)", "cached": "host + cache"}.get(l.mode, l.mode)
-        style = {"resident": "green", "cached": "cyan", "skipped": "dim"}.get(l.mode, "")
+        mode = {"resident": f"resident ({n_expert} experts)", "cached": "host + cache",
+                "host": "host only (as --n-cpu-moe)"}.get(l.mode, l.mode)
+        style = {"resident": "green", "cached": "cyan", "host": "yellow", "skipped": "dim"}.get(l.mode, "")
         many = run.first != run.last
         t.add_row(run.label, f"[{style}]{mode}[/]" if style else mode, _pinned_text(run),
                   str(l.lru_slots) if l.mode == "cached" else "-",
@@ -128,7 +129,7 @@ def uniform_cold_hit(plan: Plan) -> float:
     """Cold-hit rate if routing were uniform: a cached layer misses (E - P) / E."""
     n = int(plan.model["n_expert"])
     rates = [0.0 if l.mode == "resident" else 1.0 - len(l.pinned) / n
-             for l in plan.layers if l.mode in ("resident", "cached")]
+             for l in plan.layers if l.mode in ("resident", "cached", "host")]
     return sum(rates) / len(rates) if rates else 0.0
 
 
@@ -143,7 +144,7 @@ def cold_hit_line(plan: Plan) -> str:
 def stock_cpu_layers(plan: Plan, stock: StockBaseline | None = None) -> tuple[int, int]:
     """(MoE layers whose experts stock llama.cpp keeps on the CPU, MoE layers)."""
     s = stock or plan.stock
-    moe = [l.index for l in plan.layers if l.mode in ("resident", "cached")]
+    moe = [l.index for l in plan.layers if l.mode in ("resident", "cached", "host")]
     return sum(1 for i in moe if i < s.n_cpu_moe), len(moe)
 
 

@@ -69,11 +69,17 @@ def gpu_free_bytes() -> int | None:
         return None
 
 
-def make_plan_for(model: Path, geometry: ModelGeometry, budget: int, n_ctx: int, info: ProfileInfo,
-                  type_k: str = "f16", type_v: str = "f16", trace=None) -> planner.Plan:
+def profile_counts(info: ProfileInfo) -> np.ndarray | None:
+    """Decode counts of the profile, or all its counts when it has no decode tokens."""
     counts = info.profile.decode if info.profile is not None and info.profile.tokens_decode > 0 else None
     if counts is None and info.profile is not None:
         counts = info.profile.prefill + info.profile.decode
+    return counts
+
+
+def make_plan_for(model: Path, geometry: ModelGeometry, budget: int, n_ctx: int, info: ProfileInfo,
+                  type_k: str = "f16", type_v: str = "f16", trace=None) -> planner.Plan:
+    counts = profile_counts(info)
     miss_ratio = None
     if trace is not None:
         from .simulator import miss_ratio_curve
@@ -96,8 +102,9 @@ def engine_options(model: Path, plan: planner.Plan | None, *, n_ctx: int, rpc: l
     cache = []
     if plan is not None:
         cache = [CacheLayer(l.index, l.slots, tuple(l.pinned)) for l in plan.layers if l.mode == "cached"]
+    host = [l.index for l in plan.layers if l.mode == "host"] if plan is not None else []
     return EngineOptions(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, rpc=rpc, device=device,
-                         cache_layers=cache, count_experts=learn, type_k=type_k, type_v=type_v)
+                         cache_layers=cache, host_layers=host, count_experts=learn, type_k=type_k, type_v=type_v)
 
 
 def decode_counts(engine: Engine) -> np.ndarray | None:

@@ -1,24 +1,44 @@
 """Replay a routing trace through expert-cache policies, one layer at a time.
 
-Policies share the step rule of the native cache (docs/design.md):
-- a step with `n_tokens * k > S - P` is a *stock* step: no state change, no hits/misses;
-- otherwise `distinct` = ids in first-appearance order; resident ones are hits and are
-  touched first, then misses are filled in order; an expert needed in the current step
-  is never evicted.
+This module is the executable specification of the native cache's policies: every rule
+below is integer arithmetic with explicit tie-breaks, so C++ can follow it line by line.
 
-"lru" is "lru-pinned" with P = 0 and reproduces the native resident set exactly.
-"lfu" keeps a count per expert (resident or not), +1 per step that uses it, halved every
-`lfu_half_life` cached steps; it evicts the lowest count, ties by least recent.
-"belady" evicts the resident expert whose next use (in cached steps) is furthest away.
-Pinned experts (all policies but "lru") are resident from the start and never evicted.
-Pinned experts that do not fit the slots, or an unknown policy, raise PlanError.
+Bank of one layer (as native): S slots, slots 0..P-1 hold the pinned experts (never
+evicted, never touched), slots P..S-1 are managed by the policy. cap = S - P.
+
+Step rule (every policy, both miss paths; docs/design.md):
+- a step with `n_tokens * k > cap` is a *stock* step: no state change, no hits/misses;
+- otherwise `distinct` = the step's ids in order of first appearance; resident ones are
+  hits and are handled first (in `distinct` order), then the misses (in `distinct` order,
+  except "belady" in the cpu path: soonest next use first);
+- a slot used by this step (a hit, a miss placed this step, a pending admission) is never
+  a victim; a miss takes the lowest-index free non-pinned slot before any victim.
+
+Miss paths:
+- "upload": a miss is uploaded into a slot and is resident for this step (native today).
+- "cpu": a miss is computed on the CPU (`cpu_experts`); it may be *admitted* into a slot by
+  a background upload that becomes usable at the layer's NEXT decode step (pending until
+  then: a pending slot is never read and never a victim). At most `max_admit` admissions
+  per layer per decode step; a miss not admitted (bound reached, no evictable slot, or
+  refused by the policy's admission rule) counts in `admit_skipped`. Prefill steps
+  (n_tokens > 1) are read-only in this path: hits are counted but nothing is touched,
+  counted, aged or admitted.
+
+Per-layer policy state (the rules of each policy: LayerCache):
+- `tick`: a per-layer counter, +1 per touch; `slot_tick[s]` = tick of the last touch of
+  slot s (unique, so "least recent" never ties). Native uses one counter for all layers;
+  only the order within a layer matters, so the results are the same.
+- `freq[e]` (lfu-aged, tinylfu): uint32 per expert of the layer (resident or not), +1 per
+  counted step that routes e (saturating); `age` counts counted steps and when it reaches
+  `window` every freq is halved (`freq >>= 1`) and `age` = 0. A counted step is a
+  non-stock step that is not read-only.
+- `slot_seg[s]` (slru): 0 probation, 1 protected.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -26,8 +46,32 @@ import numpy as np
 from .errors import PlanError
 from .trace import DECODE, RoutingTrace, phase_code
 
-POLICIES = ("lru", "lru-pinned", "lfu", "belady")
+POLICIES = ("lru", "lru-pinned", "lfu-aged", "slru", "tinylfu", "belady")
+ALIASES = {"lfu": "lfu-aged"}  # the name before issue 12
+ONLINE_POLICIES = ("lru", "lfu-aged", "slru", "tinylfu")  # what a cache can run (no oracle)
+DEFAULT_POLICY = "tinylfu"
+MISS_PATHS = ("upload", "cpu")
 _INF = 1 << 62
+_U32 = (1 << 32) - 1
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    """Tunables of the policies (integers only).
+
+    window: lfu-aged/tinylfu halve every count each `window` counted steps of a layer
+        (0: never age; counts saturate at 2**32 - 1).
+    protected_num/protected_den: slru protected segment holds at most
+        cap * protected_num // protected_den slots.
+    """
+
+    window: int = 16  # tuned on the first half of a held-out demo trace (scripts/policy_sweep.py)
+    protected_num: int = 3  # likewise: 3/4 of the policy slots protected
+    protected_den: int = 4
+
+    def __post_init__(self) -> None:
+        if self.window < 0 or self.protected_den <= 0 or not 0 <= self.protected_num <= self.protected_den:
+            raise PlanError(f"invalid policy parameters {self}")
 
 
 @dataclass
@@ -36,16 +80,20 @@ class LayerStats:
     slots: int
     pinned: int
     hits: int = 0  # distinct experts per cached step found resident (pinned included)
-    misses: int = 0
-    uploads: int = 0  # misses + pinned uploads at start
+    misses: int = 0  # distinct experts per cached step not resident (uploaded or computed on the CPU)
+    uploads: int = 0  # admissions + pinned uploads at start
+    admissions: int = 0  # experts written into a slot: every miss (upload path) or admitted misses (cpu)
+    admit_skipped: int = 0  # cpu path: misses not admitted
+    cpu_experts: int = 0  # cpu path: misses computed on the CPU (= misses there)
     cached_steps: int = 0
     stock_steps: int = 0
     stock_accesses: int = 0  # distinct experts in stock steps: served from host
     hits_decode: int = 0
     misses_decode: int = 0
+    admissions_decode: int = 0
     stock_steps_decode: int = 0
     stock_accesses_decode: int = 0
-    final_resident: tuple[int, ...] = ()  # LRU: pinned, then least -> most recent
+    final_resident: tuple[int, ...] = ()  # pinned (sorted), then least -> most recently touched
 
     @property
     def accesses(self) -> int:
@@ -70,6 +118,7 @@ class SimResult:
     decode_tokens: int
     bytes_per_expert: dict[int, int] | None = None
     phases: tuple[str, ...] = ("decode",)
+    miss_path: str = "upload"
 
     def _sum(self, name: str) -> int:
         return sum(getattr(s, name) for s in self.layers.values())
@@ -77,6 +126,9 @@ class SimResult:
     hits = property(lambda self: self._sum("hits"))
     misses = property(lambda self: self._sum("misses"))
     uploads = property(lambda self: self._sum("uploads"))
+    admissions = property(lambda self: self._sum("admissions"))
+    admit_skipped = property(lambda self: self._sum("admit_skipped"))
+    cpu_experts = property(lambda self: self._sum("cpu_experts"))
     stock_steps = property(lambda self: self._sum("stock_steps"))
     hits_decode = property(lambda self: self._sum("hits_decode"))
     misses_decode = property(lambda self: self._sum("misses_decode"))
@@ -84,7 +136,7 @@ class SimResult:
 
     @property
     def uploads_decode(self) -> int:
-        return self.misses_decode  # pinned uploads happen once, before decoding
+        return self._sum("admissions_decode")  # pinned uploads happen once, before decoding
 
     @property
     def hit_rate(self) -> float:
@@ -98,7 +150,7 @@ class SimResult:
 
     @property
     def uploads_per_token(self) -> float:
-        """Expert uploads per decode token, all layers together."""
+        """Expert uploads (admissions) per decode token, all layers together."""
         return self.uploads_decode / self.decode_tokens if self.decode_tokens else 0.0
 
     @property
@@ -108,8 +160,217 @@ class SimResult:
             return None
         if not self.decode_tokens:
             return 0.0
-        total = sum(s.misses_decode * self.bytes_per_expert[s.layer] for s in self.layers.values())
+        total = sum(s.admissions_decode * self.bytes_per_expert[s.layer] for s in self.layers.values())
         return total / self.decode_tokens
+
+
+# ---------------------------------------------------------------- the policies, slot by slot
+
+
+@dataclass
+class StepOutcome:
+    """What one cached step did (expert ids; `admitted` as (expert, slot))."""
+
+    hits: list[int] = field(default_factory=list)
+    misses: list[int] = field(default_factory=list)
+    admitted: list[tuple[int, int]] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)
+    skipped: int = 0
+
+
+class LayerCache:
+    """One layer's bank under one policy and miss path: the specification of `step()`.
+
+    Per slot s: slot_expert[s] (-1 free), slot_tick[s], slot_seg[s] (slru),
+    slot_pending[s] (cpu path: admitted, usable from the next decode step).
+    Per expert e: expert_slot[e] (-1 not resident), freq[e] (lfu-aged, tinylfu).
+
+    Hit of slot s >= P (not read-only):
+        lru, lfu-aged, tinylfu: slot_tick[s] = ++tick.
+        slru: slot_tick[s] = ++tick; if slot_seg[s] == 0: slot_seg[s] = 1 and, if the
+            protected slots now exceed cap * num // den, the protected slot with the
+            smallest tick goes back to probation (slot_seg = 0, tick kept).
+    Insert (a miss placed or admitted in slot s): slot_tick[s] = ++tick, slot_seg[s] = 0.
+    Victim, among occupied slots s >= P that are neither used by this step nor pending,
+    the smallest key:
+        lru: slot_tick[s];  lfu-aged, tinylfu: (freq[slot_expert[s]], slot_tick[s]);
+        slru: (slot_seg[s], slot_tick[s]);  belady: (-next_use[slot_expert[s]], slot_tick[s]).
+    Admission (cpu path, free slot: always; else against the victim v):
+        tinylfu: freq[e] > freq[slot_expert[v]];  others: always;
+        belady: land_use[e] < next_use[slot_expert[v]] (land_use: e's next use at or after
+        the next decode step, where the admission lands).
+    The slru demotion may pick a slot used by this step (demotion is not eviction);
+    evicting a protected slot lowers the protected count.
+    """
+
+    def __init__(self, n_expert: int, slots: int, pinned: Sequence[int], policy: str,
+                 miss_path: str = "upload", max_admit: int = 1 << 30,
+                 params: PolicyParams = PolicyParams()):
+        policy = ALIASES.get(policy, policy)
+        if policy not in POLICIES:
+            raise PlanError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        if miss_path not in MISS_PATHS:
+            raise PlanError(f"unknown miss path {miss_path!r}: expected one of {', '.join(MISS_PATHS)}")
+        pin = list(dict.fromkeys(int(e) for e in pinned))
+        if len(pin) > slots:
+            raise PlanError(f"{len(pin)} pinned experts do not fit {slots} slots")
+        self.policy, self.miss_path, self.max_admit, self.params = policy, miss_path, max_admit, params
+        self.P, self.S = len(pin), slots
+        self.slot_expert = pin + [-1] * (slots - len(pin))
+        self.slot_tick = [0] * slots
+        self.slot_seg = [0] * slots
+        self.slot_pending = [False] * slots
+        self.expert_slot = [-1] * n_expert
+        for s, e in enumerate(pin):
+            self.expert_slot[e] = s
+        self.freq = [0] * n_expert
+        self.next_use = [_INF] * n_expert  # belady: next step index that routes e
+        self.age = 0
+        self.tick = 0
+        self.protected = 0
+        self.protected_cap = (slots - len(pin)) * params.protected_num // params.protected_den
+        self.pending: list[int] = []
+        self.n_free = slots - len(pin)
+        self.counts = policy in ("lfu-aged", "tinylfu")
+
+    def _free_slot(self) -> int:
+        if not self.n_free:
+            return -1
+        for s in range(self.P, self.S):
+            if self.slot_expert[s] < 0:
+                return s
+        return -1
+
+    def _victim(self, used: set[int]) -> int:
+        """The evictable slot with the smallest key (see the class docstring); -1 if none."""
+        se, tick, pend = self.slot_expert, self.slot_tick, self.slot_pending
+        cands = [s for s in range(self.P, self.S) if s not in used and not pend[s] and se[s] >= 0]
+        if not cands:
+            return -1
+        p = self.policy
+        if p in ("lfu-aged", "tinylfu"):
+            f = self.freq
+            return min(cands, key=lambda s: (f[se[s]], tick[s]))
+        if p == "slru":
+            seg = self.slot_seg
+            return min(cands, key=lambda s: (seg[s], tick[s]))
+        if p == "belady":
+            nu = self.next_use
+            return min(cands, key=lambda s: (-nu[se[s]], tick[s]))
+        return min(cands, key=tick.__getitem__)
+
+    def _touch(self, s: int) -> None:
+        self.tick += 1
+        self.slot_tick[s] = self.tick
+        if self.policy == "slru" and self.slot_seg[s] == 0:
+            self.slot_seg[s] = 1
+            self.protected += 1
+            if self.protected > self.protected_cap:
+                d = min((t for t in range(self.P, self.S) if self.slot_seg[t] == 1),
+                        key=lambda t: self.slot_tick[t])
+                self.slot_seg[d] = 0
+                self.protected -= 1
+
+    def _place(self, e: int, s: int, out: StepOutcome) -> None:
+        old = self.slot_expert[s]
+        if old >= 0:
+            self.expert_slot[old] = -1
+            out.evicted.append(old)
+            if self.slot_seg[s] == 1:
+                self.protected -= 1
+        else:
+            self.n_free -= 1
+        self.slot_expert[s] = e
+        self.expert_slot[e] = s
+        self.slot_seg[s] = 0
+        self.tick += 1
+        self.slot_tick[s] = self.tick
+
+    def _admits(self, e: int, victim: int, land: int) -> bool:
+        v = self.slot_expert[victim]
+        if self.policy == "tinylfu":
+            return self.freq[e] > self.freq[v]
+        if self.policy == "belady":
+            return land < self.next_use[v]
+        return True
+
+    def step(self, distinct: Sequence[int], decode: bool = True,
+             next_use: Sequence[int] | None = None, land_use: Sequence[int] | None = None) -> StepOutcome:
+        """One cached (non-stock) step.
+
+        belady only, per distinct expert: `next_use`, the index of the next step that
+        routes it; `land_use` (cpu path), of the next such step where an admission made
+        now is usable (the next decode step or later).
+        """
+        cpu = self.miss_path == "cpu"
+        if cpu and decode:  # last decode step's admissions have landed
+            for s in self.pending:
+                self.slot_pending[s] = False
+            self.pending = []
+        readonly = cpu and not decode
+        if self.counts and not readonly:
+            for e in distinct:
+                if self.freq[e] < _U32:
+                    self.freq[e] += 1
+        land: dict[int, int] = {}
+        if next_use is not None:
+            for e, n in zip(distinct, next_use):
+                self.next_use[e] = n
+            land = dict(zip(distinct, land_use if land_use is not None else next_use))
+        out = StepOutcome()
+        used: set[int] = set()
+        for e in distinct:
+            s = self.expert_slot[e]
+            if s >= 0 and not self.slot_pending[s]:
+                out.hits.append(e)
+                used.add(s)
+                if s >= self.P and not readonly:
+                    self._touch(s)
+            else:
+                out.misses.append(e)
+        if not cpu:
+            for e in out.misses:
+                s = self._free_slot()
+                if s < 0:
+                    s = self._victim(used)
+                    assert s >= 0, "no evictable slot: the step is larger than the policy's slots"
+                self._place(e, s, out)
+                used.add(s)
+                out.admitted.append((e, s))
+        elif not readonly:
+            order = out.misses
+            if self.policy == "belady":  # soonest usable next use first; ties in distinct order
+                order = sorted(order, key=lambda e: land[e])
+            for e in order:
+                if len(out.admitted) >= self.max_admit:
+                    out.skipped += 1
+                    continue
+                s = self._free_slot()
+                if s < 0:
+                    s = self._victim(used)
+                    if s < 0 or not self._admits(e, s, land.get(e, _INF)):
+                        out.skipped += 1
+                        continue
+                self._place(e, s, out)
+                used.add(s)
+                self.slot_pending[s] = True
+                self.pending.append(s)
+                out.admitted.append((e, s))
+        if self.counts and not readonly and self.params.window > 0:
+            self.age += 1
+            if self.age >= self.params.window:
+                self.freq = [c >> 1 for c in self.freq]
+                self.age = 0
+        return out
+
+    def resident(self) -> tuple[int, ...]:
+        """Pinned experts (sorted), then the others from least to most recently touched."""
+        rest = sorted((self.slot_tick[s], self.slot_expert[s]) for s in range(self.P, self.S)
+                      if self.slot_expert[s] >= 0)
+        return tuple(sorted(self.slot_expert[: self.P])) + tuple(e for _, e in rest)
+
+
+# ---------------------------------------------------------------- replaying a trace
 
 
 @dataclass
@@ -145,34 +406,45 @@ def _layer_steps(trace: RoutingTrace, layer: int, keep: np.ndarray) -> _Steps:
                   distinct=distinct)
 
 
-def _replay(steps: _Steps, k: int, layer: int, slots: int, pinned: Sequence[int],
-            policy: str, lfu_half_life: int) -> LayerStats:
-    pin = set(pinned)
-    if len(pin) > slots:
-        raise PlanError(f"layer {layer}: {len(pin)} pinned experts do not fit {slots} slots")
-    cap = slots - len(pin)
-    stock = steps.n_tokens * k > cap
-    cached = np.flatnonzero(~stock)
-    run = {"lru": _run_lru, "lru-pinned": _run_lru, "lfu": _run_lfu, "belady": _run_belady}[policy]
-    resident, misses = run([steps.distinct[i] for i in cached.tolist()], pin, cap, lfu_half_life)
-    misses = np.asarray(misses, dtype=np.int64)
-    hits = steps.n_distinct[cached] - misses
-    dec = steps.decode[cached]
-    sd = stock & steps.decode
-    return LayerStats(
-        layer=layer, slots=slots, pinned=len(pin),
-        hits=int(hits.sum()), misses=int(misses.sum()), uploads=len(pin) + int(misses.sum()),
-        cached_steps=int(cached.size), stock_steps=int(stock.sum()),
-        stock_accesses=int(steps.n_distinct[stock].sum()),
-        hits_decode=int(hits[dec].sum()), misses_decode=int(misses[dec].sum()),
-        stock_steps_decode=int(sd.sum()), stock_accesses_decode=int(steps.n_distinct[sd].sum()),
-        final_resident=tuple(sorted(pin)) + tuple(resident))
+@dataclass
+class _Run:
+    """Per cached step: hits, misses, admissions, skipped admissions; and the end state."""
+
+    hits: np.ndarray
+    misses: np.ndarray
+    admissions: np.ndarray
+    skipped: np.ndarray
+    resident: tuple[int, ...]
 
 
-# Each runner takes the cached steps' distinct ids and returns
-# (final resident non-pinned experts, misses per step).
+def _next_uses(steps: list[list[int]], decode: Sequence[bool] | None = None) -> list[list[int]]:
+    """For each step and each of its distinct experts, the index of its next step (or _INF).
 
-def _run_lru(steps: list[list[int]], pin: set[int], cap: int, _: int) -> tuple[list[int], list[int]]:
+    With `decode`: the next step at or after the next decode step (where a cpu-path
+    admission made in this step is usable).
+    """
+    last: dict[int, int] = {}
+    out: list[list[int]] = [[]] * len(steps)
+    if decode is None:
+        for t in range(len(steps) - 1, -1, -1):
+            out[t] = [last.get(e, _INF) for e in steps[t]]
+            for e in steps[t]:
+                last[e] = t
+        return out
+    # from_d[e]: first use of e at or after the decode step following t
+    first_from: dict[int, int] = {}  # first use of e at index >= t + 1
+    from_d: dict[int, int] = {}
+    for t in range(len(steps) - 1, -1, -1):
+        if t + 1 < len(steps) and decode[t + 1]:
+            from_d = dict(first_from)  # the next decode step is t + 1
+        out[t] = [from_d.get(e, _INF) for e in steps[t]]
+        for e in steps[t]:
+            first_from[e] = t
+    return out
+
+
+def _run_lru_upload(steps: list[list[int]], pin: set[int], cap: int) -> tuple[list[int], list[int]]:
+    """Plain LRU, upload path: an OrderedDict reproduces the resident set (design.md)."""
     lru: OrderedDict[int, None] = OrderedDict()
     out = []
     for distinct in steps:
@@ -190,92 +462,52 @@ def _run_lru(steps: list[list[int]], pin: set[int], cap: int, _: int) -> tuple[l
     return list(lru), out
 
 
-def _run_lfu(steps: list[list[int]], pin: set[int], cap: int, half_life: int) -> tuple[list[int], list[int]]:
-    # Halving every count each half-life == adding 2**epoch per use instead: same order,
-    # so heap keys stay valid. Rescaled every 64 epochs to keep floats finite.
-    count: dict[int, float] = {}  # every expert seen, resident or not
-    last: dict[int, int] = {}  # resident expert -> step of last use
-    heap: list[tuple[float, int, int]] = []  # (count, last use, expert); stale entries skipped
-    inc, out = 1.0, []
+def _run(steps: list[list[int]], decode: list[bool], n_expert: int, slots: int, pin: Sequence[int],
+         policy: str, miss_path: str, max_admit: int, params: PolicyParams) -> _Run:
+    n_distinct = np.fromiter(map(len, steps), dtype=np.int64, count=len(steps))
+    if policy in ("lru", "lru-pinned") and miss_path == "upload":
+        lru, misses = _run_lru_upload(steps, set(pin), slots - len(set(pin)))
+        m = np.asarray(misses, dtype=np.int64)
+        return _Run(n_distinct - m, m, m.copy(), np.zeros_like(m),
+                    tuple(sorted(set(pin))) + tuple(lru))
+    cache = LayerCache(n_expert, slots, pin, policy, miss_path, max_admit, params)
+    nxt = land = None
+    if policy == "belady":
+        nxt = _next_uses(steps)
+        land = _next_uses(steps, decode) if miss_path == "cpu" else nxt
+    out: list[tuple[int, int, int, int]] = []
     for t, distinct in enumerate(steps):
-        if half_life > 0 and t and t % half_life == 0:
-            inc *= 2.0
-            if inc >= 2.0 ** 64:
-                count = {e: c / inc for e, c in count.items()}
-                inc = 1.0
-                heap = [(count[e], u, e) for e, u in last.items()]
-                heapq.heapify(heap)
-        if len(heap) > 8 * cap + 64:
-            heap = [(count[e], u, e) for e, u in last.items()]
-            heapq.heapify(heap)
-        misses = []
-        for e in distinct:
-            count[e] = count.get(e, 0.0) + inc
-            if e in last:
-                last[e] = t
-                heapq.heappush(heap, (count[e], t, e))
-            elif e not in pin:
-                misses.append(e)
-        for e in misses:
-            if len(last) >= cap:
-                held = []  # experts of this step: never evicted
-                while True:
-                    c, u, v = heapq.heappop(heap)
-                    if last.get(v) != u or count[v] != c:
-                        continue
-                    if u == t:
-                        held.append((c, u, v))
-                        continue
-                    del last[v]
-                    break
-                for item in held:
-                    heapq.heappush(heap, item)
-            last[e] = t
-            heapq.heappush(heap, (count[e], t, e))
-        out.append(len(misses))
-    return sorted(last, key=lambda r: (last[r], r)), out
+        o = cache.step(distinct, decode[t], nxt[t] if nxt is not None else None,
+                       land[t] if land is not None else None)
+        out.append((len(o.hits), len(o.misses), len(o.admitted), o.skipped))
+    a = np.asarray(out, dtype=np.int64).reshape(len(steps), 4)
+    return _Run(a[:, 0], a[:, 1], a[:, 2], a[:, 3], cache.resident())
 
 
-def _run_belady(steps: list[list[int]], pin: set[int], cap: int, _: int) -> tuple[list[int], list[int]]:
-    last: dict[int, int] = {}
-    next_use: list[list[int]] = [[]] * len(steps)
-    for t in range(len(steps) - 1, -1, -1):  # reverse pass: next cached use per occurrence
-        next_use[t] = [last.get(e, _INF) for e in steps[t]]
-        for e in steps[t]:
-            last[e] = t
-    nxt: dict[int, int] = {}  # resident expert -> its next use
-    heap: list[tuple[int, int]] = []  # (-next_use, expert); stale entries skipped on pop
-    out = []
-    for distinct, nus in zip(steps, next_use):
-        if len(heap) > 8 * cap + 64:  # drop stale entries
-            heap = [(-n, e) for e, n in nxt.items()]
-            heapq.heapify(heap)
-        misses = []
-        for e, nu in zip(distinct, nus):
-            if e in nxt:
-                nxt[e] = nu
-                heapq.heappush(heap, (-nu, e))
-            elif e not in pin:
-                misses.append((e, nu))
-        now = set(distinct) if misses else ()
-        for e, nu in misses:
-            if len(nxt) >= cap:
-                held = []  # experts of this step: never evicted
-                while True:
-                    neg, v = heapq.heappop(heap)
-                    if nxt.get(v) != -neg:
-                        continue
-                    if v in now:
-                        held.append((neg, v))
-                        continue
-                    del nxt[v]
-                    break
-                for item in held:
-                    heapq.heappush(heap, item)
-            nxt[e] = nu
-            heapq.heappush(heap, (-nu, e))
-        out.append(len(misses))
-    return sorted(nxt), out
+def _replay(steps: _Steps, k: int, n_expert: int, layer: int, slots: int, pinned: Sequence[int],
+            policy: str, miss_path: str = "upload", max_admit: int | None = None,
+            params: PolicyParams = PolicyParams()) -> LayerStats:
+    pin = list(dict.fromkeys(int(e) for e in pinned))
+    if len(pin) > slots:
+        raise PlanError(f"layer {layer}: {len(pin)} pinned experts do not fit {slots} slots")
+    cap = slots - len(pin)
+    stock = steps.n_tokens * k > cap
+    cached = np.flatnonzero(~stock)
+    dec = steps.decode[cached]
+    r = _run([steps.distinct[i] for i in cached.tolist()], dec.tolist(), n_expert, slots, pin, policy,
+             miss_path, k if max_admit is None or max_admit < 0 else max_admit, params)
+    sd = stock & steps.decode
+    return LayerStats(
+        layer=layer, slots=slots, pinned=len(pin),
+        hits=int(r.hits.sum()), misses=int(r.misses.sum()), uploads=len(pin) + int(r.admissions.sum()),
+        admissions=int(r.admissions.sum()), admit_skipped=int(r.skipped.sum()),
+        cpu_experts=int(r.misses.sum()) if miss_path == "cpu" else 0,
+        cached_steps=int(cached.size), stock_steps=int(stock.sum()),
+        stock_accesses=int(steps.n_distinct[stock].sum()),
+        hits_decode=int(r.hits[dec].sum()), misses_decode=int(r.misses[dec].sum()),
+        admissions_decode=int(r.admissions[dec].sum()),
+        stock_steps_decode=int(sd.sum()), stock_accesses_decode=int(steps.n_distinct[sd].sum()),
+        final_resident=r.resident)
 
 
 def _phase_mask(trace: RoutingTrace, phases: Iterable[str | int]) -> tuple[np.ndarray, tuple[str, ...]]:
@@ -284,23 +516,36 @@ def _phase_mask(trace: RoutingTrace, phases: Iterable[str | int]) -> tuple[np.nd
     return np.isin(trace.phase, list(codes)), names
 
 
-def _check_policy(policy: str, pinned: Mapping[int, Sequence[int]] | None) -> None:
-    if policy not in POLICIES:
+def canonical_policy(policy: str) -> str:
+    """The stable name of a policy (aliases resolved); PlanError when unknown."""
+    p = ALIASES.get(policy, policy)
+    if p not in POLICIES:
         raise PlanError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
-    if policy == "lru" and pinned and any(pinned.values()):
+    return p
+
+
+def _check(policy: str, pinned: Mapping[int, Sequence[int]] | None, miss_path: str) -> str:
+    p = canonical_policy(policy)
+    if p == "lru" and pinned and any(pinned.values()):
         raise PlanError("policy 'lru' has no pinned experts; use 'lru-pinned'")
+    if miss_path not in MISS_PATHS:
+        raise PlanError(f"unknown miss path {miss_path!r}: expected one of {', '.join(MISS_PATHS)}")
+    return p
 
 
 def simulate(trace: RoutingTrace, policy: str, slots: Mapping[int, int] | int,
              pinned: Mapping[int, Sequence[int]] | None = None,
              bytes_per_expert: Mapping[int, int] | Sequence[int] | None = None,
-             phases: Sequence[str | int] = ("decode",), lfu_half_life: int = 128) -> SimResult:
+             phases: Sequence[str | int] = ("decode",), miss_path: str = "upload",
+             max_admit: int | None = None, params: PolicyParams | None = None) -> SimResult:
     """Replay the steps of `phases` (others are skipped: no state change, not counted).
 
     `slots` is one count for every MoE layer or a per-layer dict; layers absent from the
     dict are not simulated. Pass phases=("prefill", "decode") to match the native cache.
+    max_admit: cpu path admissions per decode step (None or < 0: k, as native).
     """
-    _check_policy(policy, pinned)
+    policy = _check(policy, pinned, miss_path)
+    params = params or PolicyParams()
     keep, names = _phase_mask(trace, phases)
     moe = trace.moe_layers()
     if isinstance(slots, Mapping):
@@ -311,7 +556,8 @@ def simulate(trace: RoutingTrace, policy: str, slots: Mapping[int, int] | int,
     layers = {}
     for layer, s in sorted(per_layer.items()):
         steps = _layer_steps(trace, layer, keep)
-        layers[layer] = _replay(steps, trace.k, layer, s, pinned.get(layer, ()), policy, lfu_half_life)
+        layers[layer] = _replay(steps, trace.k, trace.n_expert, layer, s, pinned.get(layer, ()), policy,
+                                miss_path, max_admit, params)
     bpe = None
     if bytes_per_expert is not None:
         items = bytes_per_expert.items() if isinstance(bytes_per_expert, Mapping) \
@@ -319,19 +565,21 @@ def simulate(trace: RoutingTrace, policy: str, slots: Mapping[int, int] | int,
         bpe = {int(l): int(b) for l, b in items}
     return SimResult(policy=policy, layers=layers, tokens=int(np.count_nonzero(keep)),
                      decode_tokens=int(np.count_nonzero(keep & (trace.phase == DECODE))),
-                     bytes_per_expert=bpe, phases=names)
+                     bytes_per_expert=bpe, phases=names, miss_path=miss_path)
 
 
 def miss_ratio_curve(trace: RoutingTrace, layer: int, slot_counts: Sequence[int],
                      policy: str = "lru", pinned: Sequence[int] | None = None,
-                     phases: Sequence[str | int] = ("decode",), lfu_half_life: int = 128) -> list[float]:
+                     phases: Sequence[str | int] = ("decode",), miss_path: str = "upload",
+                     params: PolicyParams | None = None) -> list[float]:
     """1 - hit_rate of one layer for each slot count (stock steps count as misses)."""
-    _check_policy(policy, {layer: pinned} if pinned else None)
+    policy = _check(policy, {layer: pinned} if pinned else None, miss_path)
     keep, _ = _phase_mask(trace, phases)
     steps = _layer_steps(trace, layer, keep)
     out = []
     for s in slot_counts:
-        st = _replay(steps, trace.k, layer, int(s), pinned or (), policy, lfu_half_life)
+        st = _replay(steps, trace.k, trace.n_expert, layer, int(s), pinned or (), policy, miss_path,
+                     None, params or PolicyParams())
         out.append(1.0 - st.hit_rate if st.accesses else 0.0)
     return out
 

@@ -114,6 +114,13 @@ class RoutingTrace:
             out[layer] = np.bincount(col, minlength=self.n_expert)[: self.n_expert]
         return out
 
+    def decode_steps(self) -> "RoutingTrace":
+        """Only the one-token decode steps (what a profile's ring of recent steps keeps)."""
+        b = self.step_bounds()
+        one = np.flatnonzero((np.diff(b) == 1) & (self.phase[b[:-1]] == DECODE)) if self.n_rows else []
+        rows = b[:-1][one] if len(one) else np.zeros(0, dtype=np.int64)
+        return RoutingTrace(self.ids[rows], self.phase[rows], self.step[rows], self.n_expert, self.fingerprint)
+
     def rows(self, lo: int, hi: int) -> "RoutingTrace":
         return RoutingTrace(self.ids[lo:hi], self.phase[lo:hi], self.step[lo:hi],
                             self.n_expert, self.fingerprint)

@@ -17,6 +17,7 @@ from spark_cli.commands import plan as plan_cmd
 from spark_cli.errors import PlanError
 from spark_cli.gguf_info import _open, load_geometry
 from spark_cli.profile import RoutingProfile, profile_path_for
+from spark_cli.simulator import DEFAULT_POLICY
 from spark_cli.trace import RoutingTrace
 
 MiB = 1 << 20
@@ -79,18 +80,21 @@ def test_stock_baseline_when_everything_fits(spark, small_model) -> None:
     assert "every expert fits on the device" in stdout and "--n-cpu-moe" not in stdout
 
 
-@pytest.mark.parametrize("budget, words", [
-    ("100MiB", "the model without experts needs"),
-    ("floor", "the expert cache floor does not fit"),
-])
-def test_too_small_budget_names_the_shortfall(spark, small_model, geo, budget, words) -> None:
-    if budget == "floor":
-        budget = str(fixed_bytes(geo) + floor_bytes(geo) // 2)
-    rc, stdout, stderr = spark(small_model, "--vram", budget)
+def test_too_small_budget_names_the_shortfall(spark, small_model) -> None:
+    rc, stdout, stderr = spark(small_model, "--vram", "100MiB")
     assert rc == 2 and stdout == ""
     lines = stderr.strip().splitlines()
     assert len(lines) == 1, stderr
-    assert lines[0].startswith("error:") and words in lines[0] and "over by" in lines[0]
+    assert lines[0].startswith("error:") and "the model without experts needs" in lines[0] and "over by" in lines[0]
+
+
+def test_below_the_cache_floor_keeps_layers_on_the_host(spark, small_model, geo) -> None:
+    rc, stdout, stderr = spark(small_model, "--vram", str(fixed_bytes(geo) + floor_bytes(geo) // 2), "--json")
+    assert rc == 0, stderr
+    modes = [l["mode"] for l in json.loads(stdout)["layers"]]
+    n_host = modes.count("host")
+    assert 0 < n_host < len(modes) and modes[:n_host] == ["host"] * n_host  # the first layers, as --n-cpu-moe
+    assert set(modes[n_host:]) == {"cached"}
 
 
 def test_no_gpu_and_no_vram_is_refused(spark, small_model) -> None:
@@ -183,6 +187,15 @@ def test_trace_sizes_lru_slots(spark, small_model, geo, tmp_path) -> None:
     rc, stdout, stderr = spark(small_model, "--vram", partial_budget(geo, 0.4), "--trace", path)
     assert rc == 0, stderr
     assert "routing counts from the trace" in stdout and "on the trace (300 decode rows" in stdout
+    assert f"priced by replaying 300 decode steps of the trace t.npz through {DEFAULT_POLICY}" in stdout
+    assert "held-out check: planned on the first 210 decode steps" in stdout and "Belady" in stdout
+    rc, stdout, stderr = spark(small_model, "--vram", partial_budget(geo, 0.4), "--trace", path,
+                               "--policy", "lru", "--no-check", "--json")
+    assert rc == 0, stderr
+    d = json.loads(stdout)
+    assert d["policy"] == "lru" and 0.0 <= d["predicted_miss"] <= 1.0
+    rc, _, stderr = spark(small_model, "--vram", "2GiB", "--policy", "belady")
+    assert rc == 2 and "a cache cannot run it" in stderr
     other = tmp_path / "other.npz"
     RoutingTrace(ids, np.ones(n), np.arange(n), geo.n_expert, "0" * 64).save(other)
     rc, _, stderr = spark(small_model, "--vram", "2GiB", "--trace", other)
@@ -249,3 +262,20 @@ def test_byte_accounting_tiny_archs(spark, arch) -> None:
         assert _accounted(p, g) == total
         assert p.stock.device_bytes <= budget or not p.stock.fits
         assert vram.kv_cache_bytes(g, 512) == p.breakdown["kv_cache"]
+
+
+def test_plan_replays_the_profiles_recent_steps(spark, small_model, geo, tmp_path) -> None:
+    rng = np.random.default_rng(1)
+    n, k = 120, geo.n_expert_used
+    p = np.array([2.0 ** -i for i in range(geo.n_expert)])
+    ids = np.stack([np.stack([rng.choice(geo.n_expert, k, replace=False, p=p / p.sum())
+                              for _ in range(geo.n_layer)]) for _ in range(n)])
+    prof = RoutingProfile.empty(geo.identity()).add_trace(
+        RoutingTrace(ids, np.ones(n), np.arange(n), geo.n_expert, geo.fingerprint), "test")
+    path = tmp_path / "p.json"
+    prof.save(path)
+    rc, stdout, stderr = spark(small_model, "--vram", partial_budget(geo, 0.4), "--profile", path,
+                               "--policy", "lfu-aged", "--no-check")
+    assert rc == 0, stderr
+    assert "priced by replaying 120 decode steps of the profile's recent decode steps through lfu-aged" in stdout
+    assert "held-out check" not in stdout

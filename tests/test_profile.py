@@ -257,3 +257,69 @@ def test_kill_during_real_saves_leaves_a_whole_profile(tmp_path, delay):
         proc.wait(10)
     p = RoutingProfile.load(path, expect=BIG_MODEL)  # old or new, never half
     assert p.sources in (["old"], ["new"])
+
+
+# ---------------------------------------------------------------- the ring of recent decode steps
+
+
+def _trace(rows, phase, step, fp="a" * 40):
+    """rows: per token row, layer 0 ids (layer 1 routes e+1 mod 4)."""
+    ids = np.array([[r, [(e + 1) % 4 for e in r]] for r in rows], dtype=np.int16)
+    return RoutingTrace(ids, phase, step, 4, fp)
+
+
+def test_recent_ring_keeps_decode_steps_and_round_trips(tmp_path, monkeypatch):
+    import spark_cli.profile as prof
+
+    p = RoutingProfile.empty(MODEL)
+    # a 2-token prefill step, then 3 decode steps
+    t = _trace([[0, 1], [2, 3], [0, 2], [1, 3], [0, 3]], [0, 0, 1, 1, 1], [0, 0, 1, 2, 3])
+    p.add_trace(t, "t")
+    assert p.recent_layers == (0, 1) and p.recent.shape == (3, 2, 2)
+    assert p.recent[:, 0].tolist() == [[0, 2], [1, 3], [0, 3]]
+    assert p.tokens_decode == 3 and p.tokens_prefill == 2
+    path = tmp_path / "p.json"
+    p.save(path)
+    d = json.loads(path.read_text())
+    assert d["version"] == FORMAT_VERSION == 2 and d["recent"]["dtype"] == "uint8" and d["recent"]["steps"] == 3
+    q = RoutingProfile.load(path)
+    assert np.array_equal(q.recent, p.recent) and q.recent_layers == p.recent_layers
+    rt = q.recent_trace()
+    assert rt.n_decode == 3 and np.array_equal(rt.ids, t.ids[2:]) and rt.moe_layers() == [0, 1]
+    # bounded: the oldest steps fall out
+    monkeypatch.setattr(prof, "RECENT_MAX_STEPS", 4)
+    more = _trace([[1, 2], [2, 3], [3, 0]], [1, 1, 1], [0, 1, 2])
+    q.add_recent(more)
+    assert q.recent[:, 0].tolist() == [[0, 3], [1, 2], [2, 3], [3, 0]]
+    # merge: b's ring follows a's
+    m = merge(p, RoutingProfile.empty(MODEL).add_trace(more))
+    assert m.recent[:, 0].tolist() == [[0, 3], [1, 2], [2, 3], [3, 0]]
+    with pytest.raises(ProfileError, match="another model"):
+        p.add_recent(_trace([[0, 1]], [1], [0], fp="c" * 40))
+
+
+def test_recent_capacity_fits_the_byte_budget():
+    from spark_cli.profile import RECENT_MAX_BYTES, RECENT_MAX_STEPS
+
+    p = RoutingProfile.empty(dict(MODEL, n_layer=48, n_expert=512))
+    assert p.recent_capacity(48, 8) == RECENT_MAX_BYTES // (48 * 8 * 2) < RECENT_MAX_STEPS
+    assert p.recent_capacity(2, 2) == RECENT_MAX_STEPS
+
+
+def test_version_1_profiles_still_load_and_bad_rings_are_refused(tmp_path):
+    p = RoutingProfile.empty(MODEL)
+    d = p.to_json()
+    d["version"] = 1
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(d))
+    assert RoutingProfile.load(path).recent is None
+    p.add_trace(_trace([[0, 1], [2, 3]], [1, 1], [0, 1]))
+    d = p.to_json()
+    d["recent"]["steps"] = 3
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="recent"):
+        RoutingProfile.load(path)
+    d["recent"]["steps"], d["recent"]["ids"] = 2, "!!"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="recent"):
+        RoutingProfile.load(path)

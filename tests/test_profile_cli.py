@@ -21,6 +21,7 @@ from spark_cli.profiling import (_Capture, _held_out_indices, _pieces, gather, o
 from spark_cli.corpus import Chunk
 from spark_cli.gguf_info import load_geometry
 from spark_cli.profile import RoutingProfile, profile_path_for
+from spark_cli.simulator import DEFAULT_POLICY
 from spark_cli.trace import RoutingTrace
 
 pytestmark = pytest.mark.model
@@ -260,12 +261,16 @@ def test_simulate(run):
                          "--profile", run["profile"], "--json")
     assert rc == 0, err
     rows = json.loads(out)
-    assert len(rows) == 4 * 4
+    policies = ("lru", "lru-pinned", "lfu-aged", "slru", "tinylfu", "belady")
+    assert len(rows) == 4 * len(policies)
     by = {(r["slots"], r["policy"]): r for r in rows}
+    assert {r["policy"] for r in rows if r["default"]} == {DEFAULT_POLICY}
+    assert sum(r["default"] for r in rows) == 4 and all(r["miss_path"] == "upload" for r in rows)
     for s in (2, 3, 4, 6):
         assert by[(s, "belady")]["hit_rate"] >= by[(s, "lru")]["hit_rate"]
-        assert all(0.0 <= by[(s, p)]["hit_rate"] <= 1.0 for p in ("lru", "lru-pinned", "lfu", "belady"))
-        for p in ("lru", "lfu", "belady"):
+        assert all(0.0 <= by[(s, p)]["hit_rate"] <= 1.0 for p in policies)
+        assert by[(s, "belady")]["vs_belady"] in (None, 1.0)
+        for p in ("lru", "lfu-aged", "belady"):
             r = by[(s, p)]
             assert r["uploads_per_token"] >= 0 and r["bytes_per_token"] == pytest.approx(
                 r["uploads_per_token"] * 1658880)  # every layer's expert is 1658880 bytes
@@ -273,6 +278,16 @@ def test_simulate(run):
     assert by[(6, "lru")]["hit_rate"] >= by[(2, "lru")]["hit_rate"]
     rc, out, err = spark("profile", "simulate", run["trace"], "--slots", "4")
     assert rc == 0 and "belady" in out and "lru-pinned pins nothing" in out and "pass --model" in out
+    assert "(default)" in out
+    rc, out, err = spark("profile", "simulate", run["trace"], "--slots", "4", "--miss-path", "both",
+                         "--policy", "lru,lfu,belady", "--json")
+    assert rc == 0, err
+    rows = json.loads(out)
+    assert [(r["miss_path"], r["policy"]) for r in rows] == [
+        (m, p) for m in ("upload", "cpu") for p in ("lru", "lfu-aged", "belady")]
+    assert not any(r["default"] for r in rows) or DEFAULT_POLICY in ("lru", "lfu-aged")
+    rc, out, err = spark("profile", "simulate", run["trace"], "--miss-path", "gpu")
+    assert rc == 2 and "--miss-path gpu" in err
 
 
 def test_simulate_refuses_a_trace_of_another_model(run, tmp_path):
@@ -280,3 +295,26 @@ def test_simulate_refuses_a_trace_of_another_model(run, tmp_path):
     RoutingTrace(tr.ids, tr.phase, tr.step, tr.n_expert, "ef" * 32).save(tmp_path / "x.npz")
     rc, out, err = spark("profile", "simulate", tmp_path / "x.npz", "--model", run["model"])
     assert rc == 2 and "trace of another model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_simulate_marks_the_default_policy_without_a_model(tmp_path):
+    rng = np.random.default_rng(5)
+    n, E, k = 200, 8, 2
+    ids = np.stack([[rng.choice(E, k, replace=False, p=np.arange(E, 0, -1) / 36.0) for _ in range(2)]
+                    for _ in range(n)])
+    path = tmp_path / "t.npz"
+    RoutingTrace(ids, np.ones(n), np.arange(n), E, "ab" * 32).save(path)
+    rc, out, err = spark("profile", "simulate", path, "--slots", "3,5", "--miss-path", "both", "--json")
+    assert rc == 0, err
+    rows = json.loads(out)
+    assert len(rows) == 2 * 2 * 6
+    for r in rows:
+        assert r["default"] == (r["policy"] == DEFAULT_POLICY)
+        belady = next(b for b in rows if b["policy"] == "belady" and (b["slots"], b["miss_path"]) ==
+                      (r["slots"], r["miss_path"]))
+        assert r["vs_belady"] == pytest.approx(r["hit_rate"] / belady["hit_rate"])
+        if r["policy"] in ("lru", "lfu-aged", "slru", "tinylfu") and r["miss_path"] == "upload":
+            assert r["vs_belady"] <= 1.0 + 1e-12  # Belady is optimal in the upload path
+    rc, out, err = spark("profile", "simulate", path, "--slots", "3", "--max-admit", "1", "--miss-path", "cpu")
+    assert rc == 0, err
+    assert "(default)" in out and "vs Belady" in out

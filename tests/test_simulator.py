@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spark_cli.errors import PlanError
-from spark_cli.simulator import cold_hit_rate, miss_ratio_curve, simulate
+from spark_cli.simulator import PolicyParams, cold_hit_rate, miss_ratio_curve, simulate
 from spark_cli.trace import RoutingTrace
 
 BOTH = ("prefill", "decode")
@@ -190,14 +190,14 @@ def test_lfu_counts_and_ageing(half_life, evicted):
     # cap 2: 0 0 1 2. Without ageing 0 has 2 uses, 1 has 1: evict 1. Halving after each
     # step leaves 0 at 0.375 and 1 at 0.5: evict 0.
     t = make_trace([[[0]], [[0]], [[1]], [[2]]], n_expert=4)
-    s = simulate(t, "lfu", 2, lfu_half_life=half_life).layers[0]
+    s = simulate(t, "lfu", 2, params=PolicyParams(window=half_life)).layers[0]
     assert (s.hits, s.misses) == (1, 3)
     assert set(s.final_resident) == {0, 1, 2} - {evicted}
 
 
 def test_lfu_ties_broken_by_least_recent():
     t = make_trace([[[0]], [[1]], [[2]]], n_expert=4)
-    s = simulate(t, "lfu", 2, lfu_half_life=0).layers[0]
+    s = simulate(t, "lfu", 2, params=PolicyParams(window=0)).layers[0]
     assert set(s.final_resident) == {1, 2}
 
 
@@ -250,3 +250,180 @@ def test_not_run_layer_steps_are_skipped():
     t = RoutingTrace(ids, [1, 1], [0, 1], 4, "fp")
     r = simulate(t, "lru", 2)
     assert (r.layers[0].misses, r.layers[1].misses, r.layers[1].cached_steps) == (2, 1, 1)
+
+
+# ---------------------------------------------------------------- policies of issue 12
+
+from spark_cli.simulator import (ALIASES, DEFAULT_POLICY, MISS_PATHS, ONLINE_POLICIES, POLICIES,  # noqa: E402
+                                 LayerCache, canonical_policy)
+
+ALL = ("lru-pinned", "lfu-aged", "slru", "tinylfu", "belady")
+PARAMS = PolicyParams(window=4, protected_num=1, protected_den=2)
+
+
+def _replay_checked(steps, n_expert, slots, pinned, policy, miss_path, max_admit, params=PARAMS):
+    """Drive LayerCache step by step (decode = one-token steps) and check the invariants."""
+    cache = LayerCache(n_expert, slots, pinned, policy, miss_path, max_admit, params)
+    nxt = None
+    if policy == "belady":
+        from spark_cli.simulator import _next_uses
+
+        nxt = _next_uses([list(dict.fromkeys(e for r in s for e in r)) for s in steps])
+    pinned_slots = list(cache.slot_expert[: len(pinned)])
+    pending: set[int] = set()  # cpu: experts admitted since the start of the last decode step
+    hits = misses = 0
+    for t, s in enumerate(steps):
+        distinct = list(dict.fromkeys(e for r in s for e in r))
+        decode = len(s) == 1
+        lands = miss_path == "cpu" and decode  # last decode step's admissions become usable
+        before = {e: cache.expert_slot[e] for e in distinct if cache.expert_slot[e] >= 0
+                  and (lands or not cache.slot_pending[cache.expert_slot[e]])}
+        o = cache.step(distinct, decode, nxt[t] if nxt else None)
+        assert o.hits == [e for e in distinct if e in o.hits] and o.misses == [e for e in distinct if e in o.misses]
+        assert sorted(o.hits + o.misses) == sorted(distinct)
+        assert set(o.hits) == set(before)  # hits are exactly the ready residents
+        for e, slot in before.items():  # a slot used by this step is never evicted
+            assert cache.expert_slot[e] == slot and cache.slot_expert[slot] == e
+        assert not set(o.evicted) & set(distinct)
+        assert cache.slot_expert[: len(pinned)] == pinned_slots  # pinned slots never move
+        if miss_path == "cpu":
+            if decode:
+                pending = set()  # they land at the start of a decode step
+            assert not set(o.hits) & pending  # lagged: never read before the next decode step
+            if not decode:
+                assert not o.admitted and not o.evicted
+            assert len(o.admitted) <= max_admit
+            assert len(o.admitted) + o.skipped == (len(o.misses) if decode else 0)
+            pending |= {e for e, _ in o.admitted}
+            assert not set(o.hits) & {e for e, _ in o.admitted}
+        else:
+            assert [e for e, _ in o.admitted] == o.misses
+        assert len({e for e in cache.slot_expert if e >= 0}) == sum(e >= 0 for e in cache.slot_expert)
+        hits += len(o.hits)
+        misses += len(o.misses)
+    return hits, misses
+
+
+@pytest.mark.parametrize("policy", ALL)
+@pytest.mark.parametrize("miss_path", MISS_PATHS)
+@settings(max_examples=60, deadline=None)
+@given(steps=step_lists(8, 2, max_tokens=2, max_steps=40), slots=st.integers(4, 7), n_pin=st.integers(0, 2),
+       max_admit=st.integers(1, 3))
+def test_policy_invariants(policy, miss_path, steps, slots, n_pin, max_admit):
+    pinned = list(range(7, 7 - n_pin, -1))
+    cap = slots - n_pin
+    steps = [s for s in steps if len(s) * 2 <= cap]  # cached steps only (stock steps never reach step())
+    _replay_checked(steps, 8, slots, pinned, policy, miss_path, max_admit)
+
+
+@pytest.mark.parametrize("miss_path", MISS_PATHS)
+@settings(max_examples=300, deadline=None)
+@given(steps=step_lists(7, 2, max_tokens=2, max_steps=30), slots=st.integers(2, 6), max_admit=st.integers(2, 3))
+def test_belady_never_worse_than_online_policies(miss_path, steps, slots, max_admit):
+    # NOTE: in the cpu path with max_admit < k, bypass-Belady is a heuristic, not a bound
+    # (choosing which misses to admit under the bound is a scheduling problem)
+    t = make_trace(steps, n_expert=7)
+    kw = dict(phases=BOTH, miss_path=miss_path, max_admit=max_admit, params=PARAMS)
+    b = simulate(t, "belady", slots, **kw).layers[0]
+    for policy in ONLINE_POLICIES:
+        o = simulate(t, policy, slots, **kw).layers[0]
+        assert o.stock_steps == b.stock_steps
+        assert b.misses <= o.misses, policy
+
+
+@pytest.mark.parametrize("policy", ALL)
+@pytest.mark.parametrize("miss_path", MISS_PATHS)
+def test_policies_are_deterministic(policy, miss_path):
+    rng = np.random.default_rng(3)
+    p = 1.0 / np.arange(1, 13) ** 1.1
+    steps = [[list(rng.choice(12, size=3, replace=False, p=p / p.sum()))] for _ in range(300)]
+    t = make_trace(steps, n_expert=12, layers=2)
+    a = simulate(t, policy, 7, pinned={0: [0], 1: [1]}, miss_path=miss_path, params=PARAMS)
+    b = simulate(t, policy, 7, pinned={0: [0], 1: [1]}, miss_path=miss_path, params=PARAMS)
+    assert a.layers == b.layers
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps=step_lists(8, 2, max_tokens=3, max_steps=40), slots=st.integers(2, 8), n_pin=st.integers(0, 2))
+def test_generic_lru_matches_fast_lru(steps, slots, n_pin):
+    from spark_cli.simulator import _run
+
+    pin = list(range(n_pin)) if n_pin <= slots else []
+    cap = slots - len(pin)
+    cached = [list(dict.fromkeys(e for r in s for e in r)) for s in steps if len(s) * 2 <= cap]
+    dec = [True] * len(cached)
+    fast = _run(cached, dec, 8, slots, pin, "lru-pinned", "upload", 2, PARAMS)
+    cache = LayerCache(8, slots, pin, "lru-pinned")
+    misses = [len(cache.step(d).misses) for d in cached]
+    assert fast.misses.tolist() == misses
+    assert fast.resident == cache.resident()
+
+
+def test_lfu_aged_integer_halving_by_hand():
+    # cap 2, window 2: counts after each step (halving after steps 2 and 4):
+    # s1: 0 -> {0:1}; s2: 0 -> {0:2} halve {0:1}; s3: 1 -> {0:1, 1:1}; s4: 1 -> {1:2} halve {0:0, 1:1}
+    # s5: 2 miss: victim min (count, tick): 0 (count 0) -> evicted
+    t = make_trace([[[0]], [[0]], [[1]], [[1]], [[2]]], n_expert=4)
+    s = simulate(t, "lfu-aged", 2, params=PolicyParams(window=2)).layers[0]
+    assert (s.hits, s.misses) == (2, 3)
+    assert s.final_resident == (1, 2)
+    c = LayerCache(4, 2, (), "lfu-aged", params=PolicyParams(window=2))
+    for e in (0, 0, 1, 1):
+        c.step([e])
+    assert c.freq == [0, 1, 0, 0] and c.age == 0
+
+
+def test_slru_protects_reused_experts():
+    # cap 3, protected 1 of 3 (num 1, den 2 -> 1): 0 0 (0 protected) 1 2 3 -> evicts 1 (probation LRU),
+    # then 4 evicts 2: 0 stays although it is the least recent
+    half = PolicyParams(protected_num=1, protected_den=2)
+    t = make_trace([[[0]], [[0]], [[1]], [[2]], [[3]], [[4]], [[0]]], n_expert=5)
+    s = simulate(t, "slru", 3, params=half).layers[0]
+    assert (s.hits, s.misses) == (2, 5)
+    lru = simulate(t, "lru", 3).layers[0]
+    assert (lru.hits, lru.misses) == (1, 6)
+    c = LayerCache(5, 3, (), "slru", params=half)
+    for e in (0, 0, 1, 1, 2, 2):  # promoting 1 then 2 demotes the older protected one
+        c.step([e])
+    assert [c.slot_seg[c.expert_slot[e]] for e in (0, 1, 2)] == [0, 0, 1]
+
+
+def test_cpu_path_lag_bound_and_admission():
+    # cap 2, k 1, max_admit 1: 0 1 0 1: step 1 admits 0 (pending), step 2 admits 1, step 3 hits 0
+    t = make_trace([[[0]], [[1]], [[0]], [[1]]], n_expert=4)
+    s = simulate(t, "lru", 2, miss_path="cpu", max_admit=1).layers[0]
+    assert (s.hits, s.misses, s.cpu_experts, s.admissions, s.admit_skipped) == (2, 2, 2, 2, 0)
+    # an expert routed in two consecutive steps misses twice: admitted at step 1, usable at step 2
+    t2 = make_trace([[[0, 1]], [[0, 1]], [[0, 1]]], n_expert=4)
+    s2 = simulate(t2, "lru", 2, miss_path="cpu", max_admit=1).layers[0]
+    # step 1: 0 admitted, 1 skipped (bound); step 2: 0 hit, 1 admitted; step 3: both hit
+    assert (s2.hits, s2.misses, s2.admissions, s2.admit_skipped) == (3, 3, 2, 1)
+    up = simulate(t2, "lru", 2).layers[0]
+    assert (up.hits, up.misses, up.cpu_experts, up.admit_skipped) == (4, 2, 0, 0)
+    # tinylfu declines a one-off miss against a frequent victim; lru admits it
+    steps = [[[0]], [[1]], [[0]], [[1]], [[0]], [[1]], [[2]], [[0]], [[1]]]
+    t3 = make_trace(steps, n_expert=4)
+    tl = simulate(t3, "tinylfu", 2, miss_path="cpu", params=PolicyParams(window=0)).layers[0]
+    lr = simulate(t3, "lru", 2, miss_path="cpu").layers[0]
+    assert tl.admit_skipped == 1 and tl.misses == 3  # 0, 1 compulsory; 2 computed on the CPU
+    assert lr.misses == 5  # 2 evicts 0, whose return evicts 1: both miss again
+
+
+def test_cpu_prefill_steps_are_read_only():
+    # cap 4, k 1: decode 0 (admitted), decode 1 (0 lands), prefill [0, 2] (hit 0, miss 2: not
+    # admitted, 0 not touched), decode 2 (miss: admitted now)
+    t = make_trace([[[0]], [[1]], [[0], [2]], [[2]]], n_expert=4)
+    s = simulate(t, "lru", 4, miss_path="cpu", phases=BOTH).layers[0]
+    assert (s.hits, s.misses, s.admissions) == (1, 4, 3)
+    assert (s.hits_decode, s.misses_decode, s.admissions_decode) == (0, 3, 3)
+
+
+def test_policy_names_and_aliases():
+    assert DEFAULT_POLICY in ONLINE_POLICIES and set(ONLINE_POLICIES) <= set(POLICIES)
+    assert canonical_policy("lfu") == "lfu-aged" == ALIASES["lfu"]
+    t = make_trace([[[0]], [[1]]], n_expert=4)
+    assert simulate(t, "lfu", 2).policy == "lfu-aged"
+    with pytest.raises(PlanError, match="unknown miss path"):
+        simulate(t, "lru", 2, miss_path="gpu")
+    with pytest.raises(PlanError, match="invalid policy parameters"):
+        PolicyParams(protected_num=3, protected_den=2)

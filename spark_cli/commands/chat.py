@@ -291,7 +291,7 @@ def _placement(path: Path, geometry, info, *, plan_path: Path | None, vram_text:
         budget_source = f"--vram {vram_text}" if vram_text else "device free memory minus a margin"
         plan = session.resolve_plan(path, geometry, plan_path=None, vram_text=vram_text, n_ctx=n_ctx,
                                     info=info, have_gpu=bool(devices), free_bytes=free)
-    if plan is not None and not any(l.mode in ("resident", "cached") for l in plan.layers):
+    if plan is not None and not any(l.mode in ("resident", "cached", "host") for l in plan.layers):
         raise PlanError("the plan places no MoE layer", hint="write it again with spark plan")
     return devices, plan, n_ctx, budget_source, cpu_reason
 

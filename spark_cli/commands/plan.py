@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -53,22 +54,25 @@ def _save(plan, output: Path) -> None:
 
 
 def trace_replay_line(trace, plan) -> str:
-    """The plan replayed on the trace: static cold-hit, then misses with the LRU slots."""
-    from ..simulator import cold_hit_rate, simulate
+    """The plan replayed on the trace: static cold-hit, then experts off the device with its policy."""
+    from ..planner import LayerReplay
+    from ..simulator import cold_hit_rate
 
     if trace.n_decode == 0:
         return "on the trace: no decode rows to replay"
     cold = cold_hit_rate(trace, plan.hot_set())
-    cached = [l for l in plan.layers if l.mode == "cached"]
-    moe = [l for l in plan.layers if l.mode in ("resident", "cached")]
-    if not cached or not moe:
+    if not any(l.mode == "cached" for l in plan.layers):
         return f"on the trace ({trace.n_decode} decode rows, in-sample): cold-hit {100 * cold:.1f}%"
-    sim = simulate(trace, "lru-pinned", {l.index: l.slots for l in cached},
-                   pinned={l.index: l.pinned for l in cached})
-    miss = sum(1.0 - s.hit_rate_decode for s in sim.layers.values()) / len(moe)
+    miss = LayerReplay(trace, None, plan.policy).plan_miss(plan)
     return (f"on the trace ({trace.n_decode} decode rows, in-sample): cold-hit {100 * cold:.1f}%, "
-            f"with the LRU slots {100 * miss:.1f}% of experts need an upload "
-            f"({sim.uploads_per_token:.1f} uploads per token)")
+            f"with the {plan.policy} slots {100 * miss:.1f}% of experts are not on the device")
+
+
+def held_out_line(c, policy: str) -> str:
+    return (f"held-out check: planned on the first {c.train_steps:,} decode steps, predicted "
+            f"{100 * c.predicted:.1f}% of experts off the device; on the next {c.test_steps:,}: "
+            f"[bold]{100 * c.measured:.1f}%[/] ({policy}), oracle {100 * c.oracle:.1f}% (a plan made on them), "
+            f"Belady {100 * c.belady:.1f}% (same slots)")
 
 
 def register(app: typer.Typer) -> None:
@@ -81,8 +85,12 @@ def register(app: typer.Typer) -> None:
         ctx: int = typer.Option(8192, "--ctx", "-c", min=1, help="context length the KV cache is sized for"),
         profile_path: Path = typer.Option(None, "--profile", help="routing profile (default: the one beside "
                                           "the model; a uniform prior when there is none)"),
-        trace_path: Path = typer.Option(None, "--trace", help="routing trace .npz: size LRU slots from "
-                                        "its miss-ratio curves"),
+        trace_path: Path = typer.Option(None, "--trace", help="routing trace .npz to replay (default: the "
+                                        "profile's ring of recent decode steps)"),
+        policy: str = typer.Option(None, "--policy", help="cache policy the plan is priced for and records: "
+                                   "lru, lfu-aged, slru, tinylfu (default: the default policy)"),
+        check: bool = typer.Option(True, "--check/--no-check", help="print the held-out check (plan on 70%% "
+                                   "of the replayed steps, predict the rest)"),
         type_k: str = typer.Option("f16", "--cache-type-k", "-ctk", help="KV cache type for K: f16, q8_0, q4_0, ..."),
         type_v: str = typer.Option("f16", "--cache-type-v", "-ctv", help="KV cache type for V"),
         output: Path = typer.Option(None, "--output", "-o", help="write the plan JSON here (for --plan)"),
@@ -90,6 +98,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Place experts for a VRAM budget and show the bill (no GPU needed with --vram)."""
         from .. import render_plan, session
+        from ..errors import PlanError
         from ..profile import RoutingProfile
         from ..trace import RoutingTrace
 
@@ -118,7 +127,22 @@ def register(app: typer.Typer) -> None:
         else:
             routing = (f"no profile at {info.path.name}: uniform prior "
                        "(run `spark profile` to learn which experts are hot)")
-        plan = session.make_plan_for(path, geometry, budget, ctx, info, tk, tv, trace=trace)
+        from ..planner import held_out_check, plan_by_replay
+        from ..simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy
+
+        pol = canonical_policy(policy or DEFAULT_POLICY)
+        if pol not in ONLINE_POLICIES:
+            raise PlanError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
+        replay, replay_src = trace, f"the trace {trace_path.name}" if trace_path else ""
+        if replay is None and info.profile is not None and info.profile.recent_trace() is not None:
+            replay, replay_src = info.profile.recent_trace(), "the profile's recent decode steps"
+        cands, check_result = [], None
+        if replay is not None and replay.n_decode:
+            plan, cands = plan_by_replay(geometry, budget, ctx, replay, session.profile_counts(info), pol, tk, tv)
+            if check:
+                check_result = held_out_check(geometry, budget, ctx, replay, policy=pol, type_k=tk, type_v=tv)
+        else:
+            plan = replace(session.make_plan_for(path, geometry, budget, ctx, info, tk, tv, trace=trace), policy=pol)
 
         if output is not None:
             _save(plan, output)
@@ -142,6 +166,14 @@ def register(app: typer.Typer) -> None:
         console.print(render_plan.cold_hit_line(plan), soft_wrap=True)
         if trace is not None:
             console.print(trace_replay_line(trace, plan), soft_wrap=True)
+        if cands:
+            n = replay.n_decode
+            parts = ", ".join(f"{c.name} {100 * c.miss:.1f}%" for c in cands)
+            chosen = next(c.name for c in cands if c.plan.layers == plan.layers)
+            console.print(f"priced by replaying {n:,} decode steps of {replay_src} through {pol}: "
+                          f"experts not on the device {parts}: [bold]{chosen}[/] chosen", soft_wrap=True)
+        if check_result is not None:
+            console.print(held_out_line(check_result, pol), soft_wrap=True)
         for line in render_plan.stock_lines(plan):
             console.print(line, soft_wrap=True)
         if output is not None:

@@ -200,7 +200,8 @@ def run_cmd(
         err_console.print(f"[yellow]warning:[/] ... and {len(docs.unreadable) - 5} more unreadable files")
 
     mode = resolve_capture(capture)
-    keep_trace = trace is not None or held_out > 0
+    full_trace = trace is not None or held_out > 0
+    keep_trace = True  # at least the decode steps: the profile keeps a ring of recent ones
     n_batch = min(512, ctx)
     engine = open_engine(model, geometry, mode, keep_trace, ctx, n_batch, device, endpoints, threads,
                          note=lambda msg: console.print(f"[yellow]note:[/] {msg}"))
@@ -225,6 +226,7 @@ def run_cmd(
                       + (f", {gen} decoded tokens after each" if gen else "")
                       + ": Ctrl-C stops and keeps what was gathered")
         cap = _Capture(engine, mode, geometry.n_layer, geometry.n_expert, geometry.fingerprint, keep_trace)
+        cap.decode_only = not full_trace
         progress = Progress(TextColumn("{task.description}"), BarColumn(),
                             TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"), _RateColumn(),
                             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
@@ -242,8 +244,13 @@ def run_cmd(
         console.print("interrupted before any routing was recorded: the profile is unchanged")
         raise typer.Exit(130)
     source = f"profile {corpus_path.name}" + (" (interrupted)" if g.interrupted else "")
-    saved = update_file(prof_path, ident, lambda p: p.add(g.prefill, g.decode, g.tokens_prefill,
-                                                             g.tokens_decode, source=source))
+
+    def fold(p: RoutingProfile) -> None:
+        p.add(g.prefill, g.decode, g.tokens_prefill, g.tokens_decode, source=source)
+        for t in g.traces:
+            p.add_recent(t)
+
+    saved = update_file(prof_path, ident, fold)
     rate = g.tokens / g.seconds if g.seconds > 0 else 0.0
     console.print(f"{'[yellow]interrupted:[/] kept ' if g.interrupted else 'profiled '}"
                   f"{g.tokens:,} tokens ({g.tokens_prefill:,} prefill + {g.tokens_decode:,} decode) from "
@@ -251,8 +258,10 @@ def run_cmd(
     console.print(f"{'updated' if old else 'new'} profile {prof_path}: {saved.tokens_prefill:,.0f} prefill + "
                   f"{saved.tokens_decode:,.0f} decode tokens")
 
-    full = None
-    if g.traces:
+    if saved.recent is not None:
+        console.print(f"recent decode steps kept in the profile: {len(saved.recent):,} "
+                      f"(at most {saved.recent_capacity(len(saved.recent_layers), saved.recent.shape[2]):,})")
+    if g.traces and full_trace:
         from ..trace import concat
 
         full = concat(g.traces)
@@ -262,7 +271,7 @@ def run_cmd(
 
     counts, what = _print_skew(g.prefill, g.decode, geometry.n_expert_used, "this run's ")
     if held_out > 0:
-        if len(g.traces) == 0:
+        if not g.traces:
             console.print("[yellow]held-out:[/] no trace was gathered")
         else:
             train, test = split_held_out(g.traces, held_out)
@@ -313,39 +322,53 @@ class SimRow:
     hit_rate: float
     uploads_per_token: float
     bytes_per_token: float | None
+    miss_path: str = "upload"
+    vs_belady: float | None = None  # hit rate / Belady's at the same slots and miss path
+    default: bool = False  # the policy a cache runs unless told otherwise
 
 
 def simulate_rows(trace, slot_counts: Sequence[int], policies: Sequence[str], *, pinned_from: np.ndarray | None,
                   bytes_per_expert: dict[int, int] | None, k: int, pin: int | None = None,
-                  phases: Sequence[str] = ("decode",), lfu_half_life: int = 128) -> list[SimRow]:
-    """Each policy at each slot count; lru-pinned pins the top experts of `pinned_from`
-    ([n_layer, E] counts; none without it): `pin` per layer, default half the slots,
-    keeping at least k LRU slots."""
-    from ..simulator import simulate
+                  phases: Sequence[str] = ("decode",), miss_paths: Sequence[str] = ("upload",),
+                  max_admit: int | None = None, params=None) -> list[SimRow]:
+    """Each policy at each slot count and miss path; lru-pinned pins the top experts of
+    `pinned_from` ([n_layer, E] counts; none without it): `pin` per layer, default half
+    the slots, keeping at least k LRU slots."""
+    from ..simulator import DEFAULT_POLICY, canonical_policy, simulate
 
     all_phases = len(phases) > 1
     rows = []
     moe = trace.moe_layers()
-    for s in slot_counts:
-        for policy in policies:
-            pinned: dict[int, list[int]] = {}
-            n_pin = 0
-            if policy == "lru-pinned" and pinned_from is not None:
-                n_pin = max(0, min(s // 2 if pin is None else pin, s - k, trace.n_expert))
-                for layer in moe:
-                    order = np.argsort(-pinned_from[layer], kind="stable")
-                    pinned[layer] = [int(e) for e in order[:n_pin]]
-            r = simulate(trace, policy, s, pinned=pinned or None, bytes_per_expert=bytes_per_expert,
-                         phases=phases, lfu_half_life=lfu_half_life)
-            if all_phases:
-                tokens = r.tokens
-                hit, ups = r.hit_rate, (r.misses / tokens if tokens else 0.0)
-                bpt = (sum(st.misses * bytes_per_expert.get(st.layer, 0) for st in r.layers.values()) / tokens
-                       if bytes_per_expert is not None and tokens else (0.0 if bytes_per_expert else None))
-            else:
-                hit, ups, bpt = r.hit_rate_decode, r.uploads_per_token, r.bytes_per_token
-            rows.append(SimRow(s, policy, n_pin, hit, ups, bpt))
+    for miss_path in miss_paths:
+        for s in slot_counts:
+            group = []
+            for policy in policies:
+                pinned: dict[int, list[int]] = {}
+                n_pin = 0
+                if policy == "lru-pinned" and pinned_from is not None:
+                    n_pin = max(0, min(s // 2 if pin is None else pin, s - k, trace.n_expert))
+                    for layer in moe:
+                        order = np.argsort(-pinned_from[layer], kind="stable")
+                        pinned[layer] = [int(e) for e in order[:n_pin]]
+                r = simulate(trace, policy, s, pinned=pinned or None, bytes_per_expert=bytes_per_expert,
+                             phases=phases, miss_path=miss_path, max_admit=max_admit, params=params)
+                if all_phases:
+                    tokens = r.tokens
+                    hit, ups = r.hit_rate, (r.admissions / tokens if tokens else 0.0)
+                    bpt = (sum(st.admissions * bytes_per_expert.get(st.layer, 0) for st in r.layers.values()) / tokens
+                           if bytes_per_expert is not None and tokens else (0.0 if bytes_per_expert else None))
+                else:
+                    hit, ups, bpt = r.hit_rate_decode, r.uploads_per_token, r.bytes_per_token
+                group.append(SimRow(s, r.policy, n_pin, hit, ups, bpt, miss_path,
+                                    default=canonical_policy(policy) == DEFAULT_POLICY))
+            best = [r.hit_rate for r in group if r.policy == "belady"]
+            for r in group:
+                r.vs_belady = r.hit_rate / best[0] if best and best[0] > 0 else None
+            rows += group
     return rows
+
+
+DEFAULT_SIM_POLICIES = "lru,lru-pinned,lfu-aged,slru,tinylfu,belady"
 
 
 @profile_app.command("simulate")
@@ -353,7 +376,13 @@ def simulate_cmd(
     trace: Path = typer.Argument(..., help="a routing trace (.npz) from spark profile --trace"),
     model: Path = typer.Option(None, "--model", "-m", help="the trace's model: checks it, and gives bytes per token"),
     slots: str = typer.Option("4,8,16", "--slots", help="slot counts per cached layer to try"),
-    policy: str = typer.Option("lru,lru-pinned,lfu,belady", "--policy", help="policies: lru, lru-pinned, lfu, belady"),
+    policy: str = typer.Option(DEFAULT_SIM_POLICIES, "--policy",
+                               help="policies: lru, lru-pinned, lfu-aged, slru, tinylfu, belady (the oracle)"),
+    miss_path: str = typer.Option("upload", "--miss-path",
+                                  help="upload (a miss is uploaded before the step), cpu (computed on the CPU, "
+                                       "admitted for the next step), or both"),
+    max_admit: int = typer.Option(-1, "--max-admit", help="cpu miss path: admissions per layer per decode step "
+                                                          "(<0: experts used per token)"),
     profile: Path = typer.Option(None, "--profile", help="profile whose top experts lru-pinned pins (none without)"),
     pin: int = typer.Option(None, "--pin", min=0, help="experts pinned per layer by lru-pinned (default: half the slots)"),
     phases: str = typer.Option("decode", "--phases", help="decode, or all (prefill steps too, as the native cache)"),
@@ -362,15 +391,18 @@ def simulate_cmd(
     """Replay a trace through cache policies: hit rate, uploads and bytes per token by slot count."""
     from ..gguf_info import load_geometry
     from ..profile import RoutingProfile
-    from ..simulator import POLICIES
+    from ..simulator import ALIASES, DEFAULT_POLICY, MISS_PATHS, POLICIES
     from ..trace import RoutingTrace
 
     slot_counts = _parse_ints(slots, "--slots")
-    policies = [p.strip() for p in policy.split(",") if p.strip()]
+    policies = list(dict.fromkeys(ALIASES.get(p.strip(), p.strip()) for p in policy.split(",") if p.strip()))
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
         raise SparkError(f"--policy {policy}: unknown {', '.join(bad) or 'empty list'}",
                          hint=f"use some of {', '.join(POLICIES)}")
+    if miss_path not in (*MISS_PATHS, "both"):
+        raise SparkError(f"--miss-path {miss_path}: expected upload, cpu or both")
+    paths = MISS_PATHS if miss_path == "both" else (miss_path,)
     if phases not in ("decode", "all"):
         raise SparkError(f"--phases {phases}: expected decode or all")
     geometry = load_geometry(model, require_moe=True) if model is not None else None
@@ -389,21 +421,26 @@ def simulate_cmd(
     bpe = {l.index: l.expert_bytes_per_expert for l in geometry.layers if l.is_moe} if geometry else None
     k = geometry.n_expert_used if geometry else tr.k
     rows = simulate_rows(tr, slot_counts, policies, pinned_from=pinned_from, bytes_per_expert=bpe, k=k, pin=pin,
-                         phases=("decode",) if phases == "decode" else ("prefill", "decode"))
+                         phases=("decode",) if phases == "decode" else ("prefill", "decode"), miss_paths=paths,
+                         max_admit=max_admit)
     if as_json:
         print(json.dumps([r.__dict__ for r in rows], indent=1))
         return
     n_tok = tr.n_decode if phases == "decode" else tr.n_rows
     t = Table(title=f"cache simulation of {trace.name}: {n_tok:,} {'decode ' if phases == 'decode' else ''}tokens, "
                     f"{len(tr.moe_layers())} MoE layers x {tr.n_expert} experts, top-{tr.k}", title_justify="left")
-    for col in ("slots", "policy", "pinned", "hit rate", "uploads/token", "MiB/token"):
-        t.add_column(col, justify="right" if col != "policy" else "left")
+    for col in ("miss path", "slots", "policy", "pinned", "hit rate", "vs Belady", "uploads/token", "MiB/token"):
+        t.add_column(col, justify="left" if col in ("policy", "miss path") else "right")
     for r in rows:
-        t.add_row(str(r.slots), r.policy, str(r.pinned), f"{r.hit_rate:.3f}", f"{r.uploads_per_token:.2f}",
+        t.add_row(r.miss_path, str(r.slots), r.policy + (" (default)" if r.default else ""), str(r.pinned),
+                  f"{r.hit_rate:.3f}", "-" if r.vs_belady is None else f"{r.vs_belady:.3f}",
+                  f"{r.uploads_per_token:.2f}",
                   "-" if r.bytes_per_token is None else f"{r.bytes_per_token / 2**20:.2f}")
     console.print(t)
     if "lru-pinned" in policies and pinned_from is None:
         console.print("note: no --profile, so lru-pinned pins nothing (the same as lru)")
+    if DEFAULT_POLICY not in policies:
+        console.print(f"note: the default policy {DEFAULT_POLICY} is not in --policy")
     if geometry is None:
         console.print("note: pass --model for bytes per token")
 
