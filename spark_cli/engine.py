@@ -31,6 +31,16 @@ def expert_pattern(layers: Sequence[int]) -> str:
     return rf"^blk\.({alt})\.ffn_({EXPERT_KINDS})_exps\.weight$"
 
 
+def native_policy_id(policy: str) -> int:
+    from .simulator import NATIVE_POLICY_IDS, canonical_policy
+
+    p = canonical_policy(policy)
+    if p not in NATIVE_POLICY_IDS:
+        raise SparkError(f"--policy {policy}: the native cache cannot run it",
+                         hint="use one of " + ", ".join(NATIVE_POLICY_IDS))
+    return NATIVE_POLICY_IDS[p]
+
+
 def repack_is_safe() -> bool:
     """False on CPUs that advertise AMX: ggml's AMX weight buffer (an extra buffer type) crashes
     in its matmul there (seen in a VM), so weights keep the plain layout. SPARK_REPACK=1 forces it."""
@@ -56,6 +66,7 @@ class CacheLayer:
     pinned: tuple[int, ...] = ()
     miss_path: str = "upload"  # upload | cpu (see MISS_PATHS)
     max_admit: int = -1        # cpu: background admissions per decode step (<0: k)
+    policy: str = "lru"        # a native policy of simulator.NATIVE_POLICY_IDS
 
 
 @dataclass
@@ -233,7 +244,8 @@ class Engine:
             self._keep.append(pinned)
             layers[i] = llama_lib.ExpertCacheLayerParams(c.il, c.n_slots, len(c.pinned),
                                                         ctypes.cast(pinned, ctypes.POINTER(ctypes.c_int32)),
-                                                        MISS_PATHS[c.miss_path], c.max_admit)
+                                                        MISS_PATHS[c.miss_path], c.max_admit,
+                                                        native_policy_id(c.policy))
         p = self.lib.ec_default_params()
         p.layers = ctypes.cast(layers, ctypes.POINTER(llama_lib.ExpertCacheLayerParams))
         p.n_layers = len(self.opts.cache_layers)

@@ -55,6 +55,7 @@ class ExpertCacheLayerParams(ctypes.Structure):
         ("pinned", ctypes.POINTER(ctypes.c_int32)),
         ("miss_path", ctypes.c_int32),
         ("max_admit", ctypes.c_int32),
+        ("policy", ctypes.c_int32),
     ]
 
 
@@ -68,6 +69,9 @@ class ExpertCacheParams(ctypes.Structure):
         ("trace", ctypes.c_bool),
         ("trace_max", ctypes.c_int64),
         ("n_threads", ctypes.c_int32),
+        ("policy_window", ctypes.c_int32),
+        ("slru_protected_num", ctypes.c_int32),
+        ("slru_protected_den", ctypes.c_int32),
     ]
 
 

@@ -50,6 +50,8 @@ POLICIES = ("lru", "lru-pinned", "lfu-aged", "slru", "tinylfu", "belady")
 ALIASES = {"lfu": "lfu-aged"}  # the name before issue 12
 ONLINE_POLICIES = ("lru", "lfu-aged", "slru", "tinylfu")  # what a cache can run (no oracle)
 DEFAULT_POLICY = "tinylfu"
+# the native cache's enum llama_expert_cache_policy (belady is an oracle: simulator only)
+NATIVE_POLICY_IDS = {"lru": 0, "lru-pinned": 0, "lfu-aged": 1, "slru": 2, "tinylfu": 3}
 MISS_PATHS = ("upload", "cpu")
 _INF = 1 << 62
 _U32 = (1 << 32) - 1
@@ -295,7 +297,8 @@ class LayerCache:
         return True
 
     def step(self, distinct: Sequence[int], decode: bool = True,
-             next_use: Sequence[int] | None = None, land_use: Sequence[int] | None = None) -> StepOutcome:
+             next_use: Sequence[int] | None = None, land_use: Sequence[int] | None = None,
+             large: bool = False) -> StepOutcome:
         """One cached (non-stock) step.
 
         belady only, per distinct expert: `next_use`, the index of the next step that
@@ -303,11 +306,13 @@ class LayerCache:
         now is usable (the next decode step or later).
         """
         cpu = self.miss_path == "cpu"
-        if cpu and decode:  # last decode step's admissions have landed
+        # a step too large for the policy's slots (n_tokens * k > S - P) runs its misses on the
+        # CPU in either path and changes nothing, as a prefill step on the cpu path does
+        readonly = large or (cpu and not decode)
+        if cpu and not readonly:  # last decode step's admissions have landed
             for s in self.pending:
                 self.slot_pending[s] = False
             self.pending = []
-        readonly = cpu and not decode
         if self.counts and not readonly:
             for e in distinct:
                 if self.freq[e] < _U32:
@@ -328,7 +333,9 @@ class LayerCache:
                     self._touch(s)
             else:
                 out.misses.append(e)
-        if not cpu:
+        if readonly:
+            pass
+        elif not cpu:
             for e in out.misses:
                 s = self._free_slot()
                 if s < 0:
@@ -337,7 +344,7 @@ class LayerCache:
                 self._place(e, s, out)
                 used.add(s)
                 out.admitted.append((e, s))
-        elif not readonly:
+        else:
             order = out.misses
             if self.policy == "belady":  # soonest usable next use first; ties in distinct order
                 order = sorted(order, key=lambda e: land[e])
@@ -415,6 +422,7 @@ class _Run:
     admissions: np.ndarray
     skipped: np.ndarray
     resident: tuple[int, ...]
+    cpu: np.ndarray  # misses computed on the CPU
 
 
 def _next_uses(steps: list[list[int]], decode: Sequence[bool] | None = None) -> list[list[int]]:
@@ -443,11 +451,16 @@ def _next_uses(steps: list[list[int]], decode: Sequence[bool] | None = None) -> 
     return out
 
 
-def _run_lru_upload(steps: list[list[int]], pin: set[int], cap: int) -> tuple[list[int], list[int]]:
-    """Plain LRU, upload path: an OrderedDict reproduces the resident set (design.md)."""
+def _run_lru_upload(steps: list[list[int]], pin: set[int], cap: int,
+                    large: Sequence[bool] | None = None) -> tuple[list[int], list[int]]:
+    """Plain LRU, upload path: an OrderedDict reproduces the resident set (design.md).
+    A large step (misses on the CPU) only counts its misses."""
     lru: OrderedDict[int, None] = OrderedDict()
     out = []
-    for distinct in steps:
+    for t, distinct in enumerate(steps):
+        if large is not None and large[t]:
+            out.append(sum(1 for e in distinct if e not in lru and e not in pin))
+            continue
         misses = []
         for e in distinct:
             if e in lru:
@@ -463,13 +476,16 @@ def _run_lru_upload(steps: list[list[int]], pin: set[int], cap: int) -> tuple[li
 
 
 def _run(steps: list[list[int]], decode: list[bool], n_expert: int, slots: int, pin: Sequence[int],
-         policy: str, miss_path: str, max_admit: int, params: PolicyParams) -> _Run:
+         policy: str, miss_path: str, max_admit: int, params: PolicyParams,
+         large: list[bool] | None = None) -> _Run:
     n_distinct = np.fromiter(map(len, steps), dtype=np.int64, count=len(steps))
+    large = large if large is not None else [False] * len(steps)
+    big = np.asarray(large, dtype=bool)
     if policy in ("lru", "lru-pinned") and miss_path == "upload":
-        lru, misses = _run_lru_upload(steps, set(pin), slots - len(set(pin)))
+        lru, misses = _run_lru_upload(steps, set(pin), slots - len(set(pin)), large)
         m = np.asarray(misses, dtype=np.int64)
-        return _Run(n_distinct - m, m, m.copy(), np.zeros_like(m),
-                    tuple(sorted(set(pin))) + tuple(lru))
+        return _Run(n_distinct - m, m, np.where(big, 0, m), np.zeros_like(m),
+                    tuple(sorted(set(pin))) + tuple(lru), np.where(big, m, 0))
     cache = LayerCache(n_expert, slots, pin, policy, miss_path, max_admit, params)
     nxt = land = None
     if policy == "belady":
@@ -478,30 +494,36 @@ def _run(steps: list[list[int]], decode: list[bool], n_expert: int, slots: int, 
     out: list[tuple[int, int, int, int]] = []
     for t, distinct in enumerate(steps):
         o = cache.step(distinct, decode[t], nxt[t] if nxt is not None else None,
-                       land[t] if land is not None else None)
+                       land[t] if land is not None else None, large=large[t])
         out.append((len(o.hits), len(o.misses), len(o.admitted), o.skipped))
     a = np.asarray(out, dtype=np.int64).reshape(len(steps), 4)
-    return _Run(a[:, 0], a[:, 1], a[:, 2], a[:, 3], cache.resident())
+    on_cpu = a[:, 1] if miss_path == "cpu" else np.where(big, a[:, 1], 0)
+    return _Run(a[:, 0], a[:, 1], a[:, 2], a[:, 3], cache.resident(), on_cpu)
 
 
 def _replay(steps: _Steps, k: int, n_expert: int, layer: int, slots: int, pinned: Sequence[int],
             policy: str, miss_path: str = "upload", max_admit: int | None = None,
-            params: PolicyParams = PolicyParams()) -> LayerStats:
+            params: PolicyParams = PolicyParams(), cpu_path: bool = True) -> LayerStats:
+    """cpu_path: the layer can compute misses on the CPU (native: its expert ops have a CPU
+    recipe), so steps too large for the slots run resident experts from the bank and the rest
+    on the CPU; without it they are stock steps (host weights, nothing counted)."""
     pin = list(dict.fromkeys(int(e) for e in pinned))
     if len(pin) > slots:
         raise PlanError(f"layer {layer}: {len(pin)} pinned experts do not fit {slots} slots")
     cap = slots - len(pin)
-    stock = steps.n_tokens * k > cap
+    too_large = steps.n_tokens * k > cap
+    stock = too_large & (not cpu_path)
     cached = np.flatnonzero(~stock)
     dec = steps.decode[cached]
     r = _run([steps.distinct[i] for i in cached.tolist()], dec.tolist(), n_expert, slots, pin, policy,
-             miss_path, k if max_admit is None or max_admit < 0 else max_admit, params)
+             miss_path, k if max_admit is None or max_admit < 0 else max_admit, params,
+             too_large[cached].tolist())
     sd = stock & steps.decode
     return LayerStats(
         layer=layer, slots=slots, pinned=len(pin),
         hits=int(r.hits.sum()), misses=int(r.misses.sum()), uploads=len(pin) + int(r.admissions.sum()),
         admissions=int(r.admissions.sum()), admit_skipped=int(r.skipped.sum()),
-        cpu_experts=int(r.misses.sum()) if miss_path == "cpu" else 0,
+        cpu_experts=int(r.cpu.sum()),
         cached_steps=int(cached.size), stock_steps=int(stock.sum()),
         stock_accesses=int(steps.n_distinct[stock].sum()),
         hits_decode=int(r.hits[dec].sum()), misses_decode=int(r.misses[dec].sum()),

@@ -108,8 +108,14 @@ def test_tiny_architectures_bit_exact(arch, tiny_models, rpc_server):
     _exactness(tiny_models[arch], rpc_server.endpoint, prompts=PROMPTS[:2])
 
 
-def test_counters_equal_python_lru_replay(small_model, rpc_server):
+@pytest.mark.parametrize("policy,miss_path", [
+    ("lru", "upload"), ("lru", "cpu"), ("tinylfu", "cpu"), ("tinylfu", "upload"), ("slru", "cpu"), ("lfu-aged", "cpu"),
+])
+def test_counters_equal_python_replay(policy, miss_path, small_model, rpc_server):
+    """The native counters and slots equal the simulator's replay of the native trace, for each
+    native policy and miss path (ubatches of 4: some prompt steps do not fit the slots)."""
     layers, g = _cache_layers(small_model, 1, 1)
+    layers = [CacheLayer(c.il, c.n_slots, c.pinned, miss_path=miss_path, policy=policy) for c in layers]
     opts = EngineOptions(small_model, n_ctx=512, n_ubatch=4, rpc=[rpc_server.endpoint], cache_layers=layers, trace=True)
     with Engine(opts) as eng:
         one_token_ubatches = 0
@@ -121,18 +127,23 @@ def test_counters_equal_python_lru_replay(small_model, rpc_server):
         slots = {c.il: eng.slots(c.il) for c in layers}
         counts_pre, counts_dec = eng.routing_counts(PHASE_PREFILL), eng.routing_counts(PHASE_DECODE)
     trace = records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
-    sim = simulate(trace, "lru-pinned", {c.il: c.n_slots for c in layers},
-                   pinned={c.il: list(c.pinned) for c in layers}, phases=("prefill", "decode"))
+    sim = simulate(trace, "lru-pinned" if policy == "lru" else policy, {c.il: c.n_slots for c in layers},
+                   pinned={c.il: list(c.pinned) for c in layers}, phases=("prefill", "decode"), miss_path=miss_path)
     for c in layers:
         s, ref = stats[c.il], sim.layers[c.il]
-        assert (s["hits"], s["misses"], s["uploads"]) == (ref.hits, ref.misses, ref.uploads), f"layer {c.il}"
+        got = (s["hits"], s["misses"], s["uploads"], s["cpu_experts"], s["admit_skipped"])
+        want = (ref.hits, ref.misses, ref.uploads, ref.cpu_experts, ref.admit_skipped)
+        assert got == want, f"layer {c.il}: native {got} != replay {want}"
         assert (s["steps_cached"], s["steps_stock"]) == (ref.cached_steps, ref.stock_steps)
-        # pinned experts never leave their slots; the LRU part holds what the replay holds
+        # pinned experts never leave their slots; the other slots hold what the replay holds
         assert slots[c.il][: len(c.pinned)] == list(c.pinned)
-        assert set(slots[c.il]) - {-1} == set(ref.final_resident)
+        held = {e if e >= 0 else -2 - e for e in slots[c.il] if e != -1}
+        assert held == set(ref.final_resident)
     pre, dec = records_to_counts(records, g.n_layer, g.n_expert)
     assert np.array_equal(pre, counts_pre) and np.array_equal(dec, counts_dec)
     assert dec.sum() == (3 * 16 + one_token_ubatches) * g.n_expert_used * len(g.moe_layers)
+    if miss_path == "cpu":
+        assert sum(s["blocking_upload_bytes"] for s in stats.values()) == 0
 
 
 def test_bank_memory_matches_plan(small_model, rpc_server):

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 // NOTE: bump when a struct or a function below changes; bindings check it at load
-#define LLAMA_EXPERT_CACHE_API_VERSION 2
+#define LLAMA_EXPERT_CACHE_API_VERSION 3
 
 #ifdef __cplusplus
 extern "C" {
@@ -46,6 +46,15 @@ extern "C" {
         LLAMA_EXPERT_CACHE_MISS_CPU    = 1, // compute the miss on the CPU; admit it in the background
     };
 
+    // Which slot a miss evicts (upload path), and whether a miss is admitted at all (CPU path).
+    // Integer arithmetic only, so Spark's simulator replays it exactly (spark_cli/simulator.py).
+    enum llama_expert_cache_policy {
+        LLAMA_EXPERT_CACHE_POLICY_LRU      = 0, // least recently used
+        LLAMA_EXPERT_CACHE_POLICY_LFU_AGED = 1, // lowest routed-step count (halved every policy_window steps), then LRU
+        LLAMA_EXPERT_CACHE_POLICY_SLRU     = 2, // segmented LRU: probation before protected (slru_protected share)
+        LLAMA_EXPERT_CACHE_POLICY_TINYLFU  = 3, // LFU_AGED eviction; CPU path: admit only if the miss's count beats the victim's
+    };
+
     struct llama_expert_cache_layer_params {
         int32_t         il;        // layer index
         int32_t         n_slots;   // bank size S (pinned + LRU); S - n_pinned >= experts used per token
@@ -53,6 +62,7 @@ extern "C" {
         const int32_t * pinned;    // [n_pinned] expert ids, distinct
         int32_t         miss_path; // enum llama_expert_cache_miss_path (changeable later with set_miss_path)
         int32_t         max_admit; // CPU miss path: background admissions per decode step at most (<0: experts used per token)
+        int32_t         policy;    // enum llama_expert_cache_policy
     };
 
     struct llama_expert_cache_params {
@@ -64,6 +74,9 @@ extern "C" {
         bool    trace;         // record the routed ids of every step (llama_expert_cache_get_trace)
         int64_t trace_max;     // trace capacity in int32 values; recording stops when full (get_trace_dropped)
         int32_t n_threads;     // CPU threads for the CPU miss path (<= 0: 1)
+        int32_t policy_window; // LFU_AGED, TINYLFU: halve every count each this many steps of a layer (0: never)
+        int32_t slru_protected_num; // SLRU: protected slots at most (S - P) * num / den
+        int32_t slru_protected_den;
     };
 
     struct llama_expert_cache_stats {

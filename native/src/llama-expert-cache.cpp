@@ -138,6 +138,11 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
     trace_on  = params.trace;
     trace_max = params.trace_max > 0 ? params.trace_max : 0;
     n_threads = params.n_threads > 0 ? params.n_threads : 1;
+    policy_window = params.policy_window > 0 ? params.policy_window : 0;
+    if (params.slru_protected_num < 0 || params.slru_protected_den <= 0 || params.slru_protected_num > params.slru_protected_den) {
+        err = "invalid parameters: slru_protected_num / slru_protected_den must be a share in [0, 1]";
+        return LLAMA_EXPERT_CACHE_ERR_ARG;
+    }
 
     if (params.n_layers < 0 || (params.n_layers > 0 && params.layers == nullptr)) {
         err = "invalid parameters: layers is null or n_layers < 0";
@@ -209,6 +214,10 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
             err = fmt("layer %d: unknown miss path %d", lp.il, lp.miss_path);
             return LLAMA_EXPERT_CACHE_ERR_ARG;
         }
+        if (lp.policy < LLAMA_EXPERT_CACHE_POLICY_LRU || lp.policy > LLAMA_EXPERT_CACHE_POLICY_TINYLFU) {
+            err = fmt("layer %d: unknown policy %d", lp.il, lp.policy);
+            return LLAMA_EXPERT_CACHE_ERR_ARG;
+        }
 
         ggml_backend_dev_t dev = model.dev_layer(lp.il);
         if (!is_gpu(dev)) {
@@ -245,6 +254,8 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
         L->n_pinned     = lp.n_pinned;
         L->miss_path    = lp.miss_path;
         L->max_admit    = lp.max_admit < 0 ? k : lp.max_admit;
+        L->policy       = lp.policy;
+        L->protected_cap = (lp.n_slots - lp.n_pinned) * params.slru_protected_num / params.slru_protected_den;
         L->expert_bytes = expert_bytes;
     }
 
@@ -296,6 +307,8 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
         L.slot_state.assign(L.n_slots, LLAMA_EXPERT_CACHE_SLOT_FREE);
         L.slot_tick.assign(L.n_slots, 0);
         L.slot_step.assign(L.n_slots, 0);
+        L.slot_seg.assign(L.n_slots, 0);
+        L.freq.assign(n_expert, 0);
         L.slot_event.assign(L.n_slots, nullptr);
         L.expert_slot.assign(n_expert, -1);
 
@@ -665,7 +678,7 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
     const bool to_cpu = hybrid && (L.miss_path == LLAMA_EXPERT_CACHE_MISS_CPU || !fits);
     // NOTE: a multi-token step on the CPU path neither reorders nor admits: it must not flush
     // the decode working set
-    const bool read_only = to_cpu && n_tokens > 1;
+    const bool read_only = to_cpu && phase == LLAMA_EXPERT_CACHE_PHASE_PREFILL;
     GGML_ASSERT((to_cpu || fits) && "expert cache: step larger than the LRU slots without a CPU path");
 
     // admissions of earlier steps become readable at the layer's next step that may change the
@@ -696,6 +709,13 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
             }
         }
     }
+    const bool counts = L.policy == LLAMA_EXPERT_CACHE_POLICY_LFU_AGED || L.policy == LLAMA_EXPERT_CACHE_POLICY_TINYLFU;
+    if (counts && !read_only) {
+        for (int32_t i = 0; i < n_distinct; ++i) {
+            uint32_t & f = L.freq[L.distinct[i]];
+            f += f < UINT32_MAX;
+        }
+    }
 
     // hits first, so that no expert this step needs can be evicted by its misses
     for (int32_t i = 0; i < n_distinct; ++i) {
@@ -705,23 +725,52 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
             L.slot_step[s] = 1;
             if (s >= L.n_pinned && !read_only) {
                 L.slot_tick[s] = ++tick;
+                if (L.policy == LLAMA_EXPERT_CACHE_POLICY_SLRU && !L.slot_seg[s]) {
+                    L.slot_seg[s] = 1;
+                    if (++L.protected_n > L.protected_cap) {
+                        // the least recent protected slot goes back to probation (not evicted)
+                        int32_t d = -1;
+                        for (int32_t u = L.n_pinned; u < L.n_slots; ++u) {
+                            if (L.slot_seg[u] && (d < 0 || L.slot_tick[u] < L.slot_tick[d])) {
+                                d = u;
+                            }
+                        }
+                        L.slot_seg[d] = 0;
+                        L.protected_n--;
+                    }
+                }
             }
         }
     }
 
-    // a victim: the lowest free slot, else the least recently used slot this step does not use
-    auto victim_slot = [&]() {
+    // the lowest free slot; else the evictable slot (ready, not used by this step) with the
+    // smallest key: LRU tick; LFU (count, tick); SLRU (segment, tick)
+    auto free_slot = [&]() {
         for (int32_t s = L.n_pinned; s < L.n_slots; ++s) {
             if (L.slot_state[s] == LLAMA_EXPERT_CACHE_SLOT_FREE) {
                 return s;
             }
         }
+        return -1;
+    };
+    auto victim_slot = [&]() {
         int32_t v = -1;
         for (int32_t s = L.n_pinned; s < L.n_slots; ++s) {
-            if (L.slot_state[s] == LLAMA_EXPERT_CACHE_SLOT_READY && !L.slot_step[s] &&
-                    (v < 0 || L.slot_tick[s] < L.slot_tick[v])) {
-                v = s;
+            if (L.slot_state[s] != LLAMA_EXPERT_CACHE_SLOT_READY || L.slot_step[s]) {
+                continue;
             }
+            if (v < 0) {
+                v = s;
+                continue;
+            }
+            bool less = L.slot_tick[s] < L.slot_tick[v];
+            if (counts) {
+                const uint32_t fs = L.freq[L.slot_expert[s]], fv = L.freq[L.slot_expert[v]];
+                less = fs < fv || (fs == fv && less);
+            } else if (L.policy == LLAMA_EXPERT_CACHE_POLICY_SLRU && L.slot_seg[s] != L.slot_seg[v]) {
+                less = L.slot_seg[s] < L.slot_seg[v];
+            }
+            v = less ? s : v;
         }
         return v;
     };
@@ -729,6 +778,10 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
         if (L.slot_expert[s] >= 0 && L.slot_state[s] == LLAMA_EXPERT_CACHE_SLOT_READY) {
             L.expert_slot[L.slot_expert[s]] = -1;
         }
+        if (L.slot_seg[s]) {
+            L.protected_n--;
+        }
+        L.slot_seg[s]    = 0;
         L.slot_expert[s] = e;
         L.slot_tick[s]   = ++tick;
         L.slot_step[s]   = 1;
@@ -744,22 +797,30 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
         L.stats.misses++;
         if (to_cpu) {
             n_cpu++;
-            if (read_only || n_admit >= L.max_admit) {
+            if (read_only) {
+                continue; // no admission is tried
+            }
+            if (n_admit >= L.max_admit) {
                 L.stats.admit_skipped++;
                 continue;
             }
-            const int32_t s = victim_slot();
+            int32_t s = free_slot();
             if (s < 0) {
-                L.stats.admit_skipped++;
-                continue;
+                s = victim_slot();
+                // TINYLFU: a miss displaces a resident expert only if it was routed more often
+                if (s < 0 || (L.policy == LLAMA_EXPERT_CACHE_POLICY_TINYLFU && L.freq[e] <= L.freq[L.slot_expert[s]])) {
+                    L.stats.admit_skipped++;
+                    continue;
+                }
             }
             evict_into(s, e);
-            L.slot_state[s] = LLAMA_EXPERT_CACHE_SLOT_PENDING; // readable from the layer's next step
+            L.slot_state[s] = LLAMA_EXPERT_CACHE_SLOT_PENDING; // readable from the layer's next decode step
             L.admit[2 * n_admit]     = e;
             L.admit[2 * n_admit + 1] = s;
             n_admit++;
         } else {
-            const int32_t s = victim_slot();
+            int32_t s = free_slot();
+            s = s >= 0 ? s : victim_slot();
             GGML_ASSERT(s >= 0 && "expert cache: no evictable slot (step larger than the LRU slots)");
             evict_into(s, e);
             L.slot_state[s]  = LLAMA_EXPERT_CACHE_SLOT_READY;
@@ -768,6 +829,12 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
             L.admit[2 * n_admit + 1] = s;
             n_admit++;
         }
+    }
+    if (counts && !read_only && policy_window > 0 && ++L.age >= policy_window) {
+        for (uint32_t & f : L.freq) {
+            f >>= 1;
+        }
+        L.age = 0;
     }
     L.stats.cpu_experts      += n_cpu;
     L.stats.cpu_expert_bytes += (uint64_t) n_cpu * L.expert_bytes;
@@ -942,6 +1009,9 @@ struct llama_expert_cache_params llama_expert_cache_default_params(void) {
     p.trace         = false;
     p.trace_max     = (int64_t) 64 << 20;
     p.n_threads     = 1;
+    p.policy_window = 16;
+    p.slru_protected_num = 3;
+    p.slru_protected_den = 4;
     return p;
 }
 

@@ -72,6 +72,10 @@ struct llama_expert_cache_layer {
     int32_t n_pinned  = 0;
     int32_t miss_path = LLAMA_EXPERT_CACHE_MISS_UPLOAD;
     int32_t max_admit = 0;
+    int32_t policy    = LLAMA_EXPERT_CACHE_POLICY_LRU;
+    int32_t age       = 0; // steps since the counts were last halved
+    int32_t protected_n   = 0; // SLRU: protected slots now
+    int32_t protected_cap = 0; // SLRU: protected slots at most
     int32_t cpu_ok    = -1; // the graph's expert ops can run on the CPU for misses: -1 unknown, 0 no, 1 yes
     bool    on_device = false;
     size_t  expert_bytes = 0; // host bytes of one expert across the layer's expert tensors
@@ -86,6 +90,8 @@ struct llama_expert_cache_layer {
     std::vector<int32_t>  expert_slot; // [n_expert] slot of a READY expert, -1 otherwise
     std::vector<uint64_t> slot_tick;   // [n_slots] last use, for LRU
     std::vector<uint8_t>  slot_step;   // [n_slots] used by the current step
+    std::vector<uint8_t>  slot_seg;    // [n_slots] SLRU: 1 protected, 0 probation
+    std::vector<uint32_t> freq;        // [n_expert] LFU_AGED, TINYLFU: routed steps, aged
     std::vector<ggml_backend_event_t> slot_event; // [n_slots] admission landed (null: no events)
     std::vector<uint8_t>  seen;        // [n_expert] scratch: already listed in this step
     std::vector<int32_t>  distinct;    // [n_expert] scratch: distinct experts of the step
@@ -148,6 +154,7 @@ struct llama_expert_cache {
     const llama_model & model;
     int32_t n_expert = 0;
     int32_t n_threads = 1;
+    int32_t policy_window = 16;
     bool    failed = false; // a host node caught an exception (see the log)
 
     std::vector<std::unique_ptr<llama_expert_cache_layer>> layers; // [n_layer], null for dense layers
