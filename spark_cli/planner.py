@@ -149,8 +149,8 @@ class Plan:
                 raise PlanError(f"{source}: layers[{l.index}].mode: unknown mode {l.mode!r}")
         return plan
 
-    def save(self, path: str | Path) -> None:
-        atomic_write_text(path, self.to_json() + "\n")
+    def save(self, path: str | Path, flag: str | None = None) -> Path:
+        return atomic_write_text(path, self.to_json() + "\n", flag)
 
     @classmethod
     def load(cls, path: str | Path, expect_identity: dict[str, Any] | None = None) -> "Plan":
@@ -159,6 +159,9 @@ class Plan:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise PlanError(f"{path}: cannot read plan ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise PlanError(f"{path}: not a plan (byte {e.start} is not UTF-8)",
+                            hint="give a plan JSON written by spark plan -o") from None
         plan = cls.from_json(text, str(path))
         if expect_identity is not None:
             for k, want in expect_identity.items():
@@ -258,7 +261,7 @@ def make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
         parts = ", ".join(f"{k} {vram.gib(v)}" for k, v in fixed.items())
         raise PlanError(
             f"--vram {vram.gib(budget_bytes)}: the model without experts needs {vram.gib(fixed_total)} "
-            f"({parts}; n_ctx {n_ctx}); over by {vram.gib(fixed_total - budget_bytes)}",
+            f"({parts}; n_ctx {n_ctx}); over by {vram.shortfall(fixed_total - budget_bytes)}",
             hint="lower --ctx, quantize the KV cache (--cache-type-k q8_0) or raise --vram")
 
     moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
@@ -292,7 +295,7 @@ def make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
         raise PlanError(
             f"--vram {vram.gib(budget_bytes)}: the expert cache floor does not fit: {len(moe)} MoE layers x "
             f"({k} LRU + 1 guard) slots of {bpe / vram.MiB:.1f} MiB need {vram.gib(floor)} on top of "
-            f"{vram.gib(fixed_total)} without experts; over by {vram.gib(fixed_total + floor - budget_bytes)}",
+            f"{vram.gib(fixed_total)} without experts; over by {vram.shortfall(fixed_total + floor - budget_bytes)}",
             hint="lower --ctx or raise --vram; stock llama.cpp --cpu-moe keeps every expert on the CPU")
 
     # Walk the budget-independent greedy sequence until the next action does not fit.

@@ -206,7 +206,7 @@ def test_refuses_when_fixed_costs_do_not_fit() -> None:
         make_plan(g, need - GiB // 4, 32768)
     msg = e.value.one_line()
     assert msg.startswith("--vram ") and "the model without experts needs" in msg
-    assert "kv_cache" in msg and "n_ctx 32768" in msg and "over by 0.25 GiB" in msg
+    assert "kv_cache" in msg and "n_ctx 32768" in msg and "over by 256.0 MiB" in msg
 
 
 def test_refuses_when_cache_floor_does_not_fit() -> None:
@@ -214,7 +214,10 @@ def test_refuses_when_cache_floor_does_not_fit() -> None:
     budget = fixed_bytes(g) + floor_bytes(g) - GiB // 50
     with pytest.raises(PlanError, match=r"expert cache floor does not fit: 3 MoE layers x \(2 LRU \+ 1 guard\)") as e:
         make_plan(g, budget, 4096)
-    assert "over by 0.02 GiB" in e.value.message
+    assert "over by 20.5 MiB" in e.value.message
+    with pytest.raises(PlanError) as e:  # a shortfall of a few bytes is not "over by 0.00 GiB"
+        make_plan(g, fixed_bytes(g) + floor_bytes(g) - 100, 4096)
+    assert e.value.message.endswith("over by 100 B")
 
 
 def test_profile_shape_checked() -> None:

@@ -95,7 +95,7 @@ def _summary_lines(report) -> list[str]:
 def _write_outputs(report, json_path: Path | None, md: bool, plot: Path | None) -> None:
     from ..atomic import atomic_write_text
     from ..bench import to_markdown
-    from ..errors import SparkError
+    from ..recovery import save_or_recover
 
     report.finalize()
     if md:
@@ -109,14 +109,34 @@ def _write_outputs(report, json_path: Path | None, md: bool, plot: Path | None) 
         for line in _summary_lines(report):
             console.print(line, soft_wrap=True)
     if json_path is not None:
-        try:
-            atomic_write_text(json_path, json.dumps(report.to_dict(), indent=1) + "\n")
-        except OSError as e:
-            raise SparkError(f"--json {json_path}: cannot write ({e.strerror or e})") from None
+        text = json.dumps(report.to_dict(), indent=1) + "\n"
+        save_or_recover(lambda p: atomic_write_text(p, text, "--json"), json_path)
         err_console.print(f"wrote {json_path}")
     if plot is not None:
         _plot(report, plot)
         err_console.print(f"wrote {plot}")
+
+
+def _keep_partial(report, json_path: Path | None, learn: bool) -> str | None:
+    """The device was lost mid-bench: write the partial report and fold the routing measured so far."""
+    from ..atomic import atomic_write_text
+    from ..errors import SparkError
+
+    report.interrupted = True
+    report.notes.append("device lost: what was measured before it")
+    notes = []
+    if json_path is not None:
+        try:
+            report.finalize()
+            atomic_write_text(json_path, json.dumps(report.to_dict(), indent=1) + "\n", "--json")
+            notes.append(f"partial report in {json_path}")
+        except SparkError as e:
+            notes.append(e.one_line())
+    try:
+        _fold(report, learn)
+    except SparkError as e:
+        notes.append(e.one_line())
+    return "; ".join(notes) or None
 
 
 def _plain(line: str) -> str:
@@ -134,7 +154,7 @@ def _plot(report, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     from ..atomic import atomic_write_bytes
-    from ..errors import SparkError
+    from ..recovery import save_or_recover
 
     done = [r for r in report.results if r.tg is not None]
     fig, ax = plt.subplots(figsize=(8, 0.6 * max(len(done), 2) + 1.2))
@@ -151,10 +171,8 @@ def _plot(report, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
-    try:
-        atomic_write_bytes(path, buf.getvalue())
-    except OSError as e:
-        raise SparkError(f"--plot {path}: cannot write ({e.strerror or e})") from None
+    data = buf.getvalue()
+    save_or_recover(lambda p: atomic_write_bytes(p, data, "--plot"), path)
 
 
 def register(app: typer.Typer) -> None:
@@ -190,10 +208,16 @@ def register(app: typer.Typer) -> None:
         from ..engine import EngineOptions
         from ..errors import SparkError
 
+        from .. import faults
+        from ..atomic import check_output
+
         names = bench.parse_config_names(configs)
         if plot is not None:
             if importlib.util.find_spec("matplotlib") is None:
                 raise SparkError("--plot: matplotlib is not installed", hint="pip install matplotlib, or drop --plot")
+        for flag, out in (("--json", json_path), ("--plot", plot)):  # before the runs, not after them
+            if out is not None:
+                check_output(out, flag)
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
         corpus = read_corpus(corpus_path or bundled_corpus())
@@ -224,8 +248,9 @@ def register(app: typer.Typer) -> None:
             base = EngineOptions(path, n_ctx=ctx, rpc=endpoints, n_threads=threads)
             report = bench.Report(path, g, budget, source, ctx, n_prompt, n_gen, reps,
                                   dev[0] if dev else "CPU", str(corpus_path or "bundled corpus"), notes=notes)
-            _run(report, base, corpus, names, budget, ctx, reps, n_gen, n_prompt, ceiling, not no_learn,
-                 json_path, md, plot)
+            with faults.keeper(lambda: _keep_partial(report, json_path, not no_learn)):
+                _run(report, base, corpus, names, budget, ctx, reps, n_gen, n_prompt, ceiling, not no_learn,
+                     json_path, md, plot)
         finally:
             if server is not None:
                 server.stop()
@@ -270,6 +295,8 @@ def _run(report, base, corpus, names, budget, ctx, reps, n_gen, n_prompt, ceilin
                 report.notes.append(work.note)
             if any(n.startswith("spark") for n in names):
                 info = session.load_profile(path, g)
+                if info.warning():
+                    err_console.print(f"[yellow]warning:[/] {info.warning()}", markup=True, soft_wrap=True)
                 if info.profile is None:
                     report.notes.append("no profile: placement from the calibration trace (held-out prompts)")
                     prof = RoutingProfile.empty(g.identity())
