@@ -55,7 +55,7 @@ def check_output(path: Path | str, flag: str | None = None, make_parent: bool = 
     target = Path(os.path.realpath(path))
     try:
         st = os.stat(target)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a new path (under a file: found below)
         st = None
     except OSError as e:
         raise OutputError(f"{label}: {e.strerror or e}", hint="give a plain file path") from None

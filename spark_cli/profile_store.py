@@ -79,7 +79,7 @@ def write_pending(profile_path: Path | str, d: RoutingProfile) -> Path | None:
                                             lambda: pending_dir() / f"{_home_prefix(p)}.{name}"]
     for where in candidates:
         try:
-            return atomic_write_text(where())
+            return atomic_write_text(where(), text)
         except SparkError:
             continue
     return None

@@ -360,7 +360,15 @@ def _fold(report, learn: bool) -> None:
                 if r is not None and r.counts is not None), None)
     if src is None:
         return
-    prof = session.fold_into_profile(report.model, report.geometry, src.counts, "spark bench")
+    from ..errors import SaveError
+
+    try:
+        prof = session.fold_into_profile(report.model, report.geometry, src.counts, "spark bench")
+    except SaveError as e:
+        if session.load_profile(report.model, report.geometry).problem is None:
+            raise
+        err_console.print(f"[yellow]warning:[/] {e.one_line()}", markup=True, soft_wrap=True)
+        return
     if prof is not None:
         err_console.print(f"profile: {src.decode_tokens} decode tokens folded into "
                           f"{report.model.name}.spark-profile.json")

@@ -417,7 +417,10 @@ def register(app: typer.Typer) -> None:
                     chat.close()
                 engine.close()
         if fold_error is not None:
-            raise fold_error
+            if info.problem is None:
+                raise fold_error
+            # NOTE: the unusable profile was announced at the start: its counts wait in a side file
+            say.print(f"[yellow]warning:[/] {escape(fold_error.one_line())}", soft_wrap=True)
 
 
 def _fold(path: Path, geometry, chat, say, timeout: float | None = None) -> int:
