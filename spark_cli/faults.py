@@ -110,16 +110,18 @@ def install(libdir: Path) -> None:
         if _installed:
             return
         _installed = True
-        try:
-            base = ctypes.CDLL(str(Path(libdir) / "libggml-base.so"), mode=getattr(os, "RTLD_GLOBAL", 0))
-            fn = base.ggml_set_abort_callback
-        except (OSError, AttributeError):
-            return  # an older ggml: GGML_NO_BACKTRACE alone keeps the dump away
         proto = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
         _callback = proto(_on_abort)
-        fn.restype = ctypes.c_void_p
-        fn.argtypes = [proto]
-        fn(_callback)
+        # NOTE: wheels copy libggml-base.so and libggml-base.so.0 as two files, so a process
+        # holds two copies with a callback each: set it in every copy
+        for path in sorted({p.resolve() for p in Path(libdir).glob("libggml-base.so*")}):
+            try:
+                fn = ctypes.CDLL(str(path), mode=getattr(os, "RTLD_GLOBAL", 0)).ggml_set_abort_callback
+            except (OSError, AttributeError):
+                continue  # an older ggml: GGML_NO_BACKTRACE alone keeps the dump away
+            fn.restype = ctypes.c_void_p
+            fn.argtypes = [proto]
+            fn(_callback)
 
 
 def using_endpoints(endpoints: list[str]) -> None:
@@ -179,7 +181,7 @@ def _on_abort(message: bytes | None) -> None:
     try:
         err = describe(text)
         notes = run_keepers()
-        line = err.one_line() + "".join(f"; {n}" for n in notes)
+        line = DeviceLostError("; ".join([err.message, *notes]), hint=err.hint).one_line()
         if os.environ.get("SPARK_DEBUG"):
             print(text, file=sys.stderr)
         try:
