@@ -258,3 +258,31 @@ def test_plan_runs_beside_a_corrupt_profile(monkeypatch, capsys, tmp_path, small
     assert rc == 0 and json.loads(out)["layers"]
     assert "format version 7" in err and "--reset" in err
     assert prof.read_text() == '{"format": "spark-routing-profile", "version": 7}'
+
+
+def test_bench_outputs_are_checked_before_the_runs(monkeypatch, capsys, tmp_path):
+    from spark_cli.commands import bench
+
+    run = cli_runner(monkeypatch, capsys, "bench", bench.register)
+    rc, out, err = run(tmp_path / "no.gguf", "--json", tmp_path / "missing" / "b.json")
+    assert rc == 2 and "--json" in err and "does not exist" in err and not out.strip()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    rc, _, err = run(tmp_path / "no.gguf", "--json", fifo)
+    assert rc == 2 and "is a FIFO" in err
+
+
+def test_demo_model_disk_full_is_one_line(monkeypatch, capsys, tmp_path):
+    import errno
+
+    from spark_cli import demo_model
+    from spark_cli.commands import demo
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(demo_model.os, "fsync", full)
+    run = cli_runner(monkeypatch, capsys, "demo-model", demo.register)
+    rc, out, err = run("--tiny", "qwen3moe", "--out-dir", tmp_path)
+    assert rc == 1 and "cannot write the model (the disk is full)" in err and "Traceback" not in err
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []  # no half model left

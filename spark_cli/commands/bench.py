@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from .common import console, err_console, model_or_demo
 
@@ -202,14 +203,12 @@ def register(app: typer.Typer) -> None:
         threads: int = typer.Option(None, "--threads", "-t", min=1, help="CPU threads (default: all cores)"),
     ) -> None:
         """Tokens/s of Spark against stock llama.cpp offload and the all-resident ceiling, same budget."""
-        from .. import bench, session
+        from .. import bench, faults, session
         from .. import rpc as rpc_mod
+        from ..atomic import check_output
         from ..corpus import bundled_corpus, read_corpus
         from ..engine import EngineOptions
         from ..errors import SparkError
-
-        from .. import faults
-        from ..atomic import check_output
 
         names = bench.parse_config_names(configs)
         if plot is not None:
@@ -296,7 +295,7 @@ def _run(report, base, corpus, names, budget, ctx, reps, n_gen, n_prompt, ceilin
             if any(n.startswith("spark") for n in names):
                 info = session.load_profile(path, g)
                 if info.warning():
-                    err_console.print(f"[yellow]warning:[/] {info.warning()}", markup=True, soft_wrap=True)
+                    err_console.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
                 if info.profile is None:
                     report.notes.append("no profile: placement from the calibration trace (held-out prompts)")
                     prof = RoutingProfile.empty(g.identity())
@@ -353,6 +352,7 @@ def _plan(make):
 def _fold(report, learn: bool) -> None:
     """Self-tuning: the decode routing of the Spark run joins the model's profile."""
     from .. import session
+    from ..errors import SaveError
 
     if not learn:
         return
@@ -360,14 +360,12 @@ def _fold(report, learn: bool) -> None:
                 if r is not None and r.counts is not None), None)
     if src is None:
         return
-    from ..errors import SaveError
-
     try:
         prof = session.fold_into_profile(report.model, report.geometry, src.counts, "spark bench")
     except SaveError as e:
         if session.load_profile(report.model, report.geometry).problem is None:
             raise
-        err_console.print(f"[yellow]warning:[/] {e.one_line()}", markup=True, soft_wrap=True)
+        err_console.print(f"[yellow]warning:[/] {escape(e.one_line())}", soft_wrap=True)
         return
     if prof is not None:
         err_console.print(f"profile: {src.decode_tokens} decode tokens folded into "

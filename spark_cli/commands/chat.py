@@ -327,13 +327,11 @@ def register(app: typer.Typer) -> None:
                                    "model's profile on exit"),
     ) -> None:
         """Chat with a model on the planned placement; --prompt answers once (for scripts)."""
-        from .. import session
+        from .. import faults, session
         from ..chat_session import ChatSession, Sampling
         from ..engine import Engine
         from ..errors import SparkError
         from ..rpc import parse_endpoints
-
-        from .. import faults
         from ..text_input import read_stream, replaced_note, utf8_text
 
         if as_json and prompt is None:

@@ -6,6 +6,7 @@ import warnings
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from .common import console, err_console, model_or_demo
 
@@ -104,7 +105,7 @@ def register(app: typer.Typer) -> None:
 
         info = session.load_profile(path, geometry, profile_path)
         if info.warning():
-            say.print(f"[yellow]warning:[/] {info.warning()}", soft_wrap=True)
+            say.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
         trace = RoutingTrace.load(trace_path, expect_fingerprint=geometry.fingerprint,
                                   expect_shape=(geometry.n_layer, geometry.n_expert)) if trace_path else None
         if info.profile is not None:

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
@@ -277,7 +278,7 @@ def run_cmd(
             prof_path, ident, profile_store.delta(ident, g.prefill, g.decode, g.tokens_prefill, g.tokens_decode,
                                                   source),
             timeout=lock_timeout_default(),
-            on_wait=lambda msg: err_console.print(f"[yellow]{msg}[/]")).profile
+            on_wait=lambda msg: err_console.print(f"[yellow]{escape(msg)}[/]")).profile
     except SparkError as e:  # the counts went to a pending file; trace and plot are still written
         failures.append(e)
     rate = g.tokens / g.seconds if g.seconds > 0 else 0.0
@@ -321,7 +322,7 @@ def run_cmd(
         except SparkError as e:
             failures.append(e)
     for e in failures[:-1]:
-        err_console.print(f"[bold red]error:[/] {e.one_line()}", markup=True, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(e.one_line())}", soft_wrap=True)
     if failures:
         raise failures[-1]
     if g.interrupted:
