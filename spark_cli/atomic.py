@@ -68,16 +68,20 @@ def check_output(path: Path | str, flag: str | None = None, make_parent: bool = 
         existing = existing.parent
     if not existing.is_dir():
         raise OutputError(f"{label}: {existing} is a file, not a folder", hint="give a path in a folder")
-    if existing != folder:
-        if not make_parent:
-            raise OutputError(f"{label}: folder {folder} does not exist", hint="create it first")
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise OutputError(f"{label}: cannot create folder {folder} ({e.strerror or e})") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise OutputError(f"{label}: folder {folder} is not writable", hint="give a path in a folder you can write")
+    if existing != folder and not make_parent:
+        raise OutputError(f"{label}: folder {folder} does not exist", hint="create it first")
+    _writable_folder(folder, label)
     return target
+
+
+def _writable_folder(folder: Path, label: str) -> None:
+    """Create `folder` if missing; OutputError when it cannot be made or written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{label}: cannot create folder {folder} ({e.strerror or e})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"{label}: folder {folder} is not writable", hint="give a folder you can write")
 
 
 def check_folder(path: Path | str, flag: str | None = None) -> Path:
@@ -86,12 +90,7 @@ def check_folder(path: Path | str, flag: str | None = None) -> Path:
     label = _label(path, flag)
     if path.exists() and not path.is_dir():
         raise OutputError(f"{label}: is a file, not a folder", hint="give a folder")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"{label}: cannot create the folder ({e.strerror or e})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise OutputError(f"{label}: folder is not writable", hint="give a folder you can write")
+    _writable_folder(path, label)
     return path
 
 
