@@ -211,3 +211,35 @@ def test_bench_writes_its_partial_report_when_the_server_is_killed(small_model, 
     assert rc == 1 and f"partial report in {report}" in line
     data = json.loads(report.read_text())
     assert data["interrupted"] is True and any("device lost" in n for n in data["notes"])
+
+
+@pytest.mark.model
+def test_profile_keeps_finished_chunks_when_the_server_is_killed(small_model, tmp_path):
+    from spark_cli.profile import RoutingProfile, profile_path_for
+
+    model = tmp_path / small_model.name
+    model.symlink_to(small_model)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(80):
+        (corpus / f"{i:02d}.txt").write_text(f"Document {i}: the quick brown fox jumps over the lazy dog. " * 8)
+    proc, ep = _start_server()
+    out = tmp_path / "out.txt"
+    with open(out, "w") as so, open(tmp_path / "err.txt", "w") as se:
+        run = subprocess.Popen([SPARK, "profile", str(model), "--corpus", str(corpus), "--gen", "4", "--rpc", ep,
+                                "--capture", "callback"], stdout=so, stderr=se, env=_env())
+        path = profile_path_for(model)
+        started: list[float] = []
+
+        def some_chunks_done() -> bool:  # the progress bar is not drawn to a file: the line, then a while
+            if not started and "profiling 80 chunks" in out.read_text():
+                started.append(time.monotonic())
+            return run.poll() is not None or bool(started and time.monotonic() - started[0] > 60)
+
+        _kill_when(proc, some_chunks_done)
+        rc = run.wait(120)
+    err = (tmp_path / "err.txt").read_text()
+    line = _assert_one_line_loss(err, ep)
+    assert rc == 1 and "tokens of" in line and "folded into" in line
+    kept = RoutingProfile.load(path)
+    assert kept.tokens_prefill > 0 and kept.prefill.sum() > 0 and "device lost" in kept.sources[-1]

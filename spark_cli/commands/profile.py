@@ -470,10 +470,9 @@ def show_cmd(
     plot: Path = typer.Option(None, "--plot", help="write a layers x experts heatmap PNG"),
 ) -> None:
     """Report skew and coverage from the model's saved profile."""
-    from ..gguf_info import load_geometry
-    from ..profile import RoutingProfile, profile_path_for
-
     from ..atomic import check_output
+    from ..gguf_info import load_geometry
+    from ..profile import RESET_HINT, RoutingProfile, profile_path_for
 
     if plot is not None:
         check_output(plot, "--plot")
@@ -483,7 +482,10 @@ def show_cmd(
     if not path.exists():
         raise ProfileError(f"no profile for {model.name} at {path}",
                            hint=f"run: spark profile {model} --corpus PATH")
-    p = RoutingProfile.load(path, expect=geometry.identity())
+    try:
+        p = RoutingProfile.load(path, expect=geometry.identity())
+    except ProfileError as e:
+        raise ProfileError(e.message, hint=None if profile else RESET_HINT.replace("MODEL", str(model))) from None
     console.print(f"profile {path}: {p.tokens_prefill:,.0f} prefill + {p.tokens_decode:,.0f} decode tokens "
                   f"(half-life {p.half_life_tokens:,.0f} tokens), updated {p.updated}")
     if p.sources:
