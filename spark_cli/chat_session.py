@@ -113,6 +113,7 @@ class ChatSession:
         self.cached_layers = set(cached_layers or ())
         self.vram_probe = vram_probe
         self.learned = _Learned()
+        self._generating: list[int] | None = None  # tokens of the answer being decoded, for harvest_now
         self._kv: list[int] = []  # tokens whose KV entries are in the context, in order
         self._sampler = engine.make_sampler(sampling.temp, sampling.top_k, sampling.top_p, sampling.seed)
 
@@ -152,7 +153,7 @@ class ChatSession:
         """(prompt tokens, oldest turns to drop) so that prompt + a reserve for the answer fits."""
         n_ctx = self.engine.n_ctx
         n = self.sampling.n_predict
-        reserve = min(n if n > 0 else n_ctx // 4, n_ctx // 2)
+        reserve = min(n if n >= 0 else n_ctx // 4, n_ctx // 2)
         keep = list(self.turns)
         toks = self._tokens(self.messages(user))
         while keep and len(toks) + reserve > n_ctx:
@@ -200,8 +201,9 @@ class ChatSession:
             fig.prompt_seconds = time.perf_counter() - t0
             self._mark()  # NOTE: a prompt's last layer runs one row (its logits row): not decode
             decoding = True
+            self._generating = generated
             dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            limit = self.sampling.n_predict if self.sampling.n_predict > 0 else 1 << 30
+            limit = self.sampling.n_predict if self.sampling.n_predict >= 0 else 1 << 30
             t1 = time.perf_counter()
             fig.stop = "length"
             while len(generated) < limit:
@@ -234,6 +236,7 @@ class ChatSession:
         except Exception as e:  # noqa: BLE001 - one failed answer must not end the session
             error, fig.stop = f"{type(e).__name__}: {e}", "error"
         finally:
+            self._generating = None
             self._harvest(decoding, len(generated))
             if fig.stop == "error":
                 # NOTE: the KV cache may hold a half-evaluated batch: start the next turn afresh
@@ -258,6 +261,12 @@ class ChatSession:
 
     def _mark(self) -> None:
         self.learned.mark = decode_counts(self.engine)
+
+    def harvest_now(self) -> None:
+        """Take the decode counts of an answer still being generated (the device is lost)."""
+        if self._generating is not None:
+            self._harvest(True, len(self._generating))
+            self._generating = []
 
     def _harvest(self, decoding: bool, n_tokens: int) -> None:
         """Add the decode counts since the mark; prompt-phase counts are dropped."""
@@ -297,13 +306,10 @@ class ChatSession:
         }
 
     def save(self, path: Path | str, model: str | None = None) -> Path:
+        """Write the conversation as JSON; a folder, a device or a missing folder is a SparkError."""
         path = Path(path).expanduser()
-        if path.is_dir():
-            raise SparkError(f"/save {path}: is a directory", hint="give a file name, e.g. /save chat.json")
-        try:
-            atomic_write_text(path, json.dumps(self.to_json(model), indent=2, ensure_ascii=False) + "\n")
-        except OSError as e:
-            raise SparkError(f"/save {path}: cannot write ({e.strerror or e})") from None
+        atomic_write_text(path, json.dumps(self.to_json(model), indent=2, ensure_ascii=False) + "\n", "/save",
+                          make_parent=False)
         return path
 
     def close(self) -> None:

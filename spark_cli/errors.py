@@ -37,3 +37,25 @@ class PlanError(SparkError):
 
 class ProfileError(SparkError):
     """A profile or trace that is unreadable or belongs to another model."""
+
+
+class OutputError(SparkError):
+    """An output path Spark must not write: a device, a FIFO, a folder, a missing folder."""
+
+
+class SaveError(SparkError):
+    """A save that failed after the work was done; the message names where the data went."""
+
+    exit_code = 1
+
+
+class LockTimeout(SparkError):
+    """Another process held a lock for longer than Spark waits."""
+
+    exit_code = 1
+
+
+class DeviceLostError(SparkError):
+    """The device or RPC server went away during a run."""
+
+    exit_code = 1

@@ -141,7 +141,7 @@ def resolve(engine, choice: str, fingerprint: str, home: Path) -> tuple[dict[int
         source = "calibrated now"
         try:
             save(path, cal)
-        except OSError:
+        except (OSError, SparkError):
             source += " (not saved)"
     picks = cal.choose()
     engine.set_miss_path(picks)

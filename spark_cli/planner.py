@@ -168,8 +168,8 @@ class Plan:
                             hint=f"use one of {', '.join(ONLINE_POLICIES)}")
         return plan
 
-    def save(self, path: str | Path) -> None:
-        atomic_write_text(path, self.to_json() + "\n")
+    def save(self, path: str | Path, flag: str | None = None) -> Path:
+        return atomic_write_text(path, self.to_json() + "\n", flag)
 
     @classmethod
     def load(cls, path: str | Path, expect_identity: dict[str, Any] | None = None) -> "Plan":
@@ -178,6 +178,9 @@ class Plan:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise PlanError(f"{path}: cannot read plan ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise PlanError(f"{path}: not a plan (byte {e.start} is not UTF-8)",
+                            hint="give a plan JSON written by spark plan -o") from None
         plan = cls.from_json(text, str(path))
         if expect_identity is not None:
             for k, want in expect_identity.items():
@@ -295,7 +298,7 @@ def make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
         need = fixed_total - all_bias
         raise PlanError(
             f"--vram {vram.gib(budget_bytes)}: the model without experts needs {vram.gib(need)} "
-            f"({parts}; n_ctx {n_ctx}); over by {vram.gib(need - budget_bytes)}",
+            f"({parts}; n_ctx {n_ctx}); over by {vram.shortfall(need - budget_bytes)}",
             hint="lower --ctx, quantize the KV cache (--cache-type-k q8_0) or raise --vram")
 
     counts = None

@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .atomic import atomic_write_text, file_lock
+from .atomic import atomic_write_text, check_output, file_lock, lock_timeout_default
 from .errors import ProfileError
 
 FORMAT = "spark-routing-profile"
@@ -59,6 +59,7 @@ RECENT_MAX_STEPS = 4096
 DEFAULT_HALF_LIFE_TOKENS = 1_000_000
 MODEL_KEYS = ("arch", "n_layer", "n_expert", "n_expert_used", "fingerprint", "tensor_layout_hash")
 MAX_SOURCES = 32
+RESET_HINT = "spark profile MODEL --reset moves it aside, keeping it, and starts a fresh profile"
 
 
 def profile_path_for(model_path: Path | str) -> Path:
@@ -248,14 +249,15 @@ class RoutingProfile:
             **({"recent": r} if (r := self._recent_json()) is not None else {}),
         }
 
-    def _write(self, path: Path) -> None:
-        atomic_write_text(path, json.dumps(self.to_json(), separators=(",", ":")) + "\n")
+    def _write(self, path: Path, flag: str | None = None) -> None:
+        atomic_write_text(path, json.dumps(self.to_json(), separators=(",", ":")) + "\n", flag)
 
-    def save(self, path: Path | str) -> None:
-        """Atomic write under the profile's lock: readers see the old or the new file."""
-        path = Path(path)
-        with file_lock(path):
-            self._write(path)
+    def save(self, path: Path | str, flag: str | None = None) -> None:
+        """Atomic write under the profile's lock: readers see the old or the new file.
+        The path is checked first (OutputError names `flag`); a failed write is a SaveError."""
+        path = check_output(path, flag, make_parent=True)
+        with file_lock(path, timeout=lock_timeout_default()):
+            self._write(path, flag)
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> "RoutingProfile":
@@ -265,7 +267,7 @@ class RoutingProfile:
         if d.get("version") not in READ_VERSIONS:
             raise ProfileError(f"profile {where} has format version {d.get('version')}; "
                                f"this Spark reads versions {', '.join(map(str, READ_VERSIONS))}",
-                               hint="run spark profile again to rebuild it")
+                               hint=RESET_HINT)
         try:
             model = model_identity(d["model"])
             shape = (model["n_layer"], model["n_expert"])

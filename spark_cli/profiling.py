@@ -110,15 +110,16 @@ def _pieces(tokens: Sequence[int], n_batch: int) -> list[Sequence[int]]:
 
 def gather(engine, capture: _Capture, chunks: Sequence[Any], gen: int, stop: StopFlag | None = None,
            advance: Callable[[int], None] | None = None, drop: Callable[[int], None] | None = None,
-           n_batch: int = 512) -> Gathered:
+           n_batch: int = 512, into: Gathered | None = None) -> Gathered:
     """Prefill every chunk (fresh KV each), then decode `gen` greedy tokens after it.
 
     `advance(n)` reports evaluated tokens, `drop(n)` planned decode tokens that an
     end-of-generation token made unnecessary. Stops early, keeping what was gathered,
-    when `stop.requested` turns true (checked after every ubatch).
+    when `stop.requested` turns true (checked after every ubatch). `into` (optional) is
+    filled chunk by chunk, so that a caller can keep the chunks done when the device is lost.
     """
     shape = (capture.n_layer, capture.n_expert)
-    g = Gathered(np.zeros(shape), np.zeros(shape))
+    g = into if into is not None else Gathered(np.zeros(shape), np.zeros(shape))
     advance = advance or (lambda n: None)
     drop = drop or (lambda n: None)
     stopped = (lambda: stop.requested) if stop is not None else (lambda: False)

@@ -173,7 +173,7 @@ def stock_lines(plan: Plan) -> list[str]:
         out.append(f"  same as -ot '{compact_ot(s)}'")
     else:
         out.append(f"stock llama.cpp, same budget: does not fit even with every expert on the CPU "
-                   f"(needs {fmt_bytes(s.device_bytes)}, over by {fmt_bytes(s.device_bytes - plan.budget_bytes)})")
+                   f"(needs {fmt_bytes(s.device_bytes)}, over by {vram.shortfall(s.device_bytes - plan.budget_bytes)})")
     if s.n_cpu_moe > 0 or not s.fits:
         verdict = "fits" if s.cpu_moe_fits else "does not fit"
         out.append(f"  --cpu-moe (all experts on the CPU): {fmt_bytes(s.cpu_moe_device_bytes)}, {verdict}")

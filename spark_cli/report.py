@@ -164,7 +164,7 @@ def held_out_cold_hit(train: CountsSource, test: RoutingTrace,
     return out
 
 
-def heatmap_png(counts: np.ndarray, path: Path | str, title: str) -> None:
+def heatmap_png(counts: np.ndarray, path: Path | str, title: str, flag: str | None = None) -> Path:
     """Per-layer routing shares as a [layer x expert] heatmap PNG, written atomically."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: slow import
     from matplotlib.figure import Figure
@@ -183,4 +183,4 @@ def heatmap_png(counts: np.ndarray, path: Path | str, title: str) -> None:
     fig.colorbar(im, ax=ax, label="share of layer routing")
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    atomic_write_bytes(path, buf.getvalue())
+    return atomic_write_bytes(path, buf.getvalue(), flag)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import SparkError
-from . import llama_lib
+from . import faults, llama_lib
 
 _ENDPOINT = re.compile(r"^(?P<host>[A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
 _registered: dict[str, list[str]] = {}  # endpoint -> device names; ggml's registry is per process
@@ -31,6 +31,9 @@ def parse_endpoints(value: str | None) -> list[str]:
     for part in value.split(","):
         part = part.strip()
         m = _ENDPOINT.match(part)
+        if m and m.group("host").startswith("["):
+            raise SparkError(f"--rpc {part}: ggml's RPC client connects over IPv4 only",
+                             hint="use an IPv4 address, e.g. --rpc 127.0.0.1:50052")
         if not m or not (0 < int(m.group("port")) < 65536):
             raise SparkError(f"--rpc: '{part}' is not HOST:PORT", hint="e.g. --rpc 127.0.0.1:50052")
         out.append(part)
@@ -51,12 +54,12 @@ def connect(endpoints: list[str]) -> list[llama_lib.Device]:
     lib = llama_lib.load()
     if not lib.rpc_available:
         raise SparkError("--rpc: this llama.cpp build has no RPC backend", hint="rebuild with scripts/bootstrap.sh")
+    faults.install(lib.libdir)
+    faults.using_endpoints(endpoints)
     names: list[str] = []
     for ep in endpoints:
         if ep not in _registered:
-            if not _reachable(ep):
-                raise SparkError(f"--rpc {ep}: no RPC server answers there",
-                                 hint=f"start one with: spark rpc-server --port {ep.rsplit(':', 1)[1]}")
+            faults.probe_rpc(ep)  # NOTE: ggml's connect has no timeout and aborts on a stranger
             before = {d.name for d in llama_lib.devices()}
             reg = lib.rpc_add_server(ep.encode())
             if not reg:
@@ -68,11 +71,31 @@ def connect(endpoints: list[str]) -> list[llama_lib.Device]:
     return [d for d in llama_lib.devices() if d.name in names]
 
 
+def listen_address(host: str, port: int) -> str:
+    """`host` as ggml's RPC server can bind it (an IPv4 address); one error line otherwise."""
+    import ipaddress
+
+    if not 0 < port < 65536:
+        raise SparkError(f"--port {port}: a TCP port is 1 to 65535", hint="e.g. --port 50052")
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        addr = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        raise SparkError(f"--host {host}: not an IPv4 address", hint="e.g. --host 127.0.0.1 or --host 0.0.0.0") from None
+    if addr.version != 4:
+        raise SparkError(f"--host {host}: ggml's RPC server binds IPv4 addresses only",
+                         hint="use --host 127.0.0.1 (this machine) or --host 0.0.0.0 (every interface)")
+    return host
+
+
 def serve(host: str, port: int, threads: int | None = None) -> None:
     """Serve this machine's CPU backend over RPC in the foreground (like llama.cpp's rpc-server)."""
+    host = listen_address(host, port)
     lib = llama_lib.load()
     if not lib.rpc_available:
         raise SparkError("rpc-server: this llama.cpp build has no RPC backend", hint="rebuild with scripts/bootstrap.sh")
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     cpu = [d for d in llama_lib.devices() if d.type == "CPU"]
     if not cpu:
         raise SparkError("rpc-server: no CPU backend device found")

@@ -12,11 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
-from . import planner, vram
+from typing import Callable
+
+from . import planner, profile_store, vram
+from .atomic import lock_timeout_default
 from .engine import PHASE_DECODE, CacheLayer, Engine, EngineOptions
 from .errors import PlanError, ProfileError
 from .gguf_info import ModelGeometry, load_geometry
-from .profile import RoutingProfile, profile_path_for, update_file
+from .profile import RoutingProfile, profile_path_for
 
 BUDGET_MARGIN = 512 << 20  # left free on the device when the budget comes from its free memory
 
@@ -25,9 +28,19 @@ BUDGET_MARGIN = 512 << 20  # left free on the device when the budget comes from 
 class ProfileInfo:
     path: Path
     profile: RoutingProfile | None
+    problem: str | None = None  # why the profile beside the model was not used (corrupt, newer, ...)
+
+    def warning(self) -> str | None:
+        """One line for a profile that could not be used, or None."""
+        if self.problem is None:
+            return None
+        return (f"{self.problem}; running without it (the file is left as it is; "
+                f"spark profile MODEL --reset moves it aside)")
 
     def summary(self) -> str:
         p = self.profile
+        if p is None and self.problem is not None:
+            return f"profile {self.path.name} unusable: uniform placement"
         if p is None:
             return "no profile yet: uniform placement, learning from this session"
         age = ""
@@ -41,13 +54,19 @@ class ProfileInfo:
 
 
 def load_profile(model: Path, geometry: ModelGeometry, path: Path | None = None) -> ProfileInfo:
-    """The profile beside the model (or at `path`); a profile of another model is an error."""
+    """The profile at `path` (an unusable one is an error), or the one beside the model
+    (an unusable one, corrupt, newer or of another model, never blocks a run: see `problem`)."""
     p = Path(path) if path else profile_path_for(model)
     if not p.exists():
         if path:
             raise ProfileError(f"--profile {p}: no such file", hint="run spark profile first, or drop --profile")
         return ProfileInfo(p, None)
-    return ProfileInfo(p, RoutingProfile.load(p, expect=geometry.identity()))
+    try:
+        return ProfileInfo(p, RoutingProfile.load(p, expect=geometry.identity()))
+    except ProfileError as e:
+        if path:
+            raise
+        return ProfileInfo(p, None, problem=e.message)
 
 
 def device_budget(free_bytes: int) -> int:
@@ -114,16 +133,21 @@ def decode_counts(engine: Engine) -> np.ndarray | None:
 
 
 def fold_into_profile(model: Path, geometry: ModelGeometry, counts: np.ndarray | None, source: str,
-                      path: Path | None = None) -> RoutingProfile | None:
-    """Add a run's decode counts to the model's profile (locked, atomic). Returns the new profile."""
+                      path: Path | None = None, timeout: float | None = None,
+                      on_wait: Callable[[str], None] | None = None) -> RoutingProfile | None:
+    """Add a run's decode counts to the model's profile (locked, atomic). Returns the new profile.
+
+    A failed save keeps the counts in a pending side file and raises SaveError naming it."""
     if counts is None or counts.sum() <= 0:
         return None
     if counts.shape != (geometry.n_layer, geometry.n_expert):
         raise ProfileError(f"routing counts of shape {counts.shape} do not match the model")
     n_moe = max(1, len(geometry.moe_layers))
     tokens = float(counts.sum()) / (geometry.n_expert_used * n_moe)
-    return update_file(path or profile_path_for(model), geometry.identity(),
-                       lambda p: p.add(None, counts, 0.0, tokens, source))
+    d = profile_store.delta(geometry.identity(), None, counts, 0.0, tokens, source)
+    return profile_store.fold(path or profile_path_for(model), geometry.identity(), d,
+                              timeout=lock_timeout_default() if timeout is None else timeout,
+                              on_wait=on_wait).profile
 
 
 def resolve_plan(model: Path, geometry: ModelGeometry, *, plan_path: Path | None, vram_text: str | None,

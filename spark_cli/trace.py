@@ -133,16 +133,17 @@ class RoutingTrace:
         cut = int(b[np.searchsorted(b, frac * self.n_rows, side="left")])
         return self.rows(0, cut), self.rows(cut, self.n_rows)
 
-    def save(self, path: Path | str) -> None:
+    def save(self, path: Path | str, flag: str | None = None) -> Path:
         def write(f: object) -> None:
             np.savez(f, ids=self.ids, phase=self.phase, step=self.step,
                      n_expert=np.int64(self.n_expert), fingerprint=np.str_(self.fingerprint),
                      format=np.str_(TRACE_FORMAT), version=np.int64(TRACE_VERSION))
 
-        atomic_write_with(path, write)
+        return atomic_write_with(path, write, flag)
 
     @classmethod
-    def load(cls, path: Path | str, expect_fingerprint: str | None = None) -> "RoutingTrace":
+    def load(cls, path: Path | str, expect_fingerprint: str | None = None,
+             expect_shape: tuple[int, int] | None = None) -> "RoutingTrace":
         path = Path(path)
         if not path.is_file():
             raise ProfileError(f"trace {path} not found")
@@ -172,6 +173,10 @@ class RoutingTrace:
             raise ProfileError(
                 f"trace {path} is a trace of another model (fingerprint {fingerprint[:16]}, "
                 f"expected {expect_fingerprint[:16]})")
+        if expect_shape is not None and (trace.n_layer, trace.n_expert) != tuple(expect_shape):
+            raise ProfileError(f"trace {path} has {trace.n_layer} layers x {trace.n_expert} experts; "
+                               f"the model has {expect_shape[0]} x {expect_shape[1]}",
+                               hint="record the trace again with spark profile --trace")
         return trace
 
 

@@ -130,3 +130,14 @@ def parse_size(text: str | int, flag: str = "--vram") -> int:
 def gib(n: int) -> str:
     """Bytes as '12.34 GiB' for messages."""
     return f"{n / GiB:.2f} GiB"
+
+
+def shortfall(n: int) -> str:
+    """A difference in bytes, in a unit that keeps it visible: '1.25 GiB', '3.4 MiB', '12.0 KiB', '17 B'."""
+    if n >= GiB:
+        return gib(n)
+    if n >= MiB:
+        return f"{n / MiB:.1f} MiB"
+    if n >= 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n} B"

@@ -215,7 +215,7 @@ def test_refuses_when_fixed_costs_do_not_fit() -> None:
         make_plan(g, need - GiB // 4, 32768)
     msg = e.value.one_line()
     assert msg.startswith("--vram ") and "the model without experts needs" in msg
-    assert "kv_cache" in msg and "n_ctx 32768" in msg and "over by 0.25 GiB" in msg
+    assert "kv_cache" in msg and "n_ctx 32768" in msg and "over by 256.0 MiB" in msg
 
 
 def test_below_the_cache_floor_layers_stay_on_the_host() -> None:

@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from .common import console, err_console, model_or_demo
 
@@ -97,7 +98,7 @@ def _summary_lines(report) -> list[str]:
 def _write_outputs(report, json_path: Path | None, md: bool, plot: Path | None) -> None:
     from ..atomic import atomic_write_text
     from ..bench import to_markdown
-    from ..errors import SparkError
+    from ..recovery import save_or_recover
 
     report.finalize()
     if md:
@@ -111,14 +112,34 @@ def _write_outputs(report, json_path: Path | None, md: bool, plot: Path | None) 
         for line in _summary_lines(report):
             console.print(line, soft_wrap=True)
     if json_path is not None:
-        try:
-            atomic_write_text(json_path, json.dumps(report.to_dict(), indent=1) + "\n")
-        except OSError as e:
-            raise SparkError(f"--json {json_path}: cannot write ({e.strerror or e})") from None
+        text = json.dumps(report.to_dict(), indent=1) + "\n"
+        save_or_recover(lambda p: atomic_write_text(p, text, "--json"), json_path)
         err_console.print(f"wrote {json_path}")
     if plot is not None:
         _plot(report, plot)
         err_console.print(f"wrote {plot}")
+
+
+def _keep_partial(report, json_path: Path | None, learn: bool) -> str | None:
+    """The device was lost mid-bench: write the partial report and fold the routing measured so far."""
+    from ..atomic import atomic_write_text
+    from ..errors import SparkError
+
+    report.interrupted = True
+    report.notes.append("device lost: what was measured before it")
+    notes = []
+    if json_path is not None:
+        try:
+            report.finalize()
+            atomic_write_text(json_path, json.dumps(report.to_dict(), indent=1) + "\n", "--json")
+            notes.append(f"partial report in {json_path}")
+        except SparkError as e:
+            notes.append(e.one_line())
+    try:
+        _fold(report, learn)
+    except SparkError as e:
+        notes.append(e.one_line())
+    return "; ".join(notes) or None
 
 
 def _plain(line: str) -> str:
@@ -136,7 +157,7 @@ def _plot(report, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     from ..atomic import atomic_write_bytes
-    from ..errors import SparkError
+    from ..recovery import save_or_recover
 
     done = [r for r in report.results if r.tg is not None]
     fig, ax = plt.subplots(figsize=(8, 0.6 * max(len(done), 2) + 1.2))
@@ -153,10 +174,8 @@ def _plot(report, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
-    try:
-        atomic_write_bytes(path, buf.getvalue())
-    except OSError as e:
-        raise SparkError(f"--plot {path}: cannot write ({e.strerror or e})") from None
+    data = buf.getvalue()
+    save_or_recover(lambda p: atomic_write_bytes(p, data, "--plot"), path)
 
 
 def register(app: typer.Typer) -> None:
@@ -189,8 +208,9 @@ def register(app: typer.Typer) -> None:
                                       "(per layer, the cheaper on this machine)"),
     ) -> None:
         """Tokens/s of Spark against stock llama.cpp offload and the all-resident ceiling, same budget."""
-        from .. import bench, session
+        from .. import bench, faults, session
         from .. import rpc as rpc_mod
+        from ..atomic import check_output
         from ..corpus import bundled_corpus, read_corpus
         from ..engine import EngineOptions
         from ..errors import SparkError
@@ -202,6 +222,9 @@ def register(app: typer.Typer) -> None:
         if plot is not None:
             if importlib.util.find_spec("matplotlib") is None:
                 raise SparkError("--plot: matplotlib is not installed", hint="pip install matplotlib, or drop --plot")
+        for flag, out in (("--json", json_path), ("--plot", plot)):  # before the runs, not after them
+            if out is not None:
+                check_output(out, flag)
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
         corpus = read_corpus(corpus_path or bundled_corpus())
@@ -232,8 +255,9 @@ def register(app: typer.Typer) -> None:
             base = EngineOptions(path, n_ctx=ctx, rpc=endpoints, n_threads=threads)
             report = bench.Report(path, g, budget, source, ctx, n_prompt, n_gen, reps,
                                   dev[0] if dev else "CPU", str(corpus_path or "bundled corpus"), notes=notes)
-            _run(report, base, corpus, names, budget, ctx, reps, n_gen, n_prompt, ceiling, not no_learn,
-                 json_path, md, plot, miss_path)
+            with faults.keeper(lambda: _keep_partial(report, json_path, not no_learn)):
+                _run(report, base, corpus, names, budget, ctx, reps, n_gen, n_prompt, ceiling, not no_learn,
+                     json_path, md, plot, miss_path)
         finally:
             if server is not None:
                 server.stop()
@@ -278,6 +302,8 @@ def _run(report, base, corpus, names, budget, ctx, reps, n_gen, n_prompt, ceilin
                 report.notes.append(work.note)
             if any(n.startswith("spark") for n in names):
                 info = session.load_profile(path, g)
+                if info.warning():
+                    err_console.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
                 if info.profile is None:
                     report.notes.append("no profile: placement from the calibration trace (held-out prompts)")
                     prof = RoutingProfile.empty(g.identity())
@@ -338,6 +364,7 @@ def _plan(make):
 def _fold(report, learn: bool) -> None:
     """Self-tuning: the decode routing of the Spark run joins the model's profile."""
     from .. import session
+    from ..errors import SaveError
 
     if not learn:
         return
@@ -345,7 +372,13 @@ def _fold(report, learn: bool) -> None:
                 if r is not None and r.counts is not None), None)
     if src is None:
         return
-    prof = session.fold_into_profile(report.model, report.geometry, src.counts, "spark bench")
+    try:
+        prof = session.fold_into_profile(report.model, report.geometry, src.counts, "spark bench")
+    except SaveError as e:
+        if session.load_profile(report.model, report.geometry).problem is None:
+            raise
+        err_console.print(f"[yellow]warning:[/] {escape(e.one_line())}", soft_wrap=True)
+        return
     if prof is not None:
         err_console.print(f"profile: {src.decode_tokens} decode tokens folded into "
                           f"{report.model.name}.spark-profile.json")

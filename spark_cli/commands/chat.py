@@ -167,10 +167,16 @@ def _interactive(chat, plan, model_name: str) -> None:
         import readline  # noqa: F401 - line editing and history for input()
     except ImportError:
         pass
+    from ..text_input import replaced_note, utf8_text
+
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdin.reconfigure(errors="surrogateescape")  # a non-UTF-8 line is replaced, not an exception
     console.print(f"[dim]{HELP}[/]")
     while True:
         try:
-            line = input("> ")
+            line, bad = utf8_text(input("> "))
+            if bad:
+                console.print(f"[yellow]{escape(replaced_note('input', bad))}[/]")
         except EOFError:
             console.print()
             return
@@ -321,24 +327,37 @@ def register(app: typer.Typer) -> None:
                                    "model's profile on exit"),
     ) -> None:
         """Chat with a model on the planned placement; --prompt answers once (for scripts)."""
-        from .. import session
+        from .. import faults, session
         from ..chat_session import ChatSession, Sampling
         from ..engine import Engine
         from ..errors import SparkError
         from ..rpc import parse_endpoints
+        from ..text_input import read_stream, replaced_note, utf8_text
 
         if as_json and prompt is None:
             raise SparkError("--json needs --prompt", hint="spark chat MODEL --prompt 'text' --json")
-        if prompt == "-":
-            prompt = sys.stdin.read()
+        if n_predict < -1:
+            raise SparkError(f"--n-predict {n_predict}: give -1 (until done), 0 or more")
         one_shot = prompt is not None
         say = err_console if one_shot else console
+        bad = {}
+        if prompt == "-":
+            prompt, bad["stdin"] = read_stream()
+        elif prompt is not None:
+            prompt, bad["--prompt"] = utf8_text(prompt)
+        if system is not None:
+            system, bad["--system"] = utf8_text(system)
+        for what, n in bad.items():
+            if n:
+                err_console.print(f"[yellow]warning:[/] {escape(replaced_note(what, n))}")
         endpoints = parse_endpoints(rpc)
         if endpoints and device == "cpu":
             raise SparkError("--rpc and --device cpu contradict each other", hint="drop one of them")
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
         info = session.load_profile(path, geometry)
+        if info.warning():
+            say.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
         devices, plan, n_ctx, budget_source, cpu_reason = _placement(
             path, geometry, info, plan_path=plan_path, vram_text=vram_text, ctx=ctx, endpoints=endpoints,
             device=device, say=say)
@@ -352,44 +371,65 @@ def register(app: typer.Typer) -> None:
         with console.status(f"loading {path.name} ...") if not one_shot else contextlib.nullcontext():
             engine = Engine(opts)
         chat = None
+        fold_error = None
+
+        def keep_on_loss() -> str | None:  # the device died mid-session: fold what was learned
+            if not learn or chat is None:
+                return None
+            chat.harvest_now()
+            try:
+                n = _fold(path, geometry, chat, say, timeout=5.0)
+            except SparkError as e:
+                return e.one_line()
+            return f"{n} decode tokens of routing folded into {session.profile_path_for(path)}" if n else None
+
         try:
             cached = {c.il for c in opts.cache_layers}
             chat = ChatSession(engine, sampling, system=system, cached_layers=cached,
                                vram_probe=meter if devices else None)
-            if one_shot:
-                chat.check_fits(prompt)  # a prompt that cannot fit: one error line, no summary
-            if not one_shot or not as_json:
-                say.print(start_summary(path, geometry, engine.devices, plan, info, meter, engine.n_ctx,
-                                        sampling, cpu_reason, budget_source))
-            if one_shot:
-                ans = _answer(chat, prompt, interactive=False, stream=not as_json)
-                if as_json:
-                    typer.echo(json.dumps({"answer": ans.text, "figures": ans.figures.to_dict()}, ensure_ascii=False))
-            else:
-                _interactive(chat, plan, path.name)
+            with faults.keeper(keep_on_loss):
+                if one_shot:
+                    chat.check_fits(prompt)  # a prompt that cannot fit: one error line, no summary
+                if not one_shot or not as_json:
+                    say.print(start_summary(path, geometry, engine.devices, plan, info, meter, engine.n_ctx,
+                                            sampling, cpu_reason, budget_source))
+                if one_shot:
+                    ans = _answer(chat, prompt, interactive=False, stream=not as_json)
+                    if as_json:
+                        typer.echo(json.dumps({"answer": ans.text, "figures": ans.figures.to_dict()},
+                                              ensure_ascii=False))
+                else:
+                    _interactive(chat, plan, path.name)
         finally:
             try:
                 if learn and chat is not None:
-                    _fold(path, geometry, chat, say)
+                    try:
+                        n = _fold(path, geometry, chat, say)
+                        if n:
+                            say.print(f"[dim]learned: {n} decode tokens folded into "
+                                      f"{session.profile_path_for(path).name}[/]")
+                    except SparkError as e:  # the counts went to a pending side file it names
+                        fold_error = e
             finally:
                 if chat is not None:
                     chat.close()
                 engine.close()
+        if fold_error is not None:
+            if info.problem is None:
+                raise fold_error
+            # NOTE: the unusable profile was announced at the start: its counts wait in a side file
+            say.print(f"[yellow]warning:[/] {escape(fold_error.one_line())}", soft_wrap=True)
 
 
-def _fold(path: Path, geometry, chat, say) -> None:
-    """Self-tuning: add the session's decode routing to the profile (locked, atomic)."""
+def _fold(path: Path, geometry, chat, say, timeout: float | None = None) -> int:
+    """Self-tuning: add the session's decode routing to the profile (locked, atomic), once.
+    Returns the decode tokens folded; a failed save raises SaveError naming the side file."""
     from .. import session
-    from ..errors import SparkError
 
-    counts = chat.learned.counts
+    counts, tokens = chat.learned.counts, chat.learned.tokens
     if counts is None or counts.sum() <= 0:
-        return
-    try:
-        session.fold_into_profile(path, geometry, counts, source="spark chat")
-    except (SparkError, OSError) as e:
-        msg = e.one_line() if isinstance(e, SparkError) else str(e)
-        say.print(f"[yellow]warning:[/] routing counts not saved: {msg}")
-        return
-    say.print(f"[dim]learned: {chat.learned.tokens} decode tokens folded into "
-              f"{session.profile_path_for(path).name}[/]")
+        return 0
+    chat.learned.counts, chat.learned.tokens = None, 0  # NOTE: a keeper and the normal exit must not both fold
+    session.fold_into_profile(path, geometry, counts, source="spark chat", timeout=timeout,
+                              on_wait=lambda msg: say.print(f"[yellow]{escape(msg)}[/]"))
+    return tokens

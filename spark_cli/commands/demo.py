@@ -22,16 +22,22 @@ def register(app: typer.Typer) -> None:
         out_dir: Path = typer.Option(None, "--out-dir", help="folder (default: $SPARK_HOME/models)"),
     ) -> None:
         """Build (or reuse) the upcycled SmolLM2 MoE demo model; prints its path on the last line."""
+        from ..atomic import check_folder
         from ..demo_model import TINY_ARCHES, build_demo_model, build_tiny_model
 
-        if tiny:
+        if seed < 0:
+            raise SparkError(f"--seed {seed}: give 0 or more")
+        if out_dir is not None:
+            check_folder(out_dir, "--out-dir")
+        if tiny is not None:
             if tiny not in TINY_ARCHES:
                 raise SparkError(f"--tiny {tiny}: unknown architecture", hint="one of " + ", ".join(TINY_ARCHES))
             with console.status(f"building tiny {tiny} model ..."):
                 path = build_tiny_model(tiny, seed=seed, out_dir=out_dir)
         else:
-            if not (1 <= n_used <= n_expert <= 256):
-                raise SparkError(f"--experts {n_expert} --experts-used {n_used}: need 1 <= k <= E <= 256")
+            if not (1 <= n_used <= n_expert <= 256) or n_expert < 2:
+                raise SparkError(f"--experts {n_expert} --experts-used {n_used}: need 1 <= k <= E and "
+                                 "2 <= E <= 256 (a MoE model routes among at least two experts)")
             with console.status(f"building demo model E={n_expert} k={n_used} ..."):
                 path = build_demo_model(n_expert=n_expert, n_expert_used=n_used, seed=seed, out_dir=out_dir)
         console.print(f"{path.stat().st_size / 2**20:.0f} MiB", style="dim")

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from .common import console, err_console, model_or_demo
 
@@ -43,14 +44,7 @@ def resolve_budget(vram_text: str | None) -> tuple[int, str]:
 
 
 def _save(plan, output: Path) -> None:
-    from ..errors import PlanError
-
-    if output.is_dir():
-        raise PlanError(f"-o {output}: is a directory", hint="give a file name, e.g. -o plan.json")
-    try:
-        plan.save(output)
-    except OSError as e:
-        raise PlanError(f"-o {output}: cannot write the plan ({e.strerror or e})") from None
+    plan.save(output, "-o")
 
 
 def trace_replay_line(trace, plan) -> str:
@@ -102,7 +96,11 @@ def register(app: typer.Typer) -> None:
         from ..profile import RoutingProfile
         from ..trace import RoutingTrace
 
+        from ..atomic import check_output
+
         say = err_console if as_json else console
+        if output is not None:
+            check_output(output, "-o")
         tk, tv = _cache_type(type_k, "--cache-type-k"), _cache_type(type_v, "--cache-type-v")
         budget, budget_source = resolve_budget(vram_text)
         path = model_or_demo(model)
@@ -115,7 +113,10 @@ def register(app: typer.Typer) -> None:
                       f"{geometry.context_length}")
 
         info = session.load_profile(path, geometry, profile_path)
-        trace = RoutingTrace.load(trace_path, expect_fingerprint=geometry.fingerprint) if trace_path else None
+        if info.warning():
+            say.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
+        trace = RoutingTrace.load(trace_path, expect_fingerprint=geometry.fingerprint,
+                                  expect_shape=(geometry.n_layer, geometry.n_expert)) if trace_path else None
         if info.profile is not None:
             p = info.profile
             routing = (f"profile {info.path.name}: {p.tokens_decode:,.0f} decode + "

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
@@ -48,6 +49,13 @@ profile_app = typer.Typer(
 
 def register(app: typer.Typer) -> None:
     app.add_typer(profile_app, name="profile")
+
+
+def _with_recent(d, traces):
+    """The run's counts plus its recent decode steps (the profile's ring)."""
+    for t in traces:
+        d.add_recent(t)
+    return d
 
 
 def _parse_floats(text: str, flag: str, lo: float, hi: float) -> list[float]:
@@ -170,10 +178,15 @@ def run_cmd(
     capture: str = typer.Option("auto", "--capture", help="native (patched counters), callback (eval callback), or auto"),
     profile: Path = typer.Option(None, "--profile", help="profile file to update (default: beside the model)"),
     threads: int = typer.Option(0, "--threads", "-t", min=0, help="CPU threads (0: all cores)"),
+    reset: bool = typer.Option(False, "--reset", help="move the existing profile aside (kept as "
+                               ".old-DATE) and start a fresh one: for a corrupt or newer-version profile"),
 ) -> None:
+    from .. import faults, profile_store
+    from ..atomic import check_output, lock_timeout_default
     from ..corpus import CorpusError, bundled_corpus, make_chunks, read_corpus
     from ..gguf_info import load_geometry
-    from ..profile import RoutingProfile, profile_path_for, update_file
+    from ..profile import RESET_HINT, RoutingProfile, profile_path_for
+    from ..recovery import save_or_recover
     from ..rpc import parse_endpoints
 
     residencies = _parse_floats(residency, "--residency", 0.0, 1.0)
@@ -185,11 +198,21 @@ def run_cmd(
         raise SparkError(f"--ctx {ctx} leaves {max_len} tokens per chunk after --gen {gen}",
                          hint="raise --ctx or lower --gen")
 
+    for flag, out in (("--trace", trace), ("--plot", plot)):  # before the run, not after it
+        if out is not None:
+            check_output(out, flag)
     model = model_or_demo(model)
     geometry = load_geometry(model, require_moe=True)
     ident = geometry.identity()
     prof_path = Path(profile) if profile else profile_path_for(model)
-    old = RoutingProfile.load(prof_path, expect=ident) if prof_path.exists() else None  # refuse early
+    if reset:
+        aside = profile_store.reset(prof_path)
+        if aside is not None:
+            console.print(f"moved {prof_path} aside to {aside.name}: starting a fresh profile")
+    try:  # refuse early
+        old = RoutingProfile.load(prof_path, expect=ident) if prof_path.exists() else None
+    except ProfileError as e:
+        raise ProfileError(e.message, hint=RESET_HINT.replace("MODEL", str(model))) from None
 
     corpus_path = Path(corpus) if corpus else bundled_corpus()
     docs = read_corpus(corpus_path)
@@ -231,12 +254,25 @@ def run_cmd(
                             TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"), _RateColumn(),
                             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                             console=console)
-        with StopFlag() as stop, progress:
+        g = Gathered(np.zeros((geometry.n_layer, geometry.n_expert)), np.zeros((geometry.n_layer, geometry.n_expert)))
+
+        def keep_on_loss() -> str | None:  # the device died: fold the chunks done so far
+            if g.tokens == 0:
+                return None
+            d = profile_store.delta(ident, g.prefill, g.decode, g.tokens_prefill, g.tokens_decode,
+                                    f"profile {corpus_path.name} (device lost)")
+            try:
+                profile_store.fold(prof_path, ident, d, timeout=5.0)
+            except SparkError as e:
+                return e.one_line()
+            return f"{g.tokens:,} tokens of {g.chunks_done} chunks folded into {prof_path}"
+
+        with StopFlag() as stop, progress, faults.keeper(keep_on_loss):
             task = progress.add_task("profiling", total=total)
-            g = gather(engine, cap, chunks, gen, stop,
-                       advance=lambda n: progress.advance(task, n),
-                       drop=lambda n: progress.update(task, total=progress.tasks[0].total - n),
-                       n_batch=n_batch)
+            gather(engine, cap, chunks, gen, stop,
+                   advance=lambda n: progress.advance(task, n),
+                   drop=lambda n: progress.update(task, total=progress.tasks[0].total - n),
+                   n_batch=n_batch, into=g)
     finally:
         engine.close()
 
@@ -244,19 +280,23 @@ def run_cmd(
         console.print("interrupted before any routing was recorded: the profile is unchanged")
         raise typer.Exit(130)
     source = f"profile {corpus_path.name}" + (" (interrupted)" if g.interrupted else "")
-
-    def fold(p: RoutingProfile) -> None:
-        p.add(g.prefill, g.decode, g.tokens_prefill, g.tokens_decode, source=source)
-        for t in g.traces:
-            p.add_recent(t)
-
-    saved = update_file(prof_path, ident, fold)
+    failures: list[SparkError] = []
+    saved = None
+    try:
+        saved = profile_store.fold(
+            prof_path, ident, _with_recent(profile_store.delta(ident, g.prefill, g.decode, g.tokens_prefill,
+                                                               g.tokens_decode, source), g.traces),
+            timeout=lock_timeout_default(),
+            on_wait=lambda msg: err_console.print(f"[yellow]{escape(msg)}[/]")).profile
+    except SparkError as e:  # the counts went to a pending file; trace and plot are still written
+        failures.append(e)
     rate = g.tokens / g.seconds if g.seconds > 0 else 0.0
     console.print(f"{'[yellow]interrupted:[/] kept ' if g.interrupted else 'profiled '}"
                   f"{g.tokens:,} tokens ({g.tokens_prefill:,} prefill + {g.tokens_decode:,} decode) from "
                   f"{g.chunks_done}/{len(chunks)} chunks in {g.seconds:.1f} s: {rate:,.1f} tok/s")
-    console.print(f"{'updated' if old else 'new'} profile {prof_path}: {saved.tokens_prefill:,.0f} prefill + "
-                  f"{saved.tokens_decode:,.0f} decode tokens")
+    if saved is not None:
+        console.print(f"{'updated' if old else 'new'} profile {prof_path}: {saved.tokens_prefill:,.0f} prefill + "
+                      f"{saved.tokens_decode:,.0f} decode tokens")
 
     if saved.recent is not None:
         console.print(f"recent decode steps kept in the profile: {len(saved.recent):,} "
@@ -266,8 +306,11 @@ def run_cmd(
 
         full = concat(g.traces)
         if trace is not None:
-            full.save(trace)
-            console.print(f"trace {trace}: {full.n_rows:,} token rows")
+            try:
+                save_or_recover(lambda p: full.save(p, "--trace"), trace, beside=model.parent)
+                console.print(f"trace {trace}: {full.n_rows:,} token rows")
+            except SparkError as e:
+                failures.append(e)
 
     counts, what = _print_skew(g.prefill, g.decode, geometry.n_expert_used, "this run's ")
     if held_out > 0:
@@ -283,8 +326,16 @@ def run_cmd(
     if plot is not None:
         from ..report import heatmap_png
 
-        heatmap_png(counts, plot, f"{model.name}: {what.split(' ')[0]} routing share")
-        console.print(f"heatmap {plot}")
+        try:
+            save_or_recover(lambda p: heatmap_png(counts, p, f"{model.name}: {what.split(' ')[0]} routing share",
+                                                  "--plot"), plot, beside=model.parent)
+            console.print(f"heatmap {plot}")
+        except SparkError as e:
+            failures.append(e)
+    for e in failures[:-1]:
+        err_console.print(f"[bold red]error:[/] {escape(e.one_line())}", soft_wrap=True)
+    if failures:
+        raise failures[-1]
     if g.interrupted:
         raise typer.Exit(130)
 
@@ -304,11 +355,14 @@ def merge_cmd(
     output: Path = typer.Option(..., "--output", "-o", help="merged profile to write"),
 ) -> None:
     """Merge two profiles of one model: A aged by B's tokens, plus B."""
+    from ..atomic import check_output
     from ..profile import RoutingProfile, merge
+    from ..recovery import save_or_recover
 
+    check_output(output, "-o")
     pa, pb = RoutingProfile.load(a), RoutingProfile.load(b)
     out = merge(pa, pb)
-    out.save(output)
+    save_or_recover(lambda p: out.save(p, "-o"), output)
     console.print(f"merged {a} ({pa.tokens_prefill + pa.tokens_decode:,.0f} tokens) + {b} "
                   f"({pb.tokens_prefill + pb.tokens_decode:,.0f} tokens) -> {output}: "
                   f"{out.tokens_prefill:,.0f} prefill + {out.tokens_decode:,.0f} decode tokens")
@@ -420,6 +474,9 @@ def simulate_cmd(
         pinned_from = prof.decode if prof.decode.sum() > 0 else prof.prefill + prof.decode
     bpe = {l.index: l.expert_bytes_per_expert for l in geometry.layers if l.is_moe} if geometry else None
     k = geometry.n_expert_used if geometry else tr.k
+    if min(slot_counts) < k:
+        raise SparkError(f"--slots {slots}: a cached layer needs at least k = {k} slots (experts used per token)",
+                         hint=f"use slot counts of {k} or more")
     rows = simulate_rows(tr, slot_counts, policies, pinned_from=pinned_from, bytes_per_expert=bpe, k=k, pin=pin,
                          phases=("decode",) if phases == "decode" else ("prefill", "decode"), miss_paths=paths,
                          max_admit=max_admit)
@@ -452,16 +509,22 @@ def show_cmd(
     plot: Path = typer.Option(None, "--plot", help="write a layers x experts heatmap PNG"),
 ) -> None:
     """Report skew and coverage from the model's saved profile."""
+    from ..atomic import check_output
     from ..gguf_info import load_geometry
-    from ..profile import RoutingProfile, profile_path_for
+    from ..profile import RESET_HINT, RoutingProfile, profile_path_for
 
+    if plot is not None:
+        check_output(plot, "--plot")
     model = model_or_demo(model)
     geometry = load_geometry(model, require_moe=True)
     path = Path(profile) if profile else profile_path_for(model)
     if not path.exists():
         raise ProfileError(f"no profile for {model.name} at {path}",
                            hint=f"run: spark profile {model} --corpus PATH")
-    p = RoutingProfile.load(path, expect=geometry.identity())
+    try:
+        p = RoutingProfile.load(path, expect=geometry.identity())
+    except ProfileError as e:
+        raise ProfileError(e.message, hint=None if profile else RESET_HINT.replace("MODEL", str(model))) from None
     console.print(f"profile {path}: {p.tokens_prefill:,.0f} prefill + {p.tokens_decode:,.0f} decode tokens "
                   f"(half-life {p.half_life_tokens:,.0f} tokens), updated {p.updated}")
     if p.sources:
@@ -470,5 +533,5 @@ def show_cmd(
     if plot is not None:
         from ..report import heatmap_png
 
-        heatmap_png(counts, plot, f"{model.name}: {what.split(' ')[0]} routing share")
+        heatmap_png(counts, plot, f"{model.name}: {what.split(' ')[0]} routing share", "--plot")
         console.print(f"heatmap {plot}")

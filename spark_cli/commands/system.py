@@ -16,8 +16,9 @@ def register(app: typer.Typer) -> None:
         threads: int = typer.Option(0, "--threads", "-t", help="CPU threads (0: all cores)"),
     ) -> None:
         """Serve this machine's backend over ggml RPC in the foreground (like llama.cpp's rpc-server)."""
-        from ..rpc import serve
+        from ..rpc import listen_address, serve
 
+        listen_address(host, port)  # refused before the banner
         if host not in ("127.0.0.1", "localhost", "::1"):
             console.print(f"[yellow]warning:[/] serving on {host}: the RPC protocol has no authentication")
         console.print(f"spark rpc-server on {host}:{port} (Ctrl-C to stop)")
