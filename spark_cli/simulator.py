@@ -559,8 +559,12 @@ def simulate(trace: RoutingTrace, policy: str, slots: Mapping[int, int] | int,
              pinned: Mapping[int, Sequence[int]] | None = None,
              bytes_per_expert: Mapping[int, int] | Sequence[int] | None = None,
              phases: Sequence[str | int] = ("decode",), miss_path: str = "upload",
-             max_admit: int | None = None, params: PolicyParams | None = None) -> SimResult:
+             max_admit: int | None = None, params: PolicyParams | None = None,
+             cpu_path: bool = False) -> SimResult:
     """Replay the steps of `phases` (others are skipped: no state change, not counted).
+
+    cpu_path: steps too large for the slots run from the bank plus the CPU, read-only (the
+    native cache on a layer with a CPU recipe); False: they are stock steps (host weights).
 
     `slots` is one count for every MoE layer or a per-layer dict; layers absent from the
     dict are not simulated. Pass phases=("prefill", "decode") to match the native cache.
@@ -579,7 +583,7 @@ def simulate(trace: RoutingTrace, policy: str, slots: Mapping[int, int] | int,
     for layer, s in sorted(per_layer.items()):
         steps = _layer_steps(trace, layer, keep)
         layers[layer] = _replay(steps, trace.k, trace.n_expert, layer, s, pinned.get(layer, ()), policy,
-                                miss_path, max_admit, params)
+                                miss_path, max_admit, params, cpu_path)
     bpe = None
     if bytes_per_expert is not None:
         items = bytes_per_expert.items() if isinstance(bytes_per_expert, Mapping) \

@@ -128,7 +128,8 @@ def test_counters_equal_python_replay(policy, miss_path, small_model, rpc_server
         counts_pre, counts_dec = eng.routing_counts(PHASE_PREFILL), eng.routing_counts(PHASE_DECODE)
     trace = records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
     sim = simulate(trace, "lru-pinned" if policy == "lru" else policy, {c.il: c.n_slots for c in layers},
-                   pinned={c.il: list(c.pinned) for c in layers}, phases=("prefill", "decode"), miss_path=miss_path)
+                   pinned={c.il: list(c.pinned) for c in layers}, phases=("prefill", "decode"), miss_path=miss_path,
+                   cpu_path=True)
     for c in layers:
         s, ref = stats[c.il], sim.layers[c.il]
         got = (s["hits"], s["misses"], s["uploads"], s["cpu_experts"], s["admit_skipped"])
