@@ -162,7 +162,7 @@ def make_configs(g: ModelGeometry, budget: int, n_ctx: int, names: Sequence[str]
             c = Config(name, label, "spark")
             if isinstance(plan, planner.Plan):
                 c.plan, c.planned_bytes = plan, plan.breakdown["total"]
-                c.cache_layers = tuple(CacheLayer(l.index, l.slots, tuple(l.pinned))
+                c.cache_layers = tuple(CacheLayer(l.index, l.slots, tuple(l.pinned), policy=plan.policy)
                                        for l in plan.layers if l.mode == "cached")
                 c.host_layers = tuple(l.index for l in plan.layers if l.mode == "host")  # below the cache floor
             else:

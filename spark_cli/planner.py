@@ -32,6 +32,7 @@ unspent.
 Plan file (`spark plan -o`, read by `--plan`), JSON:
   {"version": 1,
    "policy": "lru" | "lfu-aged" | "slru" | "tinylfu"   # optional (default "lru")
+   "miss_path": "auto" | "cpu" | "upload"              # optional (default "auto")
    "predicted_miss": float | null,  # optional: replayed miss share on the planning trace
    "model": {arch, n_layer, n_expert, n_expert_used, fingerprint, tensor_layout_hash},
    "budget_bytes", "n_ctx", "type_k", "type_v", "n_ubatch",
@@ -115,6 +116,7 @@ class Plan:
     stock: StockBaseline
     policy: str = "lru"  # the cache policy of the cached layers (simulator.POLICIES)
     predicted_miss: float | None = None  # replayed miss share on the planning trace
+    miss_path: str = "auto"  # auto | cpu | upload (miss_path.py); --miss-path overrides it
 
     def hot_set(self) -> dict[int, frozenset[int]]:
         """Experts on the device without an upload: pinned, or all of a resident layer."""
@@ -155,7 +157,8 @@ class Plan:
                        layers=layers, breakdown={k: int(d["breakdown"][k]) for k in BREAKDOWN_KEYS},
                        predicted_cold_hit=None if cold is None else float(cold), stock=stock,
                        policy=str(d.get("policy", "lru")),
-                       predicted_miss=None if miss is None else float(miss))
+                       predicted_miss=None if miss is None else float(miss),
+                       miss_path=str(d.get("miss_path", "auto")))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{source}: {type(e).__name__}: {e} (missing or malformed field)") from None
         for l in plan.layers:
@@ -166,6 +169,8 @@ class Plan:
         if plan.policy not in ONLINE_POLICIES and plan.policy != "lru-pinned":
             raise PlanError(f"{source}: policy: unknown cache policy {plan.policy!r}",
                             hint=f"use one of {', '.join(ONLINE_POLICIES)}")
+        if plan.miss_path not in ("auto", "cpu", "upload"):
+            raise PlanError(f"{source}: miss_path: unknown miss path {plan.miss_path!r}", hint="use auto, cpu or upload")
         return plan
 
     def save(self, path: str | Path, flag: str | None = None) -> Path:

@@ -120,7 +120,7 @@ def engine_options(model: Path, plan: planner.Plan | None, *, n_ctx: int, rpc: l
     """Engine options that realise a plan (cached layers get banks; resident ones stay whole)."""
     cache = []
     if plan is not None:
-        cache = [CacheLayer(l.index, l.slots, tuple(l.pinned)) for l in plan.layers if l.mode == "cached"]
+        cache = [CacheLayer(l.index, l.slots, tuple(l.pinned), policy=plan.policy) for l in plan.layers if l.mode == "cached"]
     host = [l.index for l in plan.layers if l.mode == "host"] if plan is not None else []
     return EngineOptions(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, rpc=rpc, device=device,
                          cache_layers=cache, host_layers=host, count_experts=learn, type_k=type_k, type_v=type_v)
