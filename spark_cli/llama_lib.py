@@ -1,5 +1,6 @@
 """The patched llama.cpp libraries, loaded once: llama_cpp's ctypes module plus the ggml
-functions (devices, buffer types, RPC) and the expert-cache C API that it does not bind."""
+functions (devices, buffer types, RPC) that it does not bind. The expert-cache C API is
+bound in expert_cache.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from .errors import NativeError
+from .expert_cache import ExpertCacheAPI
 
 GGML_MAX_DIMS = 4
 GGML_MAX_SRC = 10
@@ -45,36 +47,6 @@ class BuftOverride(ctypes.Structure):
     """`struct llama_model_tensor_buft_override`."""
 
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-
-class ExpertCacheLayerParams(ctypes.Structure):
-    _fields_ = [
-        ("il", ctypes.c_int32),
-        ("n_slots", ctypes.c_int32),
-        ("n_pinned", ctypes.c_int32),
-        ("pinned", ctypes.POINTER(ctypes.c_int32)),
-    ]
-
-
-class ExpertCacheParams(ctypes.Structure):
-    _fields_ = [
-        ("layers", ctypes.POINTER(ExpertCacheLayerParams)),
-        ("n_layers", ctypes.c_int32),
-        ("device_budget", ctypes.c_size_t),
-        ("trace", ctypes.c_bool),
-    ]
-
-
-class ExpertCacheStats(ctypes.Structure):
-    _fields_ = [
-        ("hits", ctypes.c_uint64),
-        ("misses", ctypes.c_uint64),
-        ("uploads", ctypes.c_uint64),
-        ("bytes_uploaded", ctypes.c_uint64),
-        ("upload_us", ctypes.c_uint64),
-        ("steps_cached", ctypes.c_uint64),
-        ("steps_stock", ctypes.c_uint64),
-    ]
 
 
 @dataclass(frozen=True)
@@ -139,23 +111,8 @@ def load() -> SimpleNamespace:
         ns.rpc_add_server = _fn(rpc, "ggml_backend_rpc_add_server", vp, [ctypes.c_char_p])
         ns.rpc_start_server = _fn(rpc, "ggml_backend_rpc_start_server", None,
                                   [ctypes.c_char_p, ctypes.c_char_p, sz, sz, ctypes.POINTER(vp)])
-    ns.has_expert_cache = hasattr(llama, "llama_expert_cache_init")
-    if ns.has_expert_cache:
-        ctx = vp
-        ns.ec_init = _fn(llama, "llama_expert_cache_init", ctypes.c_int32,
-                         [ctx, ctypes.POINTER(ExpertCacheParams), ctypes.c_char_p, sz])
-        ns.ec_free = _fn(llama, "llama_expert_cache_free", None, [ctx])
-        ns.ec_enabled = _fn(llama, "llama_expert_cache_enabled", ctypes.c_bool, [ctx])
-        ns.ec_get_stats = _fn(llama, "llama_expert_cache_get_stats", ctypes.c_int32,
-                              [ctx, ctypes.c_int32, ctypes.POINTER(ExpertCacheStats)])
-        ns.ec_get_counts = _fn(llama, "llama_expert_cache_get_counts", ctypes.c_int32,
-                               [ctx, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int32])
-        ns.ec_get_slots = _fn(llama, "llama_expert_cache_get_slots", ctypes.c_int32,
-                              [ctx, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32])
-        ns.ec_get_trace = _fn(llama, "llama_expert_cache_get_trace", ctypes.c_int64,
-                              [ctx, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64])
-        ns.ec_reset_stats = _fn(llama, "llama_expert_cache_reset_stats", None, [ctx])
-        ns.ec_device_bytes = _fn(llama, "llama_expert_cache_device_bytes", sz, [ctx])
+    ns.expert_cache = ExpertCacheAPI.bind(llama)  # None: a build without native/
+    ns.has_expert_cache = ns.expert_cache is not None
     lc.llama_backend_init()
     return ns
 

@@ -24,7 +24,7 @@ action's bytes (one expert, or a whole-layer jump under max_slots_per_layer) may
 unspent.
 
 Plan file (`spark plan -o`, read by `--plan`), JSON:
-  {"version": 1,
+  {"version": 2,
    "model": {arch, n_layer, n_expert, n_expert_used, fingerprint, tensor_layout_hash},
    "budget_bytes", "n_ctx", "type_k", "type_v", "n_ubatch",
    "breakdown": {weights_global, weights_layers_nonexpert, experts_resident,
@@ -32,6 +32,7 @@ Plan file (`spark plan -o`, read by `--plan`), JSON:
    "predicted_cold_hit": float | null,
    "stock": {n_cpu_moe, fits, device_bytes, override_patterns, cpu_moe_device_bytes,
              cpu_moe_fits},
+   "overrides": [{"pattern", "target"}, ...],   # tensor overrides the engine applies (placement.py)
    "layers": [{"index", "mode", "pinned", "slots", "device_bytes", "host_bytes"}, ...]}
 mode: resident | cached | dense | skipped (an MTP block llama.cpp does not load).
 """
@@ -50,9 +51,9 @@ from . import vram
 from .atomic import atomic_write_text
 from .errors import PlanError
 from .gguf_info import ModelGeometry
+from .placement import TensorOverride, cached_expert_overrides, stock_patterns
 
-PLAN_VERSION = 1
-STOCK_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # llama.cpp's LLM_FFN_EXPS_REGEX
+PLAN_VERSION = 2
 MODES = ("resident", "cached", "dense", "skipped")
 BREAKDOWN_KEYS = ("weights_global", "weights_layers_nonexpert", "experts_resident", "expert_banks",
                   "kv_cache", "compute", "overhead", "total")
@@ -85,11 +86,6 @@ class StockBaseline:
     cpu_moe_device_bytes: int
     cpu_moe_fits: bool
 
-    @property
-    def ot_argument(self) -> str:
-        """The same placement as one `-ot` value."""
-        return ",".join(f"{p}=CPU" for p in self.override_patterns)
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -103,6 +99,7 @@ class Plan:
     breakdown: dict[str, int]
     predicted_cold_hit: float | None
     stock: StockBaseline
+    overrides: tuple[TensorOverride, ...] = ()  # expert weights of cached layers -> host RAM (placement.py)
 
     def hot_set(self) -> dict[int, frozenset[int]]:
         """Experts on the device without an upload: pinned, or all of a resident layer."""
@@ -141,7 +138,8 @@ class Plan:
             plan = cls(model=dict(d["model"]), budget_bytes=int(d["budget_bytes"]), n_ctx=int(d["n_ctx"]),
                        type_k=str(d["type_k"]), type_v=str(d["type_v"]), n_ubatch=int(d["n_ubatch"]),
                        layers=layers, breakdown={k: int(d["breakdown"][k]) for k in BREAKDOWN_KEYS},
-                       predicted_cold_hit=None if cold is None else float(cold), stock=stock)
+                       predicted_cold_hit=None if cold is None else float(cold), stock=stock,
+                       overrides=tuple(TensorOverride(str(o["pattern"]), str(o["target"])) for o in d["overrides"]))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{source}: {type(e).__name__}: {e} (missing or malformed field)") from None
         for l in plan.layers:
@@ -190,7 +188,7 @@ def stock_baseline(g: ModelGeometry, budget_bytes: int, fixed_bytes: int) -> Sto
 
     n_max = 1 + max((l.index for l in loaded if l.is_moe), default=-1)
     n = next((i for i in range(n_max + 1) if device(i) <= budget_bytes), n_max)
-    pats = tuple(f"blk\\.{i}{STOCK_EXPS_REGEX}" for i in range(n))
+    pats = stock_patterns(range(n))
     all_cpu = device(n_max)
     return StockBaseline(n, device(n) <= budget_bytes, device(n), pats, all_cpu, all_cpu <= budget_bytes)
 
@@ -259,7 +257,7 @@ def make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
         raise PlanError(
             f"--vram {vram.gib(budget_bytes)}: the model without experts needs {vram.gib(fixed_total)} "
             f"({parts}; n_ctx {n_ctx}); over by {vram.gib(fixed_total - budget_bytes)}",
-            hint="lower --ctx, quantize the KV cache (--cache-type-k q8_0) or raise --vram")
+            hint="lower --ctx-size, quantize the KV cache (-ctk q8_0) or raise --vram")
 
     moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
     counts = None
@@ -293,7 +291,7 @@ def make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
             f"--vram {vram.gib(budget_bytes)}: the expert cache floor does not fit: {len(moe)} MoE layers x "
             f"({k} LRU + 1 guard) slots of {bpe / vram.MiB:.1f} MiB need {vram.gib(floor)} on top of "
             f"{vram.gib(fixed_total)} without experts; over by {vram.gib(fixed_total + floor - budget_bytes)}",
-            hint="lower --ctx or raise --vram; stock llama.cpp --cpu-moe keeps every expert on the CPU")
+            hint="lower --ctx-size or raise --vram; stock llama.cpp --cpu-moe keeps every expert on the CPU")
 
     # Walk the budget-independent greedy sequence until the next action does not fit.
     left = budget_bytes - fixed_total - floor
@@ -346,11 +344,6 @@ def make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
     return Plan(model=g.identity(), budget_bytes=budget_bytes, n_ctx=n_ctx, type_k=type_k, type_v=type_v,
                 n_ubatch=n_ubatch, layers=tuple(layers), breakdown=breakdown,
                 predicted_cold_hit=(sum(cold) / len(cold) if cold else 0.0) if counts is not None else None,
-                stock=stock_baseline(g, budget_bytes, fixed_total))
+                stock=stock_baseline(g, budget_bytes, fixed_total),
+                overrides=cached_expert_overrides(g, [l.index for l in layers if l.mode == "cached"]))
 
-
-def tensor_overrides(plan: Plan) -> list[tuple[str, str]]:
-    """(regex, 'host'|'device') for the engine, first match wins: the expert weights of
-    cached layers stay in host RAM; everything else (expert biases included) goes where
-    llama.cpp puts it with all layers offloaded, i.e. on the device."""
-    return [(f"^blk\\.{l.index}{STOCK_EXPS_REGEX}\\.weight$", "host") for l in plan.layers if l.mode == "cached"]

@@ -8,7 +8,6 @@ native routing counters when the patched library has them, else an eval callback
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -19,10 +18,10 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
 
-from ..errors import PlanError, ProfileError, SparkError
-from ..profiling import (CAPTURE_MODES, Gathered, StopFlag, _Capture, gather, open_engine,  # noqa: F401
-                         resolve_capture, split_held_out)
-from .common import RPC_HELP, console, err_console, model_or_demo
+from ..errors import PlanError, ProfileError, UsageError
+from ..options import LoadFlags
+from ..profiling import CAPTURE_MODES, StopFlag, _Capture, gather, open_engine, resolve_capture, split_held_out
+from .common import JSON_HELP, console, err_console, model_flags, model_or_demo
 DEFAULT_RESIDENCIES = "0.4,0.6,0.8"
 
 
@@ -54,9 +53,9 @@ def _parse_floats(text: str, flag: str, lo: float, hi: float) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SparkError(f"{flag} {text}: expected comma-separated numbers, e.g. {DEFAULT_RESIDENCIES}") from None
+        raise UsageError(f"{flag} {text}: expected comma-separated numbers, e.g. {DEFAULT_RESIDENCIES}") from None
     if not vals or any(not lo < v <= hi for v in vals):
-        raise SparkError(f"{flag} {text}: each value must be in ({lo}, {hi}]")
+        raise UsageError(f"{flag} {text}: each value must be in ({lo}, {hi}]")
     return vals
 
 
@@ -64,9 +63,9 @@ def _parse_ints(text: str, flag: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SparkError(f"{flag} {text}: expected comma-separated integers, e.g. 4,8,16") from None
+        raise UsageError(f"{flag} {text}: expected comma-separated integers, e.g. 4,8,16") from None
     if not vals or any(v < 1 for v in vals):
-        raise SparkError(f"{flag} {text}: each value must be a positive integer")
+        raise UsageError(f"{flag} {text}: each value must be a positive integer")
     return vals
 
 
@@ -152,41 +151,40 @@ def held_out_report(train, test, geometry, residencies: Sequence[float]) -> Tabl
 
 
 @profile_app.command("run", help="Profile MODEL on a corpus (the default: `spark profile MODEL --corpus PATH`).")
+@model_flags
 def run_cmd(
     model: Path = typer.Argument(None, help="the .gguf model (default: the demo model)", show_default=False),
-    corpus: Path = typer.Option(None, "--corpus", "-c", show_default=False,
+    corpus: Path = typer.Option(None, "--corpus", show_default=False,
                                 help="a text file, or a folder of .txt, .md and .jsonl files "
                                      "(default: the small bundled sample)"),
     gen: int = typer.Option(16, "--gen", min=0, help="greedy tokens decoded after each chunk, so decode routing is seen"),
-    ctx: int = typer.Option(2048, "--ctx", min=32, help="context size; longer documents are cut into chunks"),
     trace: Path = typer.Option(None, "--trace", help="also write the routing trace (.npz) for `spark profile simulate`"),
     held_out: float = typer.Option(0.0, "--held-out", min=0.0, max=0.9,
                                    help="share of the corpus held out to test placements built from the rest"),
     residency: str = typer.Option(DEFAULT_RESIDENCIES, "--residency",
                                   help="shares of expert bytes held resident, for --held-out"),
     plot: Path = typer.Option(None, "--plot", help="write a layers x experts heatmap PNG"),
-    rpc: str = typer.Option(None, "--rpc", help=RPC_HELP),
-    device: str = typer.Option("auto", "--device", help="auto (first GPU), cpu, or a device name"),
     capture: str = typer.Option("auto", "--capture", help="native (patched counters), callback (eval callback), or auto"),
     profile: Path = typer.Option(None, "--profile", help="profile file to update (default: beside the model)"),
-    threads: int = typer.Option(0, "--threads", "-t", min=0, help="CPU threads (0: all cores)"),
+    flags: LoadFlags = None,
 ) -> None:
+    from .. import session
     from ..corpus import CorpusError, bundled_corpus, make_chunks, read_corpus
     from ..gguf_info import load_geometry
+    from ..options import context_size
     from ..profile import RoutingProfile, profile_path_for, update_file
-    from ..rpc import parse_endpoints
 
     residencies = _parse_floats(residency, "--residency", 0.0, 1.0)
-    endpoints = parse_endpoints(rpc)
     if capture not in CAPTURE_MODES:
-        raise SparkError(f"--capture {capture}: expected one of {', '.join(CAPTURE_MODES)}")
-    max_len = ctx - gen
-    if max_len < 16:
-        raise SparkError(f"--ctx {ctx} leaves {max_len} tokens per chunk after --gen {gen}",
-                         hint="raise --ctx or lower --gen")
+        raise UsageError(f"--capture {capture}: expected one of {', '.join(CAPTURE_MODES)}")
 
     model = model_or_demo(model)
     geometry = load_geometry(model, require_moe=True)
+    ctx = context_size(flags.ctx_size, geometry.context_length)
+    max_len = ctx - gen
+    if max_len < 16:
+        raise UsageError(f"--ctx-size {ctx} leaves {max_len} tokens per chunk after --gen {gen}",
+                         hint="raise -c or lower --gen")
     ident = geometry.identity()
     prof_path = Path(profile) if profile else profile_path_for(model)
     old = RoutingProfile.load(prof_path, expect=ident) if prof_path.exists() else None  # refuse early
@@ -201,8 +199,11 @@ def run_cmd(
 
     mode = resolve_capture(capture)
     keep_trace = trace is not None or held_out > 0
-    n_batch = min(512, ctx)
-    engine = open_engine(model, geometry, mode, keep_trace, ctx, n_batch, device, endpoints, threads,
+    # NOTE: one ubatch per eval: every piece of a chunk is one prefill step
+    n_batch = min(session.ubatch_size(flags), ctx)
+    base = session.engine_options(model, geometry, None, flags, n_ctx=ctx, learn=False)
+    base.n_batch = base.n_ubatch = n_batch
+    engine = open_engine(base, geometry, mode, keep_trace,
                          note=lambda msg: console.print(f"[yellow]note:[/] {msg}"))
     try:
         prefix = engine.tokenize("", add_special=True)
@@ -305,49 +306,6 @@ def merge_cmd(
                   f"{out.tokens_prefill:,.0f} prefill + {out.tokens_decode:,.0f} decode tokens")
 
 
-@dataclass
-class SimRow:
-    slots: int
-    policy: str
-    pinned: int
-    hit_rate: float
-    uploads_per_token: float
-    bytes_per_token: float | None
-
-
-def simulate_rows(trace, slot_counts: Sequence[int], policies: Sequence[str], *, pinned_from: np.ndarray | None,
-                  bytes_per_expert: dict[int, int] | None, k: int, pin: int | None = None,
-                  phases: Sequence[str] = ("decode",), lfu_half_life: int = 128) -> list[SimRow]:
-    """Each policy at each slot count; lru-pinned pins the top experts of `pinned_from`
-    ([n_layer, E] counts; none without it): `pin` per layer, default half the slots,
-    keeping at least k LRU slots."""
-    from ..simulator import simulate
-
-    all_phases = len(phases) > 1
-    rows = []
-    moe = trace.moe_layers()
-    for s in slot_counts:
-        for policy in policies:
-            pinned: dict[int, list[int]] = {}
-            n_pin = 0
-            if policy == "lru-pinned" and pinned_from is not None:
-                n_pin = max(0, min(s // 2 if pin is None else pin, s - k, trace.n_expert))
-                for layer in moe:
-                    order = np.argsort(-pinned_from[layer], kind="stable")
-                    pinned[layer] = [int(e) for e in order[:n_pin]]
-            r = simulate(trace, policy, s, pinned=pinned or None, bytes_per_expert=bytes_per_expert,
-                         phases=phases, lfu_half_life=lfu_half_life)
-            if all_phases:
-                tokens = r.tokens
-                hit, ups = r.hit_rate, (r.misses / tokens if tokens else 0.0)
-                bpt = (sum(st.misses * bytes_per_expert.get(st.layer, 0) for st in r.layers.values()) / tokens
-                       if bytes_per_expert is not None and tokens else (0.0 if bytes_per_expert else None))
-            else:
-                hit, ups, bpt = r.hit_rate_decode, r.uploads_per_token, r.bytes_per_token
-            rows.append(SimRow(s, policy, n_pin, hit, ups, bpt))
-    return rows
-
-
 @profile_app.command("simulate")
 def simulate_cmd(
     trace: Path = typer.Argument(..., help="a routing trace (.npz) from spark profile --trace"),
@@ -357,22 +315,22 @@ def simulate_cmd(
     profile: Path = typer.Option(None, "--profile", help="profile whose top experts lru-pinned pins (none without)"),
     pin: int = typer.Option(None, "--pin", min=0, help="experts pinned per layer by lru-pinned (default: half the slots)"),
     phases: str = typer.Option("decode", "--phases", help="decode, or all (prefill steps too, as the native cache)"),
-    as_json: bool = typer.Option(False, "--json", help="print the rows as JSON"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Replay a trace through cache policies: hit rate, uploads and bytes per token by slot count."""
     from ..gguf_info import load_geometry
     from ..profile import RoutingProfile
-    from ..simulator import POLICIES
+    from ..simulator import POLICIES, simulate_rows
     from ..trace import RoutingTrace
 
     slot_counts = _parse_ints(slots, "--slots")
     policies = [p.strip() for p in policy.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
-        raise SparkError(f"--policy {policy}: unknown {', '.join(bad) or 'empty list'}",
+        raise UsageError(f"--policy {policy}: unknown {', '.join(bad) or 'empty list'}",
                          hint=f"use some of {', '.join(POLICIES)}")
     if phases not in ("decode", "all"):
-        raise SparkError(f"--phases {phases}: expected decode or all")
+        raise UsageError(f"--phases {phases}: expected decode or all")
     geometry = load_geometry(model, require_moe=True) if model is not None else None
     tr = RoutingTrace.load(trace, expect_fingerprint=geometry.fingerprint if geometry else None)
     if geometry is not None and (tr.n_layer, tr.n_expert) != (geometry.n_layer, geometry.n_expert):
