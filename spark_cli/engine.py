@@ -122,6 +122,7 @@ class Engine:
         _install_logger(lc)
         self.model = None
         self.ctx = None
+        self.cache: ExpertCache | None = None
         self._batch = None
         self._keep: list[object] = []
         self.records: list[TopkRecord] = []
@@ -180,7 +181,6 @@ class Engine:
                              hint="try a smaller --ctx-size")
         self.n_ctx = lc.llama_n_ctx(self.ctx)
         self._batch = lc.llama_batch_init(opts.n_batch, 0, 1)
-        self.cache: ExpertCache | None = None
         if self.lib.expert_cache is not None:
             self.cache = ExpertCache(self.lib.expert_cache, self.ctx)
         if opts.cache_layers or opts.count_experts or opts.trace:

@@ -27,8 +27,3 @@ def models_dir() -> Path:
     d.mkdir(parents=True, exist_ok=True)
     return d
 
-
-def native_dir() -> Path:
-    d = spark_home() / "native"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
