@@ -58,6 +58,9 @@ def _register() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one red line and exit code 2 for a SparkError (SPARK_DEBUG=1: traceback)."""
     _register()
+    from .commands.common import unalias
+
+    argv = unalias(list(sys.argv[1:] if argv is None else argv))
     try:
         rv = app(args=argv, standalone_mode=False)  # typer.Exit(code) comes back as rv
     except SparkError as e:

@@ -27,7 +27,7 @@ from .placement import CPU, HOST, TensorOverride, cached_expert_overrides, stock
 
 PHASE_PREFILL, PHASE_DECODE = int(Phase.PREFILL), int(Phase.DECODE)
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
-LOAD_MODE_NONE, LOAD_MODE_MMAP, LOAD_MODE_MLOCK, LOAD_MODE_MMAP_MLOCK = 0, 1, 2, 3  # enum llama_load_mode
+LOAD_MODE_NONE, LOAD_MODE_MLOCK, LOAD_MODE_MMAP_MLOCK = 0, 2, 3  # enum llama_load_mode
 
 
 @dataclass
@@ -137,6 +137,11 @@ class Engine:
             if f.read(4) != b"GGUF":
                 raise ModelFileError(f"{path}: not a GGUF file")
         self._geometry: ModelGeometry | None = None
+        # checked before anything is loaded
+        type_k = vram.kv_type(opts.type_k, "--cache-type-k").ggml_id
+        type_v = vram.kv_type(opts.type_v, "--cache-type-v").ggml_id
+        if opts.flash_attn not in FLASH_ATTN:
+            raise UsageError(f"--flash-attn {opts.flash_attn}: expected on, off or auto")
 
         self.devices = devices_mod.select(devices_mod.parse(opts.device, opts.rpc))
         mp = lc.llama_model_default_params()
@@ -147,8 +152,9 @@ class Engine:
         self._set_overrides(mp, self._overrides())
         # NOTE: the cache copies expert slices byte for byte: host weights must keep plain layout
         mp.use_extra_bufts = bool(opts.repack and not opts.cache_layers)
-        mp.load_mode = ((LOAD_MODE_MMAP_MLOCK if opts.use_mlock else LOAD_MODE_MMAP) if opts.use_mmap
-                        else (LOAD_MODE_MLOCK if opts.use_mlock else LOAD_MODE_NONE))
+        if opts.use_mlock or not opts.use_mmap:  # else llama.cpp's default (auto: mmap)
+            mp.load_mode = ((LOAD_MODE_MMAP_MLOCK if opts.use_mmap else LOAD_MODE_MLOCK) if opts.use_mlock
+                            else LOAD_MODE_NONE)
         self._load_log = _logs.mark()
         self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
@@ -165,10 +171,7 @@ class Engine:
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.no_perf = False
-        cp.type_k = vram.kv_type(opts.type_k, "--cache-type-k").ggml_id
-        cp.type_v = vram.kv_type(opts.type_v, "--cache-type-v").ggml_id
-        if opts.flash_attn not in FLASH_ATTN:
-            raise UsageError(f"--flash-attn {opts.flash_attn}: expected on, off or auto")
+        cp.type_k, cp.type_v = type_k, type_v
         cp.flash_attn_type = FLASH_ATTN[opts.flash_attn]
         if opts.capture_topk:
             self._cb = lc.ggml_backend_sched_eval_callback(self._on_eval)
@@ -236,6 +239,7 @@ class Engine:
 
     def _init_cache(self) -> None:
         if self.cache is None:
+            self.close()
             raise NativeError("this llama.cpp build has no expert cache (native/ patch missing)",
                               hint="rebuild with scripts/bootstrap.sh")
         try:
@@ -470,11 +474,15 @@ class Engine:
         """(name, free, total) of the devices in use, read now."""
         return [(d.name, *devices_mod.free_memory(d)) for d in self.devices]
 
+    def load_log(self) -> list[str]:
+        """llama.cpp's log lines since this engine started loading (as far as they are kept)."""
+        return _logs.since(self._load_log)
+
     def allocated_bytes(self) -> dict[str, int]:
         """Buffers llama.cpp reported while loading this model and context, by kind
         (model, KV, compute, RS) and buffer name, as `"<kind> <buffer>"` -> bytes (from its log)."""
         out: dict[str, int] = {}
-        for line in _logs.since(self._load_log):
+        for line in self.load_log():
             m = _BUFFER_RE.search(line)
             if m:
                 key = f"{m.group('kind')} {m.group('buf')}"
@@ -484,7 +492,7 @@ class Engine:
     def overridden_tensors(self) -> dict[str, str]:
         """Tensor name -> buffer type of every tensor a tensor override placed (from llama.cpp's log)."""
         out = {}
-        for line in _logs.since(self._load_log):
+        for line in self.load_log():
             m = _OVERRIDE_RE.search(line)
             if m:
                 out[m.group("name")] = m.group("buft")

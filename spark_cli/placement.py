@@ -37,9 +37,10 @@ def _alt(items: Iterable[str]) -> str:
 
 
 def cached_expert_overrides(g: ModelGeometry, layers: Iterable[int]) -> tuple[TensorOverride, ...]:
-    """Expert weights of `layers` to host RAM: one exact pattern per set of tensor suffixes."""
+    """Expert weights of `layers` to host RAM: one exact pattern per set of tensor suffixes.
+    Layers the model does not have are left to the expert cache to refuse (ERR_LAYER)."""
     by_suffix: dict[tuple[str, ...], list[int]] = {}
-    for il in sorted(set(layers)):
+    for il in sorted(i for i in set(layers) if 0 <= i < len(g.layers)):
         names = tuple(sorted(t.name[len(f"blk.{il}."):] for t in g.layers[il].experts))
         if names:
             by_suffix.setdefault(names, []).append(il)

@@ -176,7 +176,9 @@ def test_counters_equal_python_lru_replay(small_model, rpc_server):
         slots = {c.il: eng.slots(c.il) for c in layers}
         counts_pre, counts_dec = eng.routing_counts(PHASE_PREFILL), eng.routing_counts(PHASE_DECODE)
     assert checked == 3 * 17 * len(layers)
-    # native trace == eval-callback ids, step by step
+    # native trace == eval-callback ids, step by step (the callback also sees the empty steps of the
+    # last layer in a prompt's ubatches without outputs; they route nothing)
+    callback = [r for r in callback if r.ids.size]
     assert [(r.il, r.phase) for r in records] == [(r.il, r.phase) for r in callback]
     for a, b in zip(records, callback):
         assert np.array_equal(a.ids, b.ids), f"layer {a.il}: trace and callback ids differ"

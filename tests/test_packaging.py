@@ -29,8 +29,9 @@ def _run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: int = 600)
 def installed(tmp_path_factory) -> tuple[Path, Path]:
     """(venv bin folder, a working directory outside the repository) with Spark's wheel installed."""
     tmp = tmp_path_factory.mktemp("pkg")
-    # NOTE: build with this interpreter's setuptools where it has one (no download)
-    no_iso = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    # NOTE: build with this interpreter's setuptools and wheel where it has them (no download)
+    local = all(importlib.util.find_spec(m) for m in ("setuptools", "wheel"))
+    no_iso = ["--no-build-isolation"] if local else []
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *no_iso, "-w", tmp / "wheels", REPO], cwd=tmp)
     (wheel,) = (tmp / "wheels").glob("spark_cli-*.whl")
     env_dir = tmp / "venv"

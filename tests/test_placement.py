@@ -85,3 +85,18 @@ def test_planned_vram_matches_llama_cpp(small_model, rpc_server):
     allocated = on_device("model") + on_device("KV") + compute + banks
     planned = b["total"] - b["overhead"]
     assert allocated <= planned <= 1.25 * allocated, (allocated, planned)
+
+
+def test_llama_cpp_flags_reach_the_context(small_model, rpc_server):
+    """--no-mmap, -fa, -ctk and -ub as llama.cpp reports them while loading (a quantized V cache
+    needs flash attention, so only K is quantized here)."""
+    g = load_geometry(small_model)
+    with _open(small_model, g, None, rpc_server.endpoint, 256, mmap=False, flash_attn="off", type_k="q8_0",
+               ubatch_size=64, threads=1) as eng:
+        log = "\n".join(eng.load_log())
+        buffers = eng.allocated_bytes()
+        n_ubatch = eng.lib.lc.llama_n_ubatch(eng.ctx)
+    assert "model CPU" in buffers and "model CPU_Mapped" not in buffers  # read, not mapped
+    assert re.search(r"flash_attn\s*=\s*(disabled|0)", log), log[-2000:]
+    assert re.search(r"type_k = 'q8_0'", log) or re.search(r"K \(q8_0\)", log), log[-2000:]
+    assert n_ubatch == 64

@@ -14,6 +14,7 @@ from conftest import cli_runner
 
 from spark_cli import devices, planner, vram
 from spark_cli.commands import plan as plan_cmd
+from spark_cli.demo_model import TINY_ARCHES, build_tiny_model
 from spark_cli.errors import DeviceError, PlanError, ProfileError
 from spark_cli.options import DEFAULT_CTX
 from spark_cli.gguf_info import _open, load_geometry
@@ -118,8 +119,6 @@ def test_device_none_is_a_dry_run_without_a_device(spark, small_model) -> None:
 
 
 def test_plan_of_another_model_is_refused(spark, small_model, tmp_path) -> None:
-    from spark_cli.demo_model import build_tiny_model
-
     out = tmp_path / "tiny.plan.json"
     rc, _, stderr = spark(build_tiny_model("qwen3moe"), "--vram", "1GiB", "-o", out)
     assert rc == 0, stderr
@@ -215,7 +214,6 @@ def test_trace_sizes_lru_slots(spark, small_model, geo, tmp_path) -> None:
 
 def test_unknown_family_warns(spark, monkeypatch) -> None:
     from spark_cli import gguf_info
-    from spark_cli.demo_model import build_tiny_model
 
     monkeypatch.setattr(gguf_info, "family_for", lambda arch: None)
     rc, stdout, stderr = spark(build_tiny_model("qwen3moe"), "--vram", "1GiB")
@@ -257,10 +255,8 @@ def test_byte_accounting_equals_gguf_tensor_sizes(spark, small_model, geo) -> No
     assert _accounted(planner.Plan.from_json(stdout), geo) == total
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss"])
+@pytest.mark.parametrize("arch", TINY_ARCHES)
 def test_byte_accounting_tiny_archs(spark, arch) -> None:
-    from spark_cli.demo_model import build_tiny_model
-
     path = build_tiny_model(arch)
     g = load_geometry(path)
     total = _tensor_bytes(path)
@@ -273,3 +269,19 @@ def test_byte_accounting_tiny_archs(spark, arch) -> None:
         assert _accounted(p, g) == total
         assert p.stock.device_bytes <= budget or not p.stock.fits
         assert vram.kv_cache_bytes(g, 512) == p.breakdown["kv_cache"]
+
+
+@pytest.mark.parametrize("argv", [["-c", "512"], ["--ctx-size", "512"], ["--ctx", "512"], ["--ctx=512"]])
+def test_context_flag_spellings(spark, small_model, argv) -> None:
+    rc, stdout, stderr = spark(small_model, "--vram", "64GiB", *argv, "--json")
+    assert rc == 0, stderr
+    assert json.loads(stdout)["n_ctx"] == 512
+
+
+def test_help_shows_llama_cpp_spellings(spark) -> None:
+    rc, stdout, _ = spark("-h")
+    assert rc == 0
+    for flag in ("--ctx-size", "-c", "-ctk", "-ctv", "--flash-attn", "-fa", "--batch-size", "-ub", "--no-mmap",
+                 "--mlock", "-dev", "--rpc", "-ot", "--threads", "--json", "--output"):
+        assert flag in stdout, flag
+    assert "--ctx," not in stdout and "--ctx " not in stdout  # the old spelling works but is not shown

@@ -258,7 +258,7 @@ def register(app: typer.Typer) -> None:
         repeat_last_n: int = typer.Option(64, "--repeat-last-n", min=-1,
                                           help="tokens the penalty looks back on (0: off, -1: the context)"),
         seed: int = typer.Option(-1, "--seed", "-s", help="sampling seed (-1: random)"),
-        system: str = typer.Option(None, "--system-prompt", "-sys", "--system", help="system prompt"),
+        system: str = typer.Option(None, "--system-prompt", "-sys", help="system prompt"),
         prompt: str = typer.Option(None, "--prompt", "-p", help="one-shot: answer this prompt and exit "
                                    "('-' reads stdin)"),
         as_json: bool = typer.Option(False, "--json", help="one-shot: print {answer, figures} as JSON on stdout"),

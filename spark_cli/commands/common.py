@@ -26,7 +26,7 @@ def _opt(default: Any, *names: str, **kw: Any) -> Any:
 
 # name -> (type, typer.Option): the flags of every command that loads a model, as llama.cpp spells them
 MODEL_FLAGS: dict[str, tuple[Any, Any]] = {
-    "ctx_size": (Optional[int], _opt(None, "--ctx-size", "-c", "--ctx", min=16, show_default=False,
+    "ctx_size": (Optional[int], _opt(None, "--ctx-size", "-c", min=16, show_default=False,
                                      help=f"context size (default: the model's trained context, at most "
                                           f"{DEFAULT_CTX}; with --plan: the plan's)")),
     "threads": (Optional[int], _opt(None, "--threads", "-t", min=1, show_default=False,
@@ -52,6 +52,21 @@ MODEL_FLAGS: dict[str, tuple[Any, Any]] = {
                                                   help="PATTERN=BUFFER[,...]: put matching tensors in that "
                                                        "buffer type (e.g. CPU); experts are Spark's to place")),
 }
+
+
+# old spellings that still work, not shown in --help
+HIDDEN_ALIASES = {"--ctx": "--ctx-size", "--system": "--system-prompt"}
+
+
+def unalias(argv: list[str]) -> list[str]:
+    """Old flag spellings (HIDDEN_ALIASES) to the current ones, up to a `--`."""
+    out = []
+    for i, a in enumerate(argv):
+        if a == "--":
+            return out + argv[i:]
+        name, eq, value = a.partition("=")
+        out.append(HIDDEN_ALIASES[name] + eq + value if name in HIDDEN_ALIASES else a)
+    return out
 
 
 def model_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
