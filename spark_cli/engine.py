@@ -70,8 +70,8 @@ class _Logs:
     """llama.cpp log lines, kept (not printed) so errors can quote the last one."""
 
     def __init__(self) -> None:
-        self.lines: deque[str] = deque(maxlen=2000)
-        self.count = 0  # lines ever appended
+        self.lines: deque[str] = deque(maxlen=200)
+        self.capture: list[str] | None = None  # every line while an engine loads
         self.verbose = bool(os.environ.get("SPARK_VERBOSE"))
         self._partial = ""
 
@@ -80,17 +80,11 @@ class _Logs:
         *done, self._partial = s.split("\n")
         for line in done:
             self.lines.append(line)
-            self.count += 1
+            if self.capture is not None:
+                self.capture.append(line)
             if self.verbose:
                 print(line, file=sys.stderr)
 
-    def mark(self) -> int:
-        return self.count
-
-    def since(self, mark: int) -> list[str]:
-        """Lines appended after `mark` that are still kept."""
-        n = min(self.count - mark, len(self.lines))
-        return list(self.lines)[len(self.lines) - n:] if n > 0 else []
 
     def last_error(self) -> str:
         for line in reversed(self.lines):
@@ -123,6 +117,7 @@ class Engine:
         self.model = None
         self.ctx = None
         self.cache: ExpertCache | None = None
+        self._load_log: list[str] = []  # llama.cpp's log while loading (debug level included)
         self._batch = None
         self._keep: list[object] = []
         self.records: list[TopkRecord] = []
@@ -155,7 +150,18 @@ class Engine:
         if opts.use_mlock or not opts.use_mmap:  # else llama.cpp's default (auto: mmap)
             mp.load_mode = ((LOAD_MODE_MMAP_MLOCK if opts.use_mmap else LOAD_MODE_MLOCK) if opts.use_mlock
                             else LOAD_MODE_NONE)
-        self._load_log = _logs.mark()
+        _logs.capture = self._load_log
+        try:
+            self._load(path, mp, opts, type_k, type_v)
+        finally:
+            _logs.capture = None
+        if opts.cache_layers or opts.count_experts or opts.trace:
+            self._init_cache()
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _load(self, path: Path, mp, opts: EngineOptions, type_k: int, type_v: int) -> None:
+        lc = self.lib.lc
         self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             raise ModelFileError(f"{path}: llama.cpp could not load it ({_logs.last_error() or 'see SPARK_VERBOSE=1'})")
@@ -186,10 +192,6 @@ class Engine:
         self._batch = lc.llama_batch_init(opts.n_batch, 0, 1)
         if self.lib.expert_cache is not None:
             self.cache = ExpertCache(self.lib.expert_cache, self.ctx)
-        if opts.cache_layers or opts.count_experts or opts.trace:
-            self._init_cache()
-
-    # -- set-up ---------------------------------------------------------------------------
 
     @property
     def geometry(self) -> ModelGeometry:
@@ -475,8 +477,8 @@ class Engine:
         return [(d.name, *devices_mod.free_memory(d)) for d in self.devices]
 
     def load_log(self) -> list[str]:
-        """llama.cpp's log lines since this engine started loading (as far as they are kept)."""
-        return _logs.since(self._load_log)
+        """llama.cpp's log lines while this engine loaded its model and context (debug level included)."""
+        return list(self._load_log)
 
     def allocated_bytes(self) -> dict[str, int]:
         """Buffers llama.cpp reported while loading this model and context, by kind

@@ -14,12 +14,12 @@ import numpy as np
 
 from . import devices, planner, vram
 from .engine import PHASE_DECODE, CacheLayer, Engine, EngineOptions
-from .options import DEFAULT_UBATCH, LoadFlags, context_size
-from .placement import parse_override_tensor
-from .rpc import parse_endpoints
 from .errors import PlanError, ProfileError
 from .gguf_info import ModelGeometry, load_geometry
+from .options import DEFAULT_UBATCH, LoadFlags, context_size
+from .placement import parse_override_tensor
 from .profile import RoutingProfile, profile_path_for, update_file
+from .rpc import parse_endpoints
 
 
 @dataclass
