@@ -49,10 +49,10 @@ class LoadFlags:
             fa = "off"
         if fa not in FLASH_ATTN_VALUES:
             raise UsageError(f"--flash-attn {flash_attn}: expected on, off or auto")
-        if type_k is not None:
-            type_k = (vram.kv_type(type_k, "--cache-type-k"), type_k.lower())[1]
-        if type_v is not None:
-            type_v = (vram.kv_type(type_v, "--cache-type-v"), type_v.lower())[1]
+        for value, flag in ((type_k, "--cache-type-k"), (type_v, "--cache-type-v")):
+            if value is not None:
+                vram.kv_type(value, flag)  # UsageError naming the flag
+        type_k, type_v = (t.lower() if t is not None else None for t in (type_k, type_v))
         return cls(ctx_size, threads, type_k, type_v, fa, batch_size, ubatch_size, not no_mmap, mlock, device,
                    rpc, tuple(override_tensor or ()))
 
