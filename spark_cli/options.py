@@ -18,7 +18,7 @@ FLASH_ATTN_VALUES = ("on", "off", "auto")
 
 @dataclass(frozen=True)
 class LoadFlags:
-    """What -c, -t, -ctk/-ctv, -fa, -b/-ub, --no-mmap, --mlock, -dev, --rpc and -ot asked for
+    """What -c, -t, -ctk/-ctv, -fa, -b/-ub, --no-mmap, --mlock, -nr, -dev, --rpc and -ot asked for
     (None: the default, or the plan's)."""
 
     ctx_size: int | None = None
@@ -30,6 +30,7 @@ class LoadFlags:
     ubatch_size: int | None = None
     mmap: bool = True
     mlock: bool = False
+    repack: bool = True
     device: str | None = None
     rpc: str | None = None
     override_tensor: tuple[str, ...] = ()
@@ -38,7 +39,7 @@ class LoadFlags:
     def from_cli(cls, *, ctx_size: int | None = None, threads: int | None = None, type_k: str | None = None,
                  type_v: str | None = None, flash_attn: str = "auto", batch_size: int = 2048,
                  ubatch_size: int | None = None, no_mmap: bool = False, mlock: bool = False,
-                 device: str | None = None, rpc: str | None = None,
+                 no_repack: bool = False, device: str | None = None, rpc: str | None = None,
                  override_tensor: Sequence[str] | None = None) -> "LoadFlags":
         from . import vram
 
@@ -53,8 +54,8 @@ class LoadFlags:
             if value is not None:
                 vram.kv_type(value, flag)  # UsageError naming the flag
         type_k, type_v = (t.lower() if t is not None else None for t in (type_k, type_v))
-        return cls(ctx_size, threads, type_k, type_v, fa, batch_size, ubatch_size, not no_mmap, mlock, device,
-                   rpc, tuple(override_tensor or ()))
+        return cls(ctx_size, threads, type_k, type_v, fa, batch_size, ubatch_size, not no_mmap, mlock,
+                   not no_repack, device, rpc, tuple(override_tensor or ()))
 
 
 def context_size(requested: int | None, trained: int, plan_ctx: int | None = None) -> int:

@@ -44,6 +44,8 @@ MODEL_FLAGS: dict[str, tuple[Any, Any]] = {
                                              "LRU slots")),
     "no_mmap": (bool, _opt(False, "--no-mmap", help="read the model into memory instead of mapping it")),
     "mlock": (bool, _opt(False, "--mlock", help="keep the model in RAM (no swapping)")),
+    "no_repack": (bool, _opt(False, "--no-repack", "-nr", help="disable weight repacking for the CPU (AMX, "
+                                                               "AVX layouts)")),
     "device": (Optional[str], _opt(None, "--device", "-dev", show_default=False,
                                    help="comma-separated devices to use (spark devices lists them), or none "
                                         "for the CPU only (default: the first GPU, or the --rpc servers)")),
