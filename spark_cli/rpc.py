@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .errors import SparkError
+from .errors import DeviceError, NativeError, SparkError, UsageError
 from . import llama_lib
 
 _ENDPOINT = re.compile(r"^(?P<host>[A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
@@ -32,7 +32,7 @@ def parse_endpoints(value: str | None) -> list[str]:
         part = part.strip()
         m = _ENDPOINT.match(part)
         if not m or not (0 < int(m.group("port")) < 65536):
-            raise SparkError(f"--rpc: '{part}' is not HOST:PORT", hint="e.g. --rpc 127.0.0.1:50052")
+            raise UsageError(f"--rpc: '{part}' is not HOST:PORT", hint="e.g. --rpc 127.0.0.1:50052")
         out.append(part)
     return out
 
@@ -50,17 +50,17 @@ def connect(endpoints: list[str]) -> list[llama_lib.Device]:
     """Register each endpoint's devices with ggml (once per process) and return them."""
     lib = llama_lib.load()
     if not lib.rpc_available:
-        raise SparkError("--rpc: this llama.cpp build has no RPC backend", hint="rebuild with scripts/bootstrap.sh")
+        raise NativeError("--rpc: this llama.cpp build has no RPC backend", hint="rebuild with scripts/bootstrap.sh")
     names: list[str] = []
     for ep in endpoints:
         if ep not in _registered:
             if not _reachable(ep):
-                raise SparkError(f"--rpc {ep}: no RPC server answers there",
+                raise DeviceError(f"--rpc {ep}: no RPC server answers there",
                                  hint=f"start one with: spark rpc-server --port {ep.rsplit(':', 1)[1]}")
             before = {d.name for d in llama_lib.devices()}
             reg = lib.rpc_add_server(ep.encode())
             if not reg:
-                raise SparkError(f"--rpc {ep}: the server did not answer the RPC handshake",
+                raise DeviceError(f"--rpc {ep}: the server did not answer the RPC handshake",
                                  hint="check that it is a ggml RPC server of the same version")
             lib.register(reg)
             _registered[ep] = [d.name for d in llama_lib.devices() if d.name not in before]
@@ -72,13 +72,13 @@ def serve(host: str, port: int, threads: int | None = None) -> None:
     """Serve this machine's CPU backend over RPC in the foreground (like llama.cpp's rpc-server)."""
     lib = llama_lib.load()
     if not lib.rpc_available:
-        raise SparkError("rpc-server: this llama.cpp build has no RPC backend", hint="rebuild with scripts/bootstrap.sh")
+        raise NativeError("rpc-server: this llama.cpp build has no RPC backend", hint="rebuild with scripts/bootstrap.sh")
     cpu = [d for d in llama_lib.devices() if d.type == "CPU"]
     if not cpu:
-        raise SparkError("rpc-server: no CPU backend device found")
+        raise DeviceError("rpc-server: no CPU backend device found")
     devs = (ctypes.c_void_p * 1)(cpu[0].handle)
     lib.rpc_start_server(f"{host}:{port}".encode(), None, threads or os.cpu_count() or 1, 1, devs)
-    raise SparkError(f"rpc-server: could not serve on {host}:{port}", hint="is the port already in use?")
+    raise DeviceError(f"rpc-server: could not serve on {host}:{port}", hint="is the port already in use?")
 
 
 def _die_with_parent() -> None:

@@ -51,7 +51,7 @@ def test_device_selection_parses_as_llama_cpp(device, rpc, names, endpoints) -> 
 def test_contradicting_devices_are_refused() -> None:
     with pytest.raises(DeviceError, match="contradict"):
         devices.parse("none", "127.0.0.1:5000")
-    with pytest.raises(errors.SparkError, match="not HOST:PORT"):
+    with pytest.raises(UsageError, match="not HOST:PORT"):
         devices.parse(None, "nope")
     assert devices.budget_from_free(devices.BUDGET_MARGIN - 1) == 0
 
