@@ -123,7 +123,7 @@ def test_budget_without_room_for_the_ceiling_says_does_not_fit(spark, model_link
 def test_no_device_runs_on_the_cpu_with_a_note(spark, small_model, corpus, tmp_path) -> None:
     out = tmp_path / "cpu.json"
     rc, stdout, stderr = spark(small_model, "--corpus", corpus, "-p", "16", "-n", "4", "-r", "1", "-dev", "none",
-                               "--json", "-o", out)
+                               "-nr", "--json", "-o", out)  # -nr: see conftest.NO_REPACK_WHY
     assert rc == 0, stderr
     assert "no GPU-type device" in stderr and "--rpc auto" in stderr
     d = json.loads(stdout)  # --json: the report on stdout, the same as -o writes

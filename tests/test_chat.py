@@ -231,7 +231,7 @@ def test_crashed_answer_keeps_learned_counts(small_model, tmp_path):
 
     g = load_geometry(small_model)
     per_token = g.n_expert_used * len(g.moe_layers)
-    with Engine(EngineOptions(small_model, n_ctx=256, device="none", count_experts=True)) as eng:
+    with Engine(EngineOptions(small_model, n_ctx=256, device="none", count_experts=True, repack=False)) as eng:
         chat = ChatSession(eng, Sampling(temp=0, n_predict=3))
         a = chat.answer(QUESTION)
         assert a.error is None and a.figures.generated_tokens == 3

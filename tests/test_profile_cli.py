@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROSE = ("The ferry left the harbour at seven, carrying trucks of timber, a school class on a trip, and "
          "a man who fed the gulls from the rail. By noon the fog had lifted and the far shore showed its "
          "row of white houses, each with a boat pulled up on the stones below. ") * 2
-FAST = ["--threads", "1", "-dev", "none"]
+FAST = ["--threads", "1", "-dev", "none", "-nr"]  # -nr: see conftest.NO_REPACK_WHY
 
 
 def spark(*args) -> tuple[int, str, str]:
@@ -88,7 +88,8 @@ def test_capture_paths_agree(small_model):
     k, n_moe = g.n_expert_used, len(g.moe_layers)
     got = {}
     for mode in ("native", "callback"):
-        base = EngineOptions(small_model, n_ctx=64, n_batch=64, n_ubatch=64, device="none", n_threads=1)
+        base = EngineOptions(small_model, n_ctx=64, n_batch=64, n_ubatch=64, device="none", n_threads=1,
+                             repack=False)
         eng = open_engine(base, g, mode, keep_trace=True)
         try:
             bos = eng.tokenize("", add_special=True)
