@@ -30,10 +30,10 @@ class Sampling:
     top_k: int = 40
     top_p: float = 0.95
     seed: int = 0
+    n_predict: int = -1  # -1: until end of generation or a full context
     min_p: float = 0.05
     repeat_penalty: float = 1.0  # 1.0: off
     repeat_last_n: int = 64
-    n_predict: int = -1  # -1: until end of generation or a full context
 
 
 @dataclass

@@ -207,7 +207,8 @@ class Engine:
         placed = o.expert_overrides
         if placed is None:
             stock = sorted(set(o.host_layers) - {c.il for c in o.cache_layers})
-            placed = cached_expert_overrides(self.geometry, [c.il for c in o.cache_layers]) + stock_overrides(stock)
+            cached = [c.il for c in o.cache_layers]
+            placed = (cached_expert_overrides(self.geometry, cached) if cached else ()) + stock_overrides(stock)
         return [*placed, *o.tensor_overrides]
 
     def _buffer_type(self, target: str) -> int:
