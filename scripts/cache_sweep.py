@@ -74,12 +74,12 @@ def main() -> int:
                     got = run(eng, a.n_decode)
                     st = eng.cache_stats()
                 exact = all(np.array_equal(x, y) for x, y in zip(ref, got))
-                hits = sum(v["hits"] for v in st.values())
-                misses = sum(v["misses"] for v in st.values())
+                hits = sum(v.hits for v in st.values())
+                misses = sum(v.misses for v in st.values())
                 pinned_up = p * len(layers)
-                uploads = sum(v["uploads"] for v in st.values()) - pinned_up
-                mib = (sum(v["bytes_uploaded"] for v in st.values())) / 2**20
-                ms = sum(v["upload_us"] for v in st.values()) / 1000
+                uploads = sum(v.uploads for v in st.values()) - pinned_up
+                mib = (sum(v.bytes_uploaded for v in st.values())) / 2**20
+                ms = sum(v.upload_us for v in st.values()) / 1000
                 print(f"{s:>3} {p:>3} {hits / max(1, hits + misses):>9.1%} {uploads / n_tok:>14.2f} "
                       f"{mib / n_tok:>10.2f} {ms / n_tok:>16.2f} {'yes' if exact else 'NO'}")
                 if not exact:

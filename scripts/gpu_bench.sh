@@ -285,7 +285,7 @@ cmd_stage2() {
     t=$SECONDS
     # shellcheck disable=SC2086
     COLUMNS=${COLUMNS:-170} "$PY" -m spark_cli.cli bench "$model" --residency "$RESIDENCY" --ceiling $BENCH_ARGS \
-        "${extra[@]}" --json "$OUTDIR/bench.json" >"$OUTDIR/bench.txt" 2>"$OUTDIR/bench.err" ||
+        "${extra[@]}" -o "$OUTDIR/bench.json" >"$OUTDIR/bench.txt" 2>"$OUTDIR/bench.err" ||
         { tail -20 "$OUTDIR/bench.err" >&2; die "spark bench failed"; }
     timing "spark bench" $((SECONDS - t))
     cp "$WORK/timings.txt" "$OUTDIR/" 2>/dev/null || true

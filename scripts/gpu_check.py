@@ -16,6 +16,7 @@ Usage: gpu_check.py MODEL [--rpc HOST:PORT] [--decode 64] [--json F]   (exit 1 i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -27,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from spark_cli import engine as engine_mod  # noqa: E402
-from spark_cli.engine import CacheLayer, Engine, EngineOptions  # noqa: E402
+from spark_cli.engine import CacheLayer, CacheStats, Engine, EngineOptions  # noqa: E402
 from spark_cli.gguf_info import load_geometry  # noqa: E402
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type "
@@ -93,7 +94,7 @@ def main() -> int:
                    "max_abs_diff": max(r["max_abs_diff"] for r in rows), "graph_splits": graph_splits()}
             if miss_path:
                 st = eng.cache_stats()
-                out["stats"] = {key: sum(s[key] for s in st.values()) for key in next(iter(st.values()))}
+                out["stats"] = dataclasses.asdict(CacheStats.total(st.values()))
         report["configs"][name] = out
         print(f"{name:<14} exact={out['bit_exact']!s:<5} max|d|={out['max_abs_diff']:.3g} "
               f"splits(bs=1)={out['graph_splits']}", flush=True)

@@ -18,6 +18,7 @@ Pure of rich and typer: the command renders.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import statistics
 import time
@@ -28,8 +29,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import planner
-from .engine import PHASE_DECODE, CacheLayer, Engine, EngineOptions
-from .errors import PlanError, SparkError
+from .engine import PHASE_DECODE, CacheLayer, CacheStats, Engine, EngineOptions
+from .errors import PlanError, ProfileError, SparkError, UsageError
 from .gguf_info import ModelGeometry
 
 REPORT_VERSION = 1
@@ -86,9 +87,10 @@ class Config:
     kind: str  # ceiling | stock | spark | cpu
     status: str = "ready"  # ready | does not fit
     note: str = ""
-    device: str = "auto"
+    device: str | None = None  # -dev (devices.py): None = the run's selection, "none" = the CPU
     host_layers: tuple[int, ...] = ()
     cache_layers: tuple[CacheLayer, ...] = ()
+    expert_overrides: tuple = ()  # a Spark plan's tensor overrides (placement.py); stock: from host_layers
     planned_bytes: int = 0
     over_budget: bool = False  # the ceiling, run beyond the budget as a reference
     plan: planner.Plan | None = field(default=None, repr=False)
@@ -165,16 +167,17 @@ def make_configs(g: ModelGeometry, budget: int, n_ctx: int, names: Sequence[str]
                 c.cache_layers = tuple(CacheLayer(l.index, l.slots, tuple(l.pinned), policy=plan.policy)
                                        for l in plan.layers if l.mode == "cached")
                 c.host_layers = tuple(l.index for l in plan.layers if l.mode == "host")  # below the cache floor
+                c.expert_overrides = plan.overrides
             else:
                 c.status, c.note = "does not fit", (plan.one_line() if plan is not None else "no plan")
         else:
-            raise SparkError(f"--configs: unknown configuration {name!r}", hint="use " + ", ".join(CONFIG_NAMES))
+            raise UsageError(f"--configs: unknown configuration {name!r}", hint="use " + ", ".join(CONFIG_NAMES))
         out.append(c)
     return out
 
 
 def cpu_config() -> Config:
-    return Config(CPU_CONFIG, "CPU only (no device)", "cpu", device="cpu")
+    return Config(CPU_CONFIG, "CPU only (no device)", "cpu", device="none")
 
 
 def parse_config_names(text: str | None) -> list[str]:
@@ -183,7 +186,7 @@ def parse_config_names(text: str | None) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in CONFIG_NAMES]
     if bad or not names:
-        raise SparkError(f"--configs: unknown configuration {', '.join(bad) or repr(text)}",
+        raise UsageError(f"--configs: unknown configuration {', '.join(bad) or repr(text)}",
                          hint="a comma-separated list of " + ", ".join(CONFIG_NAMES))
     return list(dict.fromkeys(names))
 
@@ -222,7 +225,7 @@ def make_workload(engine: Engine, documents: Sequence, n_prompt: int) -> Workloa
     prefix = engine.tokenize("", add_special=True)  # BOS, where the model has one
     body = engine.tokenize("\n\n".join(rendered), add_special=False)
     if len(body) < 2:
-        raise SparkError("--corpus: the text tokenizes to nothing", hint="give a corpus with text")
+        raise ProfileError("--corpus: the text tokenizes to nothing", hint="give a corpus with text")
     text = prefix + body
     note = ""
     if len(text) < n_prompt:
@@ -351,56 +354,46 @@ def describe_paths(picks: dict[int, str]) -> str:
     return ", ".join(f"{p} {sum(1 for v in picks.values() if v == p)}" for p in kinds)
 
 
-def device_memory(rpc: Sequence[str], device: str = "auto") -> tuple[str, int, int] | None:
-    """(name, free, total) of the device an engine with these options would use, read now."""
-    import ctypes
+def device_memory(opts: EngineOptions) -> tuple[str, int, int] | None:
+    """(name, free, total) of the first device an engine with these options would use, read now."""
+    from . import devices
 
-    from . import llama_lib
-    from . import rpc as rpc_mod
-
-    if device == "cpu":
-        return None
-    devs = rpc_mod.connect(list(rpc)) if rpc else \
-        [d for d in llama_lib.gpu_devices() if not d.name.startswith("RPC")][:1]
-    if not devs:
-        return None
-    lib = llama_lib.load()
-    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-    lib.dev_memory(devs[0].handle, ctypes.byref(free), ctypes.byref(total))
-    return devs[0].name, free.value, total.value
+    devs = devices.select(devices.parse(opts.device, opts.rpc))
+    return (devs[0].name, *devices.free_memory(devs[0])) if devs else None
 
 
 def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, n_gen: int,
             result: Result, progress: Progress | None = None, learn: bool = True,
-            home: Path | None = None) -> Result:
+            home: Path | None = None, fingerprint: str = "") -> Result:
     """Load the configuration, warm up, then `repetitions` runs of prompt processing and
     generation. Fills `result` as it goes, so an interrupted bench keeps the finished runs."""
     spark = cfg.kind == "spark"
     first_path = "cpu" if cfg.miss_path == "auto" else cfg.miss_path
-    cache_layers = [replace(c, miss_path=first_path) for c in cfg.cache_layers]
-    opts = EngineOptions(base.model_path, n_ctx=base.n_ctx, n_batch=base.n_batch, n_ubatch=base.n_ubatch,
-                         n_threads=base.n_threads, device=cfg.device, rpc=[] if cfg.device == "cpu" else base.rpc,
-                         host_layers=list(cfg.host_layers), cache_layers=cache_layers,
-                         count_experts=spark and learn, type_k=base.type_k, type_v=base.type_v)
+    cpu = cfg.device == "none"
+    opts = dataclasses.replace(base, device=cfg.device or base.device, rpc=[] if cpu else base.rpc,
+                               host_layers=list(cfg.host_layers),
+                               cache_layers=[replace(c, miss_path=first_path) for c in cfg.cache_layers],
+                               expert_overrides=cfg.expert_overrides if spark else None,
+                               count_experts=spark and learn, trace=False, capture_topk=False)
     total = repetitions * (len(work.pp_tokens) + n_gen)
     done = 0
     result.status = "running"
     try:
-        mem = device_memory(opts.rpc, cfg.device)
+        mem = device_memory(opts)
         with Engine(opts) as eng:
             result.device_name = eng.devices[0].name if eng.devices else "CPU"
             if spark and cache_layers:
                 from . import miss_path
                 from .paths import spark_home
 
-                picks, result.miss_path_why = miss_path.resolve(eng, cfg.miss_path, eng_fingerprint(base),
-                                                                home or spark_home())
+                picks, result.miss_path_why = miss_path.resolve(
+                    eng, cfg.miss_path, fingerprint or eng.geometry.fingerprint, home or spark_home())
                 result.miss_path = describe_paths(picks)
             eng.reset()
             logits = eng.eval(work.pp_tokens[:WARMUP_PROMPT], logits="last")
             for _ in range(WARMUP_DECODE):
                 logits = eng.eval([greedy(eng, logits)], logits="last")
-            after = device_memory(opts.rpc, cfg.device)
+            after = device_memory(opts)
             if mem is not None and after is not None and mem[1] > after[1]:
                 result.device_used_bytes = mem[1] - after[1]
             for rep in range(repetitions):
@@ -428,16 +421,16 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
                 if rep == 0:
                     result.tokens_digest = hashlib.sha1(np.asarray(toks, np.int32).tobytes()).hexdigest()[:12]
                 if spark:
-                    for s in eng.cache_stats().values():
-                        result.hits += s["hits"]
-                        result.misses += s["misses"]
-                        result.uploads += s["uploads"]
-                        result.bytes_uploaded += s["bytes_uploaded"]
-                        result.upload_us += s["upload_us"]
-                        result.syncs += s["syncs"]
-                        result.blocking_upload_bytes += s["blocking_upload_bytes"]
-                        result.async_upload_bytes += s["async_upload_bytes"]
-                        result.cpu_expert_bytes += s["cpu_expert_bytes"]
+                    s = CacheStats.total(eng.cache_stats().values())
+                    result.hits += s.hits
+                    result.misses += s.misses
+                    result.bytes_uploaded += s.bytes_uploaded
+                    result.upload_us += s.upload_us
+                    result.uploads += s.uploads
+                    result.syncs += s.syncs
+                    result.blocking_upload_bytes += s.blocking_upload_bytes
+                    result.async_upload_bytes += s.async_upload_bytes
+                    result.cpu_expert_bytes += s.cpu_expert_bytes
                     if learn:
                         c = eng.routing_counts(PHASE_DECODE).astype(np.float64)
                         if c.size:
@@ -465,6 +458,99 @@ def copy_result(cfg: Config, other: Result) -> Result:
                device_name=other.device_name, device_used_bytes=other.device_used_bytes,
                tokens_digest=other.tokens_digest, same_as=other.config.name)
     return r
+
+
+# ---------------------------------------------------------------- a whole bench
+
+
+def _plan_or_error(make: Callable[[], planner.Plan]) -> planner.Plan | PlanError:
+    try:
+        return make()
+    except PlanError as e:
+        return e
+
+
+def run(report: "Report", base: EngineOptions, documents: Sequence, names: Sequence[str], *, ceiling: bool = False,
+        learn: bool = True, progress: Progress | None = None, status: Callable[[str], None] | None = None,
+        miss_path: str = "auto", say: Callable[[str], None] | None = None) -> None:
+    """Tokenize the corpus and trace routing on held-out prompts (CPU), plan the Spark
+    configurations from the profile plus that trace, then measure every configuration.
+    Fills `report` as it goes: on KeyboardInterrupt it holds what was measured."""
+    from . import session
+    from .profile import RoutingProfile
+
+    g, path, ctx = report.geometry, report.model, report.n_ctx
+    status = status or (lambda text: None)
+    spark = any(n.startswith("spark") for n in names)
+    plan_step = plan_cache = None
+    status("reading the corpus")
+    # NOTE: one CPU engine tokenizes the corpus and traces routing on held-out prompts
+    cpu = dataclasses.replace(base, device="none", rpc=[], repack=False, trace=True, tensor_overrides=())
+    with Engine(cpu) as eng:
+        work = make_workload(eng, documents, report.n_prompt)
+        need = max(len(work.pp_tokens), len(work.gen_prompt) + report.n_gen + 1,
+                   max(len(p) + CALIB_DECODE + 1 for p in work.calibration))
+        if need > ctx:
+            raise UsageError(f"--ctx-size {ctx}: the runs need {need} tokens of context", hint=f"use -c {need}")
+        if spark:
+            status("calibration (routing trace, CPU)")
+            trace = calibrate(eng, g, work.calibration, progress=progress)
+    if work.note:
+        report.notes.append(work.note)
+    if spark:
+        info = session.load_profile(path, g)
+        if info.profile is None:
+            report.notes.append("no profile: placement from the calibration trace (held-out prompts)")
+            prof = RoutingProfile.empty(g.identity())
+        else:
+            report.notes.append(info.summary() + " + the calibration trace (held-out prompts)")
+            prof = info.profile.copy()
+        # NOTE: planned from everything known; the calibration counts are not saved
+        info = session.ProfileInfo(info.path, prof.add_trace(trace, "bench calibration"))
+        kv = dict(type_k=base.type_k, type_v=base.type_v, n_ubatch=base.n_ubatch)
+        plan_step = _plan_or_error(lambda: session.make_plan_for(path, g, report.budget_bytes, ctx, info, **kv))
+        plan_cache = _plan_or_error(lambda: session.make_plan_for(path, g, report.budget_bytes, ctx, info,
+                                                                  trace=trace, **kv))
+    status("measuring")
+    cfgs = [cpu_config()] if list(names) == [CPU_CONFIG] else \
+        make_configs(g, report.budget_bytes, ctx, names, plan_step, plan_cache, ceiling=ceiling)
+    if not any(c.status == "ready" for c in cfgs):
+        raise PlanError(f"budget {report.budget_bytes / 2**30:.2f} GiB: no configuration fits ("
+                        + "; ".join(f"{c.name}: {c.note}" for c in cfgs) + ")",
+                        hint="raise --vram or --residency, or lower --ctx-size")
+    for c in cfgs:
+        c.miss_path = miss_path
+    seen: dict[tuple, Result] = {}
+    for c in cfgs:
+        if c.status != "ready":
+            report.results.append(Result(c, status=c.status, reason=c.note))
+            continue
+        if c.key() in seen and seen[c.key()].runs:
+            report.results.append(copy_result(c, seen[c.key()]))
+            continue
+        r = Result(c)
+        report.results.append(r)
+        if progress:
+            progress(c.label, 0, report.repetitions * (len(work.pp_tokens) + report.n_gen))
+        measure(c, base, work, report.repetitions, report.n_gen, r, learn=learn,
+                progress=(lambda _n, d, t, c=c: progress(c.label, d, t)) if progress else None,
+                fingerprint=g.fingerprint)
+        if r.miss_path_why and say:
+            say(f"{c.label}: {r.miss_path_why}")
+        seen[c.key()] = r
+
+
+def fold(report: "Report") -> "Result | None":
+    """Self-tuning: the decode routing of the Spark run joins the model's profile. Returns
+    the result whose counts were folded, or None."""
+    from . import session
+
+    src = next((r for r in (report.result("spark"), report.result("spark-step"))
+                if r is not None and r.counts is not None), None)
+    if src is None:
+        return None
+    prof = session.fold_into_profile(report.model, report.geometry, src.counts, "spark bench")
+    return src if prof is not None else None
 
 
 # ---------------------------------------------------------------- report
@@ -568,12 +654,6 @@ def fmt_ratio(v: float | None) -> str:
 
 def _mib(v: float | None) -> str:
     return "-" if v is None else f"{v / (1 << 20):.2f}"
-
-
-def eng_fingerprint(base: EngineOptions) -> str:
-    from .gguf_info import load_geometry
-
-    return load_geometry(base.model_path).fingerprint
 
 
 def rows(report: Report) -> list[dict[str, str]]:

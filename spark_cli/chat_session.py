@@ -19,9 +19,9 @@ import numpy as np
 
 from .atomic import atomic_write_text
 from .errors import SparkError
+from .expert_cache import CacheStats
 from .session import decode_counts
 
-STATS_FIELDS = ("hits", "misses", "uploads", "bytes_uploaded", "upload_us", "steps_cached", "steps_stock")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class Sampling:
     top_p: float = 0.95
     seed: int = 0
     n_predict: int = -1  # -1: until end of generation or a full context
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0  # 1.0: off
+    repeat_last_n: int = 64
 
 
 @dataclass
@@ -95,8 +98,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _stats_sum(stats: dict[int, dict[str, int]], layers: set[int]) -> dict[str, int]:
-    return {f: sum(s[f] for il, s in stats.items() if il in layers) for f in STATS_FIELDS}
+def _stats_sum(stats: dict[int, CacheStats], layers: set[int]) -> CacheStats:
+    return CacheStats.total(s for il, s in stats.items() if il in layers)
 
 
 class ChatSession:
@@ -115,7 +118,8 @@ class ChatSession:
         self.learned = _Learned()
         self._generating: list[int] | None = None  # tokens of the answer being decoded, for harvest_now
         self._kv: list[int] = []  # tokens whose KV entries are in the context, in order
-        self._sampler = engine.make_sampler(sampling.temp, sampling.top_k, sampling.top_p, sampling.seed)
+        self._sampler = engine.make_sampler(sampling.temp, sampling.top_k, sampling.top_p, sampling.seed,
+                                            sampling.min_p, sampling.repeat_penalty, sampling.repeat_last_n)
 
     # -- conversation state ----------------------------------------------------------------
 
@@ -161,7 +165,7 @@ class ChatSession:
             toks = self._tokens(self._messages_with(keep, user))
         if len(toks) >= n_ctx:
             raise SparkError(f"the prompt needs {len(toks)} tokens but the context holds {n_ctx}",
-                             hint="raise --ctx or shorten the prompt")
+                             hint="raise --ctx-size or shorten the prompt")
         return toks, len(self.turns) - len(keep)
 
     def check_fits(self, user: str) -> None:
@@ -243,9 +247,9 @@ class ChatSession:
                 eng.reset()
                 self._kv = []
         fig.generated_tokens = len(generated)
-        after = _stats_sum(eng.cache_stats(), self.cached_layers)
-        for f in ("hits", "misses", "uploads", "bytes_uploaded"):
-            setattr(fig, f, after[f] - before[f])
+        delta = _stats_sum(eng.cache_stats(), self.cached_layers) - before
+        fig.hits, fig.misses, fig.uploads, fig.bytes_uploaded = delta.hits, delta.misses, delta.uploads, \
+            delta.bytes_uploaded
         if self.vram_probe:
             fig.vram_bytes, fig.vram_source = self.vram_probe()
         text = "".join(text_parts)
@@ -282,7 +286,7 @@ class ChatSession:
 
     # -- figures, saving, teardown ---------------------------------------------------------
 
-    def layer_stats(self) -> dict[int, dict[str, int]]:
+    def layer_stats(self) -> dict[int, CacheStats]:
         return self.engine.cache_stats()
 
     def totals(self) -> AnswerFigures:

@@ -9,13 +9,32 @@ import typer
 
 from .errors import SparkError
 
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
 app = typer.Typer(
     name="spark",
     help="Run Mixture-of-Experts GGUF models larger than VRAM at close to all-GPU speed.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings=CONTEXT,
 )
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from .version import version_line
+
+        typer.echo(version_line())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_show_version,
+                                 help="show Spark's, llama-cpp-python's and the native build's versions"),
+) -> None:
+    """Run Mixture-of-Experts GGUF models larger than VRAM at close to all-GPU speed."""
 
 
 _registered = False
@@ -39,6 +58,9 @@ def _register() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one red line and exit code 2 for a SparkError (SPARK_DEBUG=1: traceback)."""
     _register()
+    from .commands.common import unalias
+
+    argv = unalias(list(sys.argv[1:] if argv is None else argv))
     try:
         rv = app(args=argv, standalone_mode=False)  # typer.Exit(code) comes back as rv
     except SparkError as e:

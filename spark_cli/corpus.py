@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from .errors import SparkError
+from .errors import ProfileError
 
 SUFFIXES = (".txt", ".md", ".jsonl")
 MIN_CHUNK = 2  # a one-token ubatch would be routed as decode
 
 
-class CorpusError(SparkError):
+class CorpusError(ProfileError):
     """A corpus path that is missing or holds no usable text."""
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import sys
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,29 +18,16 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from . import faults, llama_lib
-from .errors import ModelFileError, NativeError, SparkError
+from . import devices as devices_mod
+from . import faults, llama_lib, vram
+from .errors import DeviceError, ModelFileError, NativeError, SparkError, UsageError
+from .expert_cache import MISS_PATHS, CacheLayer, CacheStats, ExpertCache, Phase
+from .gguf_info import ModelGeometry, load_geometry
+from .placement import CPU, HOST, TensorOverride, cached_expert_overrides, stock_overrides
 
-KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
-EXPERT_KINDS = "gate|up|down|gate_up"
-PHASE_PREFILL, PHASE_DECODE = 0, 1
-MISS_PATHS = {"upload": 0, "cpu": 1}
-
-
-def expert_pattern(layers: Sequence[int]) -> str:
-    """Regex over GGUF tensor names for the routed expert weights of `layers`."""
-    alt = "|".join(str(i) for i in sorted(layers))
-    return rf"^blk\.({alt})\.ffn_({EXPERT_KINDS})_exps\.weight$"
-
-
-def native_policy_id(policy: str) -> int:
-    from .simulator import NATIVE_POLICY_IDS, canonical_policy
-
-    p = canonical_policy(policy)
-    if p not in NATIVE_POLICY_IDS:
-        raise SparkError(f"--policy {policy}: the native cache cannot run it",
-                         hint="use one of " + ", ".join(NATIVE_POLICY_IDS))
-    return NATIVE_POLICY_IDS[p]
+PHASE_PREFILL, PHASE_DECODE = int(Phase.PREFILL), int(Phase.DECODE)
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
+LOAD_MODE_NONE, LOAD_MODE_MLOCK, LOAD_MODE_MMAP_MLOCK = 0, 2, 3  # enum llama_load_mode
 
 
 def repack_is_safe() -> bool:
@@ -57,16 +46,6 @@ def repack_is_safe() -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class CacheLayer:
-    """One cached MoE layer: `n_slots` device slots, the first `len(pinned)` pinned."""
-
-    il: int
-    n_slots: int
-    pinned: tuple[int, ...] = ()
-    miss_path: str = "upload"  # upload | cpu (see MISS_PATHS)
-    max_admit: int = -1        # cpu: background admissions per decode step (<0: k)
-    policy: str = "lru"        # a native policy of simulator.NATIVE_POLICY_IDS
 
 
 @dataclass
@@ -76,16 +55,21 @@ class EngineOptions:
     n_batch: int = 512
     n_ubatch: int = 512
     n_threads: int | None = None
-    device: str = "auto"               # auto: first GPU-type device (CUDA, or --rpc); cpu: none
+    device: str | None = None          # -dev: device names, comma-separated, or none (see devices.py)
     rpc: list[str] = field(default_factory=list)
-    host_layers: list[int] = field(default_factory=list)  # expert tensors of these layers stay in host RAM
+    host_layers: list[int] = field(default_factory=list)  # stock --n-cpu-moe: these layers' experts on the CPU
     cache_layers: list[CacheLayer] = field(default_factory=list)
+    expert_overrides: tuple[TensorOverride, ...] | None = None  # a plan's; None: derived from cache_layers
+    tensor_overrides: tuple[TensorOverride, ...] = ()  # -ot pass-through (expert-free tensors)
     count_experts: bool = False        # native routing counters without a cache
     trace: bool = False                # native trace of routed ids
     capture_topk: bool = False         # eval-callback capture of ffn_moe_topk-<il> (no native needed)
     device_budget: int = 0             # bytes the expert banks may take (0: device free memory)
     type_k: str = "f16"
     type_v: str = "f16"
+    flash_attn: str = "auto"           # -fa on|off|auto
+    use_mmap: bool = True
+    use_mlock: bool = False
     repack: bool = True                # allow CPU weight repacking where no cache needs plain layout
 
 
@@ -96,11 +80,16 @@ class TopkRecord:
     ids: np.ndarray  # [n_tokens, k] int32
 
 
+_OVERRIDE_RE = re.compile(r"tensor (?P<name>\S+) \(.*\) buffer type overridden to (?P<buft>\S+)")
+_BUFFER_RE = re.compile(r"(?P<buf>\S+)\s+(?P<kind>model|KV|RS|compute|output) buffer size\s*=\s*(?P<mib>[\d.]+) MiB")
+
+
 class _Logs:
     """llama.cpp log lines, kept (not printed) so errors can quote the last one."""
 
     def __init__(self) -> None:
         self.lines: deque[str] = deque(maxlen=200)
+        self.capture: list[str] | None = None  # every line while an engine loads
         self.verbose = bool(os.environ.get("SPARK_VERBOSE"))
         self._partial = ""
 
@@ -109,8 +98,11 @@ class _Logs:
         *done, self._partial = s.split("\n")
         for line in done:
             self.lines.append(line)
+            if self.capture is not None:
+                self.capture.append(line)
             if self.verbose:
-                print(line, file=__import__("sys").stderr)
+                print(line, file=sys.stderr)
+
 
     def last_error(self) -> str:
         for line in reversed(self.lines):
@@ -143,6 +135,8 @@ class Engine:
         _install_logger(lc)
         self.model = None
         self.ctx = None
+        self.cache: ExpertCache | None = None
+        self._load_log: list[str] = []  # llama.cpp's log while loading (debug level included)
         self._batch = None
         self._keep: list[object] = []
         self.records: list[TopkRecord] = []
@@ -156,33 +150,37 @@ class Engine:
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise ModelFileError(f"{path}: not a GGUF file")
+        self._geometry: ModelGeometry | None = None
+        # checked before anything is loaded
+        type_k = vram.kv_type(opts.type_k, "--cache-type-k").ggml_id
+        type_v = vram.kv_type(opts.type_v, "--cache-type-v").ggml_id
+        if opts.flash_attn not in FLASH_ATTN:
+            raise UsageError(f"--flash-attn {opts.flash_attn}: expected on, off or auto")
 
-        self.devices = self._pick_devices()
+        self.devices = devices_mod.select(devices_mod.parse(opts.device, opts.rpc))
         mp = lc.llama_model_default_params()
         dev_arr = (ctypes.c_void_p * (len(self.devices) + 1))(*[d.handle for d in self.devices], None)
         self._keep.append(dev_arr)
         mp.devices = ctypes.cast(dev_arr, ctypes.c_void_p)
         mp.n_gpu_layers = -1 if self.devices else 0
-        overrides = []
-        if self.devices and opts.cache_layers:
-            # NOTE: cached experts live in the device's pinned host memory where it has one (faster uploads)
-            pinned = self.lib.dev_host_buffer_type(self.devices[0].handle) or self.lib.cpu_buffer_type()
-            overrides.append((expert_pattern([c.il for c in opts.cache_layers]), pinned))
-        stock = sorted(set(opts.host_layers) - {c.il for c in opts.cache_layers})
-        if self.devices and stock:
-            # as llama.cpp's --n-cpu-moe: the CPU buffer type, computed on the CPU
-            overrides.append((expert_pattern(stock), self.lib.cpu_buffer_type()))
-        if overrides:
-            ov = (llama_lib.BuftOverride * (len(overrides) + 1))()
-            for i, (pat, buft) in enumerate(overrides):
-                b = pat.encode()
-                self._keep.append(b)
-                ov[i] = llama_lib.BuftOverride(b, buft)
-            ov[len(overrides)] = llama_lib.BuftOverride(None, None)
-            self._keep.append(ov)
-            mp.tensor_buft_overrides = ctypes.cast(ov, ctypes.c_void_p)
+        self._set_overrides(mp, self._overrides())
         # NOTE: the cache copies expert slices byte for byte: host weights must keep plain layout
         mp.use_extra_bufts = bool(opts.repack and not opts.cache_layers and repack_is_safe())
+        if opts.use_mlock or not opts.use_mmap:  # else llama.cpp's default (auto: mmap)
+            mp.load_mode = ((LOAD_MODE_MMAP_MLOCK if opts.use_mmap else LOAD_MODE_MLOCK) if opts.use_mlock
+                            else LOAD_MODE_NONE)
+        _logs.capture = self._load_log
+        try:
+            self._load(path, mp, opts, type_k, type_v)
+        finally:
+            _logs.capture = None
+        if opts.cache_layers or opts.count_experts or opts.trace:
+            self._init_cache()
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _load(self, path: Path, mp, opts: EngineOptions, type_k: int, type_v: int) -> None:
+        lc = self.lib.lc
         self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             raise ModelFileError(f"{path}: llama.cpp could not load it ({_logs.last_error() or 'see SPARK_VERBOSE=1'})")
@@ -198,10 +196,8 @@ class Engine:
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.no_perf = False
-        for name, val in (("type_k", opts.type_k), ("type_v", opts.type_v)):
-            if val not in KV_TYPES:
-                raise SparkError(f"--cache-type-{name[-1]}: unknown type '{val}'", hint=f"use one of {', '.join(KV_TYPES)}")
-            setattr(cp, name, KV_TYPES[val])
+        cp.type_k, cp.type_v = type_k, type_v
+        cp.flash_attn_type = FLASH_ATTN[opts.flash_attn]
         if opts.capture_topk:
             self._cb = lc.ggml_backend_sched_eval_callback(self._on_eval)
             cp.cb_eval = self._cb
@@ -210,54 +206,69 @@ class Engine:
         if not self.ctx:
             self.close()
             raise SparkError(f"{path}: could not create a context of {opts.n_ctx} tokens ({_logs.last_error()})",
-                             hint="try a smaller --ctx")
+                             hint="try a smaller --ctx-size")
         self.n_ctx = lc.llama_n_ctx(self.ctx)
         self._batch = lc.llama_batch_init(opts.n_batch, 0, 1)
-        if opts.cache_layers or opts.count_experts or opts.trace:
-            self._init_cache()
+        if self.lib.expert_cache is not None:
+            self.cache = ExpertCache(self.lib.expert_cache, self.ctx)
 
-    # -- set-up ---------------------------------------------------------------------------
+    @property
+    def geometry(self) -> ModelGeometry:
+        if self._geometry is None:
+            self._geometry = load_geometry(self.opts.model_path, require_moe=False)
+        return self._geometry
 
-    def _pick_devices(self) -> list[llama_lib.Device]:
-        from . import rpc
-
+    def _overrides(self) -> list[TensorOverride]:
+        """Expert placement (the plan's, or derived from the cached and stock layers), then -ot."""
         o = self.opts
-        if o.rpc:
-            return rpc.connect(o.rpc)
-        if o.device == "cpu":
-            return []
-        gpus = [d for d in llama_lib.gpu_devices() if not d.name.startswith("RPC")]
-        if o.device == "auto":
-            return gpus[:1]
-        named = [d for d in llama_lib.devices() if d.name == o.device]
-        if not named:
-            raise SparkError(f"--device {o.device}: no such device",
-                             hint="available: " + ", ".join(d.name for d in llama_lib.devices()))
-        return named
+        if not self.devices:
+            return list(o.tensor_overrides)
+        placed = o.expert_overrides
+        if placed is None:
+            stock = sorted(set(o.host_layers) - {c.il for c in o.cache_layers})
+            cached = [c.il for c in o.cache_layers]
+            placed = (cached_expert_overrides(self.geometry, cached) if cached else ()) + stock_overrides(stock)
+        return [*placed, *o.tensor_overrides]
+
+    def _buffer_type(self, target: str) -> int:
+        lib = self.lib
+        if target == HOST:
+            # NOTE: cached experts live in the device's pinned host memory where it has one (faster uploads)
+            return lib.dev_host_buffer_type(self.devices[0].handle) or lib.cpu_buffer_type()
+        if target == CPU:
+            return lib.cpu_buffer_type()
+        names = {}
+        for d in llama_lib.devices():
+            buft = lib.dev_buffer_type(d.handle)
+            if buft:
+                names[lib.buft_name(buft).decode()] = buft
+        if target not in names:
+            raise DeviceError(f"-ot ...={target}: no buffer type named {target}",
+                              hint="use CPU or one of " + ", ".join(names))
+        return names[target]
+
+    def _set_overrides(self, mp, overrides: list[TensorOverride]) -> None:
+        if not overrides:
+            return
+        ov = (llama_lib.BuftOverride * (len(overrides) + 1))()
+        for i, o in enumerate(overrides):
+            b = o.pattern.encode()
+            self._keep.append(b)
+            ov[i] = llama_lib.BuftOverride(b, self._buffer_type(o.target))
+        ov[len(overrides)] = llama_lib.BuftOverride(None, None)
+        self._keep.append(ov)
+        mp.tensor_buft_overrides = ctypes.cast(ov, ctypes.c_void_p)
 
     def _init_cache(self) -> None:
-        if not self.lib.has_expert_cache:
+        if self.cache is None:
+            self.close()
             raise NativeError("this llama.cpp build has no expert cache (native/ patch missing)",
                               hint="rebuild with scripts/bootstrap.sh")
-        layers = (llama_lib.ExpertCacheLayerParams * max(1, len(self.opts.cache_layers)))()
-        for i, c in enumerate(self.opts.cache_layers):
-            pinned = (ctypes.c_int32 * max(1, len(c.pinned)))(*c.pinned)
-            self._keep.append(pinned)
-            layers[i] = llama_lib.ExpertCacheLayerParams(c.il, c.n_slots, len(c.pinned),
-                                                        ctypes.cast(pinned, ctypes.POINTER(ctypes.c_int32)),
-                                                        MISS_PATHS[c.miss_path], c.max_admit,
-                                                        native_policy_id(c.policy))
-        p = self.lib.ec_default_params()
-        p.layers = ctypes.cast(layers, ctypes.POINTER(llama_lib.ExpertCacheLayerParams))
-        p.n_layers = len(self.opts.cache_layers)
-        p.device_budget = self.opts.device_budget
-        p.trace = self.opts.trace
-        err = ctypes.create_string_buffer(512)
-        rc = self.lib.ec_init(self.ctx, ctypes.byref(p), err, len(err))
-        if rc != 0:
-            msg = err.value.decode(errors="replace")
+        try:
+            self.cache.init(self.opts.cache_layers, device_budget=self.opts.device_budget, trace=self.opts.trace)
+        except NativeError:
             self.close()
-            raise NativeError(f"expert cache: {msg}", hint=CACHE_HINTS.get(rc))
+            raise
 
     # -- tokens ---------------------------------------------------------------------------
 
@@ -333,7 +344,7 @@ class Engine:
         lc = self.lib.lc
         if self.n_past + len(tokens) > self.n_ctx:
             raise SparkError(f"the prompt needs {self.n_past + len(tokens)} tokens but the context holds {self.n_ctx}",
-                             hint="raise --ctx or shorten the prompt")
+                             hint="raise --ctx-size or shorten the prompt")
         rows = []
         b = self._batch
         nb = self.opts.n_batch
@@ -364,18 +375,26 @@ class Engine:
         ptr = self.lib.lc.llama_get_logits_ith(self.ctx, i)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
-    def make_sampler(self, temp: float = 0.0, top_k: int = 40, top_p: float = 0.95, seed: int = 0):
+    def make_sampler(self, temp: float = 0.0, top_k: int = 40, top_p: float = 0.95, seed: int = 0,
+                     min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64):
+        """llama-cli's chain: penalties, top-k, top-p, min-p, temperature, dist (temp <= 0: greedy
+        after the penalties)."""
         lc = self.lib.lc
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if repeat_penalty != 1.0 and repeat_last_n != 0:
+            last_n = self.n_ctx if repeat_last_n < 0 else repeat_last_n
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(last_n, repeat_penalty, 0.0, 0.0))
         if temp <= 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
-        else:
-            if top_k > 0:
-                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(top_k))
-            if top_p < 1.0:
-                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(top_p, 1))
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(temp))
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+            return chain
+        if top_k > 0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(top_k))
+        if top_p < 1.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(top_p, 1))
+        if min_p > 0.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(min_p, 1))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(temp))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
         return chain
 
     def generate(self, prompt: Sequence[int], n_predict: int, sampler=None) -> Iterator[int]:
@@ -426,56 +445,51 @@ class Engine:
 
     @property
     def cache_enabled(self) -> bool:
-        return bool(self.lib.has_expert_cache and self.ctx and self.lib.ec_enabled(self.ctx))
+        return bool(self.cache is not None and self.ctx and self.cache.enabled())
 
-    def cache_stats(self) -> dict[int, dict[str, int]]:
-        out = {}
+    def cache_stats(self) -> dict[int, CacheStats]:
+        """Counters of every MoE layer the native side tracks (zeros for one not cached)."""
+        out: dict[int, CacheStats] = {}
         if not self.cache_enabled:
             return out
         for il in range(self.n_layer):
-            s = llama_lib.ExpertCacheStats()
-            if self.lib.ec_get_stats(self.ctx, il, ctypes.byref(s)) == 0:
-                out[il] = {f: getattr(s, f) for f, _ in llama_lib.ExpertCacheStats._fields_}
+            s = self.cache.get_stats(il)
+            if s is not None:
+                out[il] = s
         return out
 
     def set_miss_path(self, path: str | dict[int, str]) -> None:
         """Switch the miss path of every cached layer (or per layer: {il: path}); the graph stays."""
         per_layer = path if isinstance(path, dict) else {c.il: path for c in self.opts.cache_layers}
         for il, p in per_layer.items():
-            rc = self.lib.ec_set_miss_path(self.ctx, il, MISS_PATHS[p])
-            if rc != 0:
-                raise NativeError(f"expert cache: layer {il} cannot use the {p} miss path ({_logs.last_error()})",
-                                  hint=CACHE_HINTS.get(rc))
+            if p not in MISS_PATHS:
+                raise UsageError(f"--miss-path: unknown miss path {p!r}", hint="use auto, cpu or upload")
+            self.cache.set_miss_path(il, MISS_PATHS[p])
 
     def miss_paths(self) -> dict[int, str]:
         names = {v: k for k, v in MISS_PATHS.items()}
-        return {c.il: names.get(self.lib.ec_get_miss_path(self.ctx, c.il), "?") for c in self.opts.cache_layers}
+        return {c.il: names.get(self.cache.get_miss_path(c.il), "?") for c in self.opts.cache_layers}
 
     def routing_counts(self, phase: int) -> np.ndarray:
         """[n_layer, n_expert] routed occurrences in one phase (zeros for dense layers)."""
-        rows = []
-        n_exp = 0
+        n_exp = max(self.geometry.n_expert, 1)
+        out = np.zeros((self.n_layer, n_exp), np.int64)
+        if not self.cache_enabled:
+            return np.zeros((self.n_layer, 0), np.int64)
         for il in range(self.n_layer):
-            buf = (ctypes.c_uint64 * 4096)()
-            n = self.lib.ec_get_counts(self.ctx, il, phase, buf, 4096) if self.cache_enabled else -1
-            rows.append(np.array(buf[:n], dtype=np.int64) if n > 0 else None)
-            n_exp = max(n_exp, n)
-        return np.stack([r if r is not None else np.zeros(max(n_exp, 0), np.int64) for r in rows]) if n_exp > 0 \
-            else np.zeros((self.n_layer, 0), np.int64)
+            row = self.cache.get_counts(il, Phase(phase), n_exp)
+            if row is not None:
+                out[il, :len(row)] = row
+        return out
 
     def slots(self, il: int) -> list[int]:
-        buf = (ctypes.c_int32 * 4096)()
-        n = self.lib.ec_get_slots(self.ctx, il, buf, 4096)
-        return list(buf[:n]) if n > 0 else []
+        return self.cache.get_slots(il, max(self.geometry.n_expert, 1)) if self.cache_enabled else []
 
     def trace_records(self) -> list[TopkRecord]:
-        n = self.lib.ec_get_trace(self.ctx, None, 0)
-        if n <= 0:
+        if not self.cache_enabled:
             return []
-        buf = (ctypes.c_int32 * n)()
-        self.lib.ec_get_trace(self.ctx, buf, n)
-        a = np.frombuffer(buf, dtype=np.int32)
-        out, i = [], 0
+        a = self.cache.get_trace()
+        out, i, n = [], 0, len(a)
         while i < n:
             il, n_tok, k, phase = (int(x) for x in a[i:i + 4])
             out.append(TopkRecord(il, phase, a[i + 4:i + 4 + n_tok * k].reshape(n_tok, k).copy()))
@@ -484,19 +498,38 @@ class Engine:
 
     def reset_stats(self) -> None:
         if self.cache_enabled:
-            self.lib.ec_reset_stats(self.ctx)
+            self.cache.reset_stats()
         self.records.clear()
 
     def bank_bytes(self) -> int:
-        return int(self.lib.ec_device_bytes(self.ctx)) if self.cache_enabled else 0
+        return self.cache.device_bytes() if self.cache_enabled else 0
 
     def device_memory(self) -> list[tuple[str, int, int]]:
         """(name, free, total) of the devices in use, read now."""
-        out = []
-        for d in self.devices:
-            free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-            self.lib.dev_memory(d.handle, ctypes.byref(free), ctypes.byref(total))
-            out.append((d.name, free.value, total.value))
+        return [(d.name, *devices_mod.free_memory(d)) for d in self.devices]
+
+    def load_log(self) -> list[str]:
+        """llama.cpp's log lines while this engine loaded its model and context (debug level included)."""
+        return list(self._load_log)
+
+    def allocated_bytes(self) -> dict[str, int]:
+        """Buffers llama.cpp reported while loading this model and context, by kind
+        (model, KV, compute, RS) and buffer name, as `"<kind> <buffer>"` -> bytes (from its log)."""
+        out: dict[str, int] = {}
+        for line in self.load_log():
+            m = _BUFFER_RE.search(line)
+            if m:
+                key = f"{m.group('kind')} {m.group('buf')}"
+                out[key] = out.get(key, 0) + round(float(m.group('mib')) * (1 << 20))
+        return out
+
+    def overridden_tensors(self) -> dict[str, str]:
+        """Tensor name -> buffer type of every tensor a tensor override placed (from llama.cpp's log)."""
+        out = {}
+        for line in self.load_log():
+            m = _OVERRIDE_RE.search(line)
+            if m:
+                out[m.group("name")] = m.group("buft")
         return out
 
     # -- teardown -------------------------------------------------------------------------
@@ -505,8 +538,8 @@ class Engine:
         lc = self.lib.lc
         if self.ctx:
             lc.llama_synchronize(self.ctx)
-            if self.lib.has_expert_cache:
-                self.lib.ec_free(self.ctx)
+            if self.cache is not None:
+                self.cache.free()
             if self._batch is not None:
                 lc.llama_batch_free(self._batch)
                 self._batch = None
@@ -528,13 +561,4 @@ class Engine:
         except Exception:
             pass
 
-
-CACHE_HINTS = {
-    -2: "cache only MoE layers",
-    -3: "give each cached layer at least as many LRU slots as experts used per token",
-    -4: "pinned expert ids must be distinct and below the expert count",
-    -5: "lower the slot counts or raise the device budget",
-    -6: "cached layers must run on a GPU-type device with their experts in host RAM",
-    -7: "list each layer once, within the model's layer count",
-}
 

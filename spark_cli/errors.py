@@ -1,4 +1,12 @@
-"""Typed errors that the CLI boundary turns into one red line and an exit code."""
+"""Typed errors that the CLI boundary turns into one red line and an exit code.
+
+Exit codes (the table lives here and in docs/design.md):
+  0 ok · 1 SparkError (other) · 2 usage: a flag the parser or a command refuses (UsageError,
+  click's own usage errors) · 3 ModelFileError · 4 PlanError · 5 ProfileError (corpus,
+  profile, trace) · 6 NativeError · 7 DeviceError · 8 DownloadError · 130 interrupted
+OutputError (a refused output path) is a usage error (2); SaveError, LockTimeout and DeviceLostError
+(a device or RPC server lost mid-run) exit 1. EXIT_CODES lists the types with a code of their own.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,7 @@ from __future__ import annotations
 class SparkError(Exception):
     """An error a user can act on: `message` names the file or flag, `hint` what to do."""
 
-    exit_code = 2
+    exit_code = 1
 
     def __init__(self, message: str, hint: str | None = None, exit_code: int | None = None):
         super().__init__(message)
@@ -19,28 +27,52 @@ class SparkError(Exception):
         return f"{self.message} ({self.hint})" if self.hint else self.message
 
 
+class UsageError(SparkError):
+    """A flag value a command refuses (the same exit code as the parser's usage errors)."""
+
+    exit_code = 2
+
+
 class ModelFileError(SparkError):
     """A model path that is missing, truncated, not GGUF, or has no experts."""
 
-
-class DownloadError(SparkError):
-    """A failed download or checksum."""
-
-
-class NativeError(SparkError):
-    """The patched llama.cpp refused a configuration or is missing."""
+    exit_code = 3
 
 
 class PlanError(SparkError):
     """A budget that cannot hold the placement, or a plan for another model."""
 
+    exit_code = 4
+
 
 class ProfileError(SparkError):
-    """A profile or trace that is unreadable or belongs to another model."""
+    """A profile, trace or corpus that is unreadable or belongs to another model."""
+
+    exit_code = 5
+
+
+class NativeError(SparkError):
+    """The patched llama.cpp refused a configuration, is missing, or is of another API version."""
+
+    exit_code = 6
+
+
+class DeviceError(SparkError):
+    """A device (-dev, --rpc) that does not exist, answer, or report its memory."""
+
+    exit_code = 7
+
+
+class DownloadError(SparkError):
+    """A failed download or checksum."""
+
+    exit_code = 8
 
 
 class OutputError(SparkError):
-    """An output path Spark must not write: a device, a FIFO, a folder, a missing folder."""
+    """An output path Spark must not write: a device, a FIFO, a folder, a missing folder (a usage error)."""
+
+    exit_code = 2
 
 
 class SaveError(SparkError):
@@ -56,6 +88,11 @@ class LockTimeout(SparkError):
 
 
 class DeviceLostError(SparkError):
-    """The device or RPC server went away during a run."""
+    """The device or RPC server went away during a run (faults.keeper's abort path exits 1)."""
 
     exit_code = 1
+
+
+EXIT_CODES: dict[str, int] = {c.__name__: c.exit_code for c in
+                              (SparkError, UsageError, ModelFileError, PlanError, ProfileError, NativeError,
+                               DeviceError, DownloadError)}

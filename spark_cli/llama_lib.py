@@ -1,5 +1,6 @@
 """The patched llama.cpp libraries, loaded once: llama_cpp's ctypes module plus the ggml
-functions (devices, buffer types, RPC) and the expert-cache C API that it does not bind."""
+functions (devices, buffer types, RPC) that it does not bind. The expert-cache C API is
+bound in expert_cache.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from .errors import NativeError
+from .expert_cache import ExpertCacheAPI
 
 GGML_MAX_DIMS = 4
 GGML_MAX_SRC = 10
@@ -47,41 +49,6 @@ class BuftOverride(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
-class ExpertCacheLayerParams(ctypes.Structure):
-    _fields_ = [
-        ("il", ctypes.c_int32),
-        ("n_slots", ctypes.c_int32),
-        ("n_pinned", ctypes.c_int32),
-        ("pinned", ctypes.POINTER(ctypes.c_int32)),
-        ("miss_path", ctypes.c_int32),
-        ("max_admit", ctypes.c_int32),
-        ("policy", ctypes.c_int32),
-    ]
-
-
-class ExpertCacheParams(ctypes.Structure):
-    _fields_ = [
-        ("size", ctypes.c_size_t),
-        ("layers", ctypes.POINTER(ExpertCacheLayerParams)),
-        ("n_layers", ctypes.c_int32),
-        ("device_budget", ctypes.c_size_t),
-        ("device_margin", ctypes.c_size_t),
-        ("trace", ctypes.c_bool),
-        ("trace_max", ctypes.c_int64),
-        ("n_threads", ctypes.c_int32),
-        ("policy_window", ctypes.c_int32),
-        ("slru_protected_num", ctypes.c_int32),
-        ("slru_protected_den", ctypes.c_int32),
-    ]
-
-
-class ExpertCacheStats(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in (
-        "hits", "misses", "uploads", "bytes_uploaded", "upload_us", "steps_cached", "steps_stock",
-        "syncs", "blocking_upload_bytes", "async_uploads", "async_upload_bytes", "cpu_experts",
-        "cpu_expert_bytes", "cpu_us", "admit_skipped")]
-
-
 @dataclass(frozen=True)
 class Device:
     index: int
@@ -97,19 +64,19 @@ class Device:
         return self.type in ("GPU", "IGPU")
 
 
-def _fn(lib: ctypes.CDLL, name: str, restype, argtypes) -> object:
-    f = getattr(lib, name)
-    f.restype = restype
-    f.argtypes = argtypes
-    return f
-
-
 def _soname(libdir: Path, name: str) -> Path:
     """The file libllama's dependencies load (`name.so.0`): the wheel holds copies, not links,
     and loading `name.so` too would give a second instance with its own registries and RPC
     connections."""
     so0 = libdir / f"{name}.so.0"
     return so0 if so0.exists() else libdir / f"{name}.so"
+
+
+def _fn(lib: ctypes.CDLL, name: str, restype, argtypes) -> object:
+    f = getattr(lib, name)
+    f.restype = restype
+    f.argtypes = argtypes
+    return f
 
 
 @functools.lru_cache(maxsize=1)
@@ -152,27 +119,8 @@ def load() -> SimpleNamespace:
         ns.rpc_add_server = _fn(rpc, "ggml_backend_rpc_add_server", vp, [ctypes.c_char_p])
         ns.rpc_start_server = _fn(rpc, "ggml_backend_rpc_start_server", None,
                                   [ctypes.c_char_p, ctypes.c_char_p, sz, sz, ctypes.POINTER(vp)])
-    ns.has_expert_cache = hasattr(llama, "llama_expert_cache_init")
-    if ns.has_expert_cache:
-        ctx = vp
-        ns.ec_default_params = _fn(llama, "llama_expert_cache_default_params", ExpertCacheParams, [])
-        ns.ec_set_miss_path = _fn(llama, "llama_expert_cache_set_miss_path", ctypes.c_int32,
-                                  [ctx, ctypes.c_int32, ctypes.c_int32])
-        ns.ec_get_miss_path = _fn(llama, "llama_expert_cache_get_miss_path", ctypes.c_int32, [ctx, ctypes.c_int32])
-        ns.ec_init = _fn(llama, "llama_expert_cache_init", ctypes.c_int32,
-                         [ctx, ctypes.POINTER(ExpertCacheParams), ctypes.c_char_p, sz])
-        ns.ec_free = _fn(llama, "llama_expert_cache_free", None, [ctx])
-        ns.ec_enabled = _fn(llama, "llama_expert_cache_enabled", ctypes.c_bool, [ctx])
-        ns.ec_get_stats = _fn(llama, "llama_expert_cache_get_stats", ctypes.c_int32,
-                              [ctx, ctypes.c_int32, ctypes.POINTER(ExpertCacheStats)])
-        ns.ec_get_counts = _fn(llama, "llama_expert_cache_get_counts", ctypes.c_int32,
-                               [ctx, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int32])
-        ns.ec_get_slots = _fn(llama, "llama_expert_cache_get_slots", ctypes.c_int32,
-                              [ctx, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32])
-        ns.ec_get_trace = _fn(llama, "llama_expert_cache_get_trace", ctypes.c_int64,
-                              [ctx, ctypes.POINTER(ctypes.c_int32), ctypes.c_int64])
-        ns.ec_reset_stats = _fn(llama, "llama_expert_cache_reset_stats", None, [ctx])
-        ns.ec_device_bytes = _fn(llama, "llama_expert_cache_device_bytes", sz, [ctx])
+    ns.expert_cache = ExpertCacheAPI.bind(llama)  # None: a build without native/
+    ns.has_expert_cache = ns.expert_cache is not None
     lc.llama_backend_init()
     return ns
 

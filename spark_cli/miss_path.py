@@ -97,7 +97,7 @@ def measure(engine, prompt: Sequence[int], n_decode: int = CALIB_DECODE) -> dict
     the engine on the cpu path with its KV cache and counters reset."""
     import numpy as np
 
-    per_path: dict[str, dict[int, dict[str, int]]] = {}
+    per_path: dict[str, dict] = {}
     for path in ("upload", "cpu"):
         engine.set_miss_path(path)
         engine.reset()
@@ -109,10 +109,13 @@ def measure(engine, prompt: Sequence[int], n_decode: int = CALIB_DECODE) -> dict
     engine.reset()
     engine.reset_stats()
     out = {}
+    cached = {c.il for c in engine.opts.cache_layers}
     for il, up in per_path["upload"].items():
-        cpu = per_path["cpu"].get(il, {})
-        out[il] = LayerCost(up["upload_us"] / up["misses"] if up.get("misses") else None,
-                            cpu["cpu_us"] / cpu["cpu_experts"] if cpu.get("cpu_experts") else None)
+        cpu = per_path["cpu"].get(il)
+        if il not in cached:
+            continue
+        out[il] = LayerCost(up.upload_us / up.misses if up.misses else None,
+                            cpu.cpu_us / cpu.cpu_experts if cpu is not None and cpu.cpu_experts else None)
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import SparkError
+from .errors import UsageError
 
 ENV_HOME = "SPARK_HOME"
 
@@ -15,10 +15,10 @@ def _folder(d: Path) -> Path:
     try:
         d.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise SparkError(f"{ENV_HOME} {d}: is a file, not a folder",
+        raise UsageError(f"{ENV_HOME} {d}: is a file, not a folder",
                          hint=f"point {ENV_HOME} at a folder, or unset it") from None
     except OSError as e:
-        raise SparkError(f"{ENV_HOME}: cannot create folder {d} ({e.strerror or e})",
+        raise UsageError(f"{ENV_HOME}: cannot create folder {d} ({e.strerror or e})",
                          hint=f"point {ENV_HOME} at a folder you can write, or unset it") from None
     return d
 
@@ -36,10 +36,6 @@ def downloads_dir() -> Path:
 
 def models_dir() -> Path:
     return _folder(spark_home() / "models")
-
-
-def native_dir() -> Path:
-    return _folder(spark_home() / "native")
 
 
 def pending_dir() -> Path:

@@ -30,7 +30,7 @@ action's bytes (one expert, or a whole-layer jump under max_slots_per_layer) may
 unspent.
 
 Plan file (`spark plan -o`, read by `--plan`), JSON:
-  {"version": 1,
+  {"version": 2,
    "policy": "lru" | "lfu-aged" | "slru" | "tinylfu"   # optional (default "lru")
    "miss_path": "auto" | "cpu" | "upload"              # optional (default "auto")
    "predicted_miss": float | null,  # optional: replayed miss share on the planning trace
@@ -41,6 +41,7 @@ Plan file (`spark plan -o`, read by `--plan`), JSON:
    "predicted_cold_hit": float | null,
    "stock": {n_cpu_moe, fits, device_bytes, override_patterns, cpu_moe_device_bytes,
              cpu_moe_fits},
+   "overrides": [{"pattern", "target"}, ...],   # tensor overrides the engine applies (placement.py)
    "layers": [{"index", "mode", "pinned", "slots", "device_bytes", "host_bytes"}, ...]}
 mode: resident | cached | host (experts in host RAM, no bank) | dense | skipped (an MTP
 block llama.cpp does not load).
@@ -60,9 +61,9 @@ from . import vram
 from .atomic import atomic_write_text
 from .errors import PlanError
 from .gguf_info import ModelGeometry
+from .placement import TensorOverride, cached_expert_overrides, stock_overrides, stock_patterns
 
-PLAN_VERSION = 1
-STOCK_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # llama.cpp's LLM_FFN_EXPS_REGEX
+PLAN_VERSION = 2
 MODES = ("resident", "cached", "host", "dense", "skipped")
 BREAKDOWN_KEYS = ("weights_global", "weights_layers_nonexpert", "experts_resident", "expert_banks",
                   "kv_cache", "compute", "overhead", "total")
@@ -96,11 +97,6 @@ class StockBaseline:
     cpu_moe_device_bytes: int
     cpu_moe_fits: bool
 
-    @property
-    def ot_argument(self) -> str:
-        """The same placement as one `-ot` value."""
-        return ",".join(f"{p}=CPU" for p in self.override_patterns)
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -117,6 +113,7 @@ class Plan:
     policy: str = "lru"  # the cache policy of the cached layers (simulator.POLICIES)
     predicted_miss: float | None = None  # replayed miss share on the planning trace
     miss_path: str = "auto"  # auto | cpu | upload (miss_path.py); --miss-path overrides it
+    overrides: tuple[TensorOverride, ...] = ()  # expert weights of cached layers -> host RAM (placement.py)
 
     def hot_set(self) -> dict[int, frozenset[int]]:
         """Experts on the device without an upload: pinned, or all of a resident layer."""
@@ -158,7 +155,9 @@ class Plan:
                        predicted_cold_hit=None if cold is None else float(cold), stock=stock,
                        policy=str(d.get("policy", "lru")),
                        predicted_miss=None if miss is None else float(miss),
-                       miss_path=str(d.get("miss_path", "auto")))
+                       miss_path=str(d.get("miss_path", "auto")),
+
+overrides=tuple(TensorOverride(str(o["pattern"]), str(o["target"])) for o in d["overrides"]))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{source}: {type(e).__name__}: {e} (missing or malformed field)") from None
         for l in plan.layers:
@@ -217,7 +216,7 @@ def stock_baseline(g: ModelGeometry, budget_bytes: int, fixed_bytes: int) -> Sto
 
     n_max = 1 + max((l.index for l in loaded if l.is_moe), default=-1)
     n = next((i for i in range(n_max + 1) if device(i) <= budget_bytes), n_max)
-    pats = tuple(f"blk\\.{i}{STOCK_EXPS_REGEX}" for i in range(n))
+    pats = stock_patterns(range(n))
     all_cpu = device(n_max)
     return StockBaseline(n, device(n) <= budget_bytes, device(n), pats, all_cpu, all_cpu <= budget_bytes)
 
@@ -304,7 +303,7 @@ def make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
         raise PlanError(
             f"--vram {vram.gib(budget_bytes)}: the model without experts needs {vram.gib(need)} "
             f"({parts}; n_ctx {n_ctx}); over by {vram.shortfall(need - budget_bytes)}",
-            hint="lower --ctx, quantize the KV cache (--cache-type-k q8_0) or raise --vram")
+            hint="lower --ctx-size, quantize the KV cache (-ctk q8_0) or raise --vram")
 
     counts = None
     if profile_counts is not None:
@@ -406,20 +405,10 @@ def make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
     return Plan(model=g.identity(), budget_bytes=budget_bytes, n_ctx=n_ctx, type_k=type_k, type_v=type_v,
                 n_ubatch=n_ubatch, layers=tuple(layers), breakdown=breakdown,
                 predicted_cold_hit=(sum(cold) / len(cold) if cold else 0.0) if counts is not None else None,
-                stock=stock_baseline(g, budget_bytes, fixed_total), policy=policy)
+                stock=stock_baseline(g, budget_bytes, fixed_total), policy=policy,
+                overrides=cached_expert_overrides(g, [l.index for l in layers if l.mode == "cached"])
+                + stock_overrides(l.index for l in layers if l.mode == "host"))
 
-
-def tensor_overrides(plan: Plan) -> list[tuple[str, str]]:
-    """(regex, 'host'|'device') for the engine, first match wins: the expert weights of
-    cached layers, and the expert weights and biases of host layers, stay in host RAM;
-    everything else goes where llama.cpp puts it with all layers offloaded (the device)."""
-    out = []
-    for l in plan.layers:
-        if l.mode == "cached":
-            out.append((f"^blk\\.{l.index}{STOCK_EXPS_REGEX}\\.weight$", "host"))
-        elif l.mode == "host":  # as stock --n-cpu-moe: weights and biases
-            out.append((f"^blk\\.{l.index}{STOCK_EXPS_REGEX}\\.(weight|bias)$", "host"))
-    return out
 
 
 # ---------------------------------------------------------------- planning by replay

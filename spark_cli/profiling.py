@@ -9,12 +9,11 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import NativeError, SparkError
+from .errors import DeviceError, NativeError, SparkError, UsageError
 
 CAPTURE_MODES = ("auto", "native", "callback")
 
@@ -176,29 +175,23 @@ def resolve_capture(requested: str) -> str:
     return requested
 
 
-def _has_gpu(device: str, rpc: list[str]) -> bool:
-    from . import llama_lib
+def open_engine(base, geometry, mode: str, keep_trace: bool, note: Callable[[str], None] = lambda msg: None):
+    """An engine with `base`'s options (EngineOptions) that reports routing by `mode`; experts
+    fall back to host RAM if the whole model does not load on the device."""
+    import dataclasses
 
-    return bool(rpc) or (device != "cpu" and bool(llama_lib.gpu_devices()))
+    from .engine import Engine
 
-
-def open_engine(model: Path, geometry, mode: str, keep_trace: bool, n_ctx: int, n_batch: int,
-                device: str = "auto", rpc: Sequence[str] = (), n_threads: int | None = None,
-                note: Callable[[str], None] = lambda msg: None):
-    """An engine that reports routing by `mode`; experts fall back to host RAM if the
-    whole model does not load on the device."""
-    from .engine import Engine, EngineOptions
-
-    opts = EngineOptions(Path(model), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, device=device,
-                         n_threads=n_threads or None,
-                         rpc=list(rpc), count_experts=mode == "native", trace=mode == "native" and keep_trace,
-                         capture_topk=mode == "callback")
+    opts = dataclasses.replace(base, count_experts=mode == "native", trace=mode == "native" and keep_trace,
+                               capture_topk=mode == "callback", cache_layers=[])
     try:
         return Engine(opts)
-    except NativeError:
+    except (NativeError, UsageError, DeviceError):
         raise
     except SparkError:
-        if not _has_gpu(device, list(rpc)):
+        from . import devices
+
+        if not devices.select(devices.parse(opts.device, opts.rpc)):
             raise
         opts.host_layers = list(geometry.moe_layers)
         engine = Engine(opts)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from rich.table import Table
 
 from . import vram
-from .planner import STOCK_EXPS_REGEX, LayerPlan, Plan, StockBaseline
+from .placement import STOCK_EXPS_REGEX
+from .planner import LayerPlan, Plan, StockBaseline
 
 COMPRESS_OVER = 16  # layers; above this, runs of identical rows share one line
 SHOW_PINNED_IDS = 8

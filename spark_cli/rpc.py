@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .errors import SparkError
+from .errors import DeviceError, NativeError, SparkError, UsageError
 from . import faults, llama_lib
 
 _ENDPOINT = re.compile(r"^(?P<host>[A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
@@ -32,10 +32,10 @@ def parse_endpoints(value: str | None) -> list[str]:
         part = part.strip()
         m = _ENDPOINT.match(part)
         if m and m.group("host").startswith("["):
-            raise SparkError(f"--rpc {part}: ggml's RPC client connects over IPv4 only",
+            raise UsageError(f"--rpc {part}: ggml's RPC client connects over IPv4 only",
                              hint="use an IPv4 address, e.g. --rpc 127.0.0.1:50052")
         if not m or not (0 < int(m.group("port")) < 65536):
-            raise SparkError(f"--rpc: '{part}' is not HOST:PORT", hint="e.g. --rpc 127.0.0.1:50052")
+            raise UsageError(f"--rpc: '{part}' is not HOST:PORT", hint="e.g. --rpc 127.0.0.1:50052")
         out.append(part)
     return out
 
@@ -53,17 +53,22 @@ def connect(endpoints: list[str]) -> list[llama_lib.Device]:
     """Register each endpoint's devices with ggml (once per process) and return them."""
     lib = llama_lib.load()
     if not lib.rpc_available:
-        raise SparkError("--rpc: this llama.cpp build has no RPC backend", hint="rebuild with scripts/bootstrap.sh")
+        raise NativeError("--rpc: this llama.cpp build has no RPC backend", hint="rebuild with scripts/bootstrap.sh")
     faults.install(lib.libdir)
     faults.using_endpoints(endpoints)
     names: list[str] = []
     for ep in endpoints:
         if ep not in _registered:
-            faults.probe_rpc(ep)  # NOTE: ggml's connect has no timeout and aborts on a stranger
+            try:
+                faults.probe_rpc(ep)  # NOTE: ggml's connect has no timeout and aborts on a stranger
+            except DeviceError:
+                raise
+            except SparkError as e:  # nothing there, a stranger, another protocol: a device error (exit 7)
+                raise DeviceError(e.message, hint=e.hint) from None
             before = {d.name for d in llama_lib.devices()}
             reg = lib.rpc_add_server(ep.encode())
             if not reg:
-                raise SparkError(f"--rpc {ep}: the server did not answer the RPC handshake",
+                raise DeviceError(f"--rpc {ep}: the server did not answer the RPC handshake",
                                  hint="check that it is a ggml RPC server of the same version")
             lib.register(reg)
             _registered[ep] = [d.name for d in llama_lib.devices() if d.name not in before]
@@ -76,15 +81,15 @@ def listen_address(host: str, port: int) -> str:
     import ipaddress
 
     if not 0 < port < 65536:
-        raise SparkError(f"--port {port}: a TCP port is 1 to 65535", hint="e.g. --port 50052")
+        raise UsageError(f"--port {port}: a TCP port is 1 to 65535", hint="e.g. --port 50052")
     if host == "localhost":
         return "127.0.0.1"
     try:
         addr = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
-        raise SparkError(f"--host {host}: not an IPv4 address", hint="e.g. --host 127.0.0.1 or --host 0.0.0.0") from None
+        raise UsageError(f"--host {host}: not an IPv4 address", hint="e.g. --host 127.0.0.1 or --host 0.0.0.0") from None
     if addr.version != 4:
-        raise SparkError(f"--host {host}: ggml's RPC server binds IPv4 addresses only",
+        raise UsageError(f"--host {host}: ggml's RPC server binds IPv4 addresses only",
                          hint="use --host 127.0.0.1 (this machine) or --host 0.0.0.0 (every interface)")
     return host
 
@@ -94,14 +99,14 @@ def serve(host: str, port: int, threads: int | None = None) -> None:
     host = listen_address(host, port)
     lib = llama_lib.load()
     if not lib.rpc_available:
-        raise SparkError("rpc-server: this llama.cpp build has no RPC backend", hint="rebuild with scripts/bootstrap.sh")
+        raise NativeError("rpc-server: this llama.cpp build has no RPC backend", hint="rebuild with scripts/bootstrap.sh")
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     cpu = [d for d in llama_lib.devices() if d.type == "CPU"]
     if not cpu:
-        raise SparkError("rpc-server: no CPU backend device found")
+        raise DeviceError("rpc-server: no CPU backend device found")
     devs = (ctypes.c_void_p * 1)(cpu[0].handle)
     lib.rpc_start_server(f"{host}:{port}".encode(), None, threads or os.cpu_count() or 1, 1, devs)
-    raise SparkError(f"rpc-server: could not serve on {host}:{port}", hint="is the port already in use?")
+    raise DeviceError(f"rpc-server: could not serve on {host}:{port}", hint="is the port already in use?")
 
 
 def _die_with_parent() -> None:

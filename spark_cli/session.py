@@ -7,21 +7,22 @@ run's decode routing counts into the model's profile when it ends.
 from __future__ import annotations
 
 import datetime as _dt
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from typing import Callable
 
-from . import planner, profile_store, vram
+from . import devices, planner, profile_store, vram
 from .atomic import lock_timeout_default
 from .engine import PHASE_DECODE, CacheLayer, Engine, EngineOptions
 from .errors import PlanError, ProfileError
 from .gguf_info import ModelGeometry, load_geometry
+from .options import DEFAULT_UBATCH, LoadFlags, context_size
+from .placement import parse_override_tensor
 from .profile import RoutingProfile, profile_path_for
-
-BUDGET_MARGIN = 512 << 20  # left free on the device when the budget comes from its free memory
+from .rpc import parse_endpoints
 
 
 @dataclass
@@ -69,25 +70,6 @@ def load_profile(model: Path, geometry: ModelGeometry, path: Path | None = None)
         return ProfileInfo(p, None, problem=e.message)
 
 
-def device_budget(free_bytes: int) -> int:
-    return max(0, free_bytes - BUDGET_MARGIN)
-
-
-def gpu_free_bytes() -> int | None:
-    """Free memory of the first NVIDIA GPU (pynvml), or None without one."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            h = pynvml.nvmlDeviceGetHandleByIndex(0)
-            return int(pynvml.nvmlDeviceGetMemoryInfo(h).free)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return None
-
-
 def profile_counts(info: ProfileInfo) -> np.ndarray | None:
     """Decode counts of the profile, or all its counts when it has no decode tokens."""
     counts = info.profile.decode if info.profile is not None and info.profile.tokens_decode > 0 else None
@@ -97,7 +79,7 @@ def profile_counts(info: ProfileInfo) -> np.ndarray | None:
 
 
 def make_plan_for(model: Path, geometry: ModelGeometry, budget: int, n_ctx: int, info: ProfileInfo,
-                  type_k: str = "f16", type_v: str = "f16", trace=None) -> planner.Plan:
+                  type_k: str = "f16", type_v: str = "f16", trace=None, n_ubatch: int = DEFAULT_UBATCH) -> planner.Plan:
     counts = profile_counts(info)
     miss_ratio = None
     if trace is not None:
@@ -111,19 +93,29 @@ def make_plan_for(model: Path, geometry: ModelGeometry, budget: int, n_ctx: int,
                 curves[layer] = miss_ratio_curve(trace, layer, list(range(k, E)), "lru")
             return curves[layer][min(max(slots, k), E - 1) - k]
     return planner.make_plan(geometry, budget, n_ctx, profile_counts=counts, type_k=type_k, type_v=type_v,
-                             miss_ratio=miss_ratio)
+                             miss_ratio=miss_ratio, n_ubatch=n_ubatch)
 
 
-def engine_options(model: Path, plan: planner.Plan | None, *, n_ctx: int, rpc: list[str], device: str = "auto",
-                   n_batch: int = 512, n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16",
-                   learn: bool = True) -> EngineOptions:
-    """Engine options that realise a plan (cached layers get banks; resident ones stay whole)."""
+def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | None, flags: LoadFlags, *,
+                   n_ctx: int, learn: bool = True) -> EngineOptions:
+    """Engine options that realise a plan (cached layers get banks; resident ones stay whole)
+    with llama.cpp's flags; -ctk/-ctv and -ub default to the plan's."""
     cache = []
     if plan is not None:
-        cache = [CacheLayer(l.index, l.slots, tuple(l.pinned), policy=plan.policy) for l in plan.layers if l.mode == "cached"]
-    host = [l.index for l in plan.layers if l.mode == "host"] if plan is not None else []
-    return EngineOptions(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, rpc=rpc, device=device,
-                         cache_layers=cache, host_layers=host, count_experts=learn, type_k=type_k, type_v=type_v)
+        cache = [CacheLayer(l.index, l.slots, tuple(l.pinned), policy=plan.policy)
+                 for l in plan.layers if l.mode == "cached"]
+    return EngineOptions(
+        model, n_ctx=n_ctx, n_batch=flags.batch_size, n_ubatch=ubatch_size(flags, plan), n_threads=flags.threads,
+        device=flags.device, rpc=parse_endpoints(flags.rpc), cache_layers=cache,
+        host_layers=[l.index for l in plan.layers if l.mode == "host"] if plan is not None else [],
+        expert_overrides=plan.overrides if plan is not None else None,
+        tensor_overrides=parse_override_tensor(flags.override_tensor, geometry), count_experts=learn,
+        type_k=flags.type_k or (plan.type_k if plan else "f16"), type_v=flags.type_v or (plan.type_v if plan else "f16"),
+        flash_attn=flags.flash_attn, use_mmap=flags.mmap, use_mlock=flags.mlock, repack=flags.repack)
+
+
+def ubatch_size(flags: LoadFlags, plan: planner.Plan | None = None) -> int:
+    return flags.ubatch_size or (plan.n_ubatch if plan is not None else DEFAULT_UBATCH)
 
 
 def decode_counts(engine: Engine) -> np.ndarray | None:
@@ -150,23 +142,87 @@ def fold_into_profile(model: Path, geometry: ModelGeometry, counts: np.ndarray |
                               on_wait=on_wait).profile
 
 
-def resolve_plan(model: Path, geometry: ModelGeometry, *, plan_path: Path | None, vram_text: str | None,
-                 n_ctx: int, info: ProfileInfo, have_gpu: bool, free_bytes: int | None,
-                 type_k: str = "f16", type_v: str = "f16") -> planner.Plan | None:
-    """A plan file, or a plan made now from --vram (or the device's free memory); None = stock CPU run."""
-    if plan_path is not None:
-        if not Path(plan_path).is_file():
-            raise PlanError(f"--plan {plan_path}: no such file", hint="write one with spark plan -o FILE")
-        return planner.Plan.load(plan_path, expect_identity=geometry.identity())
-    if not have_gpu:
-        return None
+@dataclass(frozen=True)
+class Budget:
+    bytes: int
+    source: str  # where it came from, for messages
+    free: int | None = None  # the device's free memory, when it was read
+
+
+def resolve_budget(vram_text: str | None, devs: list) -> Budget:
+    """--vram, else the first selected device's free memory less devices.BUDGET_MARGIN."""
+    from .render_plan import fmt_bytes
+
+    free = total = None
+    if devs:
+        free, total = devices.free_memory(devs[0])
+        if not total:
+            free = None
     if vram_text:
-        budget = vram.parse_size(vram_text, flag="--vram")
-    elif free_bytes is not None:
-        budget = device_budget(free_bytes)
+        return Budget(vram.parse_size(vram_text, flag="--vram"), f"--vram {vram_text}", free)
+    if not devs:
+        raise PlanError("no GPU-type device: --vram is required for a dry run",
+                        hint="e.g. --vram 16GiB, or pick a device with -dev/--rpc")
+    if free is None:
+        raise PlanError(f"{devs[0].name} did not report its free memory", hint="pass --vram, e.g. --vram 16GiB")
+    budget = devices.budget_from_free(free)
+    if budget <= 0:
+        raise PlanError(f"{devs[0].name} has only {fmt_bytes(free)} free, less than the "
+                        f"{fmt_bytes(devices.BUDGET_MARGIN)} margin", hint="free the device or pass --vram")
+    return Budget(budget, f"{devs[0].name} free {fmt_bytes(free)} minus a {fmt_bytes(devices.BUDGET_MARGIN)} margin",
+                  free)
+
+
+@dataclass
+class Placement:
+    """What a model-loading command runs on: devices, the plan (None: stock CPU path), context."""
+
+    devices: list
+    plan: planner.Plan | None
+    n_ctx: int
+    budget_source: str = ""
+    cpu_reason: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def load_plan_file(plan_path: Path, geometry: ModelGeometry) -> planner.Plan:
+    if not Path(plan_path).is_file():
+        raise PlanError(f"--plan {plan_path}: no such file", hint="write one with spark plan -o FILE")
+    return planner.Plan.load(plan_path, expect_identity=geometry.identity())
+
+
+def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags, *,
+                      plan_path: Path | None, vram_text: str | None) -> Placement:
+    """The devices -dev/--rpc select, and a plan: the --plan file, or one made now from --vram
+    (or the device's free memory). No GPU-type device: the stock CPU path, without a plan."""
+    file_plan = load_plan_file(plan_path, geometry) if plan_path is not None else None  # checked even if unused
+    sel = devices.parse(flags.device, flags.rpc)
+    devs = devices.select(sel)
+    if not devs:
+        reason = "-dev none" if sel.cpu_only else "no GPU found"
+        warnings = [f"{reason}: --plan/--vram ignored"] if plan_path is not None or vram_text else []
+        return Placement([], None, context_size(flags.ctx_size, geometry.context_length), "", reason, warnings)
+    if file_plan is not None:
+        out = Placement(devs, file_plan, context_size(flags.ctx_size, geometry.context_length, file_plan.n_ctx),
+                        f"plan {Path(plan_path).name}")
+        if out.n_ctx > file_plan.n_ctx:
+            out.warnings.append(f"--ctx-size {out.n_ctx} is above the plan's {file_plan.n_ctx}: "
+                                "the KV cache takes more VRAM than planned")
+        free, total = devices.free_memory(devs[0])
+        if total and file_plan.budget_bytes > free:
+            from .render_plan import fmt_bytes
+
+            out.warnings.append(f"the plan's budget {fmt_bytes(file_plan.budget_bytes)} is above the "
+                                f"device's free {fmt_bytes(free)}")
     else:
-        raise PlanError("no budget: the device did not report its free memory", hint="pass --vram, e.g. --vram 16GiB")
-    return make_plan_for(model, geometry, budget, n_ctx, info, type_k, type_v)
+        n_ctx = context_size(flags.ctx_size, geometry.context_length)
+        budget = resolve_budget(vram_text, devs)
+        plan = make_plan_for(model, geometry, budget.bytes, n_ctx, info, flags.type_k or "f16",
+                             flags.type_v or "f16", n_ubatch=ubatch_size(flags))
+        out = Placement(devs, plan, n_ctx, budget.source)
+    if not any(l.mode in ("resident", "cached") for l in out.plan.layers):
+        raise PlanError("the plan places no MoE layer", hint="write it again with spark plan")
+    return out
 
 
 def open_geometry(model: Path) -> ModelGeometry:

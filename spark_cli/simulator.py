@@ -624,3 +624,44 @@ def cold_hit_rate(trace: RoutingTrace, resident: Mapping[int, set[int] | Iterabl
         res = np.fromiter(resident.get(layer, ()), dtype=np.int64)
         cold += int(np.count_nonzero(~np.isin(col, res)))
     return cold / total if total else 0.0
+
+
+@dataclass
+class SimRow:
+    slots: int
+    policy: str
+    pinned: int
+    hit_rate: float
+    uploads_per_token: float
+    bytes_per_token: float | None
+
+
+def simulate_rows(trace, slot_counts: Sequence[int], policies: Sequence[str], *, pinned_from: np.ndarray | None,
+                  bytes_per_expert: dict[int, int] | None, k: int, pin: int | None = None,
+                  phases: Sequence[str] = ("decode",), lfu_half_life: int = 128) -> list[SimRow]:
+    """Each policy at each slot count; lru-pinned pins the top experts of `pinned_from`
+    ([n_layer, E] counts; none without it): `pin` per layer, default half the slots,
+    keeping at least k LRU slots."""
+    all_phases = len(phases) > 1
+    rows = []
+    moe = trace.moe_layers()
+    for s in slot_counts:
+        for policy in policies:
+            pinned: dict[int, list[int]] = {}
+            n_pin = 0
+            if policy == "lru-pinned" and pinned_from is not None:
+                n_pin = max(0, min(s // 2 if pin is None else pin, s - k, trace.n_expert))
+                for layer in moe:
+                    order = np.argsort(-pinned_from[layer], kind="stable")
+                    pinned[layer] = [int(e) for e in order[:n_pin]]
+            r = simulate(trace, policy, s, pinned=pinned or None, bytes_per_expert=bytes_per_expert,
+                         phases=phases, lfu_half_life=lfu_half_life)
+            if all_phases:
+                tokens = r.tokens
+                hit, ups = r.hit_rate, (r.misses / tokens if tokens else 0.0)
+                bpt = (sum(st.misses * bytes_per_expert.get(st.layer, 0) for st in r.layers.values()) / tokens
+                       if bytes_per_expert is not None and tokens else (0.0 if bytes_per_expert else None))
+            else:
+                hit, ups, bpt = r.hit_rate_decode, r.uploads_per_token, r.bytes_per_token
+            rows.append(SimRow(s, policy, n_pin, hit, ups, bpt))
+    return rows

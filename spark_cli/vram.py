@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
-from .errors import PlanError
+from .errors import PlanError, UsageError
 from .gguf_info import ModelGeometry
 
 MiB = 1 << 20
@@ -16,18 +17,37 @@ DEVICE_OVERHEAD_BYTES = 300 * MiB
 COMPUTE_FLOOR_BYTES = 64 * MiB
 KV_CELL_PAD = 256  # llama.cpp pads the KV cache size to 256 cells
 
-# ggml type -> (elements per block, bytes per block)
-KV_TYPES: dict[str, tuple[int, int]] = {
-    "f32": (1, 4),
-    "f16": (1, 2),
-    "bf16": (1, 2),
-    "q8_0": (32, 34),
-    "q4_0": (32, 18),
-    "q4_1": (32, 20),
-    "q5_0": (32, 22),
-    "q5_1": (32, 24),
-    "iq4_nl": (32, 18),
+
+
+@dataclass(frozen=True)
+class KVType:
+    """A KV cache type as llama.cpp's -ctk/-ctv name it: its ggml_type id and block layout."""
+
+    ggml_id: int  # enum ggml_type
+    block: int  # elements per block
+    block_bytes: int  # bytes per block
+
+
+# The KV cache types llama.cpp accepts (common/arg.cpp kv_cache_types), priced here and set by the engine.
+KV_TYPES: dict[str, KVType] = {
+    "f32": KVType(0, 1, 4),
+    "f16": KVType(1, 1, 2),
+    "bf16": KVType(30, 1, 2),
+    "q8_0": KVType(8, 32, 34),
+    "q4_0": KVType(2, 32, 18),
+    "q4_1": KVType(3, 32, 20),
+    "iq4_nl": KVType(20, 32, 18),
+    "q5_0": KVType(6, 32, 22),
+    "q5_1": KVType(7, 32, 24),
 }
+
+
+def kv_type(name: str, flag: str = "--cache-type-k") -> KVType:
+    """The KVType of a -ctk/-ctv value (case-insensitive); UsageError naming the flag otherwise."""
+    t = KV_TYPES.get(name.lower())
+    if t is None:
+        raise UsageError(f"{flag}: unknown KV cache type {name!r}", hint=f"use one of {', '.join(KV_TYPES)}")
+    return t
 
 
 def _pad(n: int, to: int) -> int:
@@ -36,12 +56,8 @@ def _pad(n: int, to: int) -> int:
 
 def row_bytes(ggml_type: str, n: int) -> int:
     """Bytes of `n` elements of a KV cache type (partial blocks round up)."""
-    t = ggml_type.lower()
-    if t not in KV_TYPES:
-        raise PlanError(f"unknown KV cache type {ggml_type!r}",
-                        hint=f"use one of {', '.join(KV_TYPES)} (--cache-type-k/--cache-type-v)")
-    block, size = KV_TYPES[t]
-    return -(-n // block) * size
+    t = kv_type(ggml_type)
+    return -(-n // t.block) * t.block_bytes
 
 
 def kv_cells(geometry: ModelGeometry, n_ctx: int, layer: int, n_ubatch: int = 512) -> int:

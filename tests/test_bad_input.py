@@ -264,11 +264,11 @@ def test_bench_outputs_are_checked_before_the_runs(monkeypatch, capsys, tmp_path
     from spark_cli.commands import bench
 
     run = cli_runner(monkeypatch, capsys, "bench", bench.register)
-    rc, out, err = run(tmp_path / "no.gguf", "--json", tmp_path / "missing" / "b.json")
-    assert rc == 2 and "--json" in err and "does not exist" in err and not out.strip()
+    rc, out, err = run(tmp_path / "no.gguf", "--json", "-o", tmp_path / "missing" / "b.json")
+    assert rc == 2 and "-o" in err and "does not exist" in err and not out.strip()
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    rc, _, err = run(tmp_path / "no.gguf", "--json", fifo)
+    rc, _, err = run(tmp_path / "no.gguf", "--json", "-o", fifo)
     assert rc == 2 and "is a FIFO" in err
 
 

@@ -53,7 +53,7 @@ def geo(small_model):
 def test_every_configuration_end_to_end(spark, model_link, corpus, rpc_server, tmp_path) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc, stdout, stderr = spark(model_link, "--rpc", rpc_server.endpoint, "--residency", "0.6", "--ceiling",
-                               "--corpus", corpus, *SMALL, "-r", "2", "--json", out, "--plot", png)
+                               "--corpus", corpus, *SMALL, "-r", "2", "-o", out, "--plot", png)
     assert rc == 0, stderr
     d = json.loads(out.read_text())
     by = {c["name"]: c for c in d["configs"]}
@@ -106,7 +106,7 @@ def test_budget_without_room_for_the_ceiling_says_does_not_fit(spark, model_link
     out = tmp_path / "b.json"
     before = profile_path_for(model_link).read_text() if profile_path_for(model_link).exists() else None
     rc, stdout, stderr = spark(model_link, "--rpc", rpc_server.endpoint, "--residency", "0.5", "--corpus", corpus,
-                               *SMALL, "-r", "1", "--configs", "resident,n-cpu-moe", "--json", out, "--md",
+                               *SMALL, "-r", "1", "--configs", "resident,n-cpu-moe", "-o", out, "--md",
                                "--no-learn")
     assert rc == 0, stderr
     d = json.loads(out.read_text())
@@ -120,13 +120,14 @@ def test_budget_without_room_for_the_ceiling_says_does_not_fit(spark, model_link
 
 
 @pytest.mark.model
-def test_no_device_runs_on_the_cpu_with_a_note(spark, small_model, corpus, monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr(bench, "device_memory", lambda *a, **k: None)
+def test_no_device_runs_on_the_cpu_with_a_note(spark, small_model, corpus, tmp_path) -> None:
     out = tmp_path / "cpu.json"
-    rc, stdout, stderr = spark(small_model, "--corpus", corpus, "-p", "16", "-n", "4", "-r", "1", "--json", out)
+    rc, stdout, stderr = spark(small_model, "--corpus", corpus, "-p", "16", "-n", "4", "-r", "1", "-dev", "none",
+                               "-nr", "--json", "-o", out)  # -nr: see conftest.NO_REPACK_WHY
     assert rc == 0, stderr
     assert "no GPU-type device" in stderr and "--rpc auto" in stderr
-    d = json.loads(out.read_text())
+    d = json.loads(stdout)  # --json: the report on stdout, the same as -o writes
+    assert d == json.loads(out.read_text())
     assert [c["name"] for c in d["configs"]] == ["cpu"] and d["configs"][0]["status"] == "ok"
 
 
@@ -137,7 +138,7 @@ def test_unknown_configuration_is_one_line(spark, small_model) -> None:
 
 def test_tiny_budget_marks_what_does_not_fit(geo) -> None:
     budget = bench.fixed_bytes(geo, 4096) + 1  # room for no expert at all
-    plan = bench_cmd._plan(lambda: planner.make_plan(geo, budget, 4096))
+    plan = bench._plan_or_error(lambda: planner.make_plan(geo, budget, 4096))
     cfgs = bench.make_configs(geo, budget, 4096, bench.CONFIG_NAMES, plan, plan)
     status = {c.name: c.status for c in cfgs}
     # below the cache floor Spark keeps every MoE layer on the host, as stock --cpu-moe

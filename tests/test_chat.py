@@ -16,7 +16,7 @@ from conftest import cli_runner
 from spark_cli import planner
 from spark_cli.chat_session import ChatSession, Sampling
 from spark_cli.commands import chat as chat_cmd
-from spark_cli.errors import PlanError, SparkError
+from spark_cli.errors import DeviceError, ModelFileError, PlanError, SparkError
 from spark_cli.gguf_info import load_geometry
 from spark_cli.profile import RoutingProfile, profile_path_for
 
@@ -231,7 +231,7 @@ def test_crashed_answer_keeps_learned_counts(small_model, tmp_path):
 
     g = load_geometry(small_model)
     per_token = g.n_expert_used * len(g.moe_layers)
-    with Engine(EngineOptions(small_model, n_ctx=256, device="cpu", count_experts=True)) as eng:
+    with Engine(EngineOptions(small_model, n_ctx=256, device="none", count_experts=True, repack=False)) as eng:
         chat = ChatSession(eng, Sampling(temp=0, n_predict=3))
         a = chat.answer(QUESTION)
         assert a.error is None and a.figures.generated_tokens == 3
@@ -277,21 +277,31 @@ def _other_model_plan(tmp_path: Path) -> Path:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("case", ["missing", "other-plan", "budget", "context", "json-alone"])
-def test_bad_input_is_one_line(case, spark, small_model, rpc_server, tmp_path):
+@pytest.mark.parametrize("case,code", [("missing", ModelFileError.exit_code), ("other-plan", PlanError.exit_code),
+                                       ("budget", PlanError.exit_code), ("context", SparkError.exit_code),
+                                       ("json-alone", 2), ("device", DeviceError.exit_code),
+                                       ("rpc-and-none", DeviceError.exit_code), ("kv-type", 2),
+                                       ("expert-ot", 2)])
+def test_bad_input_is_one_line(case, code, spark, small_model, rpc_server, tmp_path):
     args = {
         "missing": [tmp_path / "nope.gguf", "--prompt", "hi"],
-        "other-plan": [small_model, "--plan", "PLAN", "--device", "cpu", "--prompt", "hi"],
+        "other-plan": [small_model, "--plan", "PLAN", "-dev", "none", "--prompt", "hi"],
         "budget": [small_model, "--rpc", rpc_server.endpoint, "--vram", "100MiB", "--prompt", "hi"],
-        "context": [small_model, "--device", "cpu", "-c", "16", "--no-learn", "--prompt", "word " * 400],
+        "context": [small_model, "-dev", "none", "-c", "16", "--no-learn", "--prompt", "word " * 400],
         "json-alone": [small_model, "--json"],
+        "device": [small_model, "-dev", "CUDA7", "--prompt", "hi"],
+        "rpc-and-none": [small_model, "-dev", "none", "--rpc", rpc_server.endpoint, "--prompt", "hi"],
+        "kv-type": [small_model, "-ctv", "q3_k", "--prompt", "hi"],
+        "expert-ot": [small_model, "-dev", "none", "-ot", r"blk\.3\.ffn_up_exps=CPU", "--prompt", "hi"],
     }[case]
     if case == "other-plan":
         args[2] = _other_model_plan(tmp_path)
     rc, out, err = spark(*args)
     lines = [l for l in err.splitlines() if l.strip()]
-    assert rc == 2 and out == ""
+    assert rc == code and out == ""
     assert len(lines) == 1 and lines[0].startswith("error:"), err
     want = {"missing": "no such file", "other-plan": "another model", "budget": "--vram",
-            "context": "context holds", "json-alone": "--json needs --prompt"}[case]
+            "context": "context holds", "json-alone": "--json needs --prompt", "device": "no device named CUDA7",
+            "rpc-and-none": "contradict", "kv-type": "--cache-type-v: unknown KV cache type",
+            "expert-ot": "matches the expert tensor blk.3.ffn_up_exps.weight"}[case]
     assert want in lines[0]

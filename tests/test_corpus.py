@@ -8,6 +8,7 @@ import pytest
 
 from spark_cli.corpus import (MIN_CHUNK, Chunk, CorpusError, Document, bundled_corpus, chunk_tokens, make_chunks,
                               read_corpus)
+from spark_cli.errors import ProfileError
 
 LATIN1 = "caf\u00e9 cr\u00e8me br\u00fbl\u00e9e, na\u00efve fa\u00e7ade\n".encode("latin-1")
 
@@ -74,7 +75,7 @@ def test_empty_corpus_is_an_error(tmp_path, make, expect):
     make(tmp_path)
     with pytest.raises(CorpusError) as e:
         read_corpus(tmp_path)
-    assert expect in e.value.one_line() and e.value.exit_code == 2
+    assert expect in e.value.one_line() and e.value.exit_code == ProfileError.exit_code
     assert "\n" not in e.value.one_line()
 
 

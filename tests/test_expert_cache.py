@@ -5,7 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from collections import OrderedDict
+
 from spark_cli.capture import records_to_counts, records_to_trace
+from spark_cli.demo_model import TINY_ARCHES, build_tiny_model
 from spark_cli.engine import PHASE_DECODE, PHASE_PREFILL, CacheLayer, Engine, EngineOptions
 from spark_cli.errors import NativeError
 from spark_cli.gguf_info import load_geometry
@@ -51,8 +54,6 @@ def _models(request):
 
 @pytest.fixture(scope="module")
 def tiny_models():
-    from spark_cli.demo_model import TINY_ARCHES, build_tiny_model
-
     return {a: build_tiny_model(a) for a in TINY_ARCHES}
 
 
@@ -65,7 +66,10 @@ def _assert_same(ref, got, what: str) -> None:
         assert np.array_equal(a, b), f"{what}: decode step {i} logits differ (max |d| {np.abs(a - b).max()})"
 
 
-def _exactness(path, endpoint, n_ubatch: int = 512, extra: int = 1, pinned: int = 1, prompts=PROMPTS):
+def _exactness(path, endpoint, n_ubatch: int = 512, extra: int = 1, pinned: int = 1, prompts=PROMPTS,
+               evictions: bool = True):
+    """Cached logits == resident logits; with `evictions`, every cached layer must have evicted
+    (more misses than LRU slots) and reused an expert, so the test cannot pass on an idle cache."""
     opts = dict(n_ctx=512, n_batch=512, n_ubatch=n_ubatch, rpc=[endpoint])
     with Engine(EngineOptions(path, **opts)) as ref_eng:
         refs = [_run(ref_eng, p) for p in prompts]
@@ -75,68 +79,121 @@ def _exactness(path, endpoint, n_ubatch: int = 512, extra: int = 1, pinned: int 
         for p, ref in zip(prompts, refs):
             _assert_same(ref, _run(eng, p), f"{path.name}: {p[:20]!r}")
         stats = eng.cache_stats()
-    misses = sum(s["misses"] for s in stats.values())
-    hits = sum(s["hits"] for s in stats.values())
-    assert misses > 0 and hits > 0, "the cache was not exercised (no evictions or no reuse)"
+    for c in layers if evictions else ():
+        s = stats[c.il]
+        assert s.misses > c.n_slots - len(c.pinned), f"{path.name} layer {c.il}: no eviction ({s})"
+        assert s.hits > 0, f"{path.name} layer {c.il}: no reuse"
+    assert sum(s.misses for s in stats.values()) > 0 and sum(s.hits for s in stats.values()) > 0
     return stats
 
 
 def test_demo_model_bit_exact_with_evictions(small_model, rpc_server):
     stats = _exactness(small_model, rpc_server.endpoint)
     # slots far below the expert count: decode steps must have evicted experts
-    assert sum(s["uploads"] for s in stats.values()) > sum(s["steps_cached"] for s in stats.values()) * 0.05
+    assert sum(s.uploads for s in stats.values()) > sum(s.steps_cached for s in stats.values()) * 0.05
 
 
 def test_prefill_through_the_cache_is_exact(small_model, rpc_server):
     # ubatches of 2 tokens x k=2 fit 4 LRU slots: prefill takes the cached path too
-    stats = _exactness(small_model, rpc_server.endpoint, n_ubatch=2, extra=2, pinned=1, prompts=PROMPTS[:2])
-    assert all(s["steps_stock"] == 0 for s in stats.values())
+    stats = _exactness(small_model, rpc_server.endpoint, n_ubatch=2, extra=2, pinned=1)
+    assert all(s.steps_stock == 0 for s in stats.values())
 
 
 def test_long_prefill_then_decode_is_exact(small_model, rpc_server):
-    stats = _exactness(small_model, rpc_server.endpoint, prompts=[LONG])
+    stats = _exactness(small_model, rpc_server.endpoint, prompts=[LONG], evictions=False)
     # the long prefill does not fit the slots: resident experts ran from the banks, the rest on the CPU
-    assert all(s["steps_stock"] == 0 for s in stats.values())
-    assert all(s["cpu_experts"] >= 1 for s in stats.values())
-    assert sum(s["blocking_upload_bytes"] for s in stats.values()) > 0  # decode misses: the upload path
+    assert all(s.steps_stock == 0 for s in stats.values())
+    assert all(s.cpu_experts >= 1 for s in stats.values())
+    assert sum(s.blocking_upload_bytes for s in stats.values()) > 0  # decode misses: the upload path
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss"])
+@pytest.mark.parametrize("arch", TINY_ARCHES)
 def test_tiny_architectures_bit_exact(arch, tiny_models, rpc_server):
-    if arch not in tiny_models:
-        pytest.skip(f"no tiny {arch} model in this build of the demo-model module")
     _exactness(tiny_models[arch], rpc_server.endpoint, prompts=PROMPTS[:2])
 
 
-@pytest.mark.parametrize("policy,miss_path", [
-    ("lru", "upload"), ("lru", "cpu"), ("tinylfu", "cpu"), ("tinylfu", "upload"), ("slru", "cpu"), ("lfu-aged", "cpu"),
-])
-def test_counters_equal_python_replay(policy, miss_path, small_model, rpc_server):
-    """The native counters and slots equal the simulator's replay of the native trace, for each
-    native policy and miss path (ubatches of 4: some prompt steps do not fit the slots)."""
+class _SlotModel:
+    """The documented slot rule, independently: pinned experts in the first P slots; a miss
+    takes the lowest-index free slot, else the least-recently-used slot not touched this step."""
+
+    def __init__(self, n_slots: int, pinned: tuple[int, ...], k: int):
+        self.slots = list(pinned) + [-1] * (n_slots - len(pinned))
+        self.pinned, self.k = set(pinned), k
+        self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first
+
+    def step(self, ids: np.ndarray) -> None:
+        lru_cap = len(self.slots) - len(self.pinned)
+        if ids.size > lru_cap:  # too large for the slots: read-only (bank + CPU), the state is untouched
+            return
+        distinct = list(dict.fromkeys(int(e) for e in ids.reshape(-1)))
+        for e in distinct:
+            if e in self.lru:
+                self.lru.move_to_end(e)
+        for e in distinct:
+            if e in self.pinned or e in self.lru:
+                continue
+            free = [i for i in range(len(self.pinned), len(self.slots)) if self.slots[i] == -1]
+            if free:
+                slot = free[0]
+            else:
+                _, slot = self.lru.popitem(last=False)
+            self.slots[slot] = e
+            self.lru[e] = slot
+
+
+def test_counters_equal_python_lru_replay(small_model, rpc_server):
+    """The cached run's native trace equals the eval callback's ids (an independent capture),
+    the counters equal the simulator's replay, and after every decode call each slot holds
+    the expert the lowest-free-slot rule puts there."""
     layers, g = _cache_layers(small_model, 1, 1)
-    layers = [CacheLayer(c.il, c.n_slots, c.pinned, miss_path=miss_path, policy=policy) for c in layers]
-    opts = EngineOptions(small_model, n_ctx=512, n_ubatch=4, rpc=[rpc_server.endpoint], cache_layers=layers, trace=True)
+    opts = EngineOptions(small_model, n_ctx=512, n_ubatch=4, rpc=[rpc_server.endpoint], cache_layers=layers,
+                         trace=True, capture_topk=True)
+    models = {c.il: _SlotModel(c.n_slots, c.pinned, g.n_expert_used) for c in layers}
+    checked = 0
     with Engine(opts) as eng:
+        done = 0
+
+        def replay_and_check() -> None:
+            nonlocal done, checked
+            for r in eng.records[done:]:  # the eval callback's ids, step by step
+                if r.il in models:
+                    models[r.il].step(r.ids)
+            done = len(eng.records)
+            for c in layers:
+                assert eng.slots(c.il) == models[c.il].slots, f"layer {c.il} after step {done}"
+                checked += 1
+
         one_token_ubatches = 0
         for p in PROMPTS:
-            _run(eng, p, n_decode=16)
-            one_token_ubatches += len(eng.tokenize(p)) % 4 == 1  # a 1-token ubatch counts as decode
+            eng.reset()
+            toks = eng.tokenize(p)
+            logits = eng.eval(toks, logits="last")
+            replay_and_check()
+            one_token_ubatches += len(toks) % 4 == 1  # a 1-token ubatch counts as decode
+            for _ in range(16):
+                logits = eng.eval([int(np.argmax(logits))], logits="last")
+                replay_and_check()
         stats = eng.cache_stats()
         records = eng.trace_records()
+        callback = list(eng.records)
         slots = {c.il: eng.slots(c.il) for c in layers}
         counts_pre, counts_dec = eng.routing_counts(PHASE_PREFILL), eng.routing_counts(PHASE_DECODE)
+    assert checked == 3 * 17 * len(layers)
+    # native trace == eval-callback ids, step by step (the callback also sees the empty steps of the
+    # last layer in a prompt's ubatches without outputs; they route nothing)
+    callback = [r for r in callback if r.ids.size]
+    assert [(r.il, r.phase) for r in records] == [(r.il, r.phase) for r in callback]
+    for a, b in zip(records, callback):
+        assert np.array_equal(a.ids, b.ids), f"layer {a.il}: trace and callback ids differ"
     trace = records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
     sim = simulate(trace, "lru-pinned" if policy == "lru" else policy, {c.il: c.n_slots for c in layers},
                    pinned={c.il: list(c.pinned) for c in layers}, phases=("prefill", "decode"), miss_path=miss_path,
                    cpu_path=True)
     for c in layers:
         s, ref = stats[c.il], sim.layers[c.il]
-        got = (s["hits"], s["misses"], s["uploads"], s["cpu_experts"], s["admit_skipped"])
-        want = (ref.hits, ref.misses, ref.uploads, ref.cpu_experts, ref.admit_skipped)
-        assert got == want, f"layer {c.il}: native {got} != replay {want}"
-        assert (s["steps_cached"], s["steps_stock"]) == (ref.cached_steps, ref.stock_steps)
-        # pinned experts never leave their slots; the other slots hold what the replay holds
+        assert (s.hits, s.misses, s.uploads) == (ref.hits, ref.misses, ref.uploads), f"layer {c.il}"
+        assert (s.steps_cached, s.steps_stock) == (ref.cached_steps, ref.stock_steps)
+        assert s.misses > c.n_slots - len(c.pinned)  # evictions happened
         assert slots[c.il][: len(c.pinned)] == list(c.pinned)
         held = {e if e >= 0 else -2 - e for e in slots[c.il] if e != -1}
         assert held == set(ref.final_resident)
@@ -145,6 +202,38 @@ def test_counters_equal_python_replay(policy, miss_path, small_model, rpc_server
     assert dec.sum() == (3 * 16 + one_token_ubatches) * g.n_expert_used * len(g.moe_layers)
     if miss_path == "cpu":
         assert sum(s["blocking_upload_bytes"] for s in stats.values()) == 0
+
+
+@pytest.mark.parametrize("policy,miss_path", [
+    ("lru", "cpu"), ("tinylfu", "cpu"), ("tinylfu", "upload"), ("slru", "cpu"), ("lfu-aged", "cpu"),
+])
+def test_counters_equal_python_replay(policy, miss_path, small_model, rpc_server):
+    """The native counters and slots equal the simulator's replay of the native trace, for each
+    native policy and miss path (ubatches of 4: some prompt steps do not fit the slots)."""
+    layers, g = _cache_layers(small_model, 1, 1)
+    layers = [CacheLayer(c.il, c.n_slots, c.pinned, miss_path=miss_path, policy=policy) for c in layers]
+    opts = EngineOptions(small_model, n_ctx=512, n_ubatch=4, rpc=[rpc_server.endpoint], cache_layers=layers, trace=True)
+    with Engine(opts) as eng:
+        for p in PROMPTS:
+            _run(eng, p, n_decode=16)
+        stats = eng.cache_stats()
+        records = eng.trace_records()
+        slots = {c.il: eng.slots(c.il) for c in layers}
+    trace = records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
+    sim = simulate(trace, policy, {c.il: c.n_slots for c in layers}, pinned={c.il: list(c.pinned) for c in layers},
+                   phases=("prefill", "decode"), miss_path=miss_path, cpu_path=True)
+    for c in layers:
+        s, ref = stats[c.il], sim.layers[c.il]
+        got = (s.hits, s.misses, s.uploads, s.cpu_experts, s.admit_skipped)
+        want = (ref.hits, ref.misses, ref.uploads, ref.cpu_experts, ref.admit_skipped)
+        assert got == want, f"layer {c.il}: native {got} != replay {want}"
+        assert (s.steps_cached, s.steps_stock) == (ref.cached_steps, ref.stock_steps)
+        # pinned experts never leave their slots; the others hold what the replay holds (-2 - e: pending)
+        assert slots[c.il][: len(c.pinned)] == list(c.pinned)
+        assert {e if e >= 0 else -2 - e for e in slots[c.il] if e != -1} == set(ref.final_resident)
+    if miss_path == "cpu":
+        assert sum(s.blocking_upload_bytes for s in stats.values()) == 0
+        assert sum(s.async_uploads for s in stats.values()) > 0
 
 
 def test_bank_memory_matches_plan(small_model, rpc_server):
@@ -171,7 +260,7 @@ def test_counting_only_without_cache_matches_eval_callback(small_model, rpc_serv
 
 @pytest.mark.parametrize("case,match", [
     ("few_slots", "fewer LRU slots"),
-    ("not_moe", "out of range"),
+    ("out_of_range", "out of range"),
     ("bad_expert", "pinned expert id"),
     ("dup_expert", "pinned expert id"),
     ("twice", "listed twice"),
@@ -184,7 +273,7 @@ def test_invalid_configurations_are_errors(case, match, small_model, rpc_server)
     cfg = dict(n_ctx=128, rpc=[rpc_server.endpoint])
     layers = {
         "few_slots": [CacheLayer(0, k, (0,))],
-        "not_moe": [CacheLayer(g.n_layer + 3, k + 1)],
+        "out_of_range": [CacheLayer(g.n_layer + 3, k + 1)],
         "bad_expert": [CacheLayer(0, k + 1, (E,))],
         "dup_expert": [CacheLayer(0, k + 2, (1, 1))],
         "twice": [CacheLayer(0, k + 1), CacheLayer(0, k + 1)],
@@ -198,6 +287,19 @@ def test_invalid_configurations_are_errors(case, match, small_model, rpc_server)
     with pytest.raises(NativeError, match=match) as e:
         Engine(EngineOptions(small_model, cache_layers=layers, **cfg))
     assert "\n" not in e.value.one_line()
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "glm4moe"])
+def test_a_dense_layer_is_not_moe(arch, tiny_models, rpc_server):
+    """A real dense layer (the leading dense block of deepseek2 and glm4moe) is refused: ERR_NOT_MOE."""
+    path = tiny_models[arch]
+    g = load_geometry(path)
+    dense = [l.index for l in g.layers if not l.is_moe and not l.is_nextn]
+    assert dense, f"tiny {arch} has no dense layer"
+    with pytest.raises(NativeError, match=f"layer {dense[0]} is not a MoE layer") as e:
+        Engine(EngineOptions(path, n_ctx=128, rpc=[rpc_server.endpoint],
+                             cache_layers=[CacheLayer(dense[0], g.n_expert_used + 1)]))
+    assert "cache only MoE layers" in e.value.one_line()
 
 
 def test_prompt_routing_is_prefill_in_every_layer(small_model, rpc_server):

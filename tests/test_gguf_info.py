@@ -147,7 +147,7 @@ def test_unknown_moe_arch_and_tied_output(tmp_path: Path) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ModelFileError, match="no such file") as e:
         load_geometry(tmp_path / "nope.gguf")
-    assert str(tmp_path / "nope.gguf") in e.value.one_line() and e.value.exit_code == 2
+    assert str(tmp_path / "nope.gguf") in e.value.one_line() and e.value.exit_code == ModelFileError.exit_code == 3
 
 
 @pytest.mark.parametrize("content", [b"", b"GG", b"hello world, not a model" * 10])

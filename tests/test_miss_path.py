@@ -43,7 +43,7 @@ def _same(ref, got, what: str) -> None:
         assert np.array_equal(a, b), f"{what}: decode step {i} differs (max |d| {np.abs(a - b).max()})"
 
 
-def _check(path, endpoint: str, miss_path: str, n_ubatch: int = 512, pinned: int = 1) -> dict[int, dict[str, int]]:
+def _check(path, endpoint: str, miss_path: str, n_ubatch: int = 512, pinned: int = 1) :
     opts = dict(n_ctx=512, n_batch=512, n_ubatch=n_ubatch, rpc=[endpoint])
     with Engine(EngineOptions(path, **opts)) as ref_eng:
         prompts = _prompts(ref_eng)
@@ -58,8 +58,8 @@ def _check(path, endpoint: str, miss_path: str, n_ubatch: int = 512, pinned: int
         return eng.cache_stats()
 
 
-def _total(stats: dict[int, dict[str, int]], key: str) -> int:
-    return sum(s[key] for s in stats.values())
+def _total(stats, key: str) -> int:
+    return sum(getattr(s, key) for s in stats.values())
 
 
 @pytest.mark.parametrize("miss_path", ["cpu", "upload"])
@@ -68,7 +68,7 @@ def test_demo_model_exact_on_both_miss_paths(miss_path, small_model, rpc_server)
     assert _total(stats, "misses") > 0 and _total(stats, "hits") > 0
     assert _total(stats, "steps_stock") == 0  # prefills too large for the slots still use the banks
     # one device -> host stop per cached layer and step
-    assert all(s["syncs"] == s["steps_cached"] for s in stats.values())
+    assert all(s.syncs == s.steps_cached for s in stats.values())
     if miss_path == "cpu":
         assert _total(stats, "blocking_upload_bytes") == 0
         assert _total(stats, "async_uploads") > 0 and _total(stats, "cpu_experts") > 0

@@ -23,7 +23,7 @@ import json, sys
 import numpy as np
 from spark_cli.engine import Engine, EngineOptions
 model, rpc, out = sys.argv[1], sys.argv[2], sys.argv[3]
-opts = EngineOptions(model, n_ctx=256, rpc=[rpc] if rpc else [], device="auto" if rpc else "cpu")
+opts = EngineOptions(model, n_ctx=256, rpc=[rpc] if rpc else [], device="auto" if rpc else "cpu", repack=False)
 res = {}
 with Engine(opts) as eng:
     import spark_cli.llama_lib as L

@@ -12,9 +12,11 @@ import pytest
 
 from conftest import cli_runner
 
-from spark_cli import planner, session, vram
+from spark_cli import devices, planner, vram
 from spark_cli.commands import plan as plan_cmd
-from spark_cli.errors import PlanError
+from spark_cli.demo_model import TINY_ARCHES, build_tiny_model
+from spark_cli.errors import DeviceError, OutputError, PlanError, ProfileError, UsageError
+from spark_cli.options import DEFAULT_CTX
 from spark_cli.gguf_info import _open, load_geometry
 from spark_cli.profile import RoutingProfile, profile_path_for
 from spark_cli.simulator import DEFAULT_POLICY
@@ -33,7 +35,7 @@ def geo(small_model):
     return load_geometry(small_model)
 
 
-def fixed_bytes(g, n_ctx: int = 8192, type_k: str = "f16", type_v: str = "f16") -> int:
+def fixed_bytes(g, n_ctx: int = DEFAULT_CTX, type_k: str = "f16", type_v: str = "f16") -> int:
     return sum(planner._fixed_costs(g, n_ctx, type_k, type_v, 512).values())
 
 
@@ -51,7 +53,7 @@ def test_writes_plan_that_loads_and_fits(spark, small_model, geo, tmp_path) -> N
     rc, stdout, stderr = spark(small_model, "--vram", budget, "-o", out)
     assert rc == 0, stderr
     p = planner.Plan.load(out, expect_identity=geo.identity())
-    assert p.budget_bytes == budget and p.n_ctx == 8192
+    assert p.budget_bytes == budget and p.n_ctx == min(geo.context_length, DEFAULT_CTX)
     assert p.breakdown["total"] <= budget
     modes = {l.mode for l in p.layers}
     assert modes == {"resident", "cached"}, modes  # half the experts: some layers of each
@@ -82,7 +84,7 @@ def test_stock_baseline_when_everything_fits(spark, small_model) -> None:
 
 def test_too_small_budget_names_the_shortfall(spark, small_model) -> None:
     rc, stdout, stderr = spark(small_model, "--vram", "100MiB")
-    assert rc == 2 and stdout == ""
+    assert rc == PlanError.exit_code and stdout == ""
     lines = stderr.strip().splitlines()
     assert len(lines) == 1, stderr
     assert lines[0].startswith("error:") and "the model without experts needs" in lines[0] and "over by" in lines[0]
@@ -99,20 +101,28 @@ def test_below_the_cache_floor_keeps_layers_on_the_host(spark, small_model, geo)
 
 def test_no_gpu_and_no_vram_is_refused(spark, small_model) -> None:
     rc, stdout, stderr = spark(small_model)
-    assert rc == 2 and stdout == ""
+    assert rc == PlanError.exit_code and stdout == ""
     assert len(stderr.strip().splitlines()) == 1 and "--vram is required for a dry run" in stderr
 
 
-def test_budget_from_gpu_free_memory(spark, small_model, monkeypatch) -> None:
-    monkeypatch.setattr(session, "gpu_free_bytes", lambda: 4 << 30)
-    rc, stdout, stderr = spark(small_model, "--json")
+def test_budget_from_the_selected_device(spark, small_model, rpc_server) -> None:
+    """Without --vram the budget is the selected device's free memory (devices.py) less the margin."""
+    rc, stdout, stderr = spark(small_model, "--rpc", rpc_server.endpoint, "--json")
     assert rc == 0, stderr
-    assert json.loads(stdout)["budget_bytes"] == (4 << 30) - session.BUDGET_MARGIN
+    (dev,) = devices.select(devices.parse(None, rpc_server.endpoint))
+    free, _ = devices.free_memory(dev)
+    # the stand-in reports its host's free RAM, which moves a little between the two readings
+    assert json.loads(stdout)["budget_bytes"] == pytest.approx(free - devices.BUDGET_MARGIN, rel=0.05)
+    rc, _, stderr = spark(small_model, "-dev", "NOPE0", "--json")
+    assert rc == DeviceError.exit_code and "-dev NOPE0: no device named NOPE0" in stderr
+
+
+def test_device_none_is_a_dry_run_without_a_device(spark, small_model) -> None:
+    rc, _, stderr = spark(small_model, "-dev", "none")
+    assert rc == PlanError.exit_code and "--vram is required" in stderr
 
 
 def test_plan_of_another_model_is_refused(spark, small_model, tmp_path) -> None:
-    from spark_cli.demo_model import build_tiny_model
-
     out = tmp_path / "tiny.plan.json"
     rc, _, stderr = spark(build_tiny_model("qwen3moe"), "--vram", "1GiB", "-o", out)
     assert rc == 0, stderr
@@ -154,12 +164,12 @@ def test_skewed_profile_pins_exactly_the_hot_experts(spark, small_model, geo, tm
 
 def test_missing_profile_flag_is_refused(spark, small_model, tmp_path) -> None:
     rc, _, stderr = spark(small_model, "--vram", "2GiB", "--profile", tmp_path / "none.json")
-    assert rc == 2 and "no such file" in stderr
+    assert rc == ProfileError.exit_code and "no such file" in stderr
 
 
 def test_output_to_a_directory_is_refused(spark, small_model, tmp_path) -> None:
     rc, _, stderr = spark(small_model, "--vram", "2GiB", "-o", tmp_path)
-    assert rc == 2 and "is a directory" in stderr
+    assert rc == OutputError.exit_code and "is a directory" in stderr
 
 
 def test_quantized_kv_cache_costs_less(spark, small_model) -> None:
@@ -172,8 +182,8 @@ def test_quantized_kv_cache_costs_less(spark, small_model) -> None:
         kv[t] = d["breakdown"]["kv_cache"]
     assert kv["q4_0"] < kv["q8_0"] < kv["f16"]
     assert kv["q8_0"] == pytest.approx(kv["f16"] * 34 / 64, rel=1e-6)  # 34 bytes per 32 values vs 64
-    rc, _, stderr = spark(small_model, "--vram", "4GiB", "--cache-type-k", "q3_k")
-    assert rc == 2 and "--cache-type-k: unknown KV cache type" in stderr
+    rc, _, stderr = spark(small_model, "--vram", "4GiB", "-ctk", "q3_k")
+    assert rc == 2 and "--cache-type-k: unknown KV cache type" in stderr  # a usage error
 
 
 def test_trace_sizes_lru_slots(spark, small_model, geo, tmp_path) -> None:
@@ -184,7 +194,8 @@ def test_trace_sizes_lru_slots(spark, small_model, geo, tmp_path) -> None:
                               for _ in range(geo.n_layer)]) for _ in range(n)])
     path = tmp_path / "t.npz"
     RoutingTrace(ids, np.ones(n), np.arange(n), geo.n_expert, geo.fingerprint).save(path)
-    rc, stdout, stderr = spark(small_model, "--vram", partial_budget(geo, 0.4), "--trace", path)
+    budget = partial_budget(geo, 0.4)
+    rc, stdout, stderr = spark(small_model, "--vram", budget, "--trace", path)
     assert rc == 0, stderr
     assert "routing counts from the trace" in stdout and "on the trace (300 decode rows" in stdout
     assert f"priced by replaying 300 decode steps of the trace t.npz through {DEFAULT_POLICY}" in stdout
@@ -195,16 +206,30 @@ def test_trace_sizes_lru_slots(spark, small_model, geo, tmp_path) -> None:
     d = json.loads(stdout)
     assert d["policy"] == "lru" and 0.0 <= d["predicted_miss"] <= 1.0
     rc, _, stderr = spark(small_model, "--vram", "2GiB", "--policy", "belady")
-    assert rc == 2 and "a cache cannot run it" in stderr
+    assert rc == UsageError.exit_code and "a cache cannot run it" in stderr
+
+    # the same routing counts with and without the steps: the trace's plan is priced by replaying them,
+    # a profile of counts alone (no ring of recent steps) plans from the counts with k slots per layer
+    with_trace = planner.Plan.from_json(spark(small_model, "--vram", budget, "--trace", path, "--json")[1])
+    prof = tmp_path / "p.json"
+    t = RoutingTrace.load(path)
+    RoutingProfile.empty(geo.identity()).add(t.counts("prefill"), t.counts("decode"), t.n_rows - t.n_decode,
+                                             t.n_decode, "t").save(prof)
+    without = planner.Plan.from_json(spark(small_model, "--vram", budget, "--profile", prof, "--json")[1])
+    cached_without = [l for l in without.layers if l.mode == "cached"]
+    cached_with = [l for l in with_trace.layers if l.mode == "cached"]
+    assert cached_without and all(l.lru_slots == k for l in cached_without)
+    assert cached_with and with_trace.predicted_miss is not None and without.predicted_miss is None
+    assert with_trace.breakdown["total"] <= budget and without.breakdown["total"] <= budget
+
     other = tmp_path / "other.npz"
     RoutingTrace(ids, np.ones(n), np.arange(n), geo.n_expert, "0" * 64).save(other)
     rc, _, stderr = spark(small_model, "--vram", "2GiB", "--trace", other)
-    assert rc == 2 and "another model" in stderr
+    assert rc == ProfileError.exit_code and "another model" in stderr
 
 
 def test_unknown_family_warns(spark, monkeypatch) -> None:
     from spark_cli import gguf_info
-    from spark_cli.demo_model import build_tiny_model
 
     monkeypatch.setattr(gguf_info, "family_for", lambda arch: None)
     rc, stdout, stderr = spark(build_tiny_model("qwen3moe"), "--vram", "1GiB")
@@ -246,16 +271,14 @@ def test_byte_accounting_equals_gguf_tensor_sizes(spark, small_model, geo) -> No
     assert _accounted(planner.Plan.from_json(stdout), geo) == total
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss"])
+@pytest.mark.parametrize("arch", TINY_ARCHES)
 def test_byte_accounting_tiny_archs(spark, arch) -> None:
-    from spark_cli.demo_model import build_tiny_model
-
     path = build_tiny_model(arch)
     g = load_geometry(path)
     total = _tensor_bytes(path)
     for share in (1.0, 0.5):
         budget = fixed_bytes(g, 512) + int(share * g.total_expert_bytes) + floor_bytes(g)
-        rc, stdout, stderr = spark(path, "--vram", budget, "--ctx", 512, "--json")
+        rc, stdout, stderr = spark(path, "--vram", budget, "-c", 512, "--json")
         assert rc == 0, stderr
         p = planner.Plan.from_json(stdout)
         assert p.breakdown["total"] <= budget
@@ -279,3 +302,19 @@ def test_plan_replays_the_profiles_recent_steps(spark, small_model, geo, tmp_pat
     assert rc == 0, stderr
     assert "priced by replaying 120 decode steps of the profile's recent decode steps through lfu-aged" in stdout
     assert "held-out check" not in stdout
+
+
+@pytest.mark.parametrize("argv", [["-c", "512"], ["--ctx-size", "512"], ["--ctx", "512"], ["--ctx=512"]])
+def test_context_flag_spellings(spark, small_model, argv) -> None:
+    rc, stdout, stderr = spark(small_model, "--vram", "64GiB", *argv, "--json")
+    assert rc == 0, stderr
+    assert json.loads(stdout)["n_ctx"] == 512
+
+
+def test_help_shows_llama_cpp_spellings(spark) -> None:
+    rc, stdout, _ = spark("-h")
+    assert rc == 0
+    for flag in ("--ctx-size", "-c", "-ctk", "-ctv", "--flash-attn", "-fa", "--batch-size", "-ub", "--no-mmap",
+                 "--mlock", "-dev", "--rpc", "-ot", "--threads", "--json", "--output", "--policy", "--check"):
+        assert flag in stdout, flag
+    assert "--ctx," not in stdout and "--ctx " not in stdout  # the old spelling works but is not shown

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from spark_cli import vram
 from spark_cli.errors import PlanError
-from spark_cli.planner import PLAN_VERSION, Plan, make_plan, stock_baseline, tensor_overrides
+from spark_cli.planner import PLAN_VERSION, Plan, make_plan, stock_baseline
 
 GiB = 1 << 30
 SETTINGS = settings(max_examples=int(os.environ.get("SPARK_HYP_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -224,7 +224,8 @@ def test_below_the_cache_floor_layers_stay_on_the_host() -> None:
     plan = make_plan(g, fixed + floor_bytes(g) - GiB // 50, 4096)  # 20 MiB short: layer 1 to the host
     assert [l.mode for l in plan.layers] == ["dense", "host", "cached", "cached"]
     assert plan.breakdown["weights_layers_nonexpert"] == sum(l.nonexpert_bytes for l in g.layers) - 4096
-    assert tensor_overrides(plan)[0] == (r"^blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps\.(weight|bias)$", "host")
+    assert [(o.pattern, o.target) for o in plan.overrides if o.target == "CPU"] == \
+        [(r"blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps", "CPU")]  # llama.cpp's --n-cpu-moe 2
     counts = np.ones((4, 8))
     p2 = make_plan(g, fixed - 3 * 4096, 4096, counts)  # exactly stock --cpu-moe
     assert [l.mode for l in p2.layers] == ["dense", "host", "host", "host"]
@@ -250,7 +251,6 @@ def test_stock_baseline_by_hand() -> None:
     assert s.device_bytes == fixed + 2 * 80 * MiB - 4096  # layer 1 biases follow its experts
     assert s.override_patterns == (r"blk\.0\.ffn_(up|down|gate|gate_up)_(ch|)exps",
                                    r"blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps")
-    assert s.ot_argument == r"blk\.0\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU,blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"
     assert s.cpu_moe_device_bytes == fixed - 3 * 4096 and s.cpu_moe_fits
     pat = re.compile(s.override_patterns[1])
     assert pat.search("blk.1.ffn_gate_up_exps.weight") and pat.search("blk.1.ffn_down_exps.bias")
@@ -262,15 +262,19 @@ def test_stock_baseline_by_hand() -> None:
     assert plan.stock == s
 
 
-def test_tensor_overrides() -> None:
-    g = make_geometry(n_layer=5, n_expert=8, k=2, nextn=1)
+def test_plan_carries_the_expert_overrides() -> None:
+    g = make_geometry(n_layer=5, n_expert=8, k=2, nextn=1, bias=4096)
     plan = make_plan(g, fixed_bytes(g) + floor_bytes(g) + 50 * MiB, 4096)
     assert [l.mode for l in plan.layers] == ["dense", "resident", "cached", "cached", "skipped"]
-    ov = tensor_overrides(plan)
-    assert [m for _, m in ov] == ["host", "host"]
-    r2 = re.compile(ov[0][0])
-    assert r2.search("blk.2.ffn_up_exps.weight") and r2.search("blk.2.ffn_gate_up_exps.weight")
-    assert not r2.search("blk.2.ffn_up_exps.bias") and not r2.search("blk.12.ffn_up_exps.weight")
+    assert [o.target for o in plan.overrides] == ["host"]
+    rx = re.compile(plan.overrides[0].pattern)
+    names = [t.name for l in g.layers for t in l.experts]
+    # exactly the expert weights of the cached layers: planned host bytes == bytes the pattern moves
+    moved = sum(t.n_bytes for l in g.layers for t in l.experts if rx.search(t.name))
+    assert moved == sum(l.host_bytes for l in plan.layers)
+    assert {n for n in names if rx.search(n)} == {t.name for il in (2, 3) for t in g.layers[il].experts}
+    assert not rx.search("blk.2.ffn_gate_up_exps.bias") and not rx.search("blk.12.ffn_gate_up_exps.weight")
+    assert Plan.from_json(plan.to_json()).overrides == plan.overrides
 
 
 def test_json_round_trip_and_identity(tmp_path: Path) -> None:
@@ -289,7 +293,7 @@ def test_json_round_trip_and_identity(tmp_path: Path) -> None:
         Plan.load(path, other.identity())
     d["version"] = 99
     path.write_text(json.dumps(d))
-    with pytest.raises(PlanError, match="version: expected 1, got 99"):
+    with pytest.raises(PlanError, match=f"version: expected {PLAN_VERSION}, got 99"):
         Plan.load(path)
     path.write_text("{not json")
     with pytest.raises(PlanError, match="not JSON"):

@@ -1,5 +1,5 @@
 """`spark profile`: both capture paths agree, the run writes profile/trace/plot, Ctrl-C saves,
-bad input gives one line and exit 2, merge/simulate/show work on what the run wrote."""
+bad input gives one line and its exit code, merge/simulate/show work on what the run wrote."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import pytest
 from spark_cli.profiling import (_Capture, _held_out_indices, _pieces, gather, open_engine, resolve_capture,
                                  split_held_out)
 from spark_cli.corpus import Chunk
+from spark_cli.engine import EngineOptions
+from spark_cli.errors import ModelFileError, ProfileError
 from spark_cli.gguf_info import load_geometry
 from spark_cli.profile import RoutingProfile, profile_path_for
 from spark_cli.simulator import DEFAULT_POLICY
@@ -30,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROSE = ("The ferry left the harbour at seven, carrying trucks of timber, a school class on a trip, and "
          "a man who fed the gulls from the rail. By noon the fog had lifted and the far shore showed its "
          "row of white houses, each with a boat pulled up on the stones below. ") * 2
-FAST = ["--threads", "1", "--device", "cpu"]
+FAST = ["--threads", "1", "-dev", "none", "-nr"]  # -nr: see conftest.NO_REPACK_WHY
 
 
 def spark(*args) -> tuple[int, str, str]:
@@ -72,7 +74,7 @@ def run(small_model, tmp_path_factory):
     model = d / "model.gguf"
     model.symlink_to(small_model)
     corpus = _corpus(d / "corpus")
-    rc, out, err = spark("profile", model, "--corpus", corpus, "--ctx", 64, "--gen", 3, "--trace", d / "t.npz",
+    rc, out, err = spark("profile", model, "--corpus", corpus, "-c", 64, "--gen", 3, "--trace", d / "t.npz",
                          "--held-out", 0.5, "--residency", "0.5,0.75", "--plot", d / "heat.png", *FAST)
     return {"dir": d, "model": model, "rc": rc, "out": out, "err": err, "trace": d / "t.npz",
             "profile": profile_path_for(model), "heat": d / "heat.png"}
@@ -87,7 +89,9 @@ def test_capture_paths_agree(small_model):
     k, n_moe = g.n_expert_used, len(g.moe_layers)
     got = {}
     for mode in ("native", "callback"):
-        eng = open_engine(small_model, g, mode, keep_trace=True, n_ctx=64, n_batch=64, device="cpu", n_threads=1)
+        base = EngineOptions(small_model, n_ctx=64, n_batch=64, n_ubatch=64, device="none", n_threads=1,
+                             repack=False)
+        eng = open_engine(base, g, mode, keep_trace=True)
         try:
             bos = eng.tokenize("", add_special=True)
             toks = eng.tokenize(PROSE, add_special=False)
@@ -182,25 +186,25 @@ def test_profile_of_another_model_is_refused(run, small_model, tmp_path):
     before = path.read_bytes()
     t0 = time.monotonic()
     rc, out, err = spark("profile", small_model, "--corpus", run["dir"] / "corpus", "--profile", path, *FAST)
-    assert rc == 2 and "belongs to model qwen3moe 4x8" in err and len(err.strip().splitlines()) == 1
+    assert rc == ProfileError.exit_code and "belongs to model qwen3moe 4x8" in err and len(err.strip().splitlines()) == 1
     assert path.read_bytes() == before and time.monotonic() - t0 < 10  # refused before profiling
 
 
-def test_empty_corpus_is_one_line_exit_2(small_model, tmp_path):
+def test_empty_corpus_is_one_line(small_model, tmp_path):
     (tmp_path / "blank.txt").write_text("\n \n")
     (tmp_path / "old.txt").write_bytes(b"\xff\xfe caf\xe9")
     rc, out, err = spark("profile", small_model, "--corpus", tmp_path, "--profile", tmp_path / "p.json", *FAST)
-    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert rc == ProfileError.exit_code and len(err.strip().splitlines()) == 1
     assert "no text to profile (skipped 1 non-UTF-8 files, 1 empty files or records)" in err
     assert not (tmp_path / "p.json").exists()
 
 
-def test_model_without_experts_is_one_line_exit_2(tmp_path):
+def test_model_without_experts_is_one_line(tmp_path):
     from spark_cli.demo_model import fetch_smollm2
 
     dense = fetch_smollm2()
     rc, out, err = spark("profile", dense, "--profile", tmp_path / "p.json")
-    assert rc == 2 and len(err.strip().splitlines()) == 1 and str(dense) in err
+    assert rc == ModelFileError.exit_code and len(err.strip().splitlines()) == 1 and str(dense) in err
     assert not (tmp_path / "p.json").exists()
 
 
@@ -212,7 +216,7 @@ def test_ctrl_c_keeps_what_was_gathered(small_model, tmp_path):
     prof = tmp_path / "p.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200", PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "spark_cli.cli", "profile", str(small_model), "--corpus",
-                             str(corpus), "--ctx", "128", "--gen", "0", "--profile", str(prof), *FAST],
+                             str(corpus), "-c", "128", "--gen", "0", "--profile", str(prof), *FAST],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         lines = []
@@ -253,7 +257,7 @@ def test_merge(run, tmp_path):
                                   "n_expert_used": 2, "fingerprint": "cd" * 32})
     other.save(tmp_path / "o.json")
     rc, text, err = spark("profile", "merge", run["profile"], tmp_path / "o.json", "-o", tmp_path / "d.json")
-    assert rc == 2 and "different models" in err and not (tmp_path / "d.json").exists()
+    assert rc == ProfileError.exit_code and "different models" in err and not (tmp_path / "d.json").exists()
 
 
 def test_simulate(run):
@@ -294,7 +298,7 @@ def test_simulate_refuses_a_trace_of_another_model(run, tmp_path):
     tr = RoutingTrace.load(run["trace"])
     RoutingTrace(tr.ids, tr.phase, tr.step, tr.n_expert, "ef" * 32).save(tmp_path / "x.npz")
     rc, out, err = spark("profile", "simulate", tmp_path / "x.npz", "--model", run["model"])
-    assert rc == 2 and "trace of another model" in err and len(err.strip().splitlines()) == 1
+    assert rc == ProfileError.exit_code and "trace of another model" in err and len(err.strip().splitlines()) == 1
 
 
 def test_simulate_marks_the_default_policy_without_a_model(tmp_path):

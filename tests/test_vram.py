@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from _geometry import make_geometry
 
-from spark_cli.errors import PlanError
+from spark_cli.errors import PlanError, UsageError
 from spark_cli.vram import (COMPUTE_FLOOR_BYTES, DEVICE_OVERHEAD_BYTES, GiB, MiB, compute_buffer_bytes,
                             kv_cache_bytes, parse_size, row_bytes)
 
@@ -19,8 +19,20 @@ def test_row_bytes(t: str, n: int, expected: int) -> None:
 
 
 def test_unknown_type() -> None:
-    with pytest.raises(PlanError, match="unknown KV cache type 'q3_k'"):
+    with pytest.raises(UsageError, match="unknown KV cache type 'q3_k'"):
         row_bytes("q3_k", 64)
+
+
+def test_kv_type_table_matches_ggml() -> None:
+    """The one KV type table: ids and block layouts as ggml's (checked against the gguf package)."""
+    import gguf
+
+    from spark_cli.vram import KV_TYPES
+
+    for name, t in KV_TYPES.items():
+        q = gguf.GGMLQuantizationType[name.upper()]
+        assert t.ggml_id == int(q), name
+        assert (t.block, t.block_bytes) == gguf.GGML_QUANT_SIZES[q], name
 
 
 def test_kv_f16_by_hand() -> None:

@@ -3,47 +3,30 @@ offload, every configuration within the same VRAM budget, on corpus text."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
-import warnings
 from pathlib import Path
 
 import typer
 from rich.markup import escape
 
-from .common import console, err_console, model_or_demo
-
-RPC_HELP = ("RPC server(s) HOST:PORT as llama.cpp's --rpc, or 'auto' to start a local RPC stand-in "
-            "GPU for this run (no GPU needed)")
+from ..options import LoadFlags
+from .common import console, err_console, model_flags, model_or_demo
 
 
-def _budget(vram_text: str | None, residency: float | None, geometry, ctx: int,
-            dev: tuple[str, int, int] | None, rpc: bool) -> tuple[int, str]:
-    from .. import bench, session, vram
-    from ..errors import PlanError
-    from ..render_plan import fmt_bytes
+def _budget(vram_text: str | None, residency: float | None, geometry, ctx: int, devs: list) -> tuple[int, str]:
+    from .. import bench, session
+    from ..errors import UsageError
 
     if vram_text and residency is not None:
-        raise PlanError("--vram and --residency: give one of them")
-    if vram_text:
-        return vram.parse_size(vram_text, flag="--vram"), f"--vram {vram_text}"
+        raise UsageError("--vram and --residency: give one of them")
     if residency is not None:
         return (bench.residency_budget(geometry, ctx, residency),
                 f"--residency {residency:g}: everything else + {100 * residency:.0f}% of the expert bytes")
-    free = None
-    if not rpc:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            free = session.gpu_free_bytes()
-    if free is None and dev is not None:
-        free = dev[1]
-    if free is None:
-        raise PlanError("no budget: the device did not report its free memory", hint="pass --vram, e.g. --vram 16GiB")
-    budget = session.device_budget(free)
-    if budget <= 0:
-        raise PlanError(f"the device has only {fmt_bytes(free)} free", hint="free it or pass --vram")
-    return budget, f"device free {fmt_bytes(free)} minus a {fmt_bytes(session.BUDGET_MARGIN)} margin"
+    b = session.resolve_budget(vram_text, devs)
+    return b.bytes, b.source
 
 
 def _table(report):
@@ -95,13 +78,15 @@ def _summary_lines(report) -> list[str]:
     return footnotes(report) + out + list(report.notes)
 
 
-def _write_outputs(report, json_path: Path | None, md: bool, plot: Path | None) -> None:
+def _write_outputs(report, as_json: bool, json_path: Path | None, md: bool, plot: Path | None) -> None:
     from ..atomic import atomic_write_text
     from ..bench import to_markdown
     from ..recovery import save_or_recover
 
     report.finalize()
-    if md:
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=1))
+    elif md:
         typer.echo(to_markdown(report))
         for line in _summary_lines(report):
             typer.echo(_plain(line))
@@ -113,7 +98,7 @@ def _write_outputs(report, json_path: Path | None, md: bool, plot: Path | None) 
             console.print(line, soft_wrap=True)
     if json_path is not None:
         text = json.dumps(report.to_dict(), indent=1) + "\n"
-        save_or_recover(lambda p: atomic_write_text(p, text, "--json"), json_path)
+        save_or_recover(lambda p: atomic_write_text(p, text, "-o"), json_path)
         err_console.print(f"wrote {json_path}")
     if plot is not None:
         _plot(report, plot)
@@ -131,7 +116,7 @@ def _keep_partial(report, json_path: Path | None, learn: bool) -> str | None:
     if json_path is not None:
         try:
             report.finalize()
-            atomic_write_text(json_path, json.dumps(report.to_dict(), indent=1) + "\n", "--json")
+            atomic_write_text(json_path, json.dumps(report.to_dict(), indent=1) + "\n", "-o")
             notes.append(f"partial report in {json_path}")
         except SparkError as e:
             notes.append(e.one_line())
@@ -180,6 +165,7 @@ def _plot(report, path: Path) -> None:
 
 def register(app: typer.Typer) -> None:
     @app.command("bench")
+    @model_flags
     def bench_cmd(
         model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),
         vram_text: str = typer.Option(None, "--vram", help="device budget every configuration must fit, e.g. "
@@ -187,14 +173,13 @@ def register(app: typer.Typer) -> None:
         residency: float = typer.Option(None, "--residency", min=0.0, max=1.0,
                                         help="instead of --vram: a budget that holds this share of the expert "
                                              "bytes beside everything else, e.g. 0.6"),
-        ctx: int = typer.Option(4096, "--ctx", "-c", min=64, help="context length (the KV cache is budgeted for it)"),
         corpus_path: Path = typer.Option(None, "--corpus", help="text to run: a file or folder of "
                                          ".txt/.md/.jsonl (default: the bundled sample corpus)"),
         n_prompt: int = typer.Option(512, "--n-prompt", "-p", min=2, help="prompt-processing tokens per run"),
         n_gen: int = typer.Option(128, "--n-gen", "-n", min=1, help="generated tokens per run (greedy)"),
         reps: int = typer.Option(3, "--repetitions", "-r", min=1, help="runs per configuration"),
-        rpc_value: str = typer.Option(None, "--rpc", help=RPC_HELP),
-        json_path: Path = typer.Option(None, "--json", help="write the full report as JSON here"),
+        as_json: bool = typer.Option(False, "--json", help="print the full report as JSON on stdout"),
+        output: Path = typer.Option(None, "--output", "-o", help="write the full report as JSON here"),
         md: bool = typer.Option(False, "--md", help="print a markdown table (for an issue) instead of the rich one"),
         plot: Path = typer.Option(None, "--plot", help="write a bar chart of generation tok/s (PNG)"),
         configs: str = typer.Option(None, "--configs", help="comma-separated subset of: resident, cpu-moe, "
@@ -202,77 +187,77 @@ def register(app: typer.Typer) -> None:
         ceiling: bool = typer.Option(False, "--ceiling", help="measure all-resident even when it is over the "
                                      "budget (a reference; needs the device memory)"),
         no_learn: bool = typer.Option(False, "--no-learn", help="do not fold this run's routing into the profile"),
-        threads: int = typer.Option(None, "--threads", "-t", min=1, help="CPU threads (default: all cores)"),
         miss_path: str = typer.Option("auto", "--miss-path", help="Spark's misses: cpu (computed on the CPU, "
                                       "admitted in the background), upload (uploaded, waited for), or auto "
                                       "(per layer, the cheaper on this machine)"),
+        flags: LoadFlags = None,
     ) -> None:
-        """Tokens/s of Spark against stock llama.cpp offload and the all-resident ceiling, same budget."""
-        from .. import bench, faults, session
+        """Tokens/s of Spark against stock llama.cpp offload and the all-resident ceiling, same budget.
+        --rpc auto starts a local RPC stand-in GPU for the run."""
+        from .. import bench, devices, faults, session
         from .. import rpc as rpc_mod
         from ..atomic import check_output
         from ..corpus import bundled_corpus, read_corpus
-        from ..engine import EngineOptions
-        from ..errors import SparkError
-
+        from ..errors import SparkError, UsageError
         from ..miss_path import check_choice
+        from ..options import context_size
 
-        check_choice(miss_path)
+        try:
+            check_choice(miss_path)
+        except SparkError as e:  # a flag value the command refuses: a usage error
+            raise UsageError(e.message, hint=e.hint) from None
         names = bench.parse_config_names(configs)
         if plot is not None:
             if importlib.util.find_spec("matplotlib") is None:
                 raise SparkError("--plot: matplotlib is not installed", hint="pip install matplotlib, or drop --plot")
-        for flag, out in (("--json", json_path), ("--plot", plot)):  # before the runs, not after them
+        for flag, out in (("-o", output), ("--plot", plot)):  # before the runs, not after them
             if out is not None:
                 check_output(out, flag)
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
+        ctx = context_size(flags.ctx_size, geometry.context_length)
         corpus = read_corpus(corpus_path or bundled_corpus())
         g = geometry
 
         server = None
         try:
-            if rpc_value == "auto":
+            if flags.rpc == "auto":
                 with err_console.status("starting a local RPC stand-in GPU ..."):
-                    server = rpc_mod.RpcServer(threads=threads).start()
-                endpoints = [server.endpoint]
-            else:
-                endpoints = rpc_mod.parse_endpoints(rpc_value)
-            dev = bench.device_memory(endpoints)
+                    server = rpc_mod.RpcServer(threads=flags.threads).start()
+                flags = dataclasses.replace(flags, rpc=server.endpoint)
+            base = session.engine_options(path, g, None, flags, n_ctx=ctx, learn=False)
+            devs = devices.select(devices.parse(flags.device, flags.rpc))
             notes = []
-            if dev is None:
+            if not devs:
                 names = [bench.CPU_CONFIG]
                 notes.append("no GPU-type device: measured on the CPU only; use --rpc auto to compare "
                              "placements on a local RPC stand-in GPU, or --rpc HOST:PORT")
                 err_console.print(f"[yellow]note:[/] {notes[-1]}")
                 budget, source = 0, "no device"
             else:
-                budget, source = _budget(vram_text, residency, g, ctx, dev, bool(endpoints))
+                budget, source = _budget(vram_text, residency, g, ctx, devs)
             if server is not None:
                 notes.append("device: a local RPC stand-in GPU (--rpc auto): its speed is the CPU's; "
                              "compare the cold-hit and upload figures")
-
-            base = EngineOptions(path, n_ctx=ctx, rpc=endpoints, n_threads=threads)
             report = bench.Report(path, g, budget, source, ctx, n_prompt, n_gen, reps,
-                                  dev[0] if dev else "CPU", str(corpus_path or "bundled corpus"), notes=notes)
-            with faults.keeper(lambda: _keep_partial(report, json_path, not no_learn)):
-                _run(report, base, corpus, names, budget, ctx, reps, n_gen, n_prompt, ceiling, not no_learn,
-                     json_path, md, plot, miss_path)
+                                  devs[0].name if devs else "CPU", str(corpus_path or "bundled corpus"), notes=notes)
+            if any(n.startswith("spark") for n in names):
+                info = session.load_profile(path, g)
+                if info.warning():
+                    err_console.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
+            learn = not no_learn
+            with faults.keeper(lambda: _keep_partial(report, output, learn)):
+                _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot, miss_path)
         finally:
             if server is not None:
                 server.stop()
 
 
-def _run(report, base, corpus, names, budget, ctx, reps, n_gen, n_prompt, ceiling, learn,
-         json_path, md, plot, miss_path: str = "auto") -> None:
+def _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot, miss_path: str = "auto") -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .. import bench, session
-    from ..engine import Engine, EngineOptions
-    from ..errors import PlanError, SparkError
-    from ..profile import RoutingProfile
+    from .. import bench
 
-    g, path = report.geometry, report.model
     progress = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("tokens"), TimeElapsedColumn(), console=err_console)
     tasks: dict[str, int] = {}
@@ -282,103 +267,42 @@ def _run(report, base, corpus, names, budget, ctx, reps, n_gen, n_prompt, ceilin
             tasks[name] = progress.add_task(name, total=total)
         progress.update(tasks[name], completed=done, total=total)
 
+    def on_status(text: str) -> None:
+        if "setup" not in tasks:
+            tasks["setup"] = progress.add_task(text, total=None)
+        progress.update(tasks["setup"], description=text)
+
     try:
         with progress:
-            tasks["calibration"] = progress.add_task("reading the corpus", total=None)
-            plan_step = plan_cache = None
-            # NOTE: one CPU engine tokenizes the corpus and traces routing on held-out prompts
-            with Engine(EngineOptions(path, n_ctx=ctx, device="cpu", repack=False, trace=True,
-                                      n_threads=base.n_threads)) as eng:
-                work = bench.make_workload(eng, corpus.documents, n_prompt)
-                need = max(len(work.pp_tokens), len(work.gen_prompt) + n_gen + 1,
-                           max(len(p) + bench.CALIB_DECODE + 1 for p in work.calibration))
-                if need > ctx:
-                    raise SparkError(f"--ctx {ctx}: the runs need {need} tokens of context",
-                                     hint=f"use --ctx {need}")
-                if any(n.startswith("spark") for n in names):
-                    progress.update(tasks["calibration"], description="calibration (routing trace, CPU)")
-                    trace = bench.calibrate(eng, g, work.calibration, progress=on_progress)
-            if work.note:
-                report.notes.append(work.note)
-            if any(n.startswith("spark") for n in names):
-                info = session.load_profile(path, g)
-                if info.warning():
-                    err_console.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
-                if info.profile is None:
-                    report.notes.append("no profile: placement from the calibration trace (held-out prompts)")
-                    prof = RoutingProfile.empty(g.identity())
-                else:
-                    report.notes.append(info.summary() + " + the calibration trace (held-out prompts)")
-                    prof = info.profile.copy()
-                # NOTE: planned from everything known; the calibration counts are not saved
-                info = session.ProfileInfo(info.path, prof.add_trace(trace, "bench calibration"))
-                plan_step = _plan(lambda: session.make_plan_for(path, g, budget, ctx, info))
-                plan_cache = _plan(lambda: session.make_plan_for(path, g, budget, ctx, info, trace=trace))
-            if plan_step is None:
-                progress.update(tasks["calibration"], description="reading the corpus", total=1, completed=1)
-
-            cfgs = [bench.cpu_config()] if names == [bench.CPU_CONFIG] else \
-                bench.make_configs(g, budget, ctx, names, plan_step, plan_cache, ceiling=ceiling)
-            if not any(c.status == "ready" for c in cfgs):
-                raise PlanError(f"budget {budget / 2**30:.2f} GiB: no configuration fits ("
-                                + "; ".join(f"{c.name}: {c.note}" for c in cfgs) + ")",
-                                hint="raise --vram or --residency, or lower --ctx")
-            for c in cfgs:
-                c.miss_path = miss_path
-            seen: dict[tuple, bench.Result] = {}
-            for c in cfgs:
-                if c.status != "ready":
-                    report.results.append(bench.Result(c, status=c.status, reason=c.note))
-                    continue
-                if c.key() in seen and seen[c.key()].runs:
-                    report.results.append(bench.copy_result(c, seen[c.key()]))
-                    continue
-                r = bench.Result(c)
-                report.results.append(r)
-                on_progress(c.label, 0, reps * (len(work.pp_tokens) + n_gen))
-                bench.measure(c, base, work, reps, n_gen, r, progress=lambda _n, d, t, c=c: on_progress(c.label, d, t),
-                              learn=learn)
-                if r.miss_path_why:
-                    err_console.print(f"{c.label}: {r.miss_path_why}")
-                seen[c.key()] = r
+            bench.run(report, base, corpus.documents, names, ceiling=ceiling, learn=learn, progress=on_progress,
+                      status=on_status, miss_path=miss_path, say=lambda line: err_console.print(escape(line),
+                                                                                              soft_wrap=True))
     except KeyboardInterrupt:
         report.interrupted = True
         report.notes.append("interrupted (Ctrl-C): what was measured so far")
         if report.results:
-            _write_outputs(report, json_path, md, plot if any(r.runs for r in report.results) else None)
+            _write_outputs(report, as_json, output, md, plot if any(r.runs for r in report.results) else None)
         _fold(report, learn)
         raise typer.Exit(130)
-    _write_outputs(report, json_path, md, plot)
+    _write_outputs(report, as_json, output, md, plot)
     _fold(report, learn)
-
-
-def _plan(make):
-    from ..errors import PlanError
-
-    try:
-        return make()
-    except PlanError as e:
-        return e
 
 
 def _fold(report, learn: bool) -> None:
     """Self-tuning: the decode routing of the Spark run joins the model's profile."""
-    from .. import session
+    from .. import bench, session
     from ..errors import SaveError
 
     if not learn:
         return
-    src = next((r for r in (report.result("spark"), report.result("spark-step"))
-                if r is not None and r.counts is not None), None)
-    if src is None:
-        return
     try:
-        prof = session.fold_into_profile(report.model, report.geometry, src.counts, "spark bench")
-    except SaveError as e:
+        src = bench.fold(report)
+    except SaveError as e:  # the counts went to a pending side file it names
         if session.load_profile(report.model, report.geometry).problem is None:
             raise
+        # NOTE: the unusable profile was announced at the start: its counts wait in a side file
         err_console.print(f"[yellow]warning:[/] {escape(e.one_line())}", soft_wrap=True)
         return
-    if prof is not None:
+    if src is not None:
         err_console.print(f"profile: {src.decode_tokens} decode tokens folded into "
                           f"{report.model.name}.spark-profile.json")

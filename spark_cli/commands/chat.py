@@ -14,38 +14,14 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from .common import RPC_HELP, console, err_console, model_or_demo
+from ..options import LoadFlags
+from .common import console, err_console, model_flags, model_or_demo
 
-DEFAULT_CTX = 4096
 HELP = ("/stats  per-layer cache table    /reset  forget the conversation    /system TEXT  set the system prompt\n"
         "/save FILE  conversation as JSON    /exit  leave (or Ctrl-D)    Ctrl-C stops an answer")
 
 
-# ---------------------------------------------------------------- devices and memory
-
-
-def _gpu_devices(endpoints: list[str], device: str) -> list:
-    """The GPU-type devices the engine will use ([] = stock CPU path), read before loading."""
-    from .. import llama_lib, rpc
-
-    if endpoints:
-        return rpc.connect(endpoints)
-    if device == "cpu":
-        return []
-    gpus = [d for d in llama_lib.gpu_devices() if not d.name.startswith("RPC")]
-    if device == "auto":
-        return gpus[:1]
-    return [d for d in llama_lib.devices() if d.name == device and d.is_gpu]
-
-
-def _free_bytes(dev) -> int | None:
-    import ctypes
-
-    from .. import llama_lib
-
-    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-    llama_lib.load().dev_memory(dev.handle, ctypes.byref(free), ctypes.byref(total))
-    return free.value if total.value else None
+# ---------------------------------------------------------------- memory
 
 
 class _VramMeter:
@@ -54,12 +30,18 @@ class _VramMeter:
 
     def __init__(self, dev, plan):
         self.dev, self.plan = dev, plan
-        self.before = _free_bytes(dev) if dev is not None else None
+        self.before = self._free() if dev is not None else None
+
+    def _free(self) -> int | None:
+        from ..devices import free_memory
+
+        free, total = free_memory(self.dev)
+        return free if total else None
 
     def __call__(self) -> tuple[int | None, str]:
         if self.dev is None:
             return None, ""
-        now = _free_bytes(self.dev)
+        now = self._free()
         if self.before is not None and now is not None and self.before > now:
             return self.before - now, "measured"
         if self.plan is not None:
@@ -122,7 +104,10 @@ def start_summary(path: Path, geometry, devices: list, plan, info, meter: _VramM
                              f"{lru} LRU cache slots (of {len(cached) * g.n_expert} experts in host RAM)")
     t.add_row("profile", escape(info.summary()))
     samp = "greedy" if sampling.temp <= 0 else \
-        f"temp {sampling.temp:g}, top-k {sampling.top_k}, top-p {sampling.top_p:g}, seed {sampling.seed}"
+        f"temp {sampling.temp:g}, top-k {sampling.top_k}, top-p {sampling.top_p:g}, min-p {sampling.min_p:g}, " \
+        f"seed {sampling.seed}"
+    if sampling.repeat_penalty != 1.0:
+        samp += f", repeat penalty {sampling.repeat_penalty:g} over {sampling.repeat_last_n}"
     t.add_row("session", f"context {n_ctx} tokens, {samp}")
     return t
 
@@ -138,20 +123,19 @@ def stats_table(chat, plan) -> Table | str:
     for name in ("layer", "pinned", "LRU slots", "hits", "misses", "hit rate", "uploads", "uploaded",
                  "upload ms", "steps cached", "steps stock"):
         t.add_column(name, justify="right")
-    tot = {k: 0 for k in ("hits", "misses", "uploads", "bytes_uploaded", "upload_us", "steps_cached", "steps_stock")}
+    from ..expert_cache import CacheStats
 
     def row(label, s, pinned="", lru=""):
-        n = s["hits"] + s["misses"]
-        return (label, pinned, lru, str(s["hits"]), str(s["misses"]), f"{100 * s['hits'] / n:.1f}%" if n else "-",
-                str(s["uploads"]), _fmt_bytes(s["bytes_uploaded"]), f"{s['upload_us'] / 1000:.1f}",
-                str(s["steps_cached"]), str(s["steps_stock"]))
+        hr = s.hit_rate
+        return (label, pinned, lru, str(s.hits), str(s.misses), f"{100 * hr:.1f}%" if hr is not None else "-",
+                str(s.uploads), _fmt_bytes(s.bytes_uploaded), f"{s.upload_us / 1000:.1f}",
+                str(s.steps_cached), str(s.steps_stock))
 
+    tot = CacheStats.total(stats[il] for il in chat.cached_layers if il in stats)
     for il in sorted(chat.cached_layers):
         s = stats.get(il)
         if s is None:
             continue
-        for k in tot:
-            tot[k] += s[k]
         l = by_index.get(il)
         t.add_row(*row(str(il), s, str(len(l.pinned)) if l else "", str(l.lru_slots) if l else ""))
     t.add_section()
@@ -262,82 +246,53 @@ def _answer(chat, text: str, interactive: bool, stream: bool = True):
     return ans
 
 
-def _placement(path: Path, geometry, info, *, plan_path: Path | None, vram_text: str | None, ctx: int | None,
-               endpoints: list[str], device: str, say):
-    """(GPU-type devices, plan or None, n_ctx, where the budget came from, why the CPU path)."""
-    from .. import session
-    from ..errors import PlanError
-
-    file_plan = None
-    if plan_path is not None:  # checked even where it will not be used: a plan of another model is an error
-        from ..planner import Plan
-
-        if not plan_path.is_file():
-            raise PlanError(f"--plan {plan_path}: no such file", hint="write one with spark plan -o FILE")
-        file_plan = Plan.load(plan_path, expect_identity=geometry.identity())
-    devices = _gpu_devices(endpoints, device)
-    cpu_reason = None
-    if not devices:
-        cpu_reason = "--device cpu" if device == "cpu" else "no GPU found"
-        if plan_path is not None or vram_text:
-            say.print(f"[yellow]warning:[/] {cpu_reason}: --plan/--vram ignored")
-        plan_path = vram_text = file_plan = None
-    free = _free_bytes(devices[0]) if devices else None
-    if file_plan is not None:
-        plan, budget_source = file_plan, f"plan {plan_path.name}"
-        n_ctx = ctx or plan.n_ctx
-        if n_ctx > plan.n_ctx:
-            say.print(f"[yellow]warning:[/] --ctx {n_ctx} is above the plan's {plan.n_ctx}: "
-                      "the KV cache takes more VRAM than planned")
-        if free is not None and plan.budget_bytes > free:
-            say.print(f"[yellow]warning:[/] the plan's budget {_fmt_bytes(plan.budget_bytes)} is above the "
-                      f"device's free {_fmt_bytes(free)}")
-    else:
-        n_ctx = ctx or DEFAULT_CTX
-        budget_source = f"--vram {vram_text}" if vram_text else "device free memory minus a margin"
-        plan = session.resolve_plan(path, geometry, plan_path=None, vram_text=vram_text, n_ctx=n_ctx,
-                                    info=info, have_gpu=bool(devices), free_bytes=free)
-    if plan is not None and not any(l.mode in ("resident", "cached", "host") for l in plan.layers):
-        raise PlanError("the plan places no MoE layer", hint="write it again with spark plan")
-    return devices, plan, n_ctx, budget_source, cpu_reason
-
-
 def register(app: typer.Typer) -> None:
     @app.command("chat")
+    @model_flags
     def chat_cmd(
         model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),
         plan_path: Path = typer.Option(None, "--plan", help="placement from spark plan -o (default: plan now)"),
         vram_text: str = typer.Option(None, "--vram", help="device budget for planning now, e.g. 16GiB "
                                       "(default: the device's free memory minus a margin)"),
-        rpc: str = typer.Option(None, "--rpc", help=RPC_HELP),
-        device: str = typer.Option("auto", "--device", help="auto (first GPU, or --rpc) or cpu"),
-        ctx: int = typer.Option(None, "--ctx", "-c", min=16, help=f"context length (default: the plan's, "
-                                f"else {DEFAULT_CTX})", show_default=False),
         n_predict: int = typer.Option(-1, "--n-predict", "-n", help="tokens per answer at most (-1: until done)"),
         temp: float = typer.Option(0.8, "--temp", min=0.0, help="temperature (0: greedy, deterministic)"),
         top_k: int = typer.Option(40, "--top-k", min=0, help="top-k sampling (0: off)"),
         top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="top-p sampling (1.0: off)"),
+        min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="min-p sampling (0.0: off)"),
+        repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", min=0.0,
+                                             help="penalize repeated tokens (1.0: off)"),
+        repeat_last_n: int = typer.Option(64, "--repeat-last-n", min=-1,
+                                          help="tokens the penalty looks back on (0: off, -1: the context)"),
         seed: int = typer.Option(-1, "--seed", "-s", help="sampling seed (-1: random)"),
-        system: str = typer.Option(None, "--system", "-sys", help="system prompt"),
-        threads: int = typer.Option(0, "--threads", "-t", min=0, help="CPU threads (0: all cores)"),
+        system: str = typer.Option(None, "--system-prompt", "-sys", help="system prompt"),
         prompt: str = typer.Option(None, "--prompt", "-p", help="one-shot: answer this prompt and exit "
                                    "('-' reads stdin)"),
-        as_json: bool = typer.Option(False, "--json", help="one-shot: print {answer, figures} as JSON"),
+        as_json: bool = typer.Option(False, "--json", help="one-shot: print {answer, figures} as JSON on stdout"),
         learn: bool = typer.Option(True, "--learn/--no-learn", help="fold this session's routing into the "
                                    "model's profile on exit"),
+        miss_path_choice: str = typer.Option(None, "--miss-path", help="where a cached layer computes an expert "
+                                             "that is not on the device: auto (measured per layer, cached), cpu, "
+                                             "or upload (default: the plan's, else auto)"),
+        flags: LoadFlags = None,
     ) -> None:
         """Chat with a model on the planned placement; --prompt answers once (for scripts)."""
         from .. import faults, session
         from ..chat_session import ChatSession, Sampling
         from ..engine import Engine
-        from ..errors import SparkError
-        from ..rpc import parse_endpoints
+        from ..errors import SparkError, UsageError
         from ..text_input import read_stream, replaced_note, utf8_text
 
         if as_json and prompt is None:
-            raise SparkError("--json needs --prompt", hint="spark chat MODEL --prompt 'text' --json")
+            raise UsageError("--json needs --prompt", hint="spark chat MODEL --prompt 'text' --json")
         if n_predict < -1:
-            raise SparkError(f"--n-predict {n_predict}: give -1 (until done), 0 or more")
+            raise UsageError(f"--n-predict {n_predict}: give -1 (until done), 0 or more")
+        if miss_path_choice is not None:
+            from ..miss_path import check_choice
+
+            try:
+                check_choice(miss_path_choice)
+            except SparkError as e:  # a flag value the command refuses: a usage error
+                raise UsageError(e.message, hint=e.hint) from None
         one_shot = prompt is not None
         say = err_console if one_shot else console
         bad = {}
@@ -346,28 +301,23 @@ def register(app: typer.Typer) -> None:
         elif prompt is not None:
             prompt, bad["--prompt"] = utf8_text(prompt)
         if system is not None:
-            system, bad["--system"] = utf8_text(system)
+            system, bad["--system-prompt"] = utf8_text(system)
         for what, n in bad.items():
             if n:
                 err_console.print(f"[yellow]warning:[/] {escape(replaced_note(what, n))}")
-        endpoints = parse_endpoints(rpc)
-        if endpoints and device == "cpu":
-            raise SparkError("--rpc and --device cpu contradict each other", hint="drop one of them")
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
         info = session.load_profile(path, geometry)
         if info.warning():
             say.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
-        devices, plan, n_ctx, budget_source, cpu_reason = _placement(
-            path, geometry, info, plan_path=plan_path, vram_text=vram_text, ctx=ctx, endpoints=endpoints,
-            device=device, say=say)
-        opts = session.engine_options(path, plan, n_ctx=n_ctx, rpc=endpoints, device=device,
-                                      n_ubatch=plan.n_ubatch if plan else 512,
-                                      type_k=plan.type_k if plan else "f16", type_v=plan.type_v if plan else "f16",
-                                      learn=learn)
-        opts.n_threads = threads or None
+        where = session.resolve_placement(path, geometry, info, flags, plan_path=plan_path, vram_text=vram_text)
+        for w in where.warnings:
+            say.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
+        devices, plan = where.devices, where.plan
+        opts = session.engine_options(path, geometry, plan, flags, n_ctx=where.n_ctx, learn=learn)
         meter = _VramMeter(devices[0] if devices else None, plan)
-        sampling = Sampling(temp, top_k, top_p, seed if seed >= 0 else secrets.randbelow(1 << 31), n_predict)
+        sampling = Sampling(temp, top_k, top_p, seed if seed >= 0 else secrets.randbelow(1 << 31), n_predict,
+                            min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n)
         with console.status(f"loading {path.name} ...") if not one_shot else contextlib.nullcontext():
             engine = Engine(opts)
         chat = None
@@ -384,6 +334,15 @@ def register(app: typer.Typer) -> None:
             return f"{n} decode tokens of routing folded into {session.profile_path_for(path)}" if n else None
 
         try:
+            if opts.cache_layers:  # each cached layer on its miss path: --miss-path, else the plan's
+                from .. import miss_path
+                from ..paths import spark_home
+
+                # NOTE: before the session starts: an `auto` calibration resets the KV cache and counters
+                choice = miss_path_choice or (plan.miss_path if plan is not None else "auto")
+                _, why = miss_path.resolve(engine, choice, geometry.fingerprint, spark_home())
+                if why:
+                    err_console.print(f"[dim]{escape(why)}[/]", soft_wrap=True)
             cached = {c.il for c in opts.cache_layers}
             chat = ChatSession(engine, sampling, system=system, cached_layers=cached,
                                vram_probe=meter if devices else None)
@@ -392,7 +351,7 @@ def register(app: typer.Typer) -> None:
                     chat.check_fits(prompt)  # a prompt that cannot fit: one error line, no summary
                 if not one_shot or not as_json:
                     say.print(start_summary(path, geometry, engine.devices, plan, info, meter, engine.n_ctx,
-                                            sampling, cpu_reason, budget_source))
+                                            sampling, where.cpu_reason, where.budget_source))
                 if one_shot:
                     ans = _answer(chat, prompt, interactive=False, stream=not as_json)
                     if as_json:

@@ -1,15 +1,93 @@
-"""Options and helpers shared by the commands."""
+"""Options and helpers shared by the commands: llama.cpp's model flags, defined once."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
+from typing import Any, Callable, List, Optional
 
+import typer
 from rich.console import Console
+
+from ..options import DEFAULT_CTX, LoadFlags
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 
 RPC_HELP = "comma-separated list of RPC servers (HOST:PORT), as llama.cpp's --rpc"
+PANEL = "llama.cpp flags"
+JSON_HELP = "print the result as JSON on stdout (messages go to stderr)"
+
+
+def _opt(default: Any, *names: str, **kw: Any) -> Any:
+    return typer.Option(default, *names, rich_help_panel=PANEL, **kw)
+
+
+# name -> (type, typer.Option): the flags of every command that loads a model, as llama.cpp spells them
+MODEL_FLAGS: dict[str, tuple[Any, Any]] = {
+    "ctx_size": (Optional[int], _opt(None, "--ctx-size", "-c", min=16, show_default=False,
+                                     help=f"context size (default: the model's trained context, at most "
+                                          f"{DEFAULT_CTX}; with --plan: the plan's)")),
+    "threads": (Optional[int], _opt(None, "--threads", "-t", min=1, show_default=False,
+                                    help="CPU threads (default: all cores)")),
+    "type_k": (Optional[str], _opt(None, "--cache-type-k", "-ctk", show_default=False,
+                                   help="KV cache type for K: f16, bf16, f32, q8_0, q4_0, q4_1, iq4_nl, q5_0, "
+                                        "q5_1 (default: f16, or the plan's)")),
+    "type_v": (Optional[str], _opt(None, "--cache-type-v", "-ctv", show_default=False,
+                                   help="KV cache type for V (default: f16, or the plan's)")),
+    "flash_attn": (str, _opt("auto", "--flash-attn", "-fa", help="flash attention: on, off or auto")),
+    "batch_size": (int, _opt(2048, "--batch-size", "-b", min=1, help="logical batch size (tokens per decode call)")),
+    "ubatch_size": (Optional[int], _opt(None, "--ubatch-size", "-ub", min=1, show_default=False,
+                                        help="physical batch size (default: 512, or the plan's); a prefill "
+                                             "ubatch goes through the expert cache when ubatch x k fits its "
+                                             "LRU slots")),
+    "no_mmap": (bool, _opt(False, "--no-mmap", help="read the model into memory instead of mapping it")),
+    "mlock": (bool, _opt(False, "--mlock", help="keep the model in RAM (no swapping)")),
+    "no_repack": (bool, _opt(False, "--no-repack", "-nr", help="disable weight repacking for the CPU (AMX, "
+                                                               "AVX layouts)")),
+    "device": (Optional[str], _opt(None, "--device", "-dev", show_default=False,
+                                   help="comma-separated devices to use (spark devices lists them), or none "
+                                        "for the CPU only (default: the first GPU, or the --rpc servers)")),
+    "rpc": (Optional[str], _opt(None, "--rpc", show_default=False, help=RPC_HELP)),
+    "override_tensor": (Optional[List[str]], _opt(None, "--override-tensor", "-ot", show_default=False,
+                                                  help="PATTERN=BUFFER[,...]: put matching tensors in that "
+                                                       "buffer type (e.g. CPU); experts are Spark's to place")),
+}
+
+
+# old spellings that still work, not shown in --help
+HIDDEN_ALIASES = {"--ctx": "--ctx-size", "--system": "--system-prompt"}
+
+
+def unalias(argv: list[str]) -> list[str]:
+    """Old flag spellings (HIDDEN_ALIASES) to the current ones, up to a `--`."""
+    out = []
+    for i, a in enumerate(argv):
+        if a == "--":
+            return out + argv[i:]
+        name, eq, value = a.partition("=")
+        out.append(HIDDEN_ALIASES[name] + eq + value if name in HIDDEN_ALIASES else a)
+    return out
+
+
+def model_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Give a command llama.cpp's model flags (MODEL_FLAGS); it receives them as `flags: LoadFlags`."""
+    sig = inspect.signature(fn)
+    own = [p for p in sig.parameters.values() if p.name != "flags"]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=typ)
+             for name, (typ, opt) in MODEL_FLAGS.items()]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        got = {name: kw.pop(name) for name in MODEL_FLAGS}
+        return fn(*args, flags=LoadFlags.from_cli(**got), **kw)
+
+    wrapper.__signature__ = sig.replace(parameters=[
+        *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own), *added])  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {**{k: v for k, v in fn.__annotations__.items() if k != "flags"},
+                               **{name: typ for name, (typ, _) in MODEL_FLAGS.items()}}
+    return wrapper
 
 
 def model_or_demo(model: Path | None) -> Path:
@@ -20,4 +98,3 @@ def model_or_demo(model: Path | None) -> Path:
 
     with console.status("building the demo model (first run only) ..."):
         return build_demo_model()
-

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ..errors import SparkError
+from ..errors import UsageError
 from .common import console
 
 
@@ -26,17 +26,17 @@ def register(app: typer.Typer) -> None:
         from ..demo_model import TINY_ARCHES, build_demo_model, build_tiny_model
 
         if seed < 0:
-            raise SparkError(f"--seed {seed}: give 0 or more")
+            raise UsageError(f"--seed {seed}: give 0 or more")
         if out_dir is not None:
             check_folder(out_dir, "--out-dir")
         if tiny is not None:
             if tiny not in TINY_ARCHES:
-                raise SparkError(f"--tiny {tiny}: unknown architecture", hint="one of " + ", ".join(TINY_ARCHES))
+                raise UsageError(f"--tiny {tiny}: unknown architecture", hint="one of " + ", ".join(TINY_ARCHES))
             with console.status(f"building tiny {tiny} model ..."):
                 path = build_tiny_model(tiny, seed=seed, out_dir=out_dir)
         else:
             if not (1 <= n_used <= n_expert <= 256) or n_expert < 2:
-                raise SparkError(f"--experts {n_expert} --experts-used {n_used}: need 1 <= k <= E and "
+                raise UsageError(f"--experts {n_expert} --experts-used {n_used}: need 1 <= k <= E and "
                                  "2 <= E <= 256 (a MoE model routes among at least two experts)")
             with console.status(f"building demo model E={n_expert} k={n_used} ..."):
                 path = build_demo_model(n_expert=n_expert, n_expert_used=n_used, seed=seed, out_dir=out_dir)
@@ -60,7 +60,7 @@ def register_demo(app: typer.Typer) -> None:
         from ..gguf_info import load_geometry
         from ..paths import spark_home
         from ..rpc import RpcServer
-        from ..session import gpu_free_bytes
+        from ..devices import local_gpus
 
         out = spark_home() / "demo"
         out.mkdir(parents=True, exist_ok=True)
@@ -71,7 +71,7 @@ def register_demo(app: typer.Typer) -> None:
         console.print(f"{model} ({model.stat().st_size / 2**20:.0f} MiB): {g.arch}, {len(g.moe_layers)} MoE layers, "
                       f"{g.n_expert} experts, {g.n_expert_used} used per token")
         server = None
-        if rpc is None and gpu_free_bytes() is None:
+        if rpc is None and not local_gpus():
             server = RpcServer().start()
             rpc = server.endpoint
             console.print(f"no GPU here: using an RPC stand-in GPU on {rpc}")
@@ -85,13 +85,13 @@ def register_demo(app: typer.Typer) -> None:
              ["profile", str(model), "--corpus", str(bundled_corpus()), "--gen", "4" if quick else "16",
               "--trace", str(trace), "--held-out", "0.25", "--plot", str(out / "demo-heatmap.png"), *dev]),
             (f"3/5 plan: {residency:.0%} of the expert bytes on the device",
-             ["plan", str(model), "--vram", str(budget), "--ctx", str(ctx), "--trace", str(trace), "-o", str(plan)]),
+             ["plan", str(model), "--vram", str(budget), "-c", str(ctx), "--trace", str(trace), "-o", str(plan)]),
             ("4/5 chat: one answer through the expert cache",
              ["chat", str(model), "--plan", str(plan), "--prompt", "What is the capital of France?", "--temp", "0",
               "-n", "24", *dev]),
             ("5/5 bench: Spark against stock llama.cpp offload, same budget",
-             ["bench", str(model), "--vram", str(budget), "--ctx", str(ctx), "-p", "64" if quick else "256",
-              "-n", "8" if quick else "48", "-r", "1" if quick else "3", "--ceiling", "--json", str(out / "demo-bench.json"),
+             ["bench", str(model), "--vram", str(budget), "-c", str(ctx), "-p", "64" if quick else "256",
+              "-n", "8" if quick else "48", "-r", "1" if quick else "3", "--ceiling", "-o", str(out / "demo-bench.json"),
               "--plot", str(out / "demo-bench.png"), *dev]),
         ]
         try:

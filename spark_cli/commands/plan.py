@@ -2,45 +2,14 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 from pathlib import Path
 
 import typer
 from rich.markup import escape
 
-from .common import console, err_console, model_or_demo
-
-KV_CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # what the engine accepts
-
-
-def _cache_type(value: str, flag: str) -> str:
-    from ..errors import PlanError
-
-    v = value.lower()
-    if v not in KV_CACHE_TYPES:
-        raise PlanError(f"{flag}: unknown KV cache type {value!r}", hint=f"use one of {', '.join(KV_CACHE_TYPES)}")
-    return v
-
-
-def resolve_budget(vram_text: str | None) -> tuple[int, str]:
-    """(budget bytes, where it came from): --vram, else the GPU's free memory minus a margin."""
-    from .. import session, vram
-    from ..errors import PlanError
-    from ..render_plan import fmt_bytes
-
-    if vram_text:
-        return vram.parse_size(vram_text, flag="--vram"), f"--vram {vram_text}"
-    with warnings.catch_warnings():  # pynvml's deprecation notice is not the user's concern
-        warnings.simplefilter("ignore", FutureWarning)
-        free = session.gpu_free_bytes()
-    if free is None:
-        raise PlanError("no GPU found: --vram is required for a dry run", hint="e.g. --vram 16GiB")
-    budget = session.device_budget(free)
-    if budget <= 0:
-        raise PlanError(f"the GPU has only {fmt_bytes(free)} free, less than the "
-                        f"{fmt_bytes(session.BUDGET_MARGIN)} margin", hint="free the GPU or pass --vram")
-    return budget, f"GPU free {fmt_bytes(free)} minus a {fmt_bytes(session.BUDGET_MARGIN)} margin"
+from ..options import LoadFlags
+from .common import JSON_HELP, console, err_console, model_flags, model_or_demo
 
 
 def _save(plan, output: Path) -> None:
@@ -71,12 +40,12 @@ def held_out_line(c, policy: str) -> str:
 
 def register(app: typer.Typer) -> None:
     @app.command("plan")
+    @model_flags
     def plan_cmd(
         model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)",
                                      show_default=False),
-        vram_text: str = typer.Option(None, "--vram", help="device budget, e.g. 16GiB (default: the GPU's "
+        vram_text: str = typer.Option(None, "--vram", help="device budget, e.g. 16GiB (default: the device's "
                                       "free memory minus a margin; required without a GPU)"),
-        ctx: int = typer.Option(8192, "--ctx", "-c", min=1, help="context length the KV cache is sized for"),
         profile_path: Path = typer.Option(None, "--profile", help="routing profile (default: the one beside "
                                           "the model; a uniform prior when there is none)"),
         trace_path: Path = typer.Option(None, "--trace", help="routing trace .npz to replay (default: the "
@@ -85,31 +54,38 @@ def register(app: typer.Typer) -> None:
                                    "lru, lfu-aged, slru, tinylfu (default: the default policy)"),
         check: bool = typer.Option(True, "--check/--no-check", help="print the held-out check (plan on 70%% "
                                    "of the replayed steps, predict the rest)"),
-        type_k: str = typer.Option("f16", "--cache-type-k", "-ctk", help="KV cache type for K: f16, q8_0, q4_0, ..."),
-        type_v: str = typer.Option("f16", "--cache-type-v", "-ctv", help="KV cache type for V"),
         output: Path = typer.Option(None, "--output", "-o", help="write the plan JSON here (for --plan)"),
-        as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of tables"),
+        as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+        flags: LoadFlags = None,
     ) -> None:
         """Place experts for a VRAM budget and show the bill (no GPU needed with --vram)."""
-        from .. import render_plan, session
-        from ..errors import PlanError
+        from .. import devices, render_plan, session
+        from ..errors import UsageError
+        from ..options import context_size
         from ..profile import RoutingProfile
         from ..trace import RoutingTrace
 
         from ..atomic import check_output
+        from ..planner import held_out_check, plan_by_replay
+        from ..simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy
 
         say = err_console if as_json else console
         if output is not None:
             check_output(output, "-o")
-        tk, tv = _cache_type(type_k, "--cache-type-k"), _cache_type(type_v, "--cache-type-v")
-        budget, budget_source = resolve_budget(vram_text)
+        pol = canonical_policy(policy or DEFAULT_POLICY)
+        if pol not in ONLINE_POLICIES:
+            raise UsageError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
+        # NOTE: a dry run with --vram needs no device (and does not load llama.cpp)
+        devs = [] if vram_text else devices.select(devices.parse(flags.device, flags.rpc))
+        budget = session.resolve_budget(vram_text, devs)
+        ctx = context_size(flags.ctx_size, geometry.context_length)
         if not geometry.known_family:
             say.print(f"[yellow]warning:[/] architecture {geometry.arch!r} is not in models.toml: experts "
                       "found from tensor names only; check the placement")
         if geometry.context_length and ctx > geometry.context_length:
-            say.print(f"[yellow]warning:[/] --ctx {ctx} is beyond the model's trained context "
+            say.print(f"[yellow]warning:[/] --ctx-size {ctx} is beyond the model's trained context "
                       f"{geometry.context_length}")
 
         info = session.load_profile(path, geometry, profile_path)
@@ -128,22 +104,20 @@ def register(app: typer.Typer) -> None:
         else:
             routing = (f"no profile at {info.path.name}: uniform prior "
                        "(run `spark profile` to learn which experts are hot)")
-        from ..planner import held_out_check, plan_by_replay
-        from ..simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy
-
-        pol = canonical_policy(policy or DEFAULT_POLICY)
-        if pol not in ONLINE_POLICIES:
-            raise PlanError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
+        tk, tv, ub = flags.type_k or "f16", flags.type_v or "f16", session.ubatch_size(flags)
         replay, replay_src = trace, f"the trace {trace_path.name}" if trace_path else ""
         if replay is None and info.profile is not None and info.profile.recent_trace() is not None:
             replay, replay_src = info.profile.recent_trace(), "the profile's recent decode steps"
         cands, check_result = [], None
         if replay is not None and replay.n_decode:
-            plan, cands = plan_by_replay(geometry, budget, ctx, replay, session.profile_counts(info), pol, tk, tv)
+            plan, cands = plan_by_replay(geometry, budget.bytes, ctx, replay, session.profile_counts(info), pol,
+                                         tk, tv, n_ubatch=ub)
             if check:
-                check_result = held_out_check(geometry, budget, ctx, replay, policy=pol, type_k=tk, type_v=tv)
+                check_result = held_out_check(geometry, budget.bytes, ctx, replay, policy=pol, type_k=tk, type_v=tv,
+                                              n_ubatch=ub)
         else:
-            plan = replace(session.make_plan_for(path, geometry, budget, ctx, info, tk, tv, trace=trace), policy=pol)
+            plan = replace(session.make_plan_for(path, geometry, budget.bytes, ctx, info, tk, tv, trace=trace,
+                                                 n_ubatch=ub), policy=pol)
 
         if output is not None:
             _save(plan, output)
@@ -160,7 +134,7 @@ def register(app: typer.Typer) -> None:
         console.print(routing + (f"; LRU slots sized from the trace {trace_path.name}" if trace else ""),
                       soft_wrap=True)
         console.print(render_plan.layer_table(plan))
-        console.print(render_plan.budget_table(plan, budget_source))
+        console.print(render_plan.budget_table(plan, budget.source))
         host = sum(l.host_bytes for l in plan.layers)
         if host:
             console.print(f"host RAM: {render_plan.fmt_bytes(host)} of experts of cached layers", soft_wrap=True)

@@ -20,10 +20,12 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
 
-from ..errors import PlanError, ProfileError, SparkError
+from ..errors import PlanError, ProfileError, SparkError, UsageError
+from ..options import LoadFlags
 from ..profiling import (CAPTURE_MODES, Gathered, StopFlag, _Capture, gather, open_engine,  # noqa: F401
                          resolve_capture, split_held_out)
-from .common import RPC_HELP, console, err_console, model_or_demo
+from .common import JSON_HELP, console, err_console, model_flags, model_or_demo
+
 DEFAULT_RESIDENCIES = "0.4,0.6,0.8"
 
 
@@ -62,9 +64,9 @@ def _parse_floats(text: str, flag: str, lo: float, hi: float) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SparkError(f"{flag} {text}: expected comma-separated numbers, e.g. {DEFAULT_RESIDENCIES}") from None
+        raise UsageError(f"{flag} {text}: expected comma-separated numbers, e.g. {DEFAULT_RESIDENCIES}") from None
     if not vals or any(not lo < v <= hi for v in vals):
-        raise SparkError(f"{flag} {text}: each value must be in ({lo}, {hi}]")
+        raise UsageError(f"{flag} {text}: each value must be in ({lo}, {hi}]")
     return vals
 
 
@@ -72,9 +74,9 @@ def _parse_ints(text: str, flag: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SparkError(f"{flag} {text}: expected comma-separated integers, e.g. 4,8,16") from None
+        raise UsageError(f"{flag} {text}: expected comma-separated integers, e.g. 4,8,16") from None
     if not vals or any(v < 1 for v in vals):
-        raise SparkError(f"{flag} {text}: each value must be a positive integer")
+        raise UsageError(f"{flag} {text}: each value must be a positive integer")
     return vals
 
 
@@ -160,49 +162,47 @@ def held_out_report(train, test, geometry, residencies: Sequence[float]) -> Tabl
 
 
 @profile_app.command("run", help="Profile MODEL on a corpus (the default: `spark profile MODEL --corpus PATH`).")
+@model_flags
 def run_cmd(
     model: Path = typer.Argument(None, help="the .gguf model (default: the demo model)", show_default=False),
-    corpus: Path = typer.Option(None, "--corpus", "-c", show_default=False,
+    corpus: Path = typer.Option(None, "--corpus", show_default=False,
                                 help="a text file, or a folder of .txt, .md and .jsonl files "
                                      "(default: the small bundled sample)"),
     gen: int = typer.Option(16, "--gen", min=0, help="greedy tokens decoded after each chunk, so decode routing is seen"),
-    ctx: int = typer.Option(2048, "--ctx", min=32, help="context size; longer documents are cut into chunks"),
     trace: Path = typer.Option(None, "--trace", help="also write the routing trace (.npz) for `spark profile simulate`"),
     held_out: float = typer.Option(0.0, "--held-out", min=0.0, max=0.9,
                                    help="share of the corpus held out to test placements built from the rest"),
     residency: str = typer.Option(DEFAULT_RESIDENCIES, "--residency",
                                   help="shares of expert bytes held resident, for --held-out"),
     plot: Path = typer.Option(None, "--plot", help="write a layers x experts heatmap PNG"),
-    rpc: str = typer.Option(None, "--rpc", help=RPC_HELP),
-    device: str = typer.Option("auto", "--device", help="auto (first GPU), cpu, or a device name"),
     capture: str = typer.Option("auto", "--capture", help="native (patched counters), callback (eval callback), or auto"),
     profile: Path = typer.Option(None, "--profile", help="profile file to update (default: beside the model)"),
-    threads: int = typer.Option(0, "--threads", "-t", min=0, help="CPU threads (0: all cores)"),
     reset: bool = typer.Option(False, "--reset", help="move the existing profile aside (kept as "
                                ".old-DATE) and start a fresh one: for a corrupt or newer-version profile"),
+    flags: LoadFlags = None,
 ) -> None:
-    from .. import faults, profile_store
+    from .. import faults, profile_store, session
     from ..atomic import check_output, lock_timeout_default
     from ..corpus import CorpusError, bundled_corpus, make_chunks, read_corpus
     from ..gguf_info import load_geometry
+    from ..options import context_size
     from ..profile import RESET_HINT, RoutingProfile, profile_path_for
     from ..recovery import save_or_recover
-    from ..rpc import parse_endpoints
 
     residencies = _parse_floats(residency, "--residency", 0.0, 1.0)
-    endpoints = parse_endpoints(rpc)
     if capture not in CAPTURE_MODES:
-        raise SparkError(f"--capture {capture}: expected one of {', '.join(CAPTURE_MODES)}")
-    max_len = ctx - gen
-    if max_len < 16:
-        raise SparkError(f"--ctx {ctx} leaves {max_len} tokens per chunk after --gen {gen}",
-                         hint="raise --ctx or lower --gen")
+        raise UsageError(f"--capture {capture}: expected one of {', '.join(CAPTURE_MODES)}")
 
     for flag, out in (("--trace", trace), ("--plot", plot)):  # before the run, not after it
         if out is not None:
             check_output(out, flag)
     model = model_or_demo(model)
     geometry = load_geometry(model, require_moe=True)
+    ctx = context_size(flags.ctx_size, geometry.context_length)
+    max_len = ctx - gen
+    if max_len < 16:
+        raise UsageError(f"--ctx-size {ctx} leaves {max_len} tokens per chunk after --gen {gen}",
+                         hint="raise -c or lower --gen")
     ident = geometry.identity()
     prof_path = Path(profile) if profile else profile_path_for(model)
     if reset:
@@ -225,8 +225,11 @@ def run_cmd(
     mode = resolve_capture(capture)
     full_trace = trace is not None or held_out > 0
     keep_trace = True  # at least the decode steps: the profile keeps a ring of recent ones
-    n_batch = min(512, ctx)
-    engine = open_engine(model, geometry, mode, keep_trace, ctx, n_batch, device, endpoints, threads,
+    # NOTE: one ubatch per eval: every piece of a chunk is one prefill step
+    n_batch = min(session.ubatch_size(flags), ctx)
+    base = session.engine_options(model, geometry, None, flags, n_ctx=ctx, learn=False)
+    base.n_batch = base.n_ubatch = n_batch
+    engine = open_engine(base, geometry, mode, keep_trace,
                          note=lambda msg: console.print(f"[yellow]note:[/] {msg}"))
     try:
         prefix = engine.tokenize("", add_special=True)
@@ -298,7 +301,7 @@ def run_cmd(
         console.print(f"{'updated' if old else 'new'} profile {prof_path}: {saved.tokens_prefill:,.0f} prefill + "
                       f"{saved.tokens_decode:,.0f} decode tokens")
 
-    if saved.recent is not None:
+    if saved is not None and saved.recent is not None:
         console.print(f"recent decode steps kept in the profile: {len(saved.recent):,} "
                       f"(at most {saved.recent_capacity(len(saved.recent_layers), saved.recent.shape[2]):,})")
     if g.traces and full_trace:
@@ -440,7 +443,7 @@ def simulate_cmd(
     profile: Path = typer.Option(None, "--profile", help="profile whose top experts lru-pinned pins (none without)"),
     pin: int = typer.Option(None, "--pin", min=0, help="experts pinned per layer by lru-pinned (default: half the slots)"),
     phases: str = typer.Option("decode", "--phases", help="decode, or all (prefill steps too, as the native cache)"),
-    as_json: bool = typer.Option(False, "--json", help="print the rows as JSON"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Replay a trace through cache policies: hit rate, uploads and bytes per token by slot count."""
     from ..gguf_info import load_geometry
@@ -452,13 +455,13 @@ def simulate_cmd(
     policies = list(dict.fromkeys(ALIASES.get(p.strip(), p.strip()) for p in policy.split(",") if p.strip()))
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
-        raise SparkError(f"--policy {policy}: unknown {', '.join(bad) or 'empty list'}",
+        raise UsageError(f"--policy {policy}: unknown {', '.join(bad) or 'empty list'}",
                          hint=f"use some of {', '.join(POLICIES)}")
     if miss_path not in (*MISS_PATHS, "both"):
-        raise SparkError(f"--miss-path {miss_path}: expected upload, cpu or both")
+        raise UsageError(f"--miss-path {miss_path}: expected upload, cpu or both")
     paths = MISS_PATHS if miss_path == "both" else (miss_path,)
     if phases not in ("decode", "all"):
-        raise SparkError(f"--phases {phases}: expected decode or all")
+        raise UsageError(f"--phases {phases}: expected decode or all")
     geometry = load_geometry(model, require_moe=True) if model is not None else None
     tr = RoutingTrace.load(trace, expect_fingerprint=geometry.fingerprint if geometry else None)
     if geometry is not None and (tr.n_layer, tr.n_expert) != (geometry.n_layer, geometry.n_expert):
@@ -475,7 +478,7 @@ def simulate_cmd(
     bpe = {l.index: l.expert_bytes_per_expert for l in geometry.layers if l.is_moe} if geometry else None
     k = geometry.n_expert_used if geometry else tr.k
     if min(slot_counts) < k:
-        raise SparkError(f"--slots {slots}: a cached layer needs at least k = {k} slots (experts used per token)",
+        raise UsageError(f"--slots {slots}: a cached layer needs at least k = {k} slots (experts used per token)",
                          hint=f"use slot counts of {k} or more")
     rows = simulate_rows(tr, slot_counts, policies, pinned_from=pinned_from, bytes_per_expert=bpe, k=k, pin=pin,
                          phases=("decode",) if phases == "decode" else ("prefill", "decode"), miss_paths=paths,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import typer
 from rich.table import Table
 
-from .common import console
+from .common import JSON_HELP, RPC_HELP, console
 
 
 def register(app: typer.Typer) -> None:
@@ -25,14 +27,22 @@ def register(app: typer.Typer) -> None:
         serve(host, port, threads or None)
 
     @app.command("devices")
-    def devices_cmd(rpc: str = typer.Option(None, "--rpc", help="RPC servers HOST:PORT[,...]")) -> None:
-        """List the ggml devices this build sees (CPU, CUDA, RPC)."""
+    def devices_cmd(
+        rpc: str = typer.Option(None, "--rpc", help=RPC_HELP),
+        as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    ) -> None:
+        """List the ggml devices this build sees (CPU, CUDA, RPC): the names -dev takes."""
         from .. import llama_lib
         from ..rpc import connect, parse_endpoints
 
         if rpc:
             connect(parse_endpoints(rpc))
+        devs = llama_lib.devices(memory=True)
+        if as_json:
+            typer.echo(json.dumps([{"name": d.name, "type": d.type, "description": d.description, "free": d.free,
+                                    "total": d.total} for d in devs], indent=1))
+            return
         t = Table("name", "type", "description", "free GiB", "total GiB")
-        for d in llama_lib.devices(memory=True):
+        for d in devs:
             t.add_row(d.name, d.type, d.description, f"{d.free / 2**30:.2f}", f"{d.total / 2**30:.2f}")
         console.print(t)
