@@ -1,0 +1,106 @@
+"""`spark serve [MODEL]`: an OpenAI-compatible server (llama-server's endpoints) on the
+planned placement; the traffic it serves tunes the model's profile."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import typer
+
+from .common import RPC_HELP, err_console, model_or_demo
+
+MISS_PATHS = ("auto", "cpu", "upload")
+
+
+def _engine_options(path: Path, plan, n_ctx: int, endpoints: list[str], device: str, threads: int,
+                    learn: bool, miss_path: str):
+    from .. import session
+
+    opts = session.engine_options(path, plan, n_ctx=n_ctx, rpc=endpoints, device=device,
+                                  n_ubatch=plan.n_ubatch if plan else 512,
+                                  type_k=plan.type_k if plan else "f16", type_v=plan.type_v if plan else "f16",
+                                  learn=learn)
+    opts.n_threads = threads or None
+    if any(f.name == "miss_path" for f in dataclasses.fields(opts)):
+        opts.miss_path = miss_path
+    elif miss_path != "auto":
+        err_console.print(f"[yellow]note:[/] --miss-path {miss_path}: this engine has no choice of miss path yet; "
+                          "misses are uploaded")
+    return opts
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("serve")
+    def serve_cmd(
+        model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),
+        plan_path: Path = typer.Option(None, "--plan", help="placement from spark plan -o (default: plan now)"),
+        vram_text: str = typer.Option(None, "--vram", help="device budget for planning now, e.g. 16GiB "
+                                      "(default: the device's free memory minus a margin)"),
+        host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
+        port: int = typer.Option(8080, "--port", min=0, max=65535, help="port to listen on (0: any free one)"),
+        ctx: int = typer.Option(None, "--ctx-size", "--ctx", "-c", min=16,
+                                help="context length (default: the plan's, else 4096)", show_default=False),
+        rpc: str = typer.Option(None, "--rpc", help=RPC_HELP),
+        device: str = typer.Option("auto", "--device", help="auto (first GPU, or --rpc) or cpu"),
+        threads: int = typer.Option(0, "--threads", "-t", min=0, help="CPU threads (0: all cores)"),
+        miss_path: str = typer.Option("auto", "--miss-path", help="expert cache misses: auto, cpu or upload"),
+        api_key: str = typer.Option(None, "--api-key", envvar="SPARK_API_KEY", show_envvar=True,
+                                    help="require 'Authorization: Bearer KEY' on every endpoint but /health"),
+        max_queue: int = typer.Option(32, "--queue", min=1, help="requests waiting at most; more get 503"),
+        learn_every: float = typer.Option(300.0, "--learn-every", min=0.0,
+                                          help="seconds between folds of routing counts into the profile "
+                                               "(0: only at exit)"),
+        learn: bool = typer.Option(True, "--learn/--no-learn", help="fold the served routing into the model's "
+                                   "profile while serving and on exit"),
+    ) -> None:
+        """Serve the model over HTTP with OpenAI's API, as llama-server does."""
+        from .. import session
+        from ..engine import Engine
+        from ..errors import SparkError
+        from ..rpc import parse_endpoints
+        from ..serve.app import ServerState
+        from ..serve.learn import Learner
+        from ..serve.server import bind, serve
+        from ..serve.stats import ServerStats
+        from ..serve.worker import Worker
+        from .chat import _placement
+
+        if miss_path not in MISS_PATHS:
+            raise SparkError(f"--miss-path {miss_path}: not one of {', '.join(MISS_PATHS)}")
+        endpoints = parse_endpoints(rpc)
+        if endpoints and device == "cpu":
+            raise SparkError("--rpc and --device cpu contradict each other", hint="drop one of them")
+        os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+        path = model_or_demo(model)
+        geometry = session.open_geometry(path)
+        info = session.load_profile(path, geometry)
+        devices, plan, n_ctx, budget_source, cpu_reason = _placement(
+            path, geometry, info, plan_path=plan_path, vram_text=vram_text, ctx=ctx, endpoints=endpoints,
+            device=device, say=err_console)
+        opts = _engine_options(path, plan, n_ctx, endpoints, device, threads, learn, miss_path)
+        cached = {c.il for c in opts.cache_layers}
+        sock = bind(host, port)
+        bound_host, bound_port = sock.getsockname()[:2]
+        stats = ServerStats(cached_layers=cached, planned_bytes=int(plan.breakdown["total"]) if plan else 0)
+        learner = Learner(path, geometry, interval=learn_every, enabled=learn)
+        worker = Worker(lambda: Engine(opts), cached, stats, learner, max_queue=max_queue)
+        state = ServerState(worker, stats, path.name, api_key=api_key or None)
+        where = f"{devices[0].name}" if devices else f"CPU ({cpu_reason})"
+        placement = (f"{len(cached)} cached MoE layers, plan {budget_source}" if plan is not None
+                     else "stock CPU path")
+        err_console.print(f"loading {path.name} on {where}: {placement}, context {n_ctx} ...", soft_wrap=True)
+
+        def ready() -> None:
+            err_console.print(f"spark serve: {path.name} on http://{bound_host}:{bound_port}/v1 "
+                              f"(queue {max_queue}; {'learning' if learn else 'not learning'}; Ctrl-C stops)", soft_wrap=True)
+
+        out = serve(state, learner, sock, on_ready=ready)
+        if out.folded_tokens:
+            err_console.print(f"[dim]learned: {out.folded_tokens:.0f} decode tokens folded into "
+                              f"{session.profile_path_for(path).name}[/]", soft_wrap=True)
+        if out.code:
+            prefix = "the engine failed: " if out.code == 1 else ""
+            raise SparkError(prefix + (out.message or "the server stopped"), exit_code=out.code)
+        err_console.print("stopped")
