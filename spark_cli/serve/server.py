@@ -8,13 +8,17 @@ request, stop HTTP, fold, close the engine.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import SparkError
+from . import lastwords
 from .app import ServerState, create_app
 from .learn import Learner
 from .worker import Worker
@@ -60,6 +64,19 @@ def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: f
         stop.set()
 
     worker.on_fatal = on_fatal
+
+    def on_abort(message: str) -> None:
+        # NOTE: ggml aborts the process when this returns: answer, fold, leave
+        worker.abort(message)
+        time.sleep(1.0)  # the HTTP thread sends the 503s meanwhile
+        try:
+            learner.close()
+        finally:
+            print(f"error: the device failed: {message} (kept: {learner.folded_tokens:.0f} decode tokens "
+                  "folded into the profile)", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    lastwords.install(on_abort)
     config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=int(grace) + 5)
     http = uvicorn.Server(config)

@@ -194,6 +194,15 @@ class Worker:
             job.done.set()
         self.stats.set_deferred(0)
 
+    def abort(self, message: str) -> None:
+        """The engine cannot go on (called from the thread that failed): 503 to everyone waiting."""
+        self.fatal = message
+        err = unavailable(f"the device failed: {message}")
+        job = self.current
+        if job is not None:
+            job.emit(Failed(err))
+        self._refuse_queued(err)
+
     def _die(self, message: str, code: int) -> None:
         self.fatal = message
         self._refuse_queued(unavailable(f"the engine failed: {message}"))

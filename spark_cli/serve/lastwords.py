@@ -1,0 +1,45 @@
+"""Last words before ggml aborts: a dead RPC server or GPU makes ggml call its abort callback,
+then abort(). The server uses that moment to answer 503, fold what it learned and exit 1.
+
+NOTE: a stopgap at the server's edge until the engine reports device loss as an exception
+(the engine then raises, and the worker's ordinary fatal path answers 503 and exits 1).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from typing import Callable
+
+_ABORT_CB = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+_installed: list[object] = []  # keeps the ctypes callback alive
+_FILE_LINE = re.compile(r"^\S+:\d+: ")
+
+
+def install(handler: Callable[[str], None]) -> bool:
+    """Call `handler(message)` when ggml aborts (the handler should not return). False if the
+    library has no abort callback."""
+    from .. import llama_lib
+
+    # NOTE: wheels ship libggml-base.so and .so.0 as copies: two instances may be mapped, hook each
+    libdir = llama_lib.load().libdir
+    setters = []
+    for name in ("libggml-base.so.0", "libggml-base.so"):
+        if (libdir / name).exists():
+            setter = getattr(ctypes.CDLL(str(libdir / name)), "ggml_set_abort_callback", None)
+            if setter is not None:
+                setter.restype = ctypes.c_void_p
+                setter.argtypes = [_ABORT_CB]
+                setters.append(setter)
+    if not setters:
+        return False
+
+    def on_abort(raw: bytes | None) -> None:
+        text = (raw or b"").decode(errors="replace").strip()
+        handler(_FILE_LINE.sub("", text) or "ggml aborted")
+
+    cb = _ABORT_CB(on_abort)
+    _installed.append(cb)
+    for setter in setters:
+        setter(cb)
+    return True
