@@ -510,3 +510,38 @@ def test_dying_rpc_server_keeps_folded_counts_and_exits_nonzero(small_model, tmp
             _stop(srv)
     finally:
         rpc.stop()
+
+
+# ---------------------------------------------------------------- the command line
+
+
+@pytest.fixture
+def spark(monkeypatch, capsys):
+    from conftest import cli_runner
+
+    from spark_cli.commands import serve as serve_cmd
+
+    return cli_runner(monkeypatch, capsys, "serve", serve_cmd.register)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("case", ["missing", "miss-path", "port-taken", "rpc-and-cpu"])
+def test_bad_command_line_is_one_line(case, spark, small_model, tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        args = {
+            "missing": [tmp_path / "nope.gguf"],
+            "miss-path": [small_model, "--miss-path", "sideways"],
+            "port-taken": [small_model, "--device", "cpu", "--port", taken.getsockname()[1]],
+            "rpc-and-cpu": [small_model, "--device", "cpu", "--rpc", "127.0.0.1:1"],
+        }[case]
+        rc, out, err = spark(*args)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert rc == 2 and out == ""
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    want = {"missing": "no such", "miss-path": "--miss-path sideways", "port-taken": "cannot listen",
+            "rpc-and-cpu": "contradict"}[case]
+    assert want in lines[0]
