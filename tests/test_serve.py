@@ -180,6 +180,13 @@ def test_parse_names_the_problem(body, where):
     assert e.value.status == 400 and where in e.value.message
 
 
+def test_parse_takes_null_as_unset():
+    r = parse(ChatRequest, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], '
+                           b'"temperature": null, "max_tokens": null, "stop": null, "stream": true}')
+    assert (r.temperature, r.limit, r.stops, r.stream) == (0.8, -1, [], True)
+    assert r.message_dicts() == [{"role": "user", "content": "hi"}]
+
+
 class _SlowLoadingEngine(_FakeEngine):
     def bank_bytes(self) -> int:
         return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -71,10 +72,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 class _Feed:
-    """A job's events, read on the event loop; a client that went away cancels the job."""
+    """A job's events, read on the event loop; a client that went away sets `cancel`."""
 
-    def __init__(self, job: Job, request: Request):
-        self.job, self.request = job, request
+    def __init__(self, request: Request):
+        self.request = request
+        self.cancel = threading.Event()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self._checked = time.monotonic()
@@ -92,7 +94,7 @@ class _Feed:
             if time.monotonic() - self._checked >= POLL_SECONDS:
                 self._checked = time.monotonic()
                 if await self.request.is_disconnected():
-                    self.job.cancel.set()
+                    self.cancel.set()
                     raise _ClientGone
             try:
                 return await asyncio.wait_for(self.events.get(), timeout=POLL_SECONDS)
@@ -108,24 +110,22 @@ def _sampling(req) -> Sampling:
 async def _generate(request: Request, chat: bool) -> Response:
     st: ServerState = request.app.state.spark
     req = parse(ChatRequest if chat else CompletionRequest, await _read_body(request, st.max_body))
-    job = Job(lambda ev: None, _sampling(req), messages=req.message_dicts() if chat else None,
-              text=None if chat else req.prompt, stops=req.stops)
-    feed = _Feed(job, request)
-    job.emit = feed.emit
+    feed = _Feed(request)
+    job = Job(feed.emit, _sampling(req), messages=req.message_dicts() if chat else None,
+              text=None if chat else req.prompt, stops=req.stops, cancel=feed.cancel)
     st.worker.submit(job)
     env = Envelope(chat, req.model or st.model_name)
+    streaming = False
     try:
         first = await feed.next()
-    except _ClientGone:
-        return Response(status_code=499)
-    if isinstance(first, Failed):
-        raise first.error
-    assert isinstance(first, Started)
-    if req.stream:
-        return StreamingResponse(_stream(feed, env, chat, req.include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    parts: list[str] = []
-    try:
+        if isinstance(first, Failed):
+            raise first.error
+        assert isinstance(first, Started)
+        if req.stream:
+            streaming = True
+            return StreamingResponse(_stream(feed, env, chat, req.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        parts: list[str] = []
         while True:
             ev = await feed.next()
             if isinstance(ev, Text):
@@ -136,6 +136,9 @@ async def _generate(request: Request, chat: bool) -> Response:
                 raise ev.error
     except _ClientGone:
         return Response(status_code=499)
+    finally:
+        if not streaming:
+            feed.cancel.set()  # NOTE: a no-op once the job is done; stops it if this handler ends early
 
 
 async def _stream(feed: _Feed, env: Envelope, chat: bool,
@@ -159,7 +162,7 @@ async def _stream(feed: _Feed, env: Envelope, chat: bool,
     except _ClientGone:
         return
     finally:
-        feed.job.cancel.set()  # NOTE: a no-op once the job is done; stops it when the client went away
+        feed.cancel.set()  # NOTE: a no-op once the job is done; stops it when the client went away
 
 
 async def chat_completions(request: Request) -> Response:

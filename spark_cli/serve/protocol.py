@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_STOP = 4
 FINISH = {"eog": "stop", "stop": "stop", "length": "length", "context": "length", "interrupted": "stop"}
@@ -39,6 +39,12 @@ def unavailable(message: str) -> ApiError:
 class _Strict(BaseModel):
     # NOTE: unknown fields are ignored as llama-server does (clients send many); known ones are typed strictly
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """Clients send `"temperature": null` for "not set": take the default."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class TextPart(_Strict):
