@@ -405,7 +405,7 @@ def test_metrics_count_the_served_tokens(server):
     assert m["llamacpp:requests_processing"] == 0 and m["llamacpp:requests_deferred"] == 0
     hits, misses = m["spark:expert_cache_hits_total"], m["spark:expert_cache_misses_total"]
     assert hits > 0 and misses > 0 and m["spark:expert_cache_hit_ratio"] == pytest.approx(hits / (hits + misses))
-    assert m["spark:expert_cache_uploads_total"] >= misses and m["spark:expert_cache_uploaded_bytes_total"] > 0
+    assert m["spark:expert_cache_uploads_total"] > 0 and m["spark:expert_cache_uploaded_bytes_total"] > 0
     assert m["spark:device_bytes_planned"] > 0 and m["llamacpp:tokens_predicted_seconds_total"] > 0
 
 
@@ -549,6 +549,6 @@ def test_bad_command_line_is_one_line(case, spark, small_model, tmp_path):
     lines = [l for l in err.splitlines() if l.strip()]
     assert rc == 2 and out == ""
     assert len(lines) == 1 and lines[0].startswith("error:"), err
-    want = {"missing": "no such", "miss-path": "--miss-path sideways", "port-taken": "cannot listen",
+    want = {"missing": "no such", "miss-path": "--miss-path: unknown miss path 'sideways'", "port-taken": "cannot listen",
             "rpc-and-cpu": "contradict"}[case]
     assert want in lines[0]

@@ -11,9 +11,6 @@ import typer
 
 from .common import RPC_HELP, err_console, model_or_demo
 
-MISS_PATHS = ("auto", "cpu", "upload")
-
-
 def _engine_options(path: Path, plan, n_ctx: int, endpoints: list[str], device: str, threads: int,
                     learn: bool, miss_path: str):
     from .. import session
@@ -23,12 +20,27 @@ def _engine_options(path: Path, plan, n_ctx: int, endpoints: list[str], device: 
                                   type_k=plan.type_k if plan else "f16", type_v=plan.type_v if plan else "f16",
                                   learn=learn)
     opts.n_threads = threads or None
-    if any(f.name == "miss_path" for f in dataclasses.fields(opts)):
-        opts.miss_path = miss_path
-    elif miss_path != "auto":
-        err_console.print(f"[yellow]note:[/] --miss-path {miss_path}: this engine has no choice of miss path yet; "
-                          "misses are uploaded")
+    # NOTE: auto starts on the cpu path; resolve() then measures and picks per layer
+    first = "cpu" if miss_path == "auto" else miss_path
+    opts.cache_layers = [dataclasses.replace(c, miss_path=first) for c in opts.cache_layers]
     return opts
+
+
+def _open_engine(opts, miss_path: str, fingerprint: str):
+    """The engine, with each cached layer on its miss path (auto: calibrated, then cached)."""
+    from .. import miss_path as mp
+    from ..engine import Engine
+    from ..paths import spark_home
+
+    engine = Engine(opts)
+    try:
+        if opts.cache_layers:
+            _, why = mp.resolve(engine, miss_path, fingerprint, spark_home())
+            err_console.print(f"[dim]{why}[/]", soft_wrap=True)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
 
 
 def register(app: typer.Typer) -> None:
@@ -45,7 +57,8 @@ def register(app: typer.Typer) -> None:
         rpc: str = typer.Option(None, "--rpc", help=RPC_HELP),
         device: str = typer.Option("auto", "--device", help="auto (first GPU, or --rpc) or cpu"),
         threads: int = typer.Option(0, "--threads", "-t", min=0, help="CPU threads (0: all cores)"),
-        miss_path: str = typer.Option("auto", "--miss-path", help="expert cache misses: auto, cpu or upload"),
+        miss_path: str = typer.Option("auto", "--miss-path", help="expert cache misses: upload and wait, compute on the "
+                                       "cpu, or auto (measured per layer, then remembered)"),
         api_key: str = typer.Option(None, "--api-key", envvar="SPARK_API_KEY", show_envvar=True,
                                     help="require 'Authorization: Bearer KEY' on every endpoint but /health"),
         max_queue: int = typer.Option(32, "--queue", min=1, help="requests waiting at most; more get 503"),
@@ -57,8 +70,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Serve the model over HTTP with OpenAI's API, as llama-server does."""
         from .. import session
-        from ..engine import Engine
         from ..errors import SparkError
+        from ..miss_path import check_choice
         from ..rpc import parse_endpoints
         from ..serve.app import ServerState
         from ..serve.learn import Learner
@@ -67,8 +80,7 @@ def register(app: typer.Typer) -> None:
         from ..serve.worker import Worker
         from .chat import _placement
 
-        if miss_path not in MISS_PATHS:
-            raise SparkError(f"--miss-path {miss_path}: not one of {', '.join(MISS_PATHS)}")
+        check_choice(miss_path)
         endpoints = parse_endpoints(rpc)
         if endpoints and device == "cpu":
             raise SparkError("--rpc and --device cpu contradict each other", hint="drop one of them")
@@ -85,7 +97,7 @@ def register(app: typer.Typer) -> None:
         bound_host, bound_port = sock.getsockname()[:2]
         stats = ServerStats(cached_layers=cached, planned_bytes=int(plan.breakdown["total"]) if plan else 0)
         learner = Learner(path, geometry, interval=learn_every, enabled=learn)
-        worker = Worker(lambda: Engine(opts), cached, stats, learner, max_queue=max_queue)
+        worker = Worker(lambda: _open_engine(opts, miss_path, geometry.fingerprint), cached, stats, learner, max_queue=max_queue)
         state = ServerState(worker, stats, path.name, api_key=api_key or None)
         where = f"{devices[0].name}" if devices else f"CPU ({cpu_reason})"
         placement = (f"{len(cached)} cached MoE layers, plan {budget_source}" if plan is not None

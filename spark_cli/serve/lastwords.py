@@ -21,18 +21,12 @@ def install(handler: Callable[[str], None]) -> bool:
     library has no abort callback."""
     from .. import llama_lib
 
-    # NOTE: wheels ship libggml-base.so and .so.0 as copies: two instances may be mapped, hook each
-    libdir = llama_lib.load().libdir
-    setters = []
-    for name in ("libggml-base.so.0", "libggml-base.so"):
-        if (libdir / name).exists():
-            setter = getattr(ctypes.CDLL(str(libdir / name)), "ggml_set_abort_callback", None)
-            if setter is not None:
-                setter.restype = ctypes.c_void_p
-                setter.argtypes = [_ABORT_CB]
-                setters.append(setter)
-    if not setters:
+    base = ctypes.CDLL(str(llama_lib._soname(llama_lib.load().libdir, "libggml-base")))
+    setter = getattr(base, "ggml_set_abort_callback", None)
+    if setter is None:
         return False
+    setter.restype = ctypes.c_void_p
+    setter.argtypes = [_ABORT_CB]
 
     def on_abort(raw: bytes | None) -> None:
         text = (raw or b"").decode(errors="replace").strip()
@@ -40,6 +34,5 @@ def install(handler: Callable[[str], None]) -> bool:
 
     cb = _ABORT_CB(on_abort)
     _installed.append(cb)
-    for setter in setters:
-        setter(cb)
+    setter(cb)
     return True
