@@ -499,7 +499,7 @@ def test_dying_rpc_server_keeps_folded_counts_and_exits_nonzero(small_model, tmp
             folded = RoutingProfile.load(profile_path_for(m))
             assert folded.tokens_decode == r.usage.completion_tokens  # folded while serving
             got: list[str] = []
-            with pytest.raises(openai.APIError, match="the device failed"):
+            with pytest.raises(openai.APIError, match="lost the RPC server"):
                 with c.completions.create(model="x", prompt=COUNTING, temperature=0, max_tokens=400,
                                           stream=True) as stream:
                     for ch in stream:
@@ -509,10 +509,10 @@ def test_dying_rpc_server_keeps_folded_counts_and_exits_nonzero(small_model, tmp
             rc = srv.proc.wait(timeout=60)
             log = srv.log.read_text()
             assert rc == 1 and "Traceback" not in log, log
-            assert "error: the device failed" in log and got  # one line, after some streamed text
+            assert "error: lost the RPC server" in log and "folded into the profile" in log and got
             after = RoutingProfile.load(profile_path_for(m))
-            assert after.tokens_decode >= folded.tokens_decode
-            assert after.decode.sum() == after.tokens_decode * g.n_expert_used * len(g.moe_layers)
+            assert after.tokens_decode > folded.tokens_decode  # the tokens streamed before the loss too
+            assert after.decode.sum() == pytest.approx(after.tokens_decode * g.n_expert_used * len(g.moe_layers))
         finally:
             _stop(srv)
     finally:

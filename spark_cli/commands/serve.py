@@ -4,7 +4,6 @@ planned placement; the traffic it serves tunes the model's profile."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import typer
@@ -57,8 +56,9 @@ def register(app: typer.Typer) -> None:
         rpc: str = typer.Option(None, "--rpc", help=RPC_HELP),
         device: str = typer.Option("auto", "--device", help="auto (first GPU, or --rpc) or cpu"),
         threads: int = typer.Option(0, "--threads", "-t", min=0, help="CPU threads (0: all cores)"),
-        miss_path: str = typer.Option("auto", "--miss-path", help="expert cache misses: upload and wait, compute on the "
-                                       "cpu, or auto (measured per layer, then remembered)"),
+        miss_path: str = typer.Option(None, "--miss-path", help="expert cache misses: upload and wait, compute on the "
+                                      "cpu, or auto (measured per layer, then remembered); default: the plan's, "
+                                      "else auto", show_default=False),
         api_key: str = typer.Option(None, "--api-key", envvar="SPARK_API_KEY", show_envvar=True,
                                     help="require 'Authorization: Bearer KEY' on every endpoint but /health"),
         max_queue: int = typer.Option(32, "--queue", min=1, help="requests waiting at most; more get 503"),
@@ -80,17 +80,18 @@ def register(app: typer.Typer) -> None:
         from ..serve.worker import Worker
         from .chat import _placement
 
-        check_choice(miss_path)
+        if miss_path is not None:
+            check_choice(miss_path)
         endpoints = parse_endpoints(rpc)
         if endpoints and device == "cpu":
             raise SparkError("--rpc and --device cpu contradict each other", hint="drop one of them")
-        os.environ.setdefault("GGML_NO_BACKTRACE", "1")
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
         info = session.load_profile(path, geometry)
         devices, plan, n_ctx, budget_source, cpu_reason = _placement(
             path, geometry, info, plan_path=plan_path, vram_text=vram_text, ctx=ctx, endpoints=endpoints,
             device=device, say=err_console)
+        miss_path = miss_path or (plan.miss_path if plan is not None else "auto")
         opts = _engine_options(path, plan, n_ctx, endpoints, device, threads, learn, miss_path)
         cached = {c.il for c in opts.cache_layers}
         sock = bind(host, port)

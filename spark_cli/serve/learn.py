@@ -14,6 +14,8 @@ import numpy as np
 from .. import session
 from ..errors import SparkError
 
+LOCK_TIMEOUT = 10.0  # seconds to wait for the profile's lock; then the counts go to the side file
+
 
 @dataclass
 class Learner:
@@ -36,25 +38,20 @@ class Learner:
             self._counts = counts.copy() if self._counts is None else self._counts + counts
             self._tokens += tokens
 
-    @property
-    def pending_tokens(self) -> int:
-        with self._lock:
-            return self._tokens
-
     def fold(self) -> float:
-        """Fold what is pending; returns the decode tokens folded. A failed save keeps them pending."""
+        """Fold what is pending; returns the decode tokens folded. A failed save leaves them in
+        the profile's pending side file (session.fold_into_profile), which the next fold merges."""
         with self._fold_lock:
             with self._lock:
-                counts, tokens = self._counts, self._tokens
-                self._counts, self._tokens = None, 0
+                counts, self._counts, self._tokens = self._counts, None, 0
             if counts is None or counts.sum() <= 0:
                 return 0.0
             try:
-                session.fold_into_profile(self.model, self.geometry, counts, source="spark serve")
+                session.fold_into_profile(self.model, self.geometry, counts, source="spark serve",
+                                          timeout=LOCK_TIMEOUT)
             except (SparkError, OSError) as e:
-                self.add(counts, tokens)
                 msg = e.one_line() if isinstance(e, SparkError) else str(e)
-                print(f"warning: routing counts not saved yet: {msg}", file=sys.stderr)
+                print(f"warning: routing counts not folded: {msg}", file=sys.stderr)
                 return 0.0
             n = float(counts.sum()) / (self.geometry.n_expert_used * max(1, len(self.geometry.moe_layers)))
             self.folded_tokens += n

@@ -8,17 +8,15 @@ request, stop HTTP, fold, close the engine.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
+from .. import faults
 from ..errors import SparkError
-from . import lastwords
 from .app import ServerState, create_app
 from .learn import Learner
 from .worker import Worker
@@ -65,39 +63,37 @@ def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: f
 
     worker.on_fatal = on_fatal
 
-    def on_abort(message: str) -> None:
-        # NOTE: ggml aborts the process when this returns: answer, fold, leave
-        worker.abort(message)
+    def keep_on_loss() -> str | None:
+        # NOTE: called by faults' abort hook when the device or RPC server is gone; the process ends after it
+        worker.abort(faults.describe("").message)  # 503 to the running request and the queue
+        worker.harvest_now()
         time.sleep(1.0)  # the HTTP thread sends the 503s meanwhile
-        try:
-            learner.close()
-        finally:
-            print(f"error: the device failed: {message} (kept: {learner.folded_tokens:.0f} decode tokens "
-                  "folded into the profile)", file=sys.stderr, flush=True)
-            os._exit(1)
+        learner.close()
+        n = learner.folded_tokens
+        return f"{n:.0f} decode tokens of routing folded into the profile while serving" if learner.enabled else None
 
-    lastwords.install(on_abort)
     config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=int(grace) + 5)
     http = uvicorn.Server(config)
     http_thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="spark-http", daemon=True)
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        http_thread.start()
-        worker.start()
-        learner.start()
-        announced = False
-        while not stop.wait(0.2):
-            if not announced and worker.ready.is_set():
-                announced = True
-                if on_ready:
-                    on_ready()
-            if not http_thread.is_alive():
-                failure.append(("the HTTP server stopped", 1))
-                break
-        worker.shutdown(grace)
-        http.should_exit = True
-        http_thread.join(timeout=grace + 10)
+        with faults.keeper(keep_on_loss):
+            http_thread.start()
+            worker.start()
+            learner.start()
+            announced = False
+            while not stop.wait(0.2):
+                if not announced and worker.ready.is_set():
+                    announced = True
+                    if on_ready:
+                        on_ready()
+                if not http_thread.is_alive():
+                    failure.append(("the HTTP server stopped", 1))
+                    break
+            worker.shutdown(grace)
+            http.should_exit = True
+            http_thread.join(timeout=grace + 10)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

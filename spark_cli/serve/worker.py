@@ -72,6 +72,7 @@ class Worker:
         self.fatal: str | None = None
         self.closing = False
         self.current: Job | None = None
+        self._session: RequestSession | None = None
         self._kv: list[int] = []
         self._thread = threading.Thread(target=self._main, name="spark-engine", daemon=True)
 
@@ -161,11 +162,13 @@ class Worker:
                     job.emit(Text(out))
 
             self.stats.set_processing(1)
+            self._session = sess
             ans = sess.run(on_text, lambda: job.cancel.is_set() or stop.hit or bool(self.fatal))
             tail = stop.flush()
             if tail:
                 job.emit(Text(tail))
         finally:
+            self._session = None
             self.stats.set_processing(0)
             sess.close()
         fig = ans.figures
@@ -197,11 +200,19 @@ class Worker:
     def abort(self, message: str) -> None:
         """The engine cannot go on (called from the thread that failed): 503 to everyone waiting."""
         self.fatal = message
-        err = unavailable(f"the device failed: {message}")
+        err = unavailable(message)
         job = self.current
         if job is not None:
             job.emit(Failed(err))
         self._refuse_queued(err)
+
+    def harvest_now(self) -> None:
+        """Hand the running request's decode counts so far to the learner (the device is lost)."""
+        sess = self._session
+        if sess is not None:
+            sess.harvest_now()
+            self.learner.add(sess.learned.counts, sess.learned.tokens)
+            sess.learned.counts, sess.learned.tokens = None, 0
 
     def _die(self, message: str, code: int) -> None:
         self.fatal = message
