@@ -45,7 +45,7 @@ def _register() -> None:
     if _registered:
         return
     _registered = True
-    from .commands import bench, chat, demo, plan, profile, system
+    from .commands import bench, chat, demo, plan, profile, serve, system
 
     system.register(app)
     demo.register(app)
@@ -53,6 +53,7 @@ def _register() -> None:
     plan.register(app)
     chat.register(app)
     bench.register(app)
+    serve.register(app)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,7 +140,9 @@ def resolve(engine, choice: str, fingerprint: str, home: Path) -> tuple[dict[int
     cal = load_cached(path, device, fingerprint)
     source = "cached calibration"
     if cal is None or set(cal.layers) != set(layers):
-        cal = Calibration(device, fingerprint, measure(engine, engine.tokenize(CALIB_TEXT)))
+        measured = measure(engine, engine.tokenize(CALIB_TEXT))
+        # NOTE: stats come back for every MoE layer (zeros where uncached): keep the cached ones
+        cal = Calibration(device, fingerprint, {il: c for il, c in measured.items() if il in layers})
         source = "calibrated now"
         try:
             save(path, cal)

@@ -1,0 +1,111 @@
+"""`spark serve [MODEL]`: an OpenAI-compatible server (llama-server's endpoints) on the
+planned placement; the traffic it serves tunes the model's profile."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import typer
+
+from ..options import LoadFlags
+from .common import err_console, model_flags, model_or_demo
+
+def _engine_options(path: Path, geometry, plan, flags, n_ctx: int, learn: bool, miss_path: str):
+    from .. import session
+
+    opts = session.engine_options(path, geometry, plan, flags, n_ctx=n_ctx, learn=learn)
+    # NOTE: auto starts on the cpu path; resolve() then measures and picks per layer
+    first = "cpu" if miss_path == "auto" else miss_path
+    opts.cache_layers = [dataclasses.replace(c, miss_path=first) for c in opts.cache_layers]
+    return opts
+
+
+def _open_engine(opts, miss_path: str, fingerprint: str):
+    """The engine, with each cached layer on its miss path (auto: calibrated, then cached)."""
+    from .. import miss_path as mp
+    from ..engine import Engine
+    from ..paths import spark_home
+
+    engine = Engine(opts)
+    try:
+        if opts.cache_layers:
+            _, why = mp.resolve(engine, miss_path, fingerprint, spark_home())
+            err_console.print(f"[dim]{why}[/]", soft_wrap=True)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("serve")
+    @model_flags
+    def serve_cmd(
+        model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),
+        plan_path: Path = typer.Option(None, "--plan", help="placement from spark plan -o (default: plan now)"),
+        vram_text: str = typer.Option(None, "--vram", help="device budget for planning now, e.g. 16GiB "
+                                      "(default: the device's free memory minus a margin)"),
+        host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
+        port: int = typer.Option(8080, "--port", min=0, max=65535, help="port to listen on (0: any free one)"),
+        miss_path: str = typer.Option(None, "--miss-path", help="expert cache misses: upload and wait, compute on the "
+                                      "cpu, or auto (measured per layer, then remembered); default: the plan's, "
+                                      "else auto", show_default=False),
+        api_key: str = typer.Option(None, "--api-key", envvar="SPARK_API_KEY", show_envvar=True,
+                                    help="require 'Authorization: Bearer KEY' on every endpoint but /health"),
+        max_queue: int = typer.Option(32, "--queue", min=1, help="requests waiting at most; more get 503"),
+        learn_every: float = typer.Option(300.0, "--learn-every", min=0.0,
+                                          help="seconds between folds of routing counts into the profile "
+                                               "(0: only at exit)"),
+        learn: bool = typer.Option(True, "--learn/--no-learn", help="fold the served routing into the model's "
+                                   "profile while serving and on exit"),
+        flags: LoadFlags = None,
+    ) -> None:
+        """Serve the model over HTTP with OpenAI's API, as llama-server does."""
+        from .. import session
+        from ..errors import SparkError
+        from ..miss_path import check_choice
+        from ..serve.app import ServerState
+        from ..serve.learn import Learner
+        from ..serve.server import bind, serve
+        from ..serve.stats import ServerStats
+        from ..serve.worker import Worker
+
+        if miss_path is not None:
+            check_choice(miss_path)
+        path = model_or_demo(model)
+        geometry = session.open_geometry(path)
+        info = session.load_profile(path, geometry)
+        if info.warning():
+            err_console.print(f"[yellow]warning:[/] {info.warning()}", soft_wrap=True, markup=False)
+        where = session.resolve_placement(path, geometry, info, flags, plan_path=plan_path, vram_text=vram_text)
+        for w in where.warnings:
+            err_console.print(f"warning: {w}", soft_wrap=True, markup=False)
+        devices, plan, n_ctx = where.devices, where.plan, where.n_ctx
+        budget_source, cpu_reason = where.budget_source, where.cpu_reason
+        miss_path = miss_path or (plan.miss_path if plan is not None else "auto")
+        opts = _engine_options(path, geometry, plan, flags, n_ctx, learn, miss_path)
+        cached = {c.il for c in opts.cache_layers}
+        sock = bind(host, port)
+        bound_host, bound_port = sock.getsockname()[:2]
+        stats = ServerStats(cached_layers=cached, planned_bytes=int(plan.breakdown["total"]) if plan else 0)
+        learner = Learner(path, geometry, interval=learn_every, enabled=learn)
+        worker = Worker(lambda: _open_engine(opts, miss_path, geometry.fingerprint), cached, stats, learner, max_queue=max_queue)
+        state = ServerState(worker, stats, path.name, api_key=api_key or None)
+        where = f"{devices[0].name}" if devices else f"CPU ({cpu_reason})"
+        placement = (f"{len(cached)} cached MoE layers, plan {budget_source}" if plan is not None
+                     else "stock CPU path")
+        err_console.print(f"loading {path.name} on {where}: {placement}, context {n_ctx} ...", soft_wrap=True)
+
+        def ready() -> None:
+            err_console.print(f"spark serve: {path.name} on http://{bound_host}:{bound_port}/v1 "
+                              f"(queue {max_queue}; {'learning' if learn else 'not learning'}; Ctrl-C stops)", soft_wrap=True)
+
+        out = serve(state, learner, sock, on_ready=ready)
+        if out.folded_tokens:
+            err_console.print(f"[dim]learned: {out.folded_tokens:.0f} decode tokens folded into "
+                              f"{session.profile_path_for(path).name}[/]", soft_wrap=True)
+        if out.code:
+            prefix = "the engine failed: " if out.code == 1 else ""
+            raise SparkError(prefix + (out.message or "the server stopped"), exit_code=out.code)
+        err_console.print("stopped")

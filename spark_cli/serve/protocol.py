@@ -1,0 +1,216 @@
+"""The OpenAI wire format: request validation, response and chunk bodies, error bodies.
+
+Pure: no web framework, no llama_cpp. Errors follow llama-server (and OpenAI's shape):
+`{"error": {"message", "type", "code", "param"}}` with `code` the HTTP status.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_STOP = 4
+FINISH = {"eog": "stop", "stop": "stop", "length": "length", "context": "length", "interrupted": "stop"}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI-shaped JSON with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.status, "param": self.param}}
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, "unavailable_error")
+
+
+# ---------------------------------------------------------------- requests
+
+
+class _Strict(BaseModel):
+    # NOTE: unknown fields are ignored as llama-server does (clients send many); known ones are typed strictly
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """Clients send `"temperature": null` for "not set": take the default."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(0.8, ge=0.0, le=2.0)
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    top_k: int = Field(40, ge=0)
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)  # NOTE: not implemented: only 0 is accepted
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Union[str, list[str], None]) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @property
+    def stops(self) -> list[str]:
+        return list(self.stop or [])
+
+    @property
+    def limit(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else -1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def limit(self) -> int:
+        n = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return n if n is not None else -1
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Union[str, list[str]]) -> str:
+        if isinstance(v, list):
+            if len(v) != 1:
+                raise ValueError("one prompt per request")
+            v = v[0]
+        if not v:
+            raise ValueError("the prompt is empty")
+        return v
+
+
+def _is_type_tag(part: object) -> bool:
+    """pydantic names the union member it tried (`content.str`, `content.list[TextPart]`)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
+
+
+def parse(model: type[BaseModel], raw: bytes) -> Any:
+    """Validate a JSON body; ApiError(400) names the first problem as `field: problem`."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = ".".join(str(p) for p in err["loc"] if not _is_type_tag(p)) or "body"
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{loc}: {msg}", param=loc) from None
+
+
+# ---------------------------------------------------------------- responses
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0  # the whole prompt
+    cached_tokens: int = 0  # of which reused from the KV cache
+    completion_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class Envelope:
+    """What every body and chunk of one response shares."""
+
+    chat: bool
+    model: str
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
+        self.created = self.created or int(time.time())
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, finish: str, usage: Usage) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                      "logprobs": None}
+            return {**self._base("chat.completion"), "choices": [choice], "usage": usage.to_dict()}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return {**self._base("text_completion"), "choices": [choice], "usage": usage.to_dict()}
+
+    def chunk(self, text: str | None = None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {**self._base("chat.completion.chunk"), "choices": [choice], "usage": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return {**self._base("text_completion"), "choices": [choice], "usage": None}
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": usage.to_dict()}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()

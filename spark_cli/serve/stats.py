@@ -1,0 +1,78 @@
+"""Server figures for /metrics: llama-server's request and token counters, and the expert
+cache's totals read from the engine after each request (never while it decodes)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, fields
+
+CACHE_FIELDS = ("hits", "misses", "uploads", "bytes_uploaded", "cpu_experts")
+
+
+@dataclass
+class Snapshot:
+    prompt_tokens: int = 0       # evaluated (not reused from the KV cache)
+    prompt_seconds: float = 0.0
+    predicted_tokens: int = 0
+    predicted_seconds: float = 0.0
+    requests: int = 0            # finished generations
+    rejected: int = 0            # refused with a full queue
+    processing: int = 0
+    deferred: int = 0
+    hits: int = 0
+    misses: int = 0
+    uploads: int = 0
+    bytes_uploaded: int = 0
+    cpu_experts: int = 0
+    device_bytes: int = 0        # held by the expert banks
+    planned_bytes: int = 0       # the plan's device total
+
+    @property
+    def hit_ratio(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+
+@dataclass
+class ServerStats:
+    cached_layers: set[int] = field(default_factory=set)
+    planned_bytes: int = 0
+    _s: Snapshot = field(default_factory=Snapshot)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            return Snapshot(**{f.name: getattr(self._s, f.name) for f in fields(Snapshot)})
+
+    def add_request(self, fig) -> None:
+        """Add one answer's figures (chat_session.AnswerFigures)."""
+        with self._lock:
+            s = self._s
+            s.requests += 1
+            s.prompt_tokens += fig.prompt_tokens
+            s.prompt_seconds += fig.prompt_seconds
+            s.predicted_tokens += fig.generated_tokens
+            s.predicted_seconds += fig.gen_seconds
+
+    def set_cache(self, engine) -> None:
+        """Totals over the cached layers since the engine started (pinned uploads included)."""
+        stats = engine.cache_stats()
+        tot = {f: sum(int(v.get(f, 0)) for il, v in stats.items() if il in self.cached_layers) for f in CACHE_FIELDS}
+        dev = engine.bank_bytes()
+        with self._lock:
+            for f, v in tot.items():
+                setattr(self._s, f, v)
+            self._s.device_bytes = dev
+            self._s.planned_bytes = self.planned_bytes
+
+    def set_processing(self, n: int) -> None:
+        with self._lock:
+            self._s.processing = n
+
+    def set_deferred(self, n: int) -> None:
+        with self._lock:
+            self._s.deferred = n
+
+    def rejected(self) -> None:
+        with self._lock:
+            self._s.rejected += 1

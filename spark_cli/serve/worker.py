@@ -1,0 +1,226 @@
+"""The one thread that owns the engine: loads it, then serves queued requests in order.
+
+Requests wait in a bounded FIFO queue (full: 503). Each runs to completion before the next
+starts, so answers never interleave; a job's `cancel` event stops its generation at the
+next token (client gone, shutdown). An engine failure is fatal: the job and every queued
+one get a 503, and `on_fatal` tells the process to exit non-zero.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..chat_session import Sampling
+from ..errors import SparkError
+from .generation import ContextError, RequestSession, StopFilter
+from .learn import Learner
+from .protocol import ApiError, Usage, unavailable
+from .stats import ServerStats
+
+
+@dataclass
+class Started:
+    prompt_tokens: int
+
+
+@dataclass
+class Text:
+    text: str
+
+
+@dataclass
+class Done:
+    finish: str  # eog | stop | length | context | interrupted
+    usage: Usage
+
+
+@dataclass
+class Failed:
+    error: ApiError
+
+
+Event = Started | Text | Done | Failed
+
+
+@dataclass
+class Job:
+    """One request: a chat (messages) or a completion (text), and where its events go."""
+
+    emit: Callable[[Event], None]
+    sampling: Sampling
+    messages: list[dict[str, str]] | None = None
+    text: str | None = None
+    stops: list[str] = field(default_factory=list)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Worker:
+    def __init__(self, open_engine: Callable[[], Any], cached_layers: set[int], stats: ServerStats,
+                 learner: Learner, max_queue: int = 32, on_fatal: Callable[[str, int], None] | None = None):
+        self._open = open_engine
+        self.cached_layers = cached_layers
+        self.stats = stats
+        self.learner = learner
+        self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.on_fatal = on_fatal or (lambda msg, code: None)
+        self.engine = None
+        self.ready = threading.Event()
+        self.fatal: str | None = None
+        self.closing = False
+        self.current: Job | None = None
+        self._session: RequestSession | None = None
+        self._kv: list[int] = []
+        self._thread = threading.Thread(target=self._main, name="spark-engine", daemon=True)
+
+    # -- called from the web side ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job, or raise ApiError(503) while loading, failed, shutting down or full."""
+        if self.fatal:
+            raise unavailable(f"the engine failed: {self.fatal}")
+        if self.closing:
+            raise unavailable("the server is shutting down")
+        if not self.ready.is_set():
+            raise unavailable("Loading model")
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            self.stats.rejected()
+            raise unavailable(f"the request queue is full ({self.queue.maxsize} waiting); retry later") from None
+        self.stats.set_deferred(self.queue.qsize())
+
+    def shutdown(self, grace: float) -> None:
+        """Take no more jobs, refuse the queued ones, give the running one `grace` seconds."""
+        self.closing = True
+        self._refuse_queued(unavailable("the server is shutting down"))
+        job = self.current
+        if job is not None and not job.done.wait(grace):
+            job.cancel.set()
+        self.queue.put(None)
+        self._thread.join()
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self.engine = self._open()
+        except SparkError as e:
+            self._die(e.one_line(), 2)
+            return
+        except Exception as e:  # noqa: BLE001 - reported in one line, exit non-zero
+            self._die(f"{type(e).__name__}: {e}", 2)
+            return
+        self.stats.set_cache(self.engine)
+        self.ready.set()
+        while True:
+            job = self.queue.get()
+            self.stats.set_deferred(self.queue.qsize())
+            if job is None:
+                break
+            if job.cancel.is_set():
+                job.done.set()
+                continue
+            self.current = job
+            try:
+                self._serve(job)
+            except Exception as e:  # noqa: BLE001 - a bug in one request must not take the server down
+                job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
+                self._kv = []
+                self.engine.reset()
+            finally:
+                self.current = None
+                job.done.set()
+            if self.fatal:
+                break
+
+    def _serve(self, job: Job) -> None:
+        eng = self.engine
+        sess = RequestSession(eng, job.sampling, self._kv, self.cached_layers)
+        try:
+            try:
+                n_prompt = sess.set_messages(job.messages) if job.messages is not None else sess.set_text(job.text or "")
+                sess.check_fits("")
+            except ContextError as e:
+                job.emit(Failed(ApiError(400, e.message, "exceed_context_size_error")))
+                return
+            except SparkError as e:
+                job.emit(Failed(ApiError(400, e.one_line())))
+                return
+            job.emit(Started(n_prompt))
+            stop = StopFilter(job.stops)
+
+            def on_text(piece: str) -> None:
+                out = stop.feed(piece)
+                if out:
+                    job.emit(Text(out))
+
+            self.stats.set_processing(1)
+            self._session = sess
+            ans = sess.run(on_text, lambda: job.cancel.is_set() or stop.hit or bool(self.fatal))
+            tail = stop.flush()
+            if tail:
+                job.emit(Text(tail))
+        finally:
+            self._session = None
+            self.stats.set_processing(0)
+            sess.close()
+        fig = ans.figures
+        self._kv = sess.kv
+        self.stats.add_request(fig)
+        self.stats.set_cache(eng)
+        self.learner.add(sess.learned.counts, sess.learned.tokens)
+        usage = Usage(n_prompt, fig.reused_tokens, fig.generated_tokens)
+        if ans.error:
+            msg = f"the engine failed: {ans.error}"
+            job.emit(Failed(unavailable(msg)))
+            self._die(ans.error, 1)
+            return
+        finish = "stop" if stop.hit else fig.stop
+        job.emit(Done(finish, usage))
+
+    def _refuse_queued(self, err: ApiError) -> None:
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                continue
+            job.emit(Failed(err))
+            job.done.set()
+        self.stats.set_deferred(0)
+
+    def abort(self, message: str) -> None:
+        """The engine cannot go on (called from the thread that failed): 503 to everyone waiting."""
+        self.fatal = message
+        err = unavailable(message)
+        job = self.current
+        if job is not None:
+            job.emit(Failed(err))
+        self._refuse_queued(err)
+
+    def harvest_now(self) -> None:
+        """Hand the running request's decode counts so far to the learner (the device is lost)."""
+        sess = self._session
+        if sess is not None:
+            sess.harvest_now()
+            self.learner.add(sess.learned.counts, sess.learned.tokens)
+            sess.learned.counts, sess.learned.tokens = None, 0
+
+    def _die(self, message: str, code: int) -> None:
+        self.fatal = message
+        self._refuse_queued(unavailable(f"the engine failed: {message}"))
+        self.on_fatal(message, code)
+
+    def close_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
