@@ -382,7 +382,7 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
         mem = device_memory(opts)
         with Engine(opts) as eng:
             result.device_name = eng.devices[0].name if eng.devices else "CPU"
-            if spark and cache_layers:
+            if spark and cfg.cache_layers:
                 from . import miss_path
                 from .paths import spark_home
 

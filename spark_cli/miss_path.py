@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .atomic import atomic_write_text
-from .errors import SparkError
+from .errors import SparkError, UsageError
 
 MISS_PATH_CHOICES = ("auto", "cpu", "upload")
 CALIB_VERSION = 1
@@ -69,7 +69,7 @@ class Calibration:
 
 def check_choice(value: str, flag: str = "--miss-path") -> str:
     if value not in MISS_PATH_CHOICES:
-        raise SparkError(f"{flag}: unknown miss path {value!r}", hint="use " + ", ".join(MISS_PATH_CHOICES))
+        raise UsageError(f"{flag}: unknown miss path {value!r}", hint="use " + ", ".join(MISS_PATH_CHOICES))
     return value
 
 

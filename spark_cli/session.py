@@ -220,7 +220,7 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
         plan = make_plan_for(model, geometry, budget.bytes, n_ctx, info, flags.type_k or "f16",
                              flags.type_v or "f16", n_ubatch=ubatch_size(flags))
         out = Placement(devs, plan, n_ctx, budget.source)
-    if not any(l.mode in ("resident", "cached") for l in out.plan.layers):
+    if not any(l.mode in ("resident", "cached", "host") for l in out.plan.layers):
         raise PlanError("the plan places no MoE layer", hint="write it again with spark plan")
     return out
 

@@ -634,34 +634,45 @@ class SimRow:
     hit_rate: float
     uploads_per_token: float
     bytes_per_token: float | None
+    miss_path: str = "upload"
+    vs_belady: float | None = None  # hit rate / Belady's at the same slots and miss path
+    default: bool = False  # the policy a cache runs unless told otherwise
 
 
 def simulate_rows(trace, slot_counts: Sequence[int], policies: Sequence[str], *, pinned_from: np.ndarray | None,
                   bytes_per_expert: dict[int, int] | None, k: int, pin: int | None = None,
-                  phases: Sequence[str] = ("decode",), lfu_half_life: int = 128) -> list[SimRow]:
-    """Each policy at each slot count; lru-pinned pins the top experts of `pinned_from`
-    ([n_layer, E] counts; none without it): `pin` per layer, default half the slots,
-    keeping at least k LRU slots."""
+                  phases: Sequence[str] = ("decode",), miss_paths: Sequence[str] = ("upload",),
+                  max_admit: int | None = None, params=None) -> list[SimRow]:
+    """Each policy at each slot count and miss path; lru-pinned pins the top experts of
+    `pinned_from` ([n_layer, E] counts; none without it): `pin` per layer, default half
+    the slots, keeping at least k LRU slots."""
     all_phases = len(phases) > 1
     rows = []
     moe = trace.moe_layers()
-    for s in slot_counts:
-        for policy in policies:
-            pinned: dict[int, list[int]] = {}
-            n_pin = 0
-            if policy == "lru-pinned" and pinned_from is not None:
-                n_pin = max(0, min(s // 2 if pin is None else pin, s - k, trace.n_expert))
-                for layer in moe:
-                    order = np.argsort(-pinned_from[layer], kind="stable")
-                    pinned[layer] = [int(e) for e in order[:n_pin]]
-            r = simulate(trace, policy, s, pinned=pinned or None, bytes_per_expert=bytes_per_expert,
-                         phases=phases, lfu_half_life=lfu_half_life)
-            if all_phases:
-                tokens = r.tokens
-                hit, ups = r.hit_rate, (r.misses / tokens if tokens else 0.0)
-                bpt = (sum(st.misses * bytes_per_expert.get(st.layer, 0) for st in r.layers.values()) / tokens
-                       if bytes_per_expert is not None and tokens else (0.0 if bytes_per_expert else None))
-            else:
-                hit, ups, bpt = r.hit_rate_decode, r.uploads_per_token, r.bytes_per_token
-            rows.append(SimRow(s, policy, n_pin, hit, ups, bpt))
+    for miss_path in miss_paths:
+        for s in slot_counts:
+            group = []
+            for policy in policies:
+                pinned: dict[int, list[int]] = {}
+                n_pin = 0
+                if policy == "lru-pinned" and pinned_from is not None:
+                    n_pin = max(0, min(s // 2 if pin is None else pin, s - k, trace.n_expert))
+                    for layer in moe:
+                        order = np.argsort(-pinned_from[layer], kind="stable")
+                        pinned[layer] = [int(e) for e in order[:n_pin]]
+                r = simulate(trace, policy, s, pinned=pinned or None, bytes_per_expert=bytes_per_expert,
+                             phases=phases, miss_path=miss_path, max_admit=max_admit, params=params)
+                if all_phases:
+                    tokens = r.tokens
+                    hit, ups = r.hit_rate, (r.admissions / tokens if tokens else 0.0)
+                    bpt = (sum(st.admissions * bytes_per_expert.get(st.layer, 0) for st in r.layers.values()) / tokens
+                           if bytes_per_expert is not None and tokens else (0.0 if bytes_per_expert else None))
+                else:
+                    hit, ups, bpt = r.hit_rate_decode, r.uploads_per_token, r.bytes_per_token
+                group.append(SimRow(s, r.policy, n_pin, hit, ups, bpt, miss_path,
+                                    default=canonical_policy(policy) == DEFAULT_POLICY))
+            best = [r.hit_rate for r in group if r.policy == "belady"]
+            for r in group:
+                r.vs_belady = r.hit_rate / best[0] if best and best[0] > 0 else None
+            rows += group
     return rows

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from spark_cli import faults
-from spark_cli.errors import SparkError
+from spark_cli.errors import DeviceError, SparkError
 
 SPARK = str(Path(sys.executable).parent / "spark")
 
@@ -127,7 +127,7 @@ def test_chat_with_a_stranger_as_rpc_is_one_line(small_model, tmp_path, mode):
     finally:
         srv.close()
     want = "did not answer the RPC hello" if mode == "silent" else "not a ggml RPC server"
-    assert r.returncode == 2 and want in r.stderr and srv.endpoint in r.stderr
+    assert r.returncode == DeviceError.exit_code and want in r.stderr and srv.endpoint in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 

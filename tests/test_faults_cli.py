@@ -17,7 +17,7 @@ from conftest import cli_runner
 
 from spark_cli import profile_store
 from spark_cli.atomic import file_lock
-from spark_cli.errors import OutputError, SaveError
+from spark_cli.errors import OutputError, ProfileError, SaveError
 from spark_cli.profile import RoutingProfile, profile_path_for
 
 SPARK = str(Path(sys.executable).parent / "spark")
@@ -117,7 +117,7 @@ def test_corrupt_profile_never_blocks_chat_and_reset_starts_fresh(small_model, r
     r = subprocess.run([SPARK, "profile", str(model), "--corpus", str(corpus), "--gen", "2", "--rpc", rpc_server.endpoint,
                         "--capture", "callback"], capture_output=True, text=True, env=_env(), timeout=300)
     (line,) = _errors(r.stderr)
-    assert r.returncode == 2 and "--reset" in line
+    assert r.returncode == ProfileError.exit_code and "--reset" in line
     r = subprocess.run([SPARK, "profile", str(model), "--corpus", str(corpus), "--gen", "2", "--rpc", rpc_server.endpoint,
                         "--capture", "callback", "--reset"], capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
