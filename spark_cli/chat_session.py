@@ -49,6 +49,11 @@ class AnswerFigures:
     misses: int = 0
     uploads: int = 0
     bytes_uploaded: int = 0
+    syncs: int = 0  # device -> host stops of the cache's host nodes
+    blocking_upload_bytes: int = 0  # uploads a step waited for
+    async_upload_bytes: int = 0  # admissions uploaded in the background
+    cpu_expert_bytes: int = 0  # host expert bytes computed on the CPU
+    miss_path: str = ""  # cpu, upload or a per-layer mix
     cached_layers: int = 0
     vram_bytes: int | None = None
     vram_source: str = ""  # measured | planned | "" (no device)
@@ -68,9 +73,18 @@ class AnswerFigures:
         n = self.hits + self.misses
         return self.hits / n if n else None
 
+    def per_token(self, value: int) -> float | None:
+        """A counter of this answer per token evaluated (prompt and generated)."""
+        n = self.prompt_tokens + self.generated_tokens
+        return value / n if n else None
+
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(prompt_tps=self.prompt_tps, gen_tps=self.gen_tps, hit_rate=self.hit_rate)
+        d.update(prompt_tps=self.prompt_tps, gen_tps=self.gen_tps, hit_rate=self.hit_rate,
+                 syncs_per_token=self.per_token(self.syncs),
+                 blocking_upload_bytes_per_token=self.per_token(self.blocking_upload_bytes),
+                 async_upload_bytes_per_token=self.per_token(self.async_upload_bytes),
+                 cpu_expert_bytes_per_token=self.per_token(self.cpu_expert_bytes))
         return d
 
 
@@ -250,6 +264,11 @@ class ChatSession:
         delta = _stats_sum(eng.cache_stats(), self.cached_layers) - before
         fig.hits, fig.misses, fig.uploads, fig.bytes_uploaded = delta.hits, delta.misses, delta.uploads, \
             delta.bytes_uploaded
+        fig.syncs, fig.blocking_upload_bytes = delta.syncs, delta.blocking_upload_bytes
+        fig.async_upload_bytes, fig.cpu_expert_bytes = delta.async_upload_bytes, delta.cpu_expert_bytes
+        if self.cached_layers:
+            paths = {p for il, p in eng.miss_paths().items() if il in self.cached_layers}
+            fig.miss_path = paths.pop() if len(paths) == 1 else "mixed"
         if self.vram_probe:
             fig.vram_bytes, fig.vram_source = self.vram_probe()
         text = "".join(text_parts)

@@ -69,6 +69,8 @@ def figures_line(f) -> str:
         hr = f.hit_rate
         parts.append(f"cache hit {100 * hr:.1f}%" if hr is not None else "cache hit -")
         parts.append(f"{f.uploads} uploads ({_fmt_bytes(f.bytes_uploaded)})")
+        if f.cpu_expert_bytes:
+            parts.append(f"CPU experts {_fmt_bytes(f.cpu_expert_bytes)}")
     if f.vram_bytes is not None:
         parts.append(f"VRAM {_fmt_bytes(f.vram_bytes)}" + (" (plan)" if f.vram_source == "planned" else ""))
     if f.stop in ("interrupted", "context", "length"):
@@ -120,16 +122,18 @@ def stats_table(chat, plan) -> Table | str:
     stats = chat.layer_stats()
     by_index = {l.index: l for l in plan.layers} if plan is not None else {}
     t = Table(title="expert cache per layer (since start)", title_justify="left")
-    for name in ("layer", "pinned", "LRU slots", "hits", "misses", "hit rate", "uploads", "uploaded",
-                 "upload ms", "steps cached", "steps stock"):
+    for name in ("layer", "pinned", "LRU slots", "miss path", "hits", "misses", "hit rate", "uploads", "uploaded",
+                 "upload ms", "syncs", "blocking", "async", "CPU experts", "CPU bytes", "steps cached", "steps stock"):
         t.add_column(name, justify="right")
+    paths = chat.engine.miss_paths()
     from ..expert_cache import CacheStats
 
-    def row(label, s, pinned="", lru=""):
+    def row(label, s, pinned="", lru="", path=""):
         hr = s.hit_rate
-        return (label, pinned, lru, str(s.hits), str(s.misses), f"{100 * hr:.1f}%" if hr is not None else "-",
-                str(s.uploads), _fmt_bytes(s.bytes_uploaded), f"{s.upload_us / 1000:.1f}",
-                str(s.steps_cached), str(s.steps_stock))
+        return (label, pinned, lru, path, str(s.hits), str(s.misses), f"{100 * hr:.1f}%" if hr is not None else "-",
+                str(s.uploads), _fmt_bytes(s.bytes_uploaded), f"{s.upload_us / 1000:.1f}", str(s.syncs),
+                _fmt_bytes(s.blocking_upload_bytes), _fmt_bytes(s.async_upload_bytes), str(s.cpu_experts),
+                _fmt_bytes(s.cpu_expert_bytes), str(s.steps_cached), str(s.steps_stock))
 
     tot = CacheStats.total(stats[il] for il in chat.cached_layers if il in stats)
     for il in sorted(chat.cached_layers):
@@ -137,7 +141,7 @@ def stats_table(chat, plan) -> Table | str:
         if s is None:
             continue
         l = by_index.get(il)
-        t.add_row(*row(str(il), s, str(len(l.pinned)) if l else "", str(l.lru_slots) if l else ""))
+        t.add_row(*row(str(il), s, str(len(l.pinned)) if l else "", str(l.lru_slots) if l else "", paths.get(il, "")))
     t.add_section()
     t.add_row(*row("[bold]all[/]", tot))
     return t

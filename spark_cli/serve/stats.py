@@ -57,7 +57,7 @@ class ServerStats:
     def set_cache(self, engine) -> None:
         """Totals over the cached layers since the engine started (pinned uploads included)."""
         stats = engine.cache_stats()
-        tot = {f: sum(int(v.get(f, 0)) for il, v in stats.items() if il in self.cached_layers) for f in CACHE_FIELDS}
+        tot = {f: sum(int(getattr(v, f)) for il, v in stats.items() if il in self.cached_layers) for f in CACHE_FIELDS}
         dev = engine.bank_bytes()
         with self._lock:
             for f, v in tot.items():
