@@ -105,3 +105,34 @@ def test_switching_the_miss_path_keeps_results(small_model, rpc_server):
             eng.set_miss_path(path)
             assert eng.miss_paths() == {il: path for il in g.moe_layers}
             _same(ref, _run(eng, toks), f"after switching to {path}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("miss_path", ["cpu", "upload"])
+def test_cuda_miss_paths_within_the_stock_bound(miss_path, small_model):
+    """On CUDA each expert's output is the device kernel's or the CPU kernel's: cached logits may
+    differ from all-resident by at most what stock --cpu-moe (every expert on the CPU) shows on the
+    same prompts and tokens (the all-resident run's greedy tokens are fed to every run)."""
+    from spark_cli import llama_lib
+
+    gpus = [d for d in llama_lib.gpu_devices() if not d.name.startswith("RPC")]
+    assert gpus, "a CUDA device is present but this llama.cpp build does not see it (build with SPARK_CUDA=1)"
+    g = load_geometry(small_model)
+    opts = dict(n_ctx=512, device=gpus[0].name)
+
+    def logits(eng: Engine, toks: list[int], fed: list[int]) -> np.ndarray:
+        eng.reset()
+        rows = [eng.eval(toks, logits="all")]
+        rows += [eng.eval([t], logits="last")[None, :] for t in fed]
+        return np.concatenate(rows)
+
+    with Engine(EngineOptions(small_model, **opts)) as eng:
+        prompts = _prompts(eng)
+        refs = [_run(eng, p) for p in prompts]
+        ref_logits = [logits(eng, p, r[1]) for p, r in zip(prompts, refs)]
+    with Engine(EngineOptions(small_model, host_layers=list(g.moe_layers), **opts)) as eng:
+        bound = max(float(np.abs(logits(eng, p, r[1]) - rl).max()) for p, r, rl in zip(prompts, refs, ref_logits))
+    layers = [CacheLayer(il, 1 + g.n_expert_used, (0,), miss_path=miss_path) for il in g.moe_layers]
+    with Engine(EngineOptions(small_model, cache_layers=layers, **opts)) as eng:
+        got = max(float(np.abs(logits(eng, p, r[1]) - rl).max()) for p, r, rl in zip(prompts, refs, ref_logits))
+    assert got <= bound, f"{miss_path}: max |d logit| {got:.3g} above stock --cpu-moe's {bound:.3g}"
