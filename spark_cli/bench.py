@@ -97,7 +97,7 @@ class Config:
     miss_path: str = "auto"  # spark: auto | cpu | upload (see miss_path.py)
 
     def key(self) -> tuple:
-        return self.device, self.host_layers, self.cache_layers, self.miss_path if self.kind == "spark" else None
+        return self.device, self.host_layers, self.cache_layers, self.miss_path if self.cache_layers else None
 
     def summary(self, g: ModelGeometry) -> dict:
         """Where the experts are: layers on the CPU, cached layers, pins, LRU slots, residency."""
