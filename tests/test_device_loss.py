@@ -198,7 +198,7 @@ def test_bench_writes_its_partial_report_when_the_server_is_killed(small_model, 
     report = tmp_path / "bench.json"
     with open(tmp_path / "err.txt", "w") as se:
         bench = subprocess.Popen([SPARK, "bench", str(model), "--rpc", ep, "--vram", "2GiB", "--ctx", "512",
-                                  "-p", "32", "-n", "400", "-r", "2", "--json", str(report),
+                                  "-p", "32", "-n", "400", "-r", "2", "--json", "-o", str(report),
                                   "--configs", "resident"],
                                  stdout=subprocess.DEVNULL, stderr=se, env=_env())
         # a model is on the server once its memory grew by a few hundred MiB: the runs are under way

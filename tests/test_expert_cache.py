@@ -186,9 +186,8 @@ def test_counters_equal_python_lru_replay(small_model, rpc_server):
     for a, b in zip(records, callback):
         assert np.array_equal(a.ids, b.ids), f"layer {a.il}: trace and callback ids differ"
     trace = records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
-    sim = simulate(trace, "lru-pinned" if policy == "lru" else policy, {c.il: c.n_slots for c in layers},
-                   pinned={c.il: list(c.pinned) for c in layers}, phases=("prefill", "decode"), miss_path=miss_path,
-                   cpu_path=True)
+    sim = simulate(trace, "lru-pinned", {c.il: c.n_slots for c in layers},
+                   pinned={c.il: list(c.pinned) for c in layers}, phases=("prefill", "decode"), cpu_path=True)
     for c in layers:
         s, ref = stats[c.il], sim.layers[c.il]
         assert (s.hits, s.misses, s.uploads) == (ref.hits, ref.misses, ref.uploads), f"layer {c.il}"
@@ -200,8 +199,6 @@ def test_counters_equal_python_lru_replay(small_model, rpc_server):
     pre, dec = records_to_counts(records, g.n_layer, g.n_expert)
     assert np.array_equal(pre, counts_pre) and np.array_equal(dec, counts_dec)
     assert dec.sum() == (3 * 16 + one_token_ubatches) * g.n_expert_used * len(g.moe_layers)
-    if miss_path == "cpu":
-        assert sum(s["blocking_upload_bytes"] for s in stats.values()) == 0
 
 
 @pytest.mark.parametrize("policy,miss_path", [
@@ -220,8 +217,9 @@ def test_counters_equal_python_replay(policy, miss_path, small_model, rpc_server
         records = eng.trace_records()
         slots = {c.il: eng.slots(c.il) for c in layers}
     trace = records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
-    sim = simulate(trace, policy, {c.il: c.n_slots for c in layers}, pinned={c.il: list(c.pinned) for c in layers},
-                   phases=("prefill", "decode"), miss_path=miss_path, cpu_path=True)
+    sim = simulate(trace, "lru-pinned" if policy == "lru" else policy, {c.il: c.n_slots for c in layers},
+                   pinned={c.il: list(c.pinned) for c in layers}, phases=("prefill", "decode"), miss_path=miss_path,
+                   cpu_path=True)
     for c in layers:
         s, ref = stats[c.il], sim.layers[c.il]
         got = (s.hits, s.misses, s.uploads, s.cpu_experts, s.admit_skipped)
