@@ -32,14 +32,18 @@ def _model_copy(src: Path, tmp_path: Path) -> Path:
 
 
 def _min_budget(g, n_ctx: int) -> int:
-    """The smallest budget the planner accepts: every MoE layer cached at the slot floor."""
+    """The smallest budget at which the plan caches every MoE layer (the slot floor; below it
+    layers go to the host)."""
     lo, hi = 1 << 20, 64 << 30
     while hi - lo > (1 << 20):
         mid = (lo + hi) // 2
         try:
-            planner.make_plan(g, mid, n_ctx)
-            hi = mid
+            ok = all(l.mode != "host" for l in planner.make_plan(g, mid, n_ctx).layers)
         except PlanError:
+            ok = False
+        if ok:
+            hi = mid
+        else:
             lo = mid
     return hi
 
