@@ -92,8 +92,10 @@ def make_plan_for(model: Path, geometry: ModelGeometry, budget: int, n_ctx: int,
             if layer not in curves:
                 curves[layer] = miss_ratio_curve(trace, layer, list(range(k, E)), "lru")
             return curves[layer][min(max(slots, k), E - 1) - k]
+    from .simulator import DEFAULT_POLICY
+
     return planner.make_plan(geometry, budget, n_ctx, profile_counts=counts, type_k=type_k, type_v=type_v,
-                             miss_ratio=miss_ratio, n_ubatch=n_ubatch)
+                             miss_ratio=miss_ratio, n_ubatch=n_ubatch, policy=DEFAULT_POLICY)
 
 
 def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | None, flags: LoadFlags, *,
