@@ -620,7 +620,7 @@ class Report:
                 **cold_figures(r, g),
                 **accounting(r, g),
                 "miss_path_why": r.miss_path_why or None,
-                "decode_tokens": r.decode_tokens, "hits": r.hits, "misses": r.misses,
+                "decode_tokens": r.decode_tokens, "hits": r.hits, "misses": r.misses, "uploads": r.uploads,
                 "bytes_uploaded": r.bytes_uploaded, "upload_seconds": r.upload_us / 1e6,
                 "tokens_digest": r.tokens_digest or None,
                 "ratios": dict(r.ratios),

@@ -88,7 +88,11 @@ def test_every_configuration_end_to_end(spark, model_link, corpus, rpc_server, t
     for name in ("spark-step", "spark"):
         c = by[name]
         assert 0 < c["bank_bytes"] and c["decode_tokens"] == 16
-        assert c["uploads_per_token"] == pytest.approx(c["misses"] / 16)
+        # every miss is uploaded (blocking) or computed on the CPU; admissions are uploads too
+        assert c["uploads_per_token"] == pytest.approx(c["uploads"] / 16)
+        assert c["cpu_expert_bytes_per_token"] >= 0 and c["syncs_per_token"] >= 1
+        assert c["blocking_upload_bytes_per_token"] + c["async_upload_bytes_per_token"] == \
+            pytest.approx(c["bytes_per_token"])
         assert c["cold_hit"] == pytest.approx(c["misses"] / (16 * d["model"]["n_expert_used"] * n_moe))
         assert 0.5 < c["placement"]["expert_residency"] <= 0.6 + 1e-9
     # the cache is exact: Spark generates the all-resident run's tokens
