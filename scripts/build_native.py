@@ -4,13 +4,17 @@
 Steps: download the sdist with pip and check its sha256; unpack it; copy native/'s new
 files into vendor/llama.cpp and apply native/patches/*.patch (a hunk that does not apply
 stops the build, naming the patch and hunk); build a wheel with CMake (always
--DGGML_RPC=ON; CUDA when nvcc and a GPU are present or SPARK_CUDA=1) and install it into
-the given virtualenv. Wheels are cached under $SPARK_HOME/native, keyed by the sdist
+-DGGML_RPC=ON; CUDA when nvcc and a GPU are present or SPARK_CUDA=1; Vulkan when a Vulkan
+SDK and GPU are present or SPARK_VULKAN=1) and install it into the given virtualenv. Wheels are cached under $SPARK_HOME/native, keyed by the sdist
 hash, the content of native/ and the CMake flags, so an unchanged rebuild takes seconds.
 
-Usage: python scripts/build_native.py [--venv .venv] [--force] [--print-key]
-Environment: SPARK_HOME (cache root), SPARK_CUDA=0|1, SPARK_CUDA_ARCH=90,
+Usage: python scripts/build_native.py [--venv .venv] [--force] [--stock]
+Environment: SPARK_HOME (cache root), SPARK_CUDA=0|1, SPARK_CUDA_ARCH=90, SPARK_VULKAN=0|1,
 SPARK_BUILD_JOBS (parallel compile jobs).
+
+Vulkan: patches under native/patches/vulkan/ apply to the Vulkan build only. Without a system
+Vulkan SDK (glslc, headers, SPIRV-Headers), SPARK_VULKAN=1 sets up a private one with
+scripts/setup_vulkan.py (Debian 12, no root).
 """
 
 from __future__ import annotations
@@ -75,13 +79,18 @@ def fetch_sdist() -> Path:
     return dest
 
 
-def native_files() -> list[Path]:
-    return sorted(p for p in NATIVE.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+VULKAN_PATCHES = NATIVE / "patches" / "vulkan"
 
 
-def native_hash() -> str:
+def native_files(vulkan: bool = False) -> list[Path]:
+    """native/'s files that go into a build (the Vulkan-only patches only into a Vulkan build)."""
+    return sorted(p for p in NATIVE.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                  and (vulkan or VULKAN_PATCHES not in p.parents))
+
+
+def native_hash(vulkan: bool = False) -> str:
     h = hashlib.sha256()
-    for p in native_files():
+    for p in native_files(vulkan):
         h.update(str(p.relative_to(NATIVE)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -108,7 +117,42 @@ def detect_cuda() -> tuple[bool, str | None]:
     return False, None
 
 
-def cmake_flags(cuda: bool, arch: str | None) -> list[str]:
+def system_vulkan_sdk() -> bool:
+    """glslc, the Vulkan headers and SPIRV-Headers' CMake config are on this system (or VULKAN_SDK)."""
+    if os.environ.get("VULKAN_SDK"):
+        return True
+    return (shutil.which("glslc") is not None and Path("/usr/include/vulkan/vulkan.h").exists()
+            and any(Path(d).exists() for d in ("/usr/share/cmake/SPIRV-Headers", "/usr/lib/cmake/SPIRV-Headers",
+                                              "/usr/local/share/cmake/SPIRV-Headers")))
+
+
+def vulkan_gpu_present() -> bool:
+    """A Vulkan GPU (not a CPU driver such as lavapipe) is visible to vulkaninfo."""
+    if shutil.which("vulkaninfo") is None:
+        return False
+    r = subprocess.run(["vulkaninfo", "--summary"], capture_output=True, text=True)
+    return r.returncode == 0 and any(t in r.stdout for t in ("DISCRETE_GPU", "INTEGRATED_GPU"))
+
+
+def detect_vulkan() -> tuple[bool, dict[str, str] | None]:
+    """(build Vulkan?, the environment the build needs: None means this process's own)."""
+    forced = os.environ.get("SPARK_VULKAN")
+    if forced == "0":
+        return False, None
+    if forced != "1":
+        return (system_vulkan_sdk() and vulkan_gpu_present()), None
+    if system_vulkan_sdk():
+        return True, None
+    sys.path.insert(0, str(REPO / "scripts"))
+    import setup_vulkan
+
+    try:
+        return True, setup_vulkan.environment(setup_vulkan.setup())
+    except setup_vulkan.SetupError as e:
+        raise BuildError(f"SPARK_VULKAN=1 but no Vulkan SDK: {e}") from e
+
+
+def cmake_flags(cuda: bool, arch: str | None, vulkan: bool = False) -> list[str]:
     flags = [
         "-DGGML_RPC=ON",
         "-DGGML_NATIVE=OFF" if cuda else "-DGGML_NATIVE=ON",
@@ -117,16 +161,22 @@ def cmake_flags(cuda: bool, arch: str | None) -> list[str]:
     ]
     if cuda:
         flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch}", "-DGGML_CUDA_NO_VMM=ON"]
+    if vulkan:
+        flags += ["-DGGML_VULKAN=ON"]
     return flags
 
 
-def apply_native(vendor: Path) -> None:
-    """Copy native/include and native/src into vendor/llama.cpp, then apply the patches."""
+def apply_native(vendor: Path, vulkan: bool = False) -> None:
+    """Copy native/include and native/src into vendor/llama.cpp, then apply the patches
+    (native/patches/*.patch, and native/patches/vulkan/*.patch for a Vulkan build)."""
     for sub in ("include", "src"):
         for p in sorted((NATIVE / sub).glob("*")):
             if p.is_file():
                 shutil.copy2(p, vendor / sub / p.name)
-    for patch in sorted((NATIVE / "patches").glob("*.patch")):
+    patches = sorted((NATIVE / "patches").glob("*.patch"))
+    if vulkan:
+        patches += sorted(VULKAN_PATCHES.glob("*.patch"))
+    for patch in patches:
         r = subprocess.run(["patch", "-p1", "--forward", "--batch", "--dry-run", "-i", str(patch)],
                            cwd=vendor, capture_output=True, text=True)
         if r.returncode != 0:
@@ -204,11 +254,12 @@ def build(venv: Path, force: bool = False, stock: bool = False) -> dict:
     py = venv_python(venv)
     sdist = fetch_sdist()
     cuda, arch = detect_cuda()
-    flags = cmake_flags(cuda, arch)
-    key_src = f"{SDIST_SHA256}\n{'stock' if stock else native_hash()}\n{' '.join(flags)}\n"
+    vulkan, vulkan_env = (False, None) if stock else detect_vulkan()  # the reference stays CPU/CUDA
+    flags = cmake_flags(cuda, arch, vulkan)
+    key_src = f"{SDIST_SHA256}\n{'stock' if stock else native_hash(vulkan)}\n{' '.join(flags)}\n"
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
-    flavour = (f"cuda{arch}" if cuda else "cpu") + ("-stock" if stock else "")
-    info = {"key": key, "backends": ["CPU", "RPC"] + (["CUDA"] if cuda else []),
+    flavour = (f"cuda{arch}" if cuda else "cpu") + ("-vulkan" if vulkan else "") + ("-stock" if stock else "")
+    info = {"key": key, "backends": ["CPU", "RPC"] + (["CUDA"] if cuda else []) + (["Vulkan"] if vulkan else []),
             "cuda_arch": arch, "cache_hit": False}
 
     wheel_dir = home() / "native" / "wheels" / key
@@ -227,13 +278,13 @@ def build(venv: Path, force: bool = False, stock: bool = False) -> dict:
             tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)
         tree = Path(tmp) / SDIST_NAME.removesuffix(".tar.gz")
         if not stock:
-            apply_native(tree / "vendor" / "llama.cpp")
+            apply_native(tree / "vendor" / "llama.cpp", vulkan)
         stable = home() / "native" / "src" / flavour
         changed = sync_tree(tree, stable)
     print(f"patched tree ready ({changed} files changed); building ({flavour}) ...", flush=True)
 
     subprocess.run([str(py), "-m", "pip", "install", "-q", "scikit-build-core>=0.9.2"], check=True)
-    env = dict(os.environ)
+    env = dict(vulkan_env or os.environ)
     env["CMAKE_ARGS"] = " ".join(flags)
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", os.environ.get("SPARK_BUILD_JOBS", str(os.cpu_count() or 2)))
     build_dir = home() / "native" / "build" / flavour

@@ -81,6 +81,7 @@ class TopkRecord:
 
 
 _OVERRIDE_RE = re.compile(r"tensor (?P<name>\S+) \(.*\) buffer type overridden to (?P<buft>\S+)")
+_SPLITS_RE = re.compile(r"graph.*: nodes = [^,]+, splits = (\d+)(?: / (\d+))?,")
 _BUFFER_RE = re.compile(r"(?P<buf>\S+)\s+(?P<kind>model|KV|RS|compute|output) buffer size\s*=\s*(?P<mib>[\d.]+) MiB")
 
 
@@ -90,6 +91,7 @@ class _Logs:
     def __init__(self) -> None:
         self.lines: deque[str] = deque(maxlen=200)
         self.capture: list[str] | None = None  # every line while an engine loads
+        self.reserve: list[str] | None = None  # the scheduler's graph summaries of the open engine
         self.verbose = bool(os.environ.get("SPARK_VERBOSE"))
         self._partial = ""
 
@@ -100,6 +102,8 @@ class _Logs:
             self.lines.append(line)
             if self.capture is not None:
                 self.capture.append(line)
+            if self.reserve is not None and line.startswith("sched_reserve: graph"):
+                self.reserve.append(line)
             if self.verbose:
                 print(line, file=sys.stderr)
 
@@ -137,6 +141,7 @@ class Engine:
         self.ctx = None
         self.cache: ExpertCache | None = None
         self._load_log: list[str] = []  # llama.cpp's log while loading (debug level included)
+        self._reserve_log: list[str] = []  # the scheduler's graph summaries, at load and whenever it reserves again
         self._batch = None
         self._keep: list[object] = []
         self.records: list[TopkRecord] = []
@@ -170,6 +175,7 @@ class Engine:
             mp.load_mode = ((LOAD_MODE_MMAP_MLOCK if opts.use_mmap else LOAD_MODE_MLOCK) if opts.use_mlock
                             else LOAD_MODE_NONE)
         _logs.capture = self._load_log
+        _logs.reserve = self._reserve_log
         try:
             self._load(path, mp, opts, type_k, type_v)
         finally:
@@ -512,6 +518,16 @@ class Engine:
         """llama.cpp's log lines while this engine loaded its model and context (debug level included)."""
         return list(self._load_log)
 
+    def graph_splits(self) -> int | None:
+        """Splits of the one-token graph as llama.cpp's scheduler last reserved it (after the expert
+        cache is set up it reserves again at the next decode, host nodes included), from its log:
+        `graph: nodes = N, splits = S, ...` or `graph (pp bs=.., tg bs=1): ..., splits = S_pp / S_tg, ...`."""
+        for line in reversed(self._reserve_log):
+            m = _SPLITS_RE.search(line)
+            if m:
+                return int(m.group(2) or m.group(1))
+        return None
+
     def allocated_bytes(self) -> dict[str, int]:
         """Buffers llama.cpp reported while loading this model and context, by kind
         (model, KV, compute, RS) and buffer name, as `"<kind> <buffer>"` -> bytes (from its log)."""
@@ -536,6 +552,8 @@ class Engine:
 
     def close(self) -> None:
         lc = self.lib.lc
+        if _logs.reserve is self._reserve_log:
+            _logs.reserve = None
         if self.ctx:
             lc.llama_synchronize(self.ctx)
             if self.cache is not None:

@@ -58,6 +58,14 @@ void expert_cache_node_partial(ggml_tensor * dst, int ith, int nth, void * userd
     }
 }
 
+void expert_cache_node_mask(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) nth;
+    if (ith == 0) {
+        auto * n = (llama_expert_cache_node *) userdata;
+        guarded(n->layer->owner, "cpu miss mask", [&] { n->layer->owner->compute_mask(*n, dst); });
+    }
+}
+
 std::string fmt(const char * f, ...) {
     char buf[512];
     va_list ap;
@@ -399,7 +407,7 @@ ggml_tensor * llama_expert_cache::build(
     const int64_t k        = selected_experts->ne[0];
     const int64_t n_tokens = selected_experts->ne[1];
     const int phase = n_ubatch_tokens == 1 ? LLAMA_EXPERT_CACHE_PHASE_DECODE : LLAMA_EXPERT_CACHE_PHASE_PREFILL;
-    L->building_remap = L->building_partial = L->building_count = nullptr;
+    L->building_remap = L->building_partial = L->building_mask = L->building_count = nullptr;
     L->building_cur = cur;
 
     // NOTE: warm-up routes every expert (n_expert_used = n_expert): leave it stock and uncounted
@@ -455,6 +463,17 @@ ggml_tensor * llama_expert_cache::build(
                 expert_cache_node_partial, 1, &L->nodes[phase][1]);
         ggml_format_name(L->building_partial, "spark_ec_cpu-%d", il);
         ggml_backend_sched_set_tensor_backend(sched, L->building_partial, backend_cpu);
+        // NOTE: 1 for an entry the device computed, 0 for one the CPU computed: a missed entry
+        // reads a filler slot (no expert id twice in a token: device kernels assume that), and
+        // its device output is dropped by this factor before the CPU's is added
+        ggml_tensor * margs[1] = { node };
+        L->building_mask = ggml_custom_4d(ctx0, GGML_TYPE_F32, 1, k, n_tokens, 1, margs, 1,
+                expert_cache_node_mask, 1, &L->nodes[phase][1]);
+        ggml_format_name(L->building_mask, "spark_ec_mask-%d", il);
+        ggml_backend_sched_set_tensor_backend(sched, L->building_mask, backend_cpu);
+        if ((int64_t) L->missed.size() < k * n_tokens) {
+            L->missed.resize(k * n_tokens); // at graph build, never in a step
+        }
     }
     for (int i = 0; i < 4; ++i) {
         if (swap[i]) {
@@ -470,7 +489,7 @@ void llama_expert_cache::expand(ggml_cgraph * gf, int il) {
         return;
     }
     // NOTE: one after the other, so the scheduler puts them in one CPU split: one stop per layer
-    for (ggml_tensor * t : { L->building_count, L->building_remap, L->building_partial }) {
+    for (ggml_tensor * t : { L->building_count, L->building_remap, L->building_partial, L->building_mask }) {
         if (t) {
             ggml_build_forward_expand(gf, t);
         }
@@ -483,6 +502,7 @@ ggml_tensor * llama_expert_cache::finish(ggml_context * ctx0, int il, ggml_tenso
         return experts; // not cached, warm-up, or not built through the cache
     }
     ggml_tensor * partial = L->building_partial;
+    ggml_tensor * mask    = L->building_mask;
     if (L->cpu_ok < 0) {
         ggml_tensor * sel = (L->building_remap ? L->building_remap : L->building_count)->src[0];
         L->cpu_ok = analyse(*L, experts, sel, L->building_cur) ? 1 : 0;
@@ -490,7 +510,7 @@ ggml_tensor * llama_expert_cache::finish(ggml_context * ctx0, int il, ggml_tenso
             LLAMA_LOG_WARN("expert cache: layer %d: its expert ops cannot run on the CPU miss path; misses are uploaded\n", il);
         }
     }
-    L->building_remap = L->building_partial = L->building_count = L->building_cur = nullptr;
+    L->building_remap = L->building_partial = L->building_mask = L->building_count = L->building_cur = nullptr;
     if (!partial) {
         return experts;
     }
@@ -506,7 +526,7 @@ ggml_tensor * llama_expert_cache::finish(ggml_context * ctx0, int il, ggml_tenso
     if (arena.size() < need) {
         arena.resize(need);
     }
-    ggml_tensor * out = ggml_add(ctx0, experts, partial);
+    ggml_tensor * out = ggml_add(ctx0, ggml_mul(ctx0, experts, mask), partial);
     ggml_format_name(out, "spark_ec_join-%d", il);
     return out;
 }
@@ -839,12 +859,29 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
     L.stats.cpu_experts      += n_cpu;
     L.stats.cpu_expert_bytes += (uint64_t) n_cpu * L.expert_bytes;
 
-    // slot ids for the expert matmuls (dst is contiguous [k, n_tokens]); CPU misses read the zeroed guard
+    // slot ids for the expert matmuls (dst is contiguous [k, n_tokens]). An entry the CPU computes
+    // reads a filler: the zeroed guard slot, else a slot no other entry of the token reads (device
+    // kernels assume an id at most once per token: Vulkan's MUL_MAT_ID computes at most n_tokens
+    // rows of an id). The mask node drops its device output. n_slots >= k, so a filler exists.
     int32_t * out = (int32_t *) dst->data;
+    uint8_t * missed = n.hybrid && (int64_t) L.missed.size() >= n_tokens * k ? L.missed.data() : nullptr;
     for (int64_t t = 0; t < n_tokens; ++t) {
+        int32_t * row = out + t * k;
         for (int64_t j = 0; j < k; ++j) {
-            const int32_t s = L.expert_slot[id_at(t, j)];
-            out[t * k + j] = s >= 0 ? s : L.n_slots;
+            row[j] = L.expert_slot[id_at(t, j)];
+            if (missed) {
+                missed[t * k + j] = row[j] < 0;
+            }
+        }
+        int32_t filler = L.n_slots; // the guard first
+        for (int64_t j = 0; j < k; ++j) {
+            if (row[j] >= 0) {
+                continue;
+            }
+            while (std::find(row, row + k, filler) != row + k) {
+                filler = filler == L.n_slots ? 0 : filler + 1;
+            }
+            row[j] = filler;
         }
     }
     for (int32_t i = 0; i < n_distinct; ++i) {
@@ -897,10 +934,11 @@ void llama_expert_cache::compute_partial(llama_expert_cache_node & n, ggml_tenso
     const int64_t n_embd_out = dst->ne[0];
 
     memset(dst->data, 0, ggml_nbytes(dst));
-    const int32_t * sid = (const int32_t *) slots->data;
+    const uint8_t * missed = L.missed.data(); // written by the remap node of this step
+    GGML_ASSERT((int64_t) L.missed.size() >= k * T);
     int64_t n_miss = 0;
     for (int64_t i = 0; i < k * T; ++i) {
-        n_miss += sid[i] == L.n_slots;
+        n_miss += missed[i];
     }
     if (n_miss == 0 || L.recipe.empty() || !cpu_backend) {
         return;
@@ -919,7 +957,7 @@ void llama_expert_cache::compute_partial(llama_expert_cache_node & n, ggml_tenso
         int64_t m = 0;
         for (int64_t t = 0; t < T; ++t) {
             for (int64_t j = 0; j < k; ++j) {
-                if (sid[t * k + j] != L.n_slots) {
+                if (!missed[t * k + j]) {
                     continue;
                 }
                 memcpy((char *) x->data + m * x->nb[1], (const char *) cur->data + t * cur->nb[1], n_embd_in * sizeof(float));
@@ -977,7 +1015,7 @@ void llama_expert_cache::compute_partial(llama_expert_cache_node & n, ggml_tenso
     int64_t m = 0;
     for (int64_t t = 0; t < T; ++t) {
         for (int64_t j = 0; j < k; ++j) {
-            if (sid[t * k + j] != L.n_slots) {
+            if (!missed[t * k + j]) {
                 continue;
             }
             memcpy((char *) dst->data + t * dst->nb[2] + j * dst->nb[1], (const char *) res->data + m * res->nb[1],
@@ -989,6 +1027,16 @@ void llama_expert_cache::compute_partial(llama_expert_cache_node & n, ggml_tenso
 
     std::lock_guard<std::mutex> lock(mutex);
     L.stats.cpu_us += ggml_time_us() - t0;
+}
+
+void llama_expert_cache::compute_mask(llama_expert_cache_node & n, ggml_tensor * dst) {
+    const llama_expert_cache_layer & L = *n.layer;
+    const int64_t kT = dst->ne[1] * dst->ne[2]; // [1, k, n_tokens] contiguous
+    GGML_ASSERT((int64_t) L.missed.size() >= kT);
+    float * m = (float *) dst->data;
+    for (int64_t i = 0; i < kT; ++i) {
+        m[i] = L.missed[i] ? 0.0f : 1.0f;
+    }
 }
 
 //

@@ -29,7 +29,7 @@ struct llama_expert_cache_layer;
 struct llama_expert_cache_node {
     llama_expert_cache_layer * layer = nullptr;
     int32_t phase  = LLAMA_EXPERT_CACHE_PHASE_PREFILL;
-    bool    hybrid = false; // the graph adds the CPU miss path's output: misses may read the guard slot
+    bool    hybrid = false; // the graph adds the CPU miss path's output: misses read filler slots
 };
 
 // The CPU miss path rebuilds, for the missed entries only, the ops of the graph between the
@@ -96,6 +96,7 @@ struct llama_expert_cache_layer {
     std::vector<uint8_t>  seen;        // [n_expert] scratch: already listed in this step
     std::vector<int32_t>  distinct;    // [n_expert] scratch: distinct experts of the step
     std::vector<int32_t>  admit;       // [n_expert] scratch: (expert, slot) admissions of the step
+    std::vector<uint8_t>  missed;      // [k * n_tokens] scratch: entries of the step the CPU computes
 
     std::vector<uint64_t> counts[2];   // [phase][n_expert] routed occurrences
     llama_expert_cache_node nodes[2][2]; // [phase][hybrid] host-node userdata
@@ -105,6 +106,7 @@ struct llama_expert_cache_layer {
     // the host nodes of the graph being built, between build() and finish()
     ggml_tensor * building_remap   = nullptr;
     ggml_tensor * building_partial = nullptr;
+    ggml_tensor * building_mask    = nullptr;
     ggml_tensor * building_count   = nullptr;
     ggml_tensor * building_cur     = nullptr;
     llama_expert_cache_stats stats = {};
@@ -148,6 +150,7 @@ struct llama_expert_cache {
     // Run by the host nodes.
     void step(llama_expert_cache_node & n, const ggml_tensor * ids, ggml_tensor * dst, bool remap);
     void compute_partial(llama_expert_cache_node & n, ggml_tensor * dst);
+    void compute_mask(llama_expert_cache_node & n, ggml_tensor * dst);
 
     llama_expert_cache_layer * layer(int32_t il);
 

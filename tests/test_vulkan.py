@@ -1,0 +1,164 @@
+"""The expert cache on a real ggml GPU backend: Vulkan, on Mesa's software driver (lavapipe) in CI.
+
+Unlike the RPC stand-in, Vulkan has real asynchronous queues, events, device buffers and its own
+kernels. This tier runs where the loaded llama.cpp build has a Vulkan device (`scripts/test_vulkan`
+sets up lavapipe, builds the Vulkan variant and runs it; it sets SPARK_REQUIRE_VULKAN=1, which
+turns a missing device into a failure instead of a skip).
+
+Exactness on Vulkan:
+- upload path: resident experts run Vulkan's MUL_MAT_ID on the banks, the same kernels as the
+  all-resident run, so logits must be bit-identical. scripts/test_vulkan sets
+  GGML_VK_DISABLE_F16=1 so that no fp16 shortcut differs between shapes; the tests check it is set.
+- cpu path: missed experts run ggml-cpu's kernels and the rest Vulkan's, the summation order
+  unchanged, so logits may differ from all-resident by about what stock --cpu-moe (every
+  expert on the CPU) shows on the same prompts and fed tokens (exactness.within_bound). Admissions go through a second
+  Vulkan backend, its queue submissions and events: a slot read before its upload landed would
+  show up as a difference far above that bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from spark_cli.exactness import MIXED_SLACK, max_diff, reference, within_bound
+from spark_cli.engine import CacheLayer, CacheStats, Engine, EngineOptions
+from spark_cli.gguf_info import load_geometry
+
+pytestmark = [pytest.mark.vulkan, pytest.mark.model]
+
+ARCHS = ["qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss"]
+N_DECODE = 8
+
+
+@pytest.fixture(scope="session")
+def vulkan_device() -> str:
+    from spark_cli import llama_lib
+
+    names = [d.name for d in llama_lib.devices() if d.name.startswith("Vulkan") and d.is_gpu]
+    if not names:
+        msg = "no Vulkan device in this llama.cpp build (scripts/test_vulkan sets one up and runs this tier)"
+        if os.environ.get("SPARK_REQUIRE_VULKAN") == "1":
+            pytest.fail(msg + "; check VK_ICD_FILENAMES and GGML_VK_VISIBLE_DEVICES")
+        pytest.skip(msg)
+    assert os.environ.get("GGML_VK_DISABLE_F16") == "1", \
+        "the exactness checks compare fp32 Vulkan kernels: set GGML_VK_DISABLE_F16=1 (scripts/test_vulkan does)"
+    return names[0]
+
+
+def _layers(path, miss_path: str, pinned: int = 1) -> list[CacheLayer]:
+    g = load_geometry(path)
+    # S = P + k: every step that misses must evict
+    return [CacheLayer(il, pinned + g.n_expert_used, tuple(range(pinned)), miss_path=miss_path)
+            for il in g.moe_layers]
+
+
+def _opts(path, device: str, **kw) -> EngineOptions:
+    return EngineOptions(path, n_ctx=512, n_batch=512, n_ubatch=512, device=device, **kw)
+
+
+def _cached(path, device: str, miss_path: str, ref) -> tuple[float, bool, CacheStats, int | None]:
+    with Engine(_opts(path, device, cache_layers=_layers(path, miss_path))) as eng:
+        diff, exact = max_diff(eng, ref)
+        return diff, exact, CacheStats.total(eng.cache_stats().values()), eng.graph_splits()
+
+
+def _check_splits(what: str, ref, splits: int | None, n_cached: int) -> None:
+    """One CPU split per cached layer (its host nodes) and the device split after it, on top of
+    the all-resident graph's splits (GGML_SCHED_DEBUG=2 prints them one by one)."""
+    assert ref.splits is not None and splits is not None, "no 'graph: ... splits' line in llama.cpp's log"
+    assert splits <= ref.splits + 2 * n_cached, f"{what}: {splits} graph splits, all-resident {ref.splits}"
+
+
+def test_devices_lists_vulkan(vulkan_device, monkeypatch, capsys):
+    from conftest import cli_runner
+    from spark_cli.commands import system
+
+    rc, out, err = cli_runner(monkeypatch, capsys, "devices", system.register)("--json")
+    assert rc == 0, err
+    got = {d["name"]: d for d in json.loads(out)}
+    assert vulkan_device in got and got[vulkan_device]["type"] in ("GPU", "IGPU")
+    assert got[vulkan_device]["total"] > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_upload_path_bit_identical_on_vulkan(arch, vulkan_device):
+    """Decode steps fit the slots: every miss is uploaded and every expert runs on Vulkan."""
+    from spark_cli.demo_model import build_tiny_model
+
+    path = build_tiny_model(arch)
+    ref = reference(_opts(path, vulkan_device), 16, lengths=(1,))
+    diff, exact, st, splits = _cached(path, vulkan_device, "upload", ref)
+    assert exact, f"{arch}: upload path differs from all-resident Vulkan by up to {diff:.3g}"
+    assert st.misses > 0 and st.uploads > 0 and st.blocking_upload_bytes > 0 and st.cpu_experts == 0
+    assert st.syncs == st.steps_cached  # one device -> host stop per cached layer and step
+    _check_splits(arch, ref, splits, len(load_geometry(path).moe_layers))
+
+
+@pytest.mark.parametrize("miss_path", ["cpu", "upload"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_miss_paths_within_the_stock_bound_on_vulkan(arch, miss_path, vulkan_device):
+    """Prompts of 1-40 tokens, then decode: prefill steps too large for the slots compute their
+    misses on the CPU on both paths, misses of several entries in one token included."""
+    from spark_cli.demo_model import build_tiny_model
+
+    path = build_tiny_model(arch)
+    g = load_geometry(path)
+    ref = reference(_opts(path, vulkan_device), N_DECODE)
+    with Engine(_opts(path, vulkan_device, host_layers=list(g.moe_layers))) as eng:
+        bound, _ = max_diff(eng, ref)
+    diff, _, st, splits = _cached(path, vulkan_device, miss_path, ref)
+    assert within_bound(diff, bound), \
+        f"{arch} {miss_path}: max |d logit| {diff:.3g} above {MIXED_SLACK} x stock --cpu-moe's {bound:.3g}"
+    assert st.cpu_experts > 0 and st.syncs == st.steps_cached
+    if miss_path == "cpu":
+        # admissions went through the second backend's queue and events, and were read afterwards
+        assert st.blocking_upload_bytes == 0 and st.async_uploads > 0 and st.hits > 0
+    else:
+        assert st.async_uploads == 0 and st.blocking_upload_bytes > 0
+    _check_splits(f"{arch} {miss_path}", ref, splits, len(g.moe_layers))
+
+
+def test_demo_model_on_vulkan(small_model, vulkan_device):
+    ref = reference(_opts(small_model, vulkan_device), 8, lengths=(1,))
+    diff, exact, st, _ = _cached(small_model, vulkan_device, "upload", ref)
+    assert exact, f"demo model: upload path differs from all-resident Vulkan by up to {diff:.3g}"
+    assert st.misses > 0 and st.uploads > 0
+
+
+def test_chat_runs_on_vulkan(small_model, vulkan_device, monkeypatch, capsys, tmp_path):
+    from conftest import cli_runner
+    from spark_cli.commands import chat as chat_cmd
+    from test_chat import _min_budget
+
+    model = tmp_path / small_model.name  # a private name: the profile chat writes stays in tmp
+    model.symlink_to(small_model)
+    budget = _min_budget(load_geometry(model), 512)  # every MoE layer cached
+    chat = cli_runner(monkeypatch, capsys, "chat", chat_cmd.register)
+    rc, out, err = chat(model, "-dev", vulkan_device, "-c", "512", "--vram", budget, "--miss-path", "cpu",
+                        "-p", "Hello there", "-n", "6", "--temp", "0", "--json")
+    assert rc == 0, err
+    figures = json.loads(out)["figures"]
+    assert figures["miss_path"] == "cpu" and figures["syncs_per_token"] >= 1
+
+
+def test_bench_runs_on_vulkan(vulkan_device, monkeypatch, capsys, tmp_path):
+    from conftest import cli_runner
+    from spark_cli.commands import bench as bench_cmd
+    from spark_cli.demo_model import build_tiny_model
+
+    model = tmp_path / "tiny.gguf"  # a private name: the profile bench writes stays in tmp
+    model.symlink_to(build_tiny_model("qwen3moe"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The lighthouse keeper climbed the stairs every evening to light the lamp.\n" * 8)
+    report = tmp_path / "bench.json"
+    bench = cli_runner(monkeypatch, capsys, "bench", bench_cmd.register)
+    rc, out, err = bench(model, "-dev", vulkan_device, "--residency", "0.6", "--ceiling", "--corpus", corpus,
+                         "-p", "8", "-n", "4", "-r", "1", "--configs", "resident,n-cpu-moe,spark", "-o", report)
+    assert rc == 0, err
+    d = json.loads(report.read_text())
+    by = {c["name"]: c for c in d["configs"]}
+    assert all(c["status"] == "ok" for c in by.values()), {n: c["reason"] for n, c in by.items()}
+    assert by["spark"]["bank_bytes"] > 0 and by["spark"]["syncs_per_token"] >= 1
