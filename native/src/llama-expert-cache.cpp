@@ -130,6 +130,9 @@ llama_expert_cache::~llama_expert_cache() {
     if (cpu_backend) {
         ggml_backend_free(cpu_backend);
     }
+    if (arena_ctx) {
+        ggml_free(arena_ctx);
+    }
 }
 
 llama_expert_cache_layer * llama_expert_cache::layer(int32_t il) {
@@ -523,8 +526,15 @@ ggml_tensor * llama_expert_cache::finish(ggml_context * ctx0, int il, ggml_tenso
             need += GGML_PAD(ggml_row_size(r.type, r.ne0) * n_max, 64) + 64;
         }
     }
-    if (arena.size() < need) {
-        arena.resize(need);
+    if (arena.size() < need || !arena_ctx) {
+        // NOTE: at graph build; a step only resets this context (ggml_init allocates)
+        if (arena_ctx) {
+            ggml_free(arena_ctx);
+        }
+        arena.resize(std::max(arena.size(), need));
+        ggml_init_params ip = { /*.mem_size =*/ arena.size(), /*.mem_buffer =*/ arena.data(), /*.no_alloc =*/ false };
+        arena_ctx = ggml_init(ip);
+        GGML_ASSERT(arena_ctx);
     }
     ggml_tensor * out = ggml_add(ctx0, ggml_mul(ctx0, experts, mask), partial);
     ggml_format_name(out, "spark_ec_join-%d", il);
@@ -945,9 +955,9 @@ void llama_expert_cache::compute_partial(llama_expert_cache_node & n, ggml_tenso
     }
     const int64_t t0 = ggml_time_us();
 
-    ggml_init_params ip = { /*.mem_size =*/ arena.size(), /*.mem_buffer =*/ arena.data(), /*.no_alloc =*/ false };
-    ggml_context * pctx = ggml_init(ip);
-    GGML_ASSERT(pctx);
+    GGML_ASSERT(arena_ctx);
+    ggml_context * pctx = arena_ctx;
+    ggml_reset(pctx);
 
     // the missed entries, one row each: their input row and their expert id
     const int64_t n_embd_in = cur->ne[0];
@@ -1023,8 +1033,6 @@ void llama_expert_cache::compute_partial(llama_expert_cache_node & n, ggml_tenso
             m++;
         }
     }
-    ggml_free(pctx);
-
     std::lock_guard<std::mutex> lock(mutex);
     L.stats.cpu_us += ggml_time_us() - t0;
 }

@@ -169,6 +169,7 @@ struct llama_expert_cache {
     // CPU miss path: a private CPU backend and one arena reused by every step (steps run one at a time)
     ggml_backend_t       cpu_backend = nullptr; // owned
     std::vector<uint8_t> arena;
+    ggml_context *       arena_ctx = nullptr; // owned; over the arena, made at graph build, reset per step
     std::map<const ggml_tensor *, std::vector<uint8_t>> host_mirror; // small device weights (biases) copied once
 
     bool    trace_on = false;

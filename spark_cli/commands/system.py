@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
         rpc: str = typer.Option(None, "--rpc", help=RPC_HELP),
         as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
-        """List the ggml devices this build sees (CPU, CUDA, RPC): the names -dev takes."""
+        """List the ggml devices this build sees (CPU, CUDA, Vulkan, RPC): the names -dev takes."""
         from .. import llama_lib
         from ..rpc import connect, parse_endpoints
 
