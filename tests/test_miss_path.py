@@ -4,11 +4,14 @@ run ggml-cpu kernels, so logits must equal the all-resident run bit for bit."""
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+
 import numpy as np
 import pytest
 
 from spark_cli.exactness import MIXED_SLACK, max_diff, prompts, reference, within_bound
-from spark_cli.engine import CacheLayer, Engine, EngineOptions
+from spark_cli.engine import CacheLayer, CacheStats, Engine, EngineOptions
 from spark_cli.gguf_info import load_geometry
 
 pytestmark = pytest.mark.model
@@ -119,3 +122,54 @@ def test_cuda_miss_paths_within_the_stock_bound(miss_path, small_model):
         got, _ = max_diff(eng, ref)
     assert within_bound(got, bound), \
         f"{miss_path}: max |d logit| {got:.3g} above {MIXED_SLACK} x stock --cpu-moe's {bound:.3g}"
+
+
+class _RemapCapture(Engine):
+    """An engine that keeps every remap (slot ids) and mask output of the cached layers."""
+
+    def __init__(self, opts: EngineOptions) -> None:
+        self.remaps: list[tuple[np.ndarray, np.ndarray]] = []  # ([T, k] slot ids, [T, k] mask)
+        self._pending: np.ndarray | None = None
+        super().__init__(dataclasses.replace(opts, capture_topk=True))  # installs the eval callback
+
+    def _on_eval(self, t_ptr: int, ask: bool, user_data) -> bool:
+        from spark_cli import llama_lib
+
+        t = llama_lib.GGMLTensor.from_address(t_ptr)
+        name = t.name
+        if ask:
+            return name.startswith((b"spark_ec_remap-", b"spark_ec_mask-"))
+        size = self.lib.nbytes(t_ptr)
+        raw = (ctypes.c_char * size)()
+        self.lib.tensor_get(t_ptr, raw, 0, size)
+        k, n_tok = (t.ne[0], t.ne[1]) if name.startswith(b"spark_ec_remap-") else (t.ne[1], t.ne[2])
+        if name.startswith(b"spark_ec_remap-"):
+            self._pending = np.frombuffer(raw, dtype=np.int32).reshape(n_tok, k).copy()
+        elif self._pending is not None:
+            self.remaps.append((self._pending, np.frombuffer(raw, dtype=np.float32).reshape(n_tok, k).copy()))
+            self._pending = None
+        return True
+
+
+def test_missed_entries_never_repeat_a_slot_in_a_token(small_model, rpc_server):
+    """A token's CPU-computed entries read filler slots on the device, never one slot twice:
+    device MUL_MAT_ID kernels assume an id at most once per token (Vulkan leaves the extra rows
+    unwritten, CUDA's mm_ids_helper keeps one). ggml-cpu does not care, so the stand-in checks
+    the ids themselves; the mask drops exactly the CPU-computed entries."""
+    g = load_geometry(small_model)
+    k, S = g.n_expert_used, 1 + g.n_expert_used
+    layers = [CacheLayer(il, S, (0,), miss_path="cpu") for il in g.moe_layers]
+    with _RemapCapture(EngineOptions(small_model, n_ctx=512, rpc=[rpc_server.endpoint], cache_layers=layers)) as eng:
+        toks = prompts(eng, (40,))[0]
+        eng.eval(toks, logits="last")
+        for _ in range(4):
+            eng.eval([toks[0]], logits="last")
+        st = CacheStats.total(eng.cache_stats().values())
+    assert eng.remaps and st.cpu_experts > 0
+    multi = 0
+    for slots, mask in eng.remaps:
+        assert ((slots >= 0) & (slots <= S)).all()  # a slot or the guard
+        assert all(len(set(row)) == k for row in slots.tolist()), "a slot id repeats within a token"
+        assert set(np.unique(mask)) <= {0.0, 1.0}
+        multi += int(((mask == 0).sum(axis=1) >= 2).sum())
+    assert multi > 0, "no token had two CPU-computed entries: the case this test is about did not occur"
