@@ -318,6 +318,7 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
         L.slot_state.assign(L.n_slots, LLAMA_EXPERT_CACHE_SLOT_FREE);
         L.slot_tick.assign(L.n_slots, 0);
         L.slot_step.assign(L.n_slots, 0);
+        L.filler_wait.assign(L.n_slots, 0);
         L.slot_seg.assign(L.n_slots, 0);
         L.freq.assign(n_expert, 0);
         L.slot_event.assign(L.n_slots, nullptr);
@@ -432,7 +433,8 @@ ggml_tensor * llama_expert_cache::build(
     // layer was analysed, see finish) any ubatch is remapped: misses go to the guard slot and the
     // CPU. Without it, a step whose ids may not all fit the LRU slots takes the stock path.
     const bool fits   = n_tokens * k <= L->n_slots - L->n_pinned;
-    const bool hybrid = L->cpu_ok == 1 && !L->recipe.empty() && cur != nullptr && cpu_backend != nullptr;
+    const bool hybrid = L->cpu_ok == 1 && !L->recipe.empty() && cur != nullptr && cpu_backend != nullptr &&
+                        down_exps && *down_exps;
     bool remap = can_remap && L->n_slots > 0 && (fits || hybrid);
 
     ggml_tensor ** wts[4] = { up_exps, gate_exps, down_exps, gate_up_exps };
@@ -460,7 +462,7 @@ ggml_tensor * llama_expert_cache::build(
         return selected_experts;
     }
     L->building_remap = node;
-    if (hybrid && down_exps && *down_exps) {
+    if (hybrid) {
         ggml_tensor * pargs[3] = { node, cur, selected_experts };
         L->building_partial = ggml_custom_4d(ctx0, GGML_TYPE_F32, (*down_exps)->ne[1], k, n_tokens, 1, pargs, 3,
                 expert_cache_node_partial, 1, &L->nodes[phase][1]);
@@ -870,11 +872,28 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
     L.stats.cpu_expert_bytes += (uint64_t) n_cpu * L.expert_bytes;
 
     // slot ids for the expert matmuls (dst is contiguous [k, n_tokens]). An entry the CPU computes
-    // reads a filler: the zeroed guard slot, else a slot no other entry of the token reads (device
-    // kernels assume an id at most once per token: Vulkan's MUL_MAT_ID computes at most n_tokens
-    // rows of an id). The mask node drops its device output. n_slots >= k, so a filler exists.
+    // reads a filler that no other entry of the token reads (device kernels assume an id at most
+    // once per token: Vulkan's MUL_MAT_ID computes at most n_tokens rows of an id, CUDA's
+    // mm_ids_helper keeps one); the mask node drops its device output. Fillers, in order: the
+    // zeroed guard, a slot that is not pending (zeroed if never used, else a landed expert: finite
+    // weights), and only if the token needs more, a pending slot, which the device then waits for.
+    // n_slots >= k, so a filler exists.
     int32_t * out = (int32_t *) dst->data;
     uint8_t * missed = n.hybrid && (int64_t) L.missed.size() >= n_tokens * k ? L.missed.data() : nullptr;
+    bool any_wait = false;
+    auto filler_for = [&](const int32_t * row, bool allow_pending) {
+        for (int32_t c = -1; c < L.n_slots; ++c) {
+            const int32_t s = c < 0 ? L.n_slots : c;
+            if (std::find(row, row + k, s) != row + k) {
+                continue;
+            }
+            if (s < L.n_slots && s >= L.n_pinned && L.slot_state[s] == LLAMA_EXPERT_CACHE_SLOT_PENDING && !allow_pending) {
+                continue;
+            }
+            return s;
+        }
+        return (int32_t) -1;
+    };
     for (int64_t t = 0; t < n_tokens; ++t) {
         int32_t * row = out + t * k;
         for (int64_t j = 0; j < k; ++j) {
@@ -883,15 +902,18 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
                 missed[t * k + j] = row[j] < 0;
             }
         }
-        int32_t filler = L.n_slots; // the guard first
         for (int64_t j = 0; j < k; ++j) {
             if (row[j] >= 0) {
                 continue;
             }
-            while (std::find(row, row + k, filler) != row + k) {
-                filler = filler == L.n_slots ? 0 : filler + 1;
+            int32_t s = filler_for(row, false);
+            if (s < 0) {
+                s = filler_for(row, true);
+                GGML_ASSERT(s >= 0 && s < L.n_slots);
+                L.filler_wait[s] = 1;
+                any_wait = true;
             }
-            row[j] = filler;
+            row[j] = s;
         }
     }
     for (int32_t i = 0; i < n_distinct; ++i) {
@@ -919,6 +941,16 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
         }
         if (background) {
             ggml_backend_event_record(L.slot_event[s], L.upload_backend);
+        }
+    }
+    // a pending slot read as a filler: the device reads it after its upload (rare: a token needing
+    // more fillers than the guard and the landed slots it does not read)
+    for (int32_t s = L.n_pinned; any_wait && s < L.n_slots; ++s) {
+        if (L.filler_wait[s]) {
+            L.filler_wait[s] = 0;
+            if (L.slot_event[s] && L.upload_backend && L.compute_backend) {
+                ggml_backend_event_wait(L.compute_backend, L.slot_event[s]);
+            }
         }
     }
     const int64_t dt = ggml_time_us() - t0;

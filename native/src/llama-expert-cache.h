@@ -97,6 +97,7 @@ struct llama_expert_cache_layer {
     std::vector<int32_t>  distinct;    // [n_expert] scratch: distinct experts of the step
     std::vector<int32_t>  admit;       // [n_expert] scratch: (expert, slot) admissions of the step
     std::vector<uint8_t>  missed;      // [k * n_tokens] scratch: entries of the step the CPU computes
+    std::vector<uint8_t>  filler_wait; // [n_slots] scratch: a pending slot read as a filler this step
 
     std::vector<uint64_t> counts[2];   // [phase][n_expert] routed occurrences
     llama_expert_cache_node nodes[2][2]; // [phase][hybrid] host-node userdata
