@@ -7,9 +7,9 @@ is fed the all-resident run's greedy tokens, so logits are compared position by 
 where an argmax would flip. The bound is what stock --cpu-moe (every expert on the CPU) shows
 on the same prompts: on CUDA each expert's output equals the device or the CPU kernel's, so a
 cached run may differ from all-resident by about that much (exactness.within_bound); on the
-RPC stand-in both sides run ggml-cpu and every run must be bit-identical. Also reports the scheduler's graph
-splits of a decode step against the all-resident graph's plus 2 per cached layer (each cached
-layer's host nodes are one CPU split, and the device split after it).
+RPC stand-in both sides run ggml-cpu and every run must be bit-identical. Also reports the
+scheduler's graph splits of a decode step against the all-resident graph's plus 2 per cached
+layer (each cached layer's host nodes are one CPU split, and the device split after it).
 
 Usage: gpu_check.py MODEL [--rpc HOST:PORT] [--decode 64] [--json F]   (exit 1 if a check fails)
 """

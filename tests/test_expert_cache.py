@@ -11,6 +11,7 @@ from spark_cli.capture import records_to_counts, records_to_trace
 from spark_cli.demo_model import TINY_ARCHES, build_tiny_model
 from spark_cli.engine import PHASE_DECODE, PHASE_PREFILL, CacheLayer, Engine, EngineOptions
 from spark_cli.errors import NativeError
+from spark_cli.exactness import logits
 from spark_cli.gguf_info import load_geometry
 from spark_cli.simulator import simulate
 
@@ -26,19 +27,9 @@ LONG = ("The history of the printing press begins in the fifteenth century, when
 N_DECODE = 12
 
 
-def _run(eng: Engine, text: str, n_decode: int = N_DECODE) -> tuple[np.ndarray, list[int], list[np.ndarray]]:
-    """Prefill logits of every prompt token, then greedy decode logits step by step."""
-    eng.reset()
-    toks = eng.tokenize(text)
-    prefill = eng.eval(toks, logits="all")
-    out, steps = [], []
-    logits = prefill[-1]
-    for _ in range(n_decode):
-        t = int(np.argmax(logits))
-        out.append(t)
-        logits = eng.eval([t], logits="last")
-        steps.append(logits)
-    return prefill, out, steps
+def _run(eng: Engine, text: str, n_decode: int = N_DECODE) -> tuple[np.ndarray, list[int]]:
+    """Logits of every prompt token, then of each greedy decode step; the greedy tokens."""
+    return logits(eng, eng.tokenize(text), None, n_decode)
 
 
 def _cache_layers(path, n_slots_extra: int, n_pinned: int) -> tuple[list[CacheLayer], object]:
@@ -57,13 +48,13 @@ def tiny_models():
     return {a: build_tiny_model(a) for a in TINY_ARCHES}
 
 
-def _assert_same(ref, got, what: str) -> None:
-    pre_r, toks_r, steps_r = ref
-    pre_g, toks_g, steps_g = got
-    assert np.array_equal(pre_r, pre_g), f"{what}: prefill logits differ"
-    assert toks_r == toks_g, f"{what}: greedy tokens differ"
-    for i, (a, b) in enumerate(zip(steps_r, steps_g)):
-        assert np.array_equal(a, b), f"{what}: decode step {i} logits differ (max |d| {np.abs(a - b).max()})"
+def _assert_same(ref: tuple[np.ndarray, list[int]], got: tuple[np.ndarray, list[int]], what: str) -> None:
+    """Bit-identical logits, prompt rows then one row per decode step, and the same greedy tokens."""
+    assert ref[1] == got[1], f"{what}: greedy tokens differ"
+    n_prompt = len(ref[0]) - len(ref[1])
+    for i, (a, b) in enumerate(zip(ref[0], got[0])):
+        row = f"prompt token {i}" if i < n_prompt else f"decode step {i - n_prompt}"
+        assert np.array_equal(a, b), f"{what}: {row} logits differ (max |d| {np.abs(a - b).max()})"
 
 
 def _exactness(path, endpoint, n_ubatch: int = 512, extra: int = 1, pinned: int = 1, prompts=PROMPTS,

@@ -10,7 +10,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from spark_cli.exactness import MIXED_SLACK, max_diff, prompts, reference, within_bound
+from test_expert_cache import _assert_same
+from spark_cli.exactness import MIXED_SLACK, logits, max_diff, prompts, reference, within_bound
 from spark_cli.engine import CacheLayer, CacheStats, Engine, EngineOptions
 from spark_cli.gguf_info import load_geometry
 
@@ -19,37 +20,21 @@ pytestmark = pytest.mark.model
 N_DECODE = 10
 
 
-def _run(eng: Engine, toks: list[int]) -> tuple[np.ndarray, list[int], list[np.ndarray]]:
-    eng.reset()
-    prefill = eng.eval(toks, logits="all")
-    logits, out, steps = prefill[-1], [], []
-    for _ in range(N_DECODE):
-        t = int(np.argmax(logits))
-        out.append(t)
-        logits = eng.eval([t], logits="last")
-        steps.append(logits)
-    return prefill, out, steps
-
-
-def _same(ref, got, what: str) -> None:
-    assert np.array_equal(ref[0], got[0]), f"{what}: prefill logits differ"
-    assert ref[1] == got[1], f"{what}: greedy tokens differ"
-    for i, (a, b) in enumerate(zip(ref[2], got[2])):
-        assert np.array_equal(a, b), f"{what}: decode step {i} differs (max |d| {np.abs(a - b).max()})"
+def _run(eng: Engine, toks: list[int]) -> tuple[np.ndarray, list[int]]:
+    """Logits of every prompt token, then of each greedy decode step; the greedy tokens."""
+    return logits(eng, toks, None, N_DECODE)
 
 
 def _check(path, endpoint: str, miss_path: str, n_ubatch: int = 512, pinned: int = 1) :
     opts = dict(n_ctx=512, n_batch=512, n_ubatch=n_ubatch, rpc=[endpoint])
-    with Engine(EngineOptions(path, **opts)) as ref_eng:
-        ps = prompts(ref_eng)
-        refs = [_run(ref_eng, p) for p in ps]
+    ref = reference(EngineOptions(path, **opts), N_DECODE)
     g = load_geometry(path)
     k = g.n_expert_used
     # S = P + k: every step that misses must evict
     layers = [CacheLayer(il, pinned + k, tuple(range(pinned)), miss_path=miss_path) for il in g.moe_layers]
     with Engine(EngineOptions(path, cache_layers=layers, **opts)) as eng:
-        for p, ref in zip(ps, refs):
-            _same(ref, _run(eng, p), f"{path.name} {miss_path} {len(p)} tokens")
+        for p, rl, toks in zip(ref.prompts, ref.logits, ref.fed):
+            _assert_same((rl, toks), _run(eng, p), f"{path.name} {miss_path} {len(p)} tokens")
         return eng.cache_stats()
 
 
@@ -99,7 +84,7 @@ def test_switching_the_miss_path_keeps_results(small_model, rpc_server):
         for path in ("cpu", "upload", "cpu"):
             eng.set_miss_path(path)
             assert eng.miss_paths() == {il: path for il in g.moe_layers}
-            _same(ref, _run(eng, toks), f"after switching to {path}")
+            _assert_same(ref, _run(eng, toks), f"after switching to {path}")
 
 
 @pytest.mark.gpu

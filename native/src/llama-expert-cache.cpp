@@ -430,8 +430,8 @@ ggml_tensor * llama_expert_cache::build(
     }
 
     // NOTE: decided when the graph is built. With the CPU miss path (known once a graph of this
-    // layer was analysed, see finish) any ubatch is remapped: misses go to the guard slot and the
-    // CPU. Without it, a step whose ids may not all fit the LRU slots takes the stock path.
+    // layer was analysed, see finish) any ubatch is remapped: misses read filler slots and go to
+    // the CPU. Without it, a step whose ids may not all fit the LRU slots takes the stock path.
     const bool fits   = n_tokens * k <= L->n_slots - L->n_pinned;
     const bool hybrid = L->cpu_ok == 1 && !L->recipe.empty() && cur != nullptr && cpu_backend != nullptr &&
                         down_exps && *down_exps;
@@ -887,7 +887,7 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
             if (std::find(row, row + k, s) != row + k) {
                 continue;
             }
-            if (s < L.n_slots && s >= L.n_pinned && L.slot_state[s] == LLAMA_EXPERT_CACHE_SLOT_PENDING && !allow_pending) {
+            if (!allow_pending && s < L.n_slots && L.slot_state[s] == LLAMA_EXPERT_CACHE_SLOT_PENDING) {
                 continue;
             }
             return s;
