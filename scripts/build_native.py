@@ -37,7 +37,7 @@ SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 REPO = Path(__file__).resolve().parent.parent
 NATIVE = REPO / "native"
 sys.path.insert(0, str(REPO))
-from spark_cli.version import NATIVE_KEY_FILE as KEY_FILE  # noqa: E402  (spark --version reads it)
+from spark_cli.native.version import NATIVE_KEY_FILE as KEY_FILE  # noqa: E402  (spark --version reads it)
 
 
 class BuildError(Exception):

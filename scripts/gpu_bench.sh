@@ -206,7 +206,7 @@ use_build() {  # point llama_cpp's bindings (they load lib/ beside them) at the 
     # shellcheck disable=SC1091
     . "$WORK/env.sh"
     export LLAMA_CPP_LIB_PATH=$WORK/build/bin LD_LIBRARY_PATH=$WORK/build/bin:${LD_LIBRARY_PATH:-}
-    "$PY" -c "from spark_cli import llama_lib as l; print('devices:', ', '.join(f'{d.name} ({d.type})' for d in l.devices(memory=True)))" ||
+    "$PY" -c "from spark_cli.native import llama_lib as l; print('devices:', ', '.join(f'{d.name} ({d.type})' for d in l.devices(memory=True)))" ||
         die "the built libraries do not load"
 }
 
@@ -218,11 +218,11 @@ cmd_check() {  # scripts/gpu_check.sh: exactness on the device, after stage2 on 
     "$PY" -c 'import yaml, jinja2, typing_extensions' 2>/dev/null || PYTHONPATH=$PYTHONPATH:$WORK/py/fallback
     use_build
     t=$SECONDS
-    model=$("$PY" -c "from spark_cli.demo_model import build_demo_model; print(build_demo_model(8, 2))") ||
+    model=$("$PY" -c "from spark_cli.runs.demo_model import build_demo_model; print(build_demo_model(8, 2))") ||
         die "the E=8 demo model could not be built (did stage2 join the GGUF?)"
     timing "demo model E=8 k=2" $((SECONDS - t))
     if [ "$CUDA" != 1 ]; then
-        "$PY" -m spark_cli.rpc_main --host 127.0.0.1 --port 50052 >"$OUTDIR/rpc.log" 2>&1 &
+        "$PY" -m spark_cli.native.rpc_main --host 127.0.0.1 --port 50052 >"$OUTDIR/rpc.log" 2>&1 &
         sleep 2
         rpc=(--rpc 127.0.0.1:50052)
     fi
@@ -263,7 +263,7 @@ cmd_stage2() {
     if [ ! -f "$WORK/model.path" ]; then
         t=$SECONDS
         log "building the demo model E=$E k=$K (beside the llama.cpp build) ..."
-        "$PY" -c "from spark_cli.demo_model import build_demo_model; print(build_demo_model($E, $K))" \
+        "$PY" -c "from spark_cli.runs.demo_model import build_demo_model; print(build_demo_model($E, $K))" \
             >"$WORK/model.path.tmp" 2>"$WORK/model.log" || { cat "$WORK/model.log" >&2; die "demo model build failed"; }
         mv "$WORK/model.path.tmp" "$WORK/model.path"
         timing "demo model E=$E k=$K" $((SECONDS - t))

@@ -27,9 +27,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from spark_cli.engine import CacheLayer, CacheStats, Engine, EngineOptions  # noqa: E402
-from spark_cli.exactness import MIXED_SLACK, logits, reference, within_bound  # noqa: E402
-from spark_cli.gguf_info import load_geometry  # noqa: E402
+from spark_cli.native.engine import CacheLayer, CacheStats, Engine, EngineOptions  # noqa: E402
+from spark_cli.runs.exactness import MIXED_SLACK, logits, reference, within_bound  # noqa: E402
+from spark_cli.core.gguf_info import load_geometry  # noqa: E402
 
 
 def main() -> int:

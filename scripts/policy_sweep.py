@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spark_cli.simulator import MISS_PATHS, PolicyParams, simulate  # noqa: E402
-from spark_cli.trace import RoutingTrace  # noqa: E402
+from spark_cli.core.simulator import MISS_PATHS, PolicyParams, simulate  # noqa: E402
+from spark_cli.core.trace import RoutingTrace  # noqa: E402
 
 GRID = {
     "lru": [PolicyParams()],

@@ -23,7 +23,7 @@ app = typer.Typer(
 
 def _show_version(value: bool) -> None:
     if value:
-        from .version import version_line
+        from .native.version import version_line
 
         typer.echo(version_line())
         raise typer.Exit(0)
@@ -56,9 +56,19 @@ def _register() -> None:
     serve.register(app)
 
 
+def print_error(line: str) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    Console(stderr=True, highlight=False).print(Text("error:", style="bold red") + Text(" " + line), soft_wrap=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one red line and exit code 2 for a SparkError (SPARK_DEBUG=1: traceback)."""
     _register()
+    from .native import faults
+
+    faults.set_printer(print_error)
     from .commands.common import unalias
 
     argv = unalias(list(sys.argv[1:] if argv is None else argv))
@@ -67,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except SparkError as e:
         if os.environ.get("SPARK_DEBUG"):
             raise
-        from rich.console import Console
-
-        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {e.one_line()}", markup=True, soft_wrap=True)
+        print_error(e.one_line())
         return e.exit_code
     except typer.Abort:
         print("aborted", file=sys.stderr)

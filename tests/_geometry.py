@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from spark_cli.gguf_info import ExpertTensor, LayerGeometry, ModelGeometry
+from spark_cli.core.gguf_info import ExpertTensor, LayerGeometry, ModelGeometry
 
 MiB = 1 << 20
 

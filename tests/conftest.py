@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def small_model():
     """Upcycled SmolLM2 with 8 experts, top-2 (the tests' demo model)."""
-    from spark_cli.demo_model import build_demo_model
+    from spark_cli.runs.demo_model import build_demo_model
 
     return build_demo_model(n_expert=8, n_expert_used=2)
 
@@ -41,7 +41,7 @@ def small_model():
 @pytest.fixture(scope="session")
 def rpc_server():
     """One RPC server subprocess on a free 127.0.0.1 port for the whole session."""
-    from spark_cli.rpc import RpcServer
+    from spark_cli.native.rpc import RpcServer
 
     srv = RpcServer(threads=os.cpu_count() or 1).start()
     yield srv
@@ -56,7 +56,8 @@ def cli_runner(monkeypatch, capsys, command: str, register):
     stand-in); run(*args) -> (rc, stdout, stderr)."""
     import typer
 
-    from spark_cli import cli, devices
+    from spark_cli import cli
+    from spark_cli.native import devices
     from spark_cli.commands import common
 
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, context_settings=cli.CONTEXT)

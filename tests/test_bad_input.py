@@ -12,9 +12,9 @@ import pytest
 
 from conftest import cli_runner
 
-from spark_cli.corpus import read_corpus
+from spark_cli.files.corpus import read_corpus
 from spark_cli.errors import PlanError, ProfileError, SparkError
-from spark_cli.text_input import read_stream, utf8_text
+from spark_cli.files.text_input import read_stream, utf8_text
 
 LATIN1 = "café crème".encode("latin-1")  # b'caf\xe9 cr\xe8me'
 
@@ -47,7 +47,7 @@ def test_corpus_line_with_a_lone_surrogate_is_skipped_and_counted(tmp_path):
 
 
 def test_non_utf8_plan_file_is_one_line(tmp_path):
-    from spark_cli.planner import Plan
+    from spark_cli.core.planner import Plan
 
     p = tmp_path / "plan.json"
     p.write_bytes(b'{"format": "\xff\xfe"}')
@@ -57,7 +57,7 @@ def test_non_utf8_plan_file_is_one_line(tmp_path):
 
 
 def test_trace_with_the_right_fingerprint_but_wrong_layers(tmp_path):
-    from spark_cli.trace import RoutingTrace
+    from spark_cli.core.trace import RoutingTrace
 
     ids = np.zeros((4, 3, 2), dtype=np.int16)
     t = RoutingTrace(ids, np.zeros(4, np.uint8), np.arange(4, dtype=np.int32), 8, "a" * 64)
@@ -72,14 +72,14 @@ def test_trace_with_the_right_fingerprint_but_wrong_layers(tmp_path):
 
 @pytest.mark.parametrize("port", [70000, 65536, 0, -1])
 def test_rpc_server_port_out_of_range(port):
-    from spark_cli.rpc import listen_address
+    from spark_cli.native.rpc import listen_address
 
     with pytest.raises(SparkError, match=r"--port .*: a TCP port is 1 to 65535"):
         listen_address("127.0.0.1", port)
 
 
 def test_rpc_server_ipv6_is_an_honest_error():
-    from spark_cli.rpc import listen_address, parse_endpoints
+    from spark_cli.native.rpc import listen_address, parse_endpoints
 
     with pytest.raises(SparkError, match="binds IPv4 addresses only"):
         listen_address("::1", 50052)
@@ -145,7 +145,7 @@ def test_spark_home_a_file_is_one_line(monkeypatch, capsys, tmp_path):
 
 
 def _profile(path, tokens=10.0):
-    from spark_cli.profile import RoutingProfile
+    from spark_cli.core.profile import RoutingProfile
 
     model = {"arch": "x", "n_layer": 2, "n_expert": 4, "n_expert_used": 2, "fingerprint": "b" * 64}
     p = RoutingProfile.empty(model).add(None, np.ones((2, 4)), 0, tokens, "t")
@@ -178,7 +178,7 @@ def test_merge_output_that_is_not_a_file(monkeypatch, capsys, tmp_path, where):
 
 def test_merge_follows_a_symlink_and_keeps_the_mode(monkeypatch, capsys, tmp_path):
     from spark_cli.commands import profile
-    from spark_cli.profile import RoutingProfile
+    from spark_cli.core.profile import RoutingProfile
 
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     _profile(a, 10), _profile(b, 5)
@@ -201,9 +201,9 @@ def test_merge_follows_a_symlink_and_keeps_the_mode(monkeypatch, capsys, tmp_pat
 def test_merge_disk_full_keeps_a_recovery_file(monkeypatch, capsys, tmp_path):
     import errno
 
-    from spark_cli import atomic
+    from spark_cli.files import atomic
     from spark_cli.commands import profile
-    from spark_cli.profile import RoutingProfile
+    from spark_cli.core.profile import RoutingProfile
 
     monkeypatch.setenv("SPARK_HOME", str(tmp_path / "home"))
     a, b = tmp_path / "a.json", tmp_path / "b.json"
@@ -227,7 +227,7 @@ def test_merge_disk_full_keeps_a_recovery_file(monkeypatch, capsys, tmp_path):
 
 def test_simulate_slots_below_k(monkeypatch, capsys, tmp_path):
     from spark_cli.commands import profile
-    from spark_cli.trace import RoutingTrace
+    from spark_cli.core.trace import RoutingTrace
 
     ids = np.tile(np.array([[0, 1], [2, 3]], dtype=np.int16), (4, 1, 1)).reshape(4, 2, 2)
     RoutingTrace(ids, np.ones(4, np.uint8), np.arange(4, dtype=np.int32), 4, "c" * 64).save(tmp_path / "t.npz")
@@ -275,7 +275,7 @@ def test_bench_outputs_are_checked_before_the_runs(monkeypatch, capsys, tmp_path
 def test_demo_model_disk_full_is_one_line(monkeypatch, capsys, tmp_path):
     import errno
 
-    from spark_cli import demo_model
+    from spark_cli.runs import demo_model
     from spark_cli.commands import demo
 
     def full(fd):

@@ -11,10 +11,11 @@ import pytest
 
 from conftest import cli_runner
 
-from spark_cli import bench, planner
+from spark_cli.runs import bench
+from spark_cli.core import planner
 from spark_cli.commands import bench as bench_cmd
-from spark_cli.gguf_info import load_geometry
-from spark_cli.profile import profile_path_for
+from spark_cli.core.gguf_info import load_geometry
+from spark_cli.core.profile import profile_path_for
 
 SMALL = ("-p", "32", "-n", "8")
 
@@ -191,7 +192,7 @@ class _FakeEngine:
 
 
 def test_workload_generates_after_a_chat_and_calibrates_on_the_rest(corpus) -> None:
-    from spark_cli.corpus import read_corpus
+    from spark_cli.files.corpus import read_corpus
 
     docs = read_corpus(corpus).documents
     w = bench.make_workload(_FakeEngine(), docs, n_prompt=1000)

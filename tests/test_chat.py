@@ -13,12 +13,12 @@ import pytest
 
 from conftest import cli_runner
 
-from spark_cli import planner
-from spark_cli.chat_session import ChatSession, Sampling
+from spark_cli.core import planner
+from spark_cli.runs.chat_session import ChatSession, Sampling
 from spark_cli.commands import chat as chat_cmd
 from spark_cli.errors import DeviceError, ModelFileError, PlanError, SparkError
-from spark_cli.gguf_info import load_geometry
-from spark_cli.profile import RoutingProfile, profile_path_for
+from spark_cli.core.gguf_info import load_geometry
+from spark_cli.core.profile import RoutingProfile, profile_path_for
 
 SPARK = str(Path(sys.executable).parent / "spark")
 QUESTION = "What is the capital of France?"
@@ -230,8 +230,8 @@ def test_history_kv_reuse_trimming_and_save(tmp_path):
 
 @pytest.mark.model
 def test_crashed_answer_keeps_learned_counts(small_model, tmp_path):
-    from spark_cli import session
-    from spark_cli.engine import Engine, EngineOptions
+    from spark_cli.runs import session
+    from spark_cli.native.engine import Engine, EngineOptions
 
     g = load_geometry(small_model)
     per_token = g.n_expert_used * len(g.moe_layers)
@@ -272,7 +272,7 @@ def spark(monkeypatch, capsys):
 
 
 def _other_model_plan(tmp_path: Path) -> Path:
-    from spark_cli.demo_model import build_tiny_model
+    from spark_cli.runs.demo_model import build_tiny_model
 
     tiny = load_geometry(build_tiny_model("qwen3moe"))
     p = tmp_path / "tiny-plan.json"

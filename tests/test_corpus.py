@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from spark_cli.corpus import (MIN_CHUNK, Chunk, CorpusError, Document, bundled_corpus, chunk_tokens, make_chunks,
+from spark_cli.files.corpus import (MIN_CHUNK, Chunk, CorpusError, Document, bundled_corpus, chunk_tokens, make_chunks,
                               read_corpus)
 from spark_cli.errors import ProfileError
 

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from spark_cli import demo_model as dm
+from spark_cli.runs import demo_model as dm
 from spark_cli.errors import DownloadError
 
 # What llama_chat_apply_template renders from the GGUF's ChatML template. (The Jinja
@@ -237,7 +237,7 @@ def test_tiny_rejects_unknown_arch():
 
 def _greedy(model_path: Path, prompt: str, n_tokens: int) -> tuple[str, list[np.ndarray]]:
     """Greedy decode on CPU; returns the text and the logits row of every step."""
-    from spark_cli.engine import Engine, EngineOptions
+    from spark_cli.native.engine import Engine, EngineOptions
 
     with Engine(EngineOptions(model_path, n_ctx=512, n_batch=512, device="cpu")) as eng:
         tokens = eng.tokenize(prompt, add_special=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from spark_cli import faults
+from spark_cli.native import faults
 from spark_cli.errors import DeviceError, SparkError
 
 SPARK = str(Path(sys.executable).parent / "spark")
@@ -132,10 +132,10 @@ def test_chat_with_a_stranger_as_rpc_is_one_line(small_model, tmp_path, mode):
 
 
 def _start_server(port_file: Path | None = None) -> tuple[subprocess.Popen, str]:
-    from spark_cli.rpc import free_port
+    from spark_cli.native.rpc import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "spark_cli.rpc_main", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "spark_cli.native.rpc_main", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     ep = f"127.0.0.1:{port}"
     for _ in range(300):
@@ -167,7 +167,7 @@ def _assert_one_line_loss(stderr: str, ep: str) -> str:
 
 @pytest.mark.model
 def test_chat_keeps_its_counts_when_the_server_is_killed(small_model, tmp_path):
-    from spark_cli.profile import RoutingProfile, profile_path_for
+    from spark_cli.core.profile import RoutingProfile, profile_path_for
 
     model = tmp_path / small_model.name
     model.symlink_to(small_model)
@@ -215,7 +215,7 @@ def test_bench_writes_its_partial_report_when_the_server_is_killed(small_model, 
 
 @pytest.mark.model
 def test_profile_keeps_finished_chunks_when_the_server_is_killed(small_model, tmp_path):
-    from spark_cli.profile import RoutingProfile, profile_path_for
+    from spark_cli.core.profile import RoutingProfile, profile_path_for
 
     model = tmp_path / small_model.name
     model.symlink_to(small_model)

@@ -7,13 +7,14 @@ import pytest
 
 from collections import OrderedDict
 
-from spark_cli.capture import records_to_counts, records_to_trace
-from spark_cli.demo_model import TINY_ARCHES, build_tiny_model
-from spark_cli.engine import PHASE_DECODE, PHASE_PREFILL, CacheLayer, Engine, EngineOptions
+from spark_cli.core.capture import records_to_counts, records_to_trace
+from spark_cli.runs.demo_model import TINY_ARCHES, build_tiny_model
+from spark_cli.core.trace import DECODE as PHASE_DECODE, PREFILL as PHASE_PREFILL
+from spark_cli.native.engine import CacheLayer, Engine, EngineOptions
 from spark_cli.errors import NativeError
-from spark_cli.exactness import logits
-from spark_cli.gguf_info import load_geometry
-from spark_cli.simulator import simulate
+from spark_cli.runs.exactness import logits
+from spark_cli.core.gguf_info import load_geometry
+from spark_cli.core.simulator import simulate
 
 pytestmark = pytest.mark.model
 
@@ -311,7 +312,7 @@ def test_prompt_routing_is_prefill_in_every_layer(small_model, rpc_server):
 def test_cuda_cache_bit_exact(small_model):
     """On a CUDA build with a GPU: the same exactness contract on the real device. Ubatches
     of 2 tokens fit the LRU slots, so prefill runs the same CUDA kernels on banks too."""
-    from spark_cli import llama_lib
+    from spark_cli.native import llama_lib
 
     gpus = [d for d in llama_lib.gpu_devices() if not d.name.startswith("RPC")]
     assert gpus, "a CUDA device is present but this llama.cpp build does not see it (build with SPARK_CUDA=1)"

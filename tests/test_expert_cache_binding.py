@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from spark_cli import expert_cache as ec
+from spark_cli.native import expert_cache as ec
 from spark_cli.errors import NativeError
 
 HEADER = (Path(__file__).resolve().parent.parent / "native" / "include" / "llama-expert-cache-api.h").read_text()

@@ -15,10 +15,10 @@ import pytest
 
 from conftest import cli_runner
 
-from spark_cli import profile_store
-from spark_cli.atomic import file_lock
+from spark_cli.core import profile_store
+from spark_cli.files.atomic import file_lock
 from spark_cli.errors import OutputError, ProfileError, SaveError
-from spark_cli.profile import RoutingProfile, profile_path_for
+from spark_cli.core.profile import RoutingProfile, profile_path_for
 
 SPARK = str(Path(sys.executable).parent / "spark")
 LATIN1 = "Qu'est-ce que la crème brûlée ?".encode("latin-1")
@@ -40,7 +40,7 @@ def _errors(stderr: str) -> list[str]:
 
 
 def test_save_into_a_missing_folder_is_refused(tmp_path):
-    from spark_cli.chat_session import ChatSession
+    from spark_cli.runs.chat_session import ChatSession
 
     fake = SimpleNamespace(to_json=lambda model: {"messages": []})
     with pytest.raises(OutputError) as e:
@@ -70,7 +70,7 @@ def test_latin1_prompt_and_stdin_and_no_tokens(small_model, rpc_server, tmp_path
 def test_held_lock_waits_then_keeps_the_counts_for_the_next_fold(small_model, rpc_server, tmp_path):
     model = _link(small_model, tmp_path)
     path = profile_path_for(model)
-    from spark_cli.gguf_info import load_geometry
+    from spark_cli.core.gguf_info import load_geometry
 
     ident = load_geometry(model).identity()
     profile_store.fold(path, ident, profile_store.delta(ident, None, np.ones((30, 8)), 0, 10, "seed"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from spark_cli.errors import ModelFileError
-from spark_cli.gguf_info import load_geometry
+from spark_cli.core.gguf_info import load_geometry
 
 N_EMBD, N_FF, N_EXPERT, K, VOCAB, N_HEAD, N_HEAD_KV = 64, 32, 8, 2, 96, 4, 2
 Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -231,7 +231,7 @@ def test_bad_metadata_type(tmp_path: Path) -> None:
 
 
 def test_loaded_geometry_plans(model: tuple[Path, dict[str, int]]) -> None:
-    from spark_cli.planner import make_plan
+    from spark_cli.core.planner import make_plan
 
     g = load_geometry(model[0])
     plan = make_plan(g, 1 << 30, 256)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from test_expert_cache import _assert_same
-from spark_cli.exactness import MIXED_SLACK, logits, max_diff, prompts, reference, within_bound
-from spark_cli.engine import CacheLayer, CacheStats, Engine, EngineOptions
-from spark_cli.gguf_info import load_geometry
+from spark_cli.runs.exactness import MIXED_SLACK, logits, max_diff, prompts, reference, within_bound
+from spark_cli.native.engine import CacheLayer, CacheStats, Engine, EngineOptions
+from spark_cli.core.gguf_info import load_geometry
 
 pytestmark = pytest.mark.model
 
@@ -66,7 +66,7 @@ def test_small_ubatches_exact_on_cpu_path(small_model, rpc_server):
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss"])
 def test_tiny_architectures_exact_on_cpu_path(arch, rpc_server):
-    from spark_cli.demo_model import build_tiny_model
+    from spark_cli.runs.demo_model import build_tiny_model
 
     stats = _check(build_tiny_model(arch), rpc_server.endpoint, "cpu")
     assert _total(stats, "cpu_experts") > 0, f"{arch}: the CPU miss path was not used"
@@ -93,7 +93,7 @@ def test_cuda_miss_paths_within_the_stock_bound(miss_path, small_model):
     """On CUDA each expert's output is the device kernel's or the CPU kernel's: cached logits may
     differ from all-resident by about what stock --cpu-moe (every expert on the CPU) shows on the
     same prompts and tokens (the all-resident run's greedy tokens are fed to every run)."""
-    from spark_cli import llama_lib
+    from spark_cli.native import llama_lib
 
     gpus = [d for d in llama_lib.gpu_devices() if not d.name.startswith("RPC")]
     assert gpus, "a CUDA device is present but this llama.cpp build does not see it (build with SPARK_CUDA=1)"
@@ -118,7 +118,7 @@ class _RemapCapture(Engine):
         super().__init__(dataclasses.replace(opts, capture_topk=True))  # installs the eval callback
 
     def _on_eval(self, t_ptr: int, ask: bool, user_data) -> bool:
-        from spark_cli import llama_lib
+        from spark_cli.native import llama_lib
 
         t = llama_lib.GGMLTensor.from_address(t_ptr)
         name = t.name

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spark_cli.paths import spark_home
+from spark_cli.files.paths import spark_home
 
 pytestmark = pytest.mark.model
 
@@ -21,12 +21,12 @@ PROMPTS = ["What is the capital of France?", "List three colours of the rainbow.
 SCRIPT = r"""
 import json, sys
 import numpy as np
-from spark_cli.engine import Engine, EngineOptions
+from spark_cli.native.engine import Engine, EngineOptions
 model, rpc, out = sys.argv[1], sys.argv[2], sys.argv[3]
 opts = EngineOptions(model, n_ctx=256, rpc=[rpc] if rpc else [], device="auto" if rpc else "cpu", repack=False)
 res = {}
 with Engine(opts) as eng:
-    import spark_cli.llama_lib as L
+    import spark_cli.native.llama_lib as L
     res["has_cache_api"] = bool(L.load().has_expert_cache)
     arrays = {}
     for i, p in enumerate(json.loads(sys.argv[4])):

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 from _geometry import make_geometry
 
-from spark_cli import devices, errors
+from spark_cli.native import devices
+from spark_cli import errors
 from spark_cli.commands.common import unalias
 from spark_cli.errors import DeviceError, UsageError
-from spark_cli.options import DEFAULT_CTX, LoadFlags, context_size
-from spark_cli.placement import CPU, parse_override_tensor
+from spark_cli.core.options import DEFAULT_CTX, LoadFlags, context_size
+from spark_cli.core.placement import CPU, parse_override_tensor
 
 
 @pytest.mark.parametrize("requested,trained,plan_ctx,want", [
@@ -78,6 +79,6 @@ def test_every_error_type_has_its_own_exit_code() -> None:
     assert codes["UsageError"] == 2 and len(set(codes.values())) == len(codes)
     assert all(c not in (0, 130) for c in codes.values())
     assert issubclass(errors.ProfileError, errors.SparkError)
-    from spark_cli.corpus import CorpusError
+    from spark_cli.files.corpus import CorpusError
 
     assert CorpusError("x").exit_code == errors.ProfileError.exit_code

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from spark_cli import atomic, recovery
-from spark_cli.atomic import atomic_write_text, check_output, check_folder, file_lock
+from spark_cli.files import atomic, recovery
+from spark_cli.files.atomic import atomic_write_text, check_output, check_folder, file_lock
 from spark_cli.errors import LockTimeout, OutputError, SaveError, SparkError
 
 
@@ -196,7 +196,7 @@ def test_out_dir_must_be_a_folder(tmp_path):
 
 
 def test_spark_home_pointing_at_a_file(tmp_path, monkeypatch):
-    from spark_cli.paths import models_dir
+    from spark_cli.files.paths import models_dir
 
     f = tmp_path / "home"
     f.write_text("x")

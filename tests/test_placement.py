@@ -8,11 +8,12 @@ import re
 
 import pytest
 
-from spark_cli import planner, session
-from spark_cli.demo_model import TINY_ARCHES, build_tiny_model
-from spark_cli.engine import Engine
-from spark_cli.gguf_info import load_geometry
-from spark_cli.options import LoadFlags
+from spark_cli.core import planner
+from spark_cli.runs import session
+from spark_cli.runs.demo_model import TINY_ARCHES, build_tiny_model
+from spark_cli.native.engine import Engine
+from spark_cli.core.gguf_info import load_geometry
+from spark_cli.core.options import LoadFlags
 
 pytestmark = pytest.mark.model
 MiB = 1 << 20

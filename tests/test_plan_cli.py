@@ -12,15 +12,16 @@ import pytest
 
 from conftest import cli_runner
 
-from spark_cli import devices, planner, vram
+from spark_cli.native import devices
+from spark_cli.core import planner, vram
 from spark_cli.commands import plan as plan_cmd
-from spark_cli.demo_model import TINY_ARCHES, build_tiny_model
+from spark_cli.runs.demo_model import TINY_ARCHES, build_tiny_model
 from spark_cli.errors import DeviceError, OutputError, PlanError, ProfileError, UsageError
-from spark_cli.options import DEFAULT_CTX
-from spark_cli.gguf_info import _open, load_geometry
-from spark_cli.profile import RoutingProfile, profile_path_for
-from spark_cli.simulator import DEFAULT_POLICY
-from spark_cli.trace import RoutingTrace
+from spark_cli.core.options import DEFAULT_CTX
+from spark_cli.core.gguf_info import _open, load_geometry
+from spark_cli.core.profile import RoutingProfile, profile_path_for
+from spark_cli.core.simulator import DEFAULT_POLICY
+from spark_cli.core.trace import RoutingTrace
 
 MiB = 1 << 20
 
@@ -229,7 +230,7 @@ def test_trace_sizes_lru_slots(spark, small_model, geo, tmp_path) -> None:
 
 
 def test_unknown_family_warns(spark, monkeypatch) -> None:
-    from spark_cli import gguf_info
+    from spark_cli.core import gguf_info
 
     monkeypatch.setattr(gguf_info, "family_for", lambda arch: None)
     rc, stdout, stderr = spark(build_tiny_model("qwen3moe"), "--vram", "1GiB")

@@ -13,9 +13,9 @@ from _geometry import MiB, make_geometry
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spark_cli import vram
+from spark_cli.core import vram
 from spark_cli.errors import PlanError
-from spark_cli.planner import PLAN_VERSION, Plan, make_plan, stock_baseline
+from spark_cli.core.planner import PLAN_VERSION, Plan, make_plan, stock_baseline
 
 GiB = 1 << 30
 SETTINGS = settings(max_examples=int(os.environ.get("SPARK_HYP_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -304,8 +304,8 @@ def test_json_round_trip_and_identity(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- planning by replay (issue 12)
 
-from spark_cli.planner import LayerReplay, held_out_check, plan_by_replay  # noqa: E402
-from spark_cli.trace import RoutingTrace  # noqa: E402
+from spark_cli.core.planner import LayerReplay, held_out_check, plan_by_replay  # noqa: E402
+from spark_cli.core.trace import RoutingTrace  # noqa: E402
 
 
 def _skewed_trace(g, n: int, seed: int, drift: bool = False) -> RoutingTrace:

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from spark_cli.errors import ProfileError
-from spark_cli.profile import (FORMAT_VERSION, RoutingProfile, merge, profile_path_for,
+from spark_cli.core.profile import (FORMAT_VERSION, RoutingProfile, merge, profile_path_for,
                                update_file)
-from spark_cli.trace import RoutingTrace
+from spark_cli.core.trace import RoutingTrace
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"arch": "toymoe", "n_layer": 2, "n_expert": 4, "n_expert_used": 2,
@@ -168,7 +168,7 @@ def test_add_trace_and_uniform():
 SLOW_CHILD = r"""
 import os, sys, time
 import numpy as np
-from spark_cli.profile import RoutingProfile
+from spark_cli.core.profile import RoutingProfile
 
 real_fdopen = os.fdopen
 
@@ -234,7 +234,7 @@ def test_kill_mid_write_keeps_old_profile(tmp_path):
 LOOP_CHILD = r"""
 import sys
 import numpy as np
-from spark_cli.profile import RoutingProfile
+from spark_cli.core.profile import RoutingProfile
 model = dict(arch="toymoe", n_layer=48, n_expert=256, n_expert_used=8, fingerprint="a" * 40)
 p = RoutingProfile.empty(model)
 p.add(None, np.random.default_rng(0).random((48, 256)), 0, 100, "new")
@@ -269,7 +269,7 @@ def _trace(rows, phase, step, fp="a" * 40):
 
 
 def test_recent_ring_keeps_decode_steps_and_round_trips(tmp_path, monkeypatch):
-    import spark_cli.profile as prof
+    import spark_cli.core.profile as prof
 
     p = RoutingProfile.empty(MODEL)
     # a 2-token prefill step, then 3 decode steps
@@ -299,7 +299,7 @@ def test_recent_ring_keeps_decode_steps_and_round_trips(tmp_path, monkeypatch):
 
 
 def test_recent_capacity_fits_the_byte_budget():
-    from spark_cli.profile import RECENT_MAX_BYTES, RECENT_MAX_STEPS
+    from spark_cli.core.profile import RECENT_MAX_BYTES, RECENT_MAX_STEPS
 
     p = RoutingProfile.empty(dict(MODEL, n_layer=48, n_expert=512))
     assert p.recent_capacity(48, 8) == RECENT_MAX_BYTES // (48 * 8 * 2) < RECENT_MAX_STEPS

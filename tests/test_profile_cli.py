@@ -16,15 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spark_cli.profiling import (_Capture, _held_out_indices, _pieces, gather, open_engine, resolve_capture,
+from spark_cli.runs.profiling import (_Capture, _held_out_indices, _pieces, gather, open_engine, resolve_capture,
                                  split_held_out)
-from spark_cli.corpus import Chunk
-from spark_cli.engine import EngineOptions
+from spark_cli.files.corpus import Chunk
+from spark_cli.native.engine import EngineOptions
 from spark_cli.errors import ModelFileError, ProfileError
-from spark_cli.gguf_info import load_geometry
-from spark_cli.profile import RoutingProfile, profile_path_for
-from spark_cli.simulator import DEFAULT_POLICY
-from spark_cli.trace import RoutingTrace
+from spark_cli.core.gguf_info import load_geometry
+from spark_cli.core.profile import RoutingProfile, profile_path_for
+from spark_cli.core.simulator import DEFAULT_POLICY
+from spark_cli.core.trace import RoutingTrace
 
 pytestmark = pytest.mark.model
 
@@ -116,7 +116,7 @@ def test_capture_paths_agree(small_model):
 
 
 def test_capture_choice(monkeypatch):
-    from spark_cli import llama_lib
+    from spark_cli.native import llama_lib
     from spark_cli.errors import NativeError
 
     lib = llama_lib.load()
@@ -200,7 +200,7 @@ def test_empty_corpus_is_one_line(small_model, tmp_path):
 
 
 def test_model_without_experts_is_one_line(tmp_path):
-    from spark_cli.demo_model import fetch_smollm2
+    from spark_cli.runs.demo_model import fetch_smollm2
 
     dense = fetch_smollm2()
     rc, out, err = spark("profile", dense, "--profile", tmp_path / "p.json")

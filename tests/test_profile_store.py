@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from spark_cli import profile_store
-from spark_cli.atomic import file_lock
+from spark_cli.core import profile_store
+from spark_cli.files.atomic import file_lock
 from spark_cli.errors import ProfileError, SaveError
-from spark_cli.profile import RoutingProfile
+from spark_cli.core.profile import RoutingProfile
 
 MODEL = {"arch": "qwen3moe", "n_layer": 3, "n_expert": 4, "n_expert_used": 2, "fingerprint": "f" * 64,
          "tensor_layout_hash": "0" * 64}
@@ -100,7 +100,7 @@ def test_pending_files_of_another_model_are_left_alone(tmp_path):
 
 
 def test_a_broken_profile_beside_the_model_never_blocks_a_run(tmp_path):
-    from spark_cli import session
+    from spark_cli.runs import session
 
     model = tmp_path / "m.gguf"
     path = tmp_path / "m.gguf.spark-profile.json"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from spark_cli.errors import SparkError
-from spark_cli.registry import load_registry, parse_registry, registry_path
+from spark_cli.core.registry import load_registry, parse_registry, registry_path
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = {"qwen3moe", "qwen35moe", "qwen3next", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss", "llama",

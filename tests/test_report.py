@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from spark_cli.errors import PlanError
-from spark_cli.profile import RoutingProfile
-from spark_cli.report import (coverage_curve, greedy_placement, heatmap_png, held_out_cold_hit,
+from spark_cli.core.profile import RoutingProfile
+from spark_cli.core.report import (coverage_curve, greedy_placement, heatmap_png, held_out_cold_hit,
                               layer_skew)
-from spark_cli.trace import RoutingTrace
+from spark_cli.core.trace import RoutingTrace
 
 FP = "f" * 40
 

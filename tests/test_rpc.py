@@ -7,9 +7,9 @@ import os
 import psutil
 import pytest
 
-from spark_cli.engine import Engine, EngineOptions
+from spark_cli.native.engine import Engine, EngineOptions
 from spark_cli.errors import SparkError
-from spark_cli.rpc import parse_endpoints
+from spark_cli.native.rpc import parse_endpoints
 
 pytestmark = pytest.mark.model
 
@@ -44,7 +44,7 @@ def test_rpc_generation_equals_cpu(small_model, rpc_server):
 
 
 def test_rpc_server_is_stopped_without_leaks(small_model):
-    from spark_cli.rpc import RpcServer
+    from spark_cli.native.rpc import RpcServer
 
     srv = RpcServer().start()
     pid = srv.proc.pid
@@ -60,7 +60,7 @@ def test_bad_rpc_endpoint_is_one_line_error(value):
 
 
 def test_unreachable_rpc_server_is_an_error(small_model):
-    from spark_cli.rpc import free_port
+    from spark_cli.native.rpc import free_port
 
     with pytest.raises(SparkError, match="no RPC server answers"):
         Engine(EngineOptions(small_model, rpc=[f"127.0.0.1:{free_port()}"]))
@@ -71,7 +71,7 @@ def test_rpc_server_dies_with_a_killed_client():
     import sys
     import time
 
-    code = ("from spark_cli.rpc import RpcServer; s = RpcServer().start(); print(s.proc.pid, flush=True); "
+    code = ("from spark_cli.native.rpc import RpcServer; s = RpcServer().start(); print(s.proc.pid, flush=True); "
             "import time; time.sleep(120)")
     client = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     pid = int(client.stdout.readline())

@@ -18,9 +18,9 @@ import pytest
 
 from test_chat import _FakeEngine, _min_budget
 
-from spark_cli.gguf_info import load_geometry
-from spark_cli.profile import RoutingProfile, profile_path_for
-from spark_cli.rpc import RpcServer, free_port
+from spark_cli.core.gguf_info import load_geometry
+from spark_cli.core.profile import RoutingProfile, profile_path_for
+from spark_cli.native.rpc import RpcServer, free_port
 from spark_cli.serve.app import ServerState, create_app
 from spark_cli.serve.generation import StopFilter
 from spark_cli.serve.learn import Learner

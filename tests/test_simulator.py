@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spark_cli.errors import PlanError
-from spark_cli.simulator import PolicyParams, cold_hit_rate, miss_ratio_curve, simulate
-from spark_cli.trace import RoutingTrace
+from spark_cli.core.simulator import PolicyParams, cold_hit_rate, miss_ratio_curve, simulate
+from spark_cli.core.trace import RoutingTrace
 
 BOTH = ("prefill", "decode")
 
@@ -254,7 +254,7 @@ def test_not_run_layer_steps_are_skipped():
 
 # ---------------------------------------------------------------- policies of issue 12
 
-from spark_cli.simulator import (ALIASES, DEFAULT_POLICY, MISS_PATHS, ONLINE_POLICIES, POLICIES,  # noqa: E402
+from spark_cli.core.simulator import (ALIASES, DEFAULT_POLICY, MISS_PATHS, ONLINE_POLICIES, POLICIES,  # noqa: E402
                                  LayerCache, canonical_policy)
 
 ALL = ("lru-pinned", "lfu-aged", "slru", "tinylfu", "belady")
@@ -266,7 +266,7 @@ def _replay_checked(steps, n_expert, slots, pinned, policy, miss_path, max_admit
     cache = LayerCache(n_expert, slots, pinned, policy, miss_path, max_admit, params)
     nxt = None
     if policy == "belady":
-        from spark_cli.simulator import _next_uses
+        from spark_cli.core.simulator import _next_uses
 
         nxt = _next_uses([list(dict.fromkeys(e for r in s for e in r)) for s in steps])
     pinned_slots = list(cache.slot_expert[: len(pinned)])
@@ -346,7 +346,7 @@ def test_policies_are_deterministic(policy, miss_path):
 @settings(max_examples=100, deadline=None)
 @given(steps=step_lists(8, 2, max_tokens=3, max_steps=40), slots=st.integers(2, 8), n_pin=st.integers(0, 2))
 def test_generic_lru_matches_fast_lru(steps, slots, n_pin):
-    from spark_cli.simulator import _run
+    from spark_cli.core.simulator import _run
 
     pin = list(range(n_pin)) if n_pin <= slots else []
     cap = slots - len(pin)

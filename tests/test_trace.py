@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from spark_cli.errors import ProfileError
-from spark_cli.trace import RoutingTrace, TraceBuilder, concat
+from spark_cli.core.trace import RoutingTrace, TraceBuilder, concat
 
 
 def _trace(fp: str = "fp-a") -> RoutingTrace:

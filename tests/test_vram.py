@@ -6,8 +6,9 @@ import pytest
 from _geometry import make_geometry
 
 from spark_cli.errors import PlanError, UsageError
-from spark_cli.vram import (COMPUTE_FLOOR_BYTES, DEVICE_OVERHEAD_BYTES, GiB, MiB, compute_buffer_bytes,
-                            kv_cache_bytes, parse_size, row_bytes)
+from spark_cli.core.vram import (COMPUTE_FLOOR_BYTES, DEVICE_OVERHEAD_BYTES, GiB, MiB, compute_buffer_bytes,
+                            kv_cache_bytes, row_bytes)
+from spark_cli.core.units import parse_size
 
 
 @pytest.mark.parametrize("t,n,expected", [
@@ -27,7 +28,7 @@ def test_kv_type_table_matches_ggml() -> None:
     """The one KV type table: ids and block layouts as ggml's (checked against the gguf package)."""
     import gguf
 
-    from spark_cli.vram import KV_TYPES
+    from spark_cli.core.vram import KV_TYPES
 
     for name, t in KV_TYPES.items():
         q = gguf.GGMLQuantizationType[name.upper()]

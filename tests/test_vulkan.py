@@ -23,9 +23,9 @@ import os
 
 import pytest
 
-from spark_cli.exactness import MIXED_SLACK, max_diff, reference, within_bound
-from spark_cli.engine import CacheLayer, CacheStats, Engine, EngineOptions
-from spark_cli.gguf_info import load_geometry
+from spark_cli.runs.exactness import MIXED_SLACK, max_diff, reference, within_bound
+from spark_cli.native.engine import CacheLayer, CacheStats, Engine, EngineOptions
+from spark_cli.core.gguf_info import load_geometry
 
 pytestmark = [pytest.mark.vulkan, pytest.mark.model]
 
@@ -35,7 +35,7 @@ N_DECODE = 8
 
 @pytest.fixture(scope="session")
 def vulkan_device() -> str:
-    from spark_cli import llama_lib
+    from spark_cli.native import llama_lib
 
     names = [d.name for d in llama_lib.devices() if d.name.startswith("Vulkan") and d.is_gpu]
     if not names:
@@ -86,7 +86,7 @@ def test_devices_lists_vulkan(vulkan_device, monkeypatch, capsys):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_upload_path_bit_identical_on_vulkan(arch, vulkan_device):
     """Decode steps fit the slots: every miss is uploaded and every expert runs on Vulkan."""
-    from spark_cli.demo_model import build_tiny_model
+    from spark_cli.runs.demo_model import build_tiny_model
 
     path = build_tiny_model(arch)
     ref = reference(_opts(path, vulkan_device), 16, lengths=(1,))
@@ -102,7 +102,7 @@ def test_upload_path_bit_identical_on_vulkan(arch, vulkan_device):
 def test_miss_paths_within_the_stock_bound_on_vulkan(arch, miss_path, vulkan_device):
     """Prompts of 1-40 tokens, then decode: prefill steps too large for the slots compute their
     misses on the CPU on both paths, misses of several entries in one token included."""
-    from spark_cli.demo_model import build_tiny_model
+    from spark_cli.runs.demo_model import build_tiny_model
 
     path = build_tiny_model(arch)
     g = load_geometry(path)
@@ -147,7 +147,7 @@ def test_chat_runs_on_vulkan(small_model, vulkan_device, monkeypatch, capsys, tm
 def test_bench_runs_on_vulkan(vulkan_device, monkeypatch, capsys, tmp_path):
     from conftest import cli_runner
     from spark_cli.commands import bench as bench_cmd
-    from spark_cli.demo_model import build_tiny_model
+    from spark_cli.runs.demo_model import build_tiny_model
 
     model = tmp_path / "tiny.gguf"  # a private name: the profile bench writes stays in tmp
     model.symlink_to(build_tiny_model("qwen3moe"))

@@ -12,12 +12,12 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from ..options import LoadFlags
+from ..core.options import LoadFlags
 from .common import console, err_console, model_flags, model_or_demo
 
 
 def _budget(vram_text: str | None, residency: float | None, geometry, ctx: int, devs: list) -> tuple[int, str]:
-    from .. import bench, session
+    from ..runs import bench, session
     from ..errors import UsageError
 
     if vram_text and residency is not None:
@@ -32,7 +32,7 @@ def _budget(vram_text: str | None, residency: float | None, geometry, ctx: int, 
 def _table(report):
     from rich.table import Table
 
-    from ..bench import rows
+    from ..runs.bench import rows
 
     data = rows(report)
     t = Table(title=f"spark bench: {report.model.name} on {report.device}", title_justify="left",
@@ -48,7 +48,7 @@ def _table(report):
 
 
 def _summary_lines(report) -> list[str]:
-    from ..render_plan import fmt_bytes
+    from .render_plan import fmt_bytes
 
     g = report.geometry
     out = [f"budget {fmt_bytes(report.budget_bytes)} ({report.budget_source}); "
@@ -73,15 +73,15 @@ def _summary_lines(report) -> list[str]:
         same = digests["spark"] == digests["resident"]
         out.append("generated tokens: Spark's equal the all-resident run's" if same else
                    "[yellow]generated tokens: Spark's differ from the all-resident run's[/]")
-    from ..bench import footnotes
+    from ..runs.bench import footnotes
 
     return footnotes(report) + out + list(report.notes)
 
 
 def _write_outputs(report, as_json: bool, json_path: Path | None, md: bool, plot: Path | None) -> None:
-    from ..atomic import atomic_write_text
-    from ..bench import to_markdown
-    from ..recovery import save_or_recover
+    from ..files.atomic import atomic_write_text
+    from ..runs.bench import to_markdown
+    from ..files.recovery import save_or_recover
 
     report.finalize()
     if as_json:
@@ -107,7 +107,7 @@ def _write_outputs(report, as_json: bool, json_path: Path | None, md: bool, plot
 
 def _keep_partial(report, json_path: Path | None, learn: bool) -> str | None:
     """The device was lost mid-bench: write the partial report and fold the routing measured so far."""
-    from ..atomic import atomic_write_text
+    from ..files.atomic import atomic_write_text
     from ..errors import SparkError
 
     report.interrupted = True
@@ -141,8 +141,8 @@ def _plot(report, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..atomic import atomic_write_bytes
-    from ..recovery import save_or_recover
+    from ..files.atomic import atomic_write_bytes
+    from ..files.recovery import save_or_recover
 
     done = [r for r in report.results if r.tg is not None]
     fig, ax = plt.subplots(figsize=(8, 0.6 * max(len(done), 2) + 1.2))
@@ -194,13 +194,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Tokens/s of Spark against stock llama.cpp offload and the all-resident ceiling, same budget.
         --rpc auto starts a local RPC stand-in GPU for the run."""
-        from .. import bench, devices, faults, session
-        from .. import rpc as rpc_mod
-        from ..atomic import check_output
-        from ..corpus import bundled_corpus, read_corpus
+        from ..runs import bench, session
+        from ..native import devices, faults
+        from ..native import rpc as rpc_mod
+        from ..files.atomic import check_output
+        from ..files.corpus import bundled_corpus, read_corpus
         from ..errors import SparkError, UsageError
-        from ..miss_path import check_choice
-        from ..options import context_size
+        from ..runs.miss_path import check_choice
+        from ..core.options import context_size
 
         try:
             check_choice(miss_path)
@@ -256,7 +257,7 @@ def register(app: typer.Typer) -> None:
 def _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot, miss_path: str = "auto") -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .. import bench
+    from ..runs import bench
 
     progress = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("tokens"), TimeElapsedColumn(), console=err_console)
@@ -290,7 +291,7 @@ def _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot,
 
 def _fold(report, learn: bool) -> None:
     """Self-tuning: the decode routing of the Spark run joins the model's profile."""
-    from .. import bench, session
+    from ..runs import bench, session
     from ..errors import SaveError
 
     if not learn:

@@ -14,7 +14,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..options import LoadFlags
+from ..core.options import LoadFlags
 from .common import console, err_console, model_flags, model_or_demo
 
 HELP = ("/stats  per-layer cache table    /reset  forget the conversation    /system TEXT  set the system prompt\n"
@@ -33,7 +33,7 @@ class _VramMeter:
         self.before = self._free() if dev is not None else None
 
     def _free(self) -> int | None:
-        from ..devices import free_memory
+        from ..native.devices import free_memory
 
         free, total = free_memory(self.dev)
         return free if total else None
@@ -53,7 +53,7 @@ class _VramMeter:
 
 
 def _fmt_bytes(n: int | None) -> str:
-    from ..render_plan import fmt_bytes
+    from .render_plan import fmt_bytes
 
     return "-" if n is None else fmt_bytes(n)
 
@@ -126,7 +126,7 @@ def stats_table(chat, plan) -> Table | str:
                  "upload ms", "syncs", "blocking", "async", "CPU experts", "CPU bytes", "steps cached", "steps stock"):
         t.add_column(name, justify="right")
     paths = chat.engine.miss_paths()
-    from ..expert_cache import CacheStats
+    from ..native.expert_cache import CacheStats
 
     def row(label, s, pinned="", lru="", path=""):
         hr = s.hit_rate
@@ -155,7 +155,7 @@ def _interactive(chat, plan, model_name: str) -> None:
         import readline  # noqa: F401 - line editing and history for input()
     except ImportError:
         pass
-    from ..text_input import replaced_note, utf8_text
+    from ..files.text_input import replaced_note, utf8_text
 
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdin.reconfigure(errors="surrogateescape")  # a non-UTF-8 line is replaced, not an exception
@@ -280,18 +280,19 @@ def register(app: typer.Typer) -> None:
         flags: LoadFlags = None,
     ) -> None:
         """Chat with a model on the planned placement; --prompt answers once (for scripts)."""
-        from .. import faults, session
-        from ..chat_session import ChatSession, Sampling
-        from ..engine import Engine
+        from ..native import faults
+        from ..runs import session
+        from ..runs.chat_session import ChatSession, Sampling
+        from ..native.engine import Engine
         from ..errors import SparkError, UsageError
-        from ..text_input import read_stream, replaced_note, utf8_text
+        from ..files.text_input import read_stream, replaced_note, utf8_text
 
         if as_json and prompt is None:
             raise UsageError("--json needs --prompt", hint="spark chat MODEL --prompt 'text' --json")
         if n_predict < -1:
             raise UsageError(f"--n-predict {n_predict}: give -1 (until done), 0 or more")
         if miss_path_choice is not None:
-            from ..miss_path import check_choice
+            from ..runs.miss_path import check_choice
 
             try:
                 check_choice(miss_path_choice)
@@ -339,8 +340,8 @@ def register(app: typer.Typer) -> None:
 
         try:
             if opts.cache_layers:  # each cached layer on its miss path: --miss-path, else the plan's
-                from .. import miss_path
-                from ..paths import spark_home
+                from ..runs import miss_path
+                from ..files.paths import spark_home
 
                 # NOTE: before the session starts: an `auto` calibration resets the KV cache and counters
                 choice = miss_path_choice or (plan.miss_path if plan is not None else "auto")
@@ -387,7 +388,7 @@ def register(app: typer.Typer) -> None:
 def _fold(path: Path, geometry, chat, say, timeout: float | None = None) -> int:
     """Self-tuning: add the session's decode routing to the profile (locked, atomic), once.
     Returns the decode tokens folded; a failed save raises SaveError naming the side file."""
-    from .. import session
+    from ..runs import session
 
     counts, tokens = chat.learned.counts, chat.learned.tokens
     if counts is None or counts.sum() <= 0:

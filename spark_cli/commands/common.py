@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional
 import typer
 from rich.console import Console
 
-from ..options import DEFAULT_CTX, LoadFlags
+from ..core.options import DEFAULT_CTX, LoadFlags
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -94,7 +94,7 @@ def model_or_demo(model: Path | None) -> Path:
     """The model path given, or the built-in demo model (built and cached on first use)."""
     if model is not None:
         return model
-    from ..demo_model import build_demo_model
+    from ..runs.demo_model import build_demo_model
 
     with console.status("building the demo model (first run only) ..."):
         return build_demo_model()

@@ -22,8 +22,8 @@ def register(app: typer.Typer) -> None:
         out_dir: Path = typer.Option(None, "--out-dir", help="folder (default: $SPARK_HOME/models)"),
     ) -> None:
         """Build (or reuse) the upcycled SmolLM2 MoE demo model; prints its path on the last line."""
-        from ..atomic import check_folder
-        from ..demo_model import TINY_ARCHES, build_demo_model, build_tiny_model
+        from ..files.atomic import check_folder
+        from ..runs.demo_model import TINY_ARCHES, build_demo_model, build_tiny_model
 
         if seed < 0:
             raise UsageError(f"--seed {seed}: give 0 or more")
@@ -53,14 +53,14 @@ def register_demo(app: typer.Typer) -> None:
         quick: bool = typer.Option(False, "--quick", help="shorter profile and bench (for smoke tests)"),
     ) -> None:
         """The main job on the demo model: profile -> plan -> one answer -> bench against stock offload."""
-        from ..bench import residency_budget
+        from ..runs.bench import residency_budget
         from ..cli import main as spark
-        from ..corpus import bundled_corpus
-        from ..demo_model import build_demo_model
-        from ..gguf_info import load_geometry
-        from ..paths import spark_home
-        from ..rpc import RpcServer
-        from ..devices import local_gpus
+        from ..files.corpus import bundled_corpus
+        from ..runs.demo_model import build_demo_model
+        from ..core.gguf_info import load_geometry
+        from ..files.paths import spark_home
+        from ..native.rpc import RpcServer
+        from ..native.devices import local_gpus
 
         out = spark_home() / "demo"
         out.mkdir(parents=True, exist_ok=True)

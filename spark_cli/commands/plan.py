@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from ..options import LoadFlags
+from ..core.options import LoadFlags
 from .common import JSON_HELP, console, err_console, model_flags, model_or_demo
 
 
@@ -18,8 +18,8 @@ def _save(plan, output: Path) -> None:
 
 def trace_replay_line(trace, plan) -> str:
     """The plan replayed on the trace: static cold-hit, then experts off the device with its policy."""
-    from ..planner import LayerReplay
-    from ..simulator import cold_hit_rate
+    from ..core.planner import LayerReplay
+    from ..core.simulator import cold_hit_rate
 
     if trace.n_decode == 0:
         return "on the trace: no decode rows to replay"
@@ -59,15 +59,17 @@ def register(app: typer.Typer) -> None:
         flags: LoadFlags = None,
     ) -> None:
         """Place experts for a VRAM budget and show the bill (no GPU needed with --vram)."""
-        from .. import devices, render_plan, session
+        from ..native import devices
+        from . import render_plan
+        from ..runs import session
         from ..errors import UsageError
-        from ..options import context_size
-        from ..profile import RoutingProfile
-        from ..trace import RoutingTrace
+        from ..core.options import context_size
+        from ..core.profile import RoutingProfile
+        from ..core.trace import RoutingTrace
 
-        from ..atomic import check_output
-        from ..planner import held_out_check, plan_by_replay
-        from ..simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy
+        from ..files.atomic import check_output
+        from ..core.planner import held_out_check, plan_by_replay
+        from ..core.simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy
 
         say = err_console if as_json else console
         if output is not None:

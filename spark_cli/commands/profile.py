@@ -21,8 +21,8 @@ from rich.text import Text
 from typer.core import TyperGroup
 
 from ..errors import PlanError, ProfileError, SparkError, UsageError
-from ..options import LoadFlags
-from ..profiling import (CAPTURE_MODES, Gathered, StopFlag, _Capture, gather, open_engine,  # noqa: F401
+from ..core.options import LoadFlags
+from ..runs.profiling import (CAPTURE_MODES, Gathered, StopFlag, _Capture, gather, open_engine,  # noqa: F401
                          resolve_capture, split_held_out)
 from .common import JSON_HELP, console, err_console, model_flags, model_or_demo
 
@@ -96,7 +96,7 @@ def _coverage_points(k: int, n_expert: int) -> list[int]:
 
 def skew_report(counts: np.ndarray, k: int, title: str) -> tuple[Table, dict[str, float]]:
     """Per-layer skew table and its means (entropy / max, top-k share)."""
-    from ..report import layer_skew
+    from ..core.report import layer_skew
 
     counts = np.asarray(counts, dtype=np.float64)
     n_expert = counts.shape[1]
@@ -140,7 +140,7 @@ def _routing_for_report(prefill: np.ndarray, decode: np.ndarray) -> tuple[np.nda
 
 
 def held_out_report(train, test, geometry, residencies: Sequence[float]) -> Table:
-    from ..report import held_out_cold_hit
+    from ..core.report import held_out_cold_hit
 
     bpe = {l.index: l.expert_bytes_per_expert for l in geometry.layers if l.is_moe}
     t = Table(title=f"held-out cold-hit ({train.n_rows:,} train rows, {test.n_rows:,} test rows, "
@@ -181,13 +181,15 @@ def run_cmd(
                                ".old-DATE) and start a fresh one: for a corrupt or newer-version profile"),
     flags: LoadFlags = None,
 ) -> None:
-    from .. import faults, profile_store, session
-    from ..atomic import check_output, lock_timeout_default
-    from ..corpus import CorpusError, bundled_corpus, make_chunks, read_corpus
-    from ..gguf_info import load_geometry
-    from ..options import context_size
-    from ..profile import RESET_HINT, RoutingProfile, profile_path_for
-    from ..recovery import save_or_recover
+    from ..native import faults
+    from ..core import profile_store
+    from ..runs import session
+    from ..files.atomic import check_output, lock_timeout_default
+    from ..files.corpus import CorpusError, bundled_corpus, make_chunks, read_corpus
+    from ..core.gguf_info import load_geometry
+    from ..core.options import context_size
+    from ..core.profile import RESET_HINT, RoutingProfile, profile_path_for
+    from ..files.recovery import save_or_recover
 
     residencies = _parse_floats(residency, "--residency", 0.0, 1.0)
     if capture not in CAPTURE_MODES:
@@ -305,7 +307,7 @@ def run_cmd(
         console.print(f"recent decode steps kept in the profile: {len(saved.recent):,} "
                       f"(at most {saved.recent_capacity(len(saved.recent_layers), saved.recent.shape[2]):,})")
     if g.traces and full_trace:
-        from ..trace import concat
+        from ..core.trace import concat
 
         full = concat(g.traces)
         if trace is not None:
@@ -327,7 +329,7 @@ def run_cmd(
             else:
                 console.print(held_out_report(train, test, geometry, residencies))
     if plot is not None:
-        from ..report import heatmap_png
+        from ..core.report import heatmap_png
 
         try:
             save_or_recover(lambda p: heatmap_png(counts, p, f"{model.name}: {what.split(' ')[0]} routing share",
@@ -358,9 +360,9 @@ def merge_cmd(
     output: Path = typer.Option(..., "--output", "-o", help="merged profile to write"),
 ) -> None:
     """Merge two profiles of one model: A aged by B's tokens, plus B."""
-    from ..atomic import check_output
-    from ..profile import RoutingProfile, merge
-    from ..recovery import save_or_recover
+    from ..files.atomic import check_output
+    from ..core.profile import RoutingProfile, merge
+    from ..files.recovery import save_or_recover
 
     check_output(output, "-o")
     pa, pb = RoutingProfile.load(a), RoutingProfile.load(b)
@@ -371,7 +373,7 @@ def merge_cmd(
                   f"{out.tokens_prefill:,.0f} prefill + {out.tokens_decode:,.0f} decode tokens")
 
 
-from ..simulator import SimRow, simulate_rows  # noqa: E402,F401  (rendered here)
+from ..core.simulator import SimRow, simulate_rows  # noqa: E402,F401  (rendered here)
 
 
 DEFAULT_SIM_POLICIES = "lru,lru-pinned,lfu-aged,slru,tinylfu,belady"
@@ -395,10 +397,10 @@ def simulate_cmd(
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Replay a trace through cache policies: hit rate, uploads and bytes per token by slot count."""
-    from ..gguf_info import load_geometry
-    from ..profile import RoutingProfile
-    from ..simulator import ALIASES, DEFAULT_POLICY, MISS_PATHS, POLICIES
-    from ..trace import RoutingTrace
+    from ..core.gguf_info import load_geometry
+    from ..core.profile import RoutingProfile
+    from ..core.simulator import ALIASES, DEFAULT_POLICY, MISS_PATHS, POLICIES
+    from ..core.trace import RoutingTrace
 
     slot_counts = _parse_ints(slots, "--slots")
     policies = list(dict.fromkeys(ALIASES.get(p.strip(), p.strip()) for p in policy.split(",") if p.strip()))
@@ -461,9 +463,9 @@ def show_cmd(
     plot: Path = typer.Option(None, "--plot", help="write a layers x experts heatmap PNG"),
 ) -> None:
     """Report skew and coverage from the model's saved profile."""
-    from ..atomic import check_output
-    from ..gguf_info import load_geometry
-    from ..profile import RESET_HINT, RoutingProfile, profile_path_for
+    from ..files.atomic import check_output
+    from ..core.gguf_info import load_geometry
+    from ..core.profile import RESET_HINT, RoutingProfile, profile_path_for
 
     if plot is not None:
         check_output(plot, "--plot")
@@ -483,7 +485,7 @@ def show_cmd(
         console.print(f"sources: {', '.join(p.sources)}")
     counts, what = _print_skew(p.prefill, p.decode, geometry.n_expert_used)
     if plot is not None:
-        from ..report import heatmap_png
+        from ..core.report import heatmap_png
 
         heatmap_png(counts, plot, f"{model.name}: {what.split(' ')[0]} routing share", "--plot")
         console.print(f"heatmap {plot}")

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import typer
 
-from ..options import LoadFlags
+from ..core.options import LoadFlags
 from .common import err_console, model_flags, model_or_demo
 
 def _engine_options(path: Path, geometry, plan, flags, n_ctx: int, learn: bool, miss_path: str):
-    from .. import session
+    from ..runs import session
 
     opts = session.engine_options(path, geometry, plan, flags, n_ctx=n_ctx, learn=learn)
     # NOTE: auto starts on the cpu path; resolve() then measures and picks per layer
@@ -23,9 +23,9 @@ def _engine_options(path: Path, geometry, plan, flags, n_ctx: int, learn: bool, 
 
 def _open_engine(opts, miss_path: str, fingerprint: str):
     """The engine, with each cached layer on its miss path (auto: calibrated, then cached)."""
-    from .. import miss_path as mp
-    from ..engine import Engine
-    from ..paths import spark_home
+    from ..runs import miss_path as mp
+    from ..native.engine import Engine
+    from ..files.paths import spark_home
 
     engine = Engine(opts)
     try:
@@ -62,9 +62,9 @@ def register(app: typer.Typer) -> None:
         flags: LoadFlags = None,
     ) -> None:
         """Serve the model over HTTP with OpenAI's API, as llama-server does."""
-        from .. import session
+        from ..runs import session
         from ..errors import SparkError
-        from ..miss_path import check_choice
+        from ..runs.miss_path import check_choice
         from ..serve.app import ServerState
         from ..serve.learn import Learner
         from ..serve.server import bind, serve

@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
         threads: int = typer.Option(0, "--threads", "-t", help="CPU threads (0: all cores)"),
     ) -> None:
         """Serve this machine's backend over ggml RPC in the foreground (like llama.cpp's rpc-server)."""
-        from ..rpc import listen_address, serve
+        from ..native.rpc import listen_address, serve
 
         listen_address(host, port)  # refused before the banner
         if host not in ("127.0.0.1", "localhost", "::1"):
@@ -32,8 +32,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
     ) -> None:
         """List the ggml devices this build sees (CPU, CUDA, Vulkan, RPC): the names -dev takes."""
-        from .. import llama_lib
-        from ..rpc import connect, parse_endpoints
+        from ..native import llama_lib
+        from ..native.rpc import connect, parse_endpoints
 
         if rpc:
             connect(parse_endpoints(rpc))

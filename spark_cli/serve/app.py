@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..chat_session import Sampling
+from ..runs.chat_session import Sampling
 from . import metrics
 from .protocol import FINISH, ApiError, ChatRequest, CompletionRequest, Envelope, parse, sse, unavailable
 from .stats import ServerStats

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..chat_session import Answer, ChatSession, Sampling, _Learned
+from ..runs.chat_session import Answer, ChatSession, Sampling, _Learned
 from ..errors import SparkError
 
 

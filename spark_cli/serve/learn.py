@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import session
+from ..runs import session
 from ..errors import SparkError
 
 LOCK_TIMEOUT = 10.0  # seconds to wait for the profile's lock; then the counts go to the side file

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .. import faults
+from ..native import faults
 from ..errors import SparkError
 from .app import ServerState, create_app
 from .learn import Learner

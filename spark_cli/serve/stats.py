@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, fields
 
-from ..expert_cache import CacheStats
+from ..native.expert_cache import CacheStats
 
 CACHE_FIELDS = ("hits", "misses", "uploads", "bytes_uploaded", "cpu_experts")
 

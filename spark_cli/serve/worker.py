@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..chat_session import Sampling
+from ..runs.chat_session import Sampling
 from ..errors import SparkError
 from .generation import ContextError, RequestSession, StopFilter
 from .learn import Learner

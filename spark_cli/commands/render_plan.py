@@ -1,0 +1,174 @@
+"""Rich renderables for a Plan: the per-layer table, the VRAM bill, the stock baseline.
+
+Kept apart from planner.py so the planner stays free of rich.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.table import Table
+
+from ..core import units
+from ..core.units import fmt_bytes
+from ..core.placement import STOCK_EXPS_REGEX
+from ..core.planner import LayerPlan, Plan, StockBaseline
+
+COMPRESS_OVER = 16  # layers; above this, runs of identical rows share one line
+SHOW_PINNED_IDS = 8
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    first: int
+    last: int
+    layer: LayerPlan  # the first layer of the run
+    same_pins: bool = True  # every layer of the run pins the same experts
+
+    @property
+    def label(self) -> str:
+        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+
+
+def _key(l: LayerPlan) -> tuple:
+    return (l.mode, len(l.pinned), l.slots, l.device_bytes, l.host_bytes)
+
+
+def layer_runs(plan: Plan, compress_over: int = COMPRESS_OVER) -> list[LayerRun]:
+    """One run per layer, or runs of consecutive identical rows (same mode, pin count,
+    slots and bytes; pinned ids may differ) when the model has many layers."""
+    runs: list[LayerRun] = []
+    compress = len(plan.layers) > compress_over
+    for l in plan.layers:
+        if compress and runs and _key(runs[-1].layer) == _key(l) and runs[-1].last + 1 == l.index:
+            r = runs[-1]
+            runs[-1] = LayerRun(r.first, l.index, r.layer, r.same_pins and r.layer.pinned == l.pinned)
+        else:
+            runs.append(LayerRun(l.index, l.index, l))
+    return runs
+
+
+def _pinned_text(run: LayerRun) -> str:
+    l = run.layer
+    if l.mode != "cached":
+        return "-"
+    n = len(l.pinned)
+    if n == 0:
+        return "0"
+    each = "" if run.first == run.last else " each"
+    if run.same_pins and n <= SHOW_PINNED_IDS:
+        return f"{n}{each}: " + " ".join(str(e) for e in l.pinned)
+    return f"{n}{each}"
+
+
+def layer_table(plan: Plan, compress_over: int = COMPRESS_OVER) -> Table:
+    n_expert = int(plan.model["n_expert"])
+    t = Table(title="placement per layer", title_justify="left")
+    t.add_column("layer", justify="right")
+    t.add_column("placement")
+    t.add_column("pinned", justify="right")
+    t.add_column("LRU slots", justify="right")
+    t.add_column("device", justify="right")
+    t.add_column("host", justify="right")
+    for run in layer_runs(plan, compress_over):
+        l = run.layer
+        mode = {"resident": f"resident ({n_expert} experts)", "cached": "host + cache",
+                "host": "host only (as --n-cpu-moe)"}.get(l.mode, l.mode)
+        style = {"resident": "green", "cached": "cyan", "host": "yellow", "skipped": "dim"}.get(l.mode, "")
+        many = run.first != run.last
+        t.add_row(run.label, f"[{style}]{mode}[/]" if style else mode, _pinned_text(run),
+                  str(l.lru_slots) if l.mode == "cached" else "-",
+                  fmt_bytes(l.device_bytes) + (" each" if many else ""),
+                  (fmt_bytes(l.host_bytes) + (" each" if many else "")) if l.host_bytes else "-")
+    return t
+
+
+def budget_table(plan: Plan, budget_source: str) -> Table:
+    """The VRAM bill: every component of the breakdown against the budget."""
+    b, budget = plan.breakdown, plan.budget_bytes
+    resident = [l for l in plan.layers if l.mode == "resident"]
+    cached = [l for l in plan.layers if l.mode == "cached"]
+    slots = sum(l.slots for l in cached)
+    pins = sum(len(l.pinned) for l in cached)
+    t = Table(title="VRAM bill", title_justify="left")
+    t.add_column("component")
+    t.add_column("device", justify="right")
+    t.add_column("of budget", justify="right")
+    t.add_column("detail")
+    weights = b["weights_global"] + b["weights_layers_nonexpert"]
+    rows = [
+        ("weights", weights, f"global {fmt_bytes(b['weights_global'])} + per-layer non-expert "
+                             f"{fmt_bytes(b['weights_layers_nonexpert'])}"),
+        ("resident experts", b["experts_resident"], f"{len(resident)} layers, all experts"),
+        ("expert banks", b["expert_banks"],
+         f"{len(cached)} cached layers: {pins} pinned + {slots - pins} LRU slots + {len(cached)} guard"),
+        ("KV cache", b["kv_cache"], f"K {plan.type_k} / V {plan.type_v}, n_ctx {plan.n_ctx}"),
+        ("compute buffer", b["compute"], f"estimate, n_ubatch {plan.n_ubatch}"),
+        ("overhead", b["overhead"], "CUDA context, cuBLAS, allocator (estimate)"),
+    ]
+    for name, n, detail in rows:
+        t.add_row(name, fmt_bytes(n), _pct(n, budget), detail)
+    t.add_section()
+    t.add_row("[bold]total[/]", f"[bold]{fmt_bytes(b['total'])}[/]", _pct(b["total"], budget), "")
+    t.add_row("free", fmt_bytes(budget - b["total"]), _pct(budget - b["total"], budget), "left unspent")
+    t.add_row("budget", fmt_bytes(budget), "100.0%", budget_source)
+    return t
+
+
+def uniform_cold_hit(plan: Plan) -> float:
+    """Cold-hit rate if routing were uniform: a cached layer misses (E - P) / E."""
+    n = int(plan.model["n_expert"])
+    rates = [0.0 if l.mode == "resident" else 1.0 - len(l.pinned) / n
+             for l in plan.layers if l.mode in ("resident", "cached", "host")]
+    return sum(rates) / len(rates) if rates else 0.0
+
+
+def cold_hit_line(plan: Plan) -> str:
+    if plan.predicted_cold_hit is None:
+        return (f"predicted cold-hit rate: {100 * uniform_cold_hit(plan):.1f}% if routing is uniform "
+                "(no profile; the LRU slots catch part of it)")
+    return (f"predicted cold-hit rate: [bold]{100 * plan.predicted_cold_hit:.1f}%[/] of routed decode experts "
+            "are neither resident nor pinned (from the routing counts; the LRU slots catch part of it)")
+
+
+def stock_cpu_layers(plan: Plan, stock: StockBaseline | None = None) -> tuple[int, int]:
+    """(MoE layers whose experts stock llama.cpp keeps on the CPU, MoE layers)."""
+    s = stock or plan.stock
+    moe = [l.index for l in plan.layers if l.mode in ("resident", "cached", "host")]
+    return sum(1 for i in moe if i < s.n_cpu_moe), len(moe)
+
+
+def compact_ot(stock: StockBaseline) -> str:
+    """One `-ot` value equivalent to --n-cpu-moe N (an alternation over the layers)."""
+    if stock.n_cpu_moe <= 0:
+        return ""
+    alt = "|".join(str(i) for i in range(stock.n_cpu_moe))
+    layers = alt if stock.n_cpu_moe == 1 else f"({alt})"
+    return f"blk\\.{layers}{STOCK_EXPS_REGEX}=CPU"
+
+
+def stock_lines(plan: Plan) -> list[str]:
+    """What stock llama.cpp does with the same budget, for comparison."""
+    s = plan.stock
+    budget = fmt_bytes(plan.budget_bytes)
+    cpu, moe = stock_cpu_layers(plan)
+    out = []
+    if s.fits and s.n_cpu_moe == 0:
+        out.append("stock llama.cpp, same budget: every expert fits on the device "
+                   f"(-ngl 99, {fmt_bytes(s.device_bytes)})")
+    elif s.fits:
+        out.append(f"stock llama.cpp, same budget: [bold]-ngl 99 --n-cpu-moe {s.n_cpu_moe}[/] "
+                   f"({fmt_bytes(s.device_bytes)} of {budget}): the experts of {cpu} of {moe} MoE layers "
+                   f"run on the CPU ({100 * cpu / max(moe, 1):.0f}% of routed experts)")
+        out.append(f"  same as -ot '{compact_ot(s)}'")
+    else:
+        out.append(f"stock llama.cpp, same budget: does not fit even with every expert on the CPU "
+                   f"(needs {fmt_bytes(s.device_bytes)}, over by {units.shortfall(s.device_bytes - plan.budget_bytes)})")
+    if s.n_cpu_moe > 0 or not s.fits:
+        verdict = "fits" if s.cpu_moe_fits else "does not fit"
+        out.append(f"  --cpu-moe (all experts on the CPU): {fmt_bytes(s.cpu_moe_device_bytes)}, {verdict}")
+    return out

@@ -1,0 +1,67 @@
+"""llama.cpp's model and context flags as one value, and the defaults every command shares.
+
+The CLI (commands/common.py) parses the flags into LoadFlags; session.engine_options turns
+them, with a plan, into EngineOptions. Pure: no typer, rich or llama_cpp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import UsageError
+
+DEFAULT_CTX = 4096  # the context when -c is not given: the model's trained context, capped here
+DEFAULT_UBATCH = 512  # llama.cpp's -ub default
+FLASH_ATTN_VALUES = ("on", "off", "auto")
+
+
+@dataclass(frozen=True)
+class LoadFlags:
+    """What -c, -t, -ctk/-ctv, -fa, -b/-ub, --no-mmap, --mlock, -nr, -dev, --rpc and -ot asked for
+    (None: the default, or the plan's)."""
+
+    ctx_size: int | None = None
+    threads: int | None = None
+    type_k: str | None = None
+    type_v: str | None = None
+    flash_attn: str = "auto"
+    batch_size: int = 2048
+    ubatch_size: int | None = None
+    mmap: bool = True
+    mlock: bool = False
+    repack: bool = True
+    device: str | None = None
+    rpc: str | None = None
+    override_tensor: tuple[str, ...] = ()
+
+    @classmethod
+    def from_cli(cls, *, ctx_size: int | None = None, threads: int | None = None, type_k: str | None = None,
+                 type_v: str | None = None, flash_attn: str = "auto", batch_size: int = 2048,
+                 ubatch_size: int | None = None, no_mmap: bool = False, mlock: bool = False,
+                 no_repack: bool = False, device: str | None = None, rpc: str | None = None,
+                 override_tensor: Sequence[str] | None = None) -> "LoadFlags":
+        from . import vram
+
+        fa = flash_attn.lower()
+        if fa in ("1", "true", "enabled"):
+            fa = "on"
+        if fa in ("0", "false", "disabled"):
+            fa = "off"
+        if fa not in FLASH_ATTN_VALUES:
+            raise UsageError(f"--flash-attn {flash_attn}: expected on, off or auto")
+        for value, flag in ((type_k, "--cache-type-k"), (type_v, "--cache-type-v")):
+            if value is not None:
+                vram.kv_type(value, flag)  # UsageError naming the flag
+        type_k, type_v = (t.lower() if t is not None else None for t in (type_k, type_v))
+        return cls(ctx_size, threads, type_k, type_v, fa, batch_size, ubatch_size, not no_mmap, mlock,
+                   not no_repack, device, rpc, tuple(override_tensor or ()))
+
+
+def context_size(requested: int | None, trained: int, plan_ctx: int | None = None) -> int:
+    """-c if given; else the plan's context; else the model's trained context capped at DEFAULT_CTX."""
+    if requested:
+        return requested
+    if plan_ctx:
+        return plan_ctx
+    return min(trained, DEFAULT_CTX) if trained > 0 else DEFAULT_CTX

@@ -1,0 +1,116 @@
+"""Device memory that is not weights: KV cache, compute buffer, CUDA overhead; --vram sizes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from .gguf_info import ModelGeometry
+from .units import GiB, MiB
+
+# CUDA context, cuBLAS workspace and allocator slack that nvidia-smi shows before any tensor.
+DEVICE_OVERHEAD_BYTES = 300 * MiB
+COMPUTE_FLOOR_BYTES = 64 * MiB
+KV_CELL_PAD = 256  # llama.cpp pads the KV cache size to 256 cells
+
+
+
+@dataclass(frozen=True)
+class KVType:
+    """A KV cache type as llama.cpp's -ctk/-ctv name it: its ggml_type id and block layout."""
+
+    ggml_id: int  # enum ggml_type
+    block: int  # elements per block
+    block_bytes: int  # bytes per block
+
+
+# The KV cache types llama.cpp accepts (common/arg.cpp kv_cache_types), priced here and set by the engine.
+KV_TYPES: dict[str, KVType] = {
+    "f32": KVType(0, 1, 4),
+    "f16": KVType(1, 1, 2),
+    "bf16": KVType(30, 1, 2),
+    "q8_0": KVType(8, 32, 34),
+    "q4_0": KVType(2, 32, 18),
+    "q4_1": KVType(3, 32, 20),
+    "iq4_nl": KVType(20, 32, 18),
+    "q5_0": KVType(6, 32, 22),
+    "q5_1": KVType(7, 32, 24),
+}
+
+
+def kv_type(name: str, flag: str = "--cache-type-k") -> KVType:
+    """The KVType of a -ctk/-ctv value (case-insensitive); UsageError naming the flag otherwise."""
+    t = KV_TYPES.get(name.lower())
+    if t is None:
+        raise UsageError(f"{flag}: unknown KV cache type {name!r}", hint=f"use one of {', '.join(KV_TYPES)}")
+    return t
+
+
+def _pad(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def row_bytes(ggml_type: str, n: int) -> int:
+    """Bytes of `n` elements of a KV cache type (partial blocks round up)."""
+    t = kv_type(ggml_type)
+    return -(-n // t.block) * t.block_bytes
+
+
+def kv_cells(geometry: ModelGeometry, n_ctx: int, layer: int, n_ubatch: int = 512) -> int:
+    """KV cells a layer keeps: n_ctx padded, or for a sliding-window layer the window plus
+    one ubatch (llama.cpp's non-full SWA cache), whichever is smaller."""
+    cells = _pad(max(n_ctx, 1), KV_CELL_PAD)
+    if geometry.sliding_window and geometry.swa_layers and geometry.swa_layers[layer]:
+        cells = min(cells, _pad(geometry.sliding_window + n_ubatch, KV_CELL_PAD))
+    return cells
+
+
+def kv_cache_bytes(geometry: ModelGeometry, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
+                   n_ubatch: int = 512) -> int:
+    """KV cache of one sequence on the device, plus the recurrent state of hybrid models.
+
+    Per layer with attention: cells * (row(type_k, n_head_kv * key_length)
+    + row(type_v, n_head_kv * value_length)). MLA models (deepseek2 GGUFs with
+    `attention.key_length_mla`) cache only the latent: key_length = kv_lora_rank + rope
+    dims with one KV head, and no V, as llama.cpp does. Old MLA-less deepseek2 files
+    fall through the general formula. Recurrent layers add their f32 state instead.
+    """
+    total = 0
+    for il in range(geometry.n_layer):
+        if geometry.kv_heads:
+            heads = geometry.kv_heads[il]
+        else:  # geometries built by hand: every loaded layer has attention
+            heads = 0 if geometry.layers[il].is_nextn else geometry.n_head_kv
+        if heads <= 0:
+            continue
+        k = row_bytes(type_k, heads * geometry.key_length)
+        v = 0 if geometry.is_mla else row_bytes(type_v, heads * geometry.value_length)
+        total += kv_cells(geometry, n_ctx, il, n_ubatch) * (k + v)
+    return total + geometry.recurrent_state_bytes
+
+
+def compute_buffer_bytes(geometry: ModelGeometry, n_ctx: int, n_ubatch: int = 512) -> int:
+    """Estimate of llama.cpp's device compute buffer for a worst-case ubatch.
+
+    llama.cpp reserves the graph of one full ubatch with every token an output, and
+    its allocator reuses memory between nodes, so the peak is roughly:
+      logits   n_ubatch * n_vocab * 4            (usually the largest term)
+      mask     n_ctx_padded * n_ubatch * 2       (f16 KQ mask)
+      hidden   n_ubatch * n_embd * 4 * 6         (residual, norms, projections)
+      + the larger of attention (n_ubatch * n_head * head_dim * 4 * 3, flash attention
+        assumed, as llama.cpp enables it on CUDA by default) and the MoE FFN
+        (n_ubatch * k * n_ff_exp * 4 * 3 + router n_ubatch * n_expert * 4 * 2),
+    and never less than COMPUTE_FLOOR_BYTES. Within ~20% of what llama.cpp prints for
+    the models we measured; the overhead constant absorbs the rest.
+    """
+    g = geometry
+    nt = max(n_ubatch, 1)
+    logits = nt * g.n_vocab * 4
+    mask = _pad(max(n_ctx, 1), KV_CELL_PAD) * nt * 2
+    hidden = nt * g.n_embd * 4 * 6
+    attn = nt * g.n_head * max(g.key_length, g.value_length) * 4 * 3
+    moe = nt * g.n_expert_used * g.n_ff_exp * 4 * 3 + nt * g.n_expert * 4 * 2
+    return max(COMPUTE_FLOOR_BYTES, logits + mask + hidden + max(attn, moe))
+
+

@@ -1,0 +1,579 @@
+"""A small engine over llama.cpp's low-level API: devices, tensor overrides, the expert cache.
+
+llama-cpp-python's `Llama` class exposes neither `model_params.devices` nor
+`tensor_buft_overrides`; this engine owns the model and context itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import sys
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from . import devices as devices_mod
+from . import faults, llama_lib
+from ..core import vram
+from ..errors import DeviceError, ModelFileError, NativeError, SparkError, UsageError
+from ..core.capture import TopkRecord
+from ..core.trace import DECODE, PREFILL
+from .expert_cache import MISS_PATHS, CacheLayer, CacheStats, ExpertCache, Phase
+from ..core.gguf_info import ModelGeometry, load_geometry
+from ..core.placement import CPU, HOST, TensorOverride, cached_expert_overrides, stock_overrides
+
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
+LOAD_MODE_NONE, LOAD_MODE_MLOCK, LOAD_MODE_MMAP_MLOCK = 0, 2, 3  # enum llama_load_mode
+
+
+def repack_is_safe() -> bool:
+    """False on CPUs that advertise AMX: ggml's AMX weight buffer (an extra buffer type) crashes
+    in its matmul there (seen in a VM), so weights keep the plain layout. SPARK_REPACK=1 forces it."""
+    env = os.environ.get("SPARK_REPACK")
+    if env is not None:
+        return env not in ("", "0")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_tile" not in line.split()
+    except OSError:
+        pass
+    return True
+
+
+
+
+@dataclass
+class EngineOptions:
+    model_path: Path
+    n_ctx: int = 2048
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int | None = None
+    device: str | None = None          # -dev: device names, comma-separated, or none (see devices.py)
+    rpc: list[str] = field(default_factory=list)
+    host_layers: list[int] = field(default_factory=list)  # stock --n-cpu-moe: these layers' experts on the CPU
+    cache_layers: list[CacheLayer] = field(default_factory=list)
+    expert_overrides: tuple[TensorOverride, ...] | None = None  # a plan's; None: derived from cache_layers
+    tensor_overrides: tuple[TensorOverride, ...] = ()  # -ot pass-through (expert-free tensors)
+    count_experts: bool = False        # native routing counters without a cache
+    trace: bool = False                # native trace of routed ids
+    capture_topk: bool = False         # eval-callback capture of ffn_moe_topk-<il> (no native needed)
+    device_budget: int = 0             # bytes the expert banks may take (0: device free memory)
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: str = "auto"           # -fa on|off|auto
+    use_mmap: bool = True
+    use_mlock: bool = False
+    repack: bool = True                # allow CPU weight repacking where no cache needs plain layout
+
+
+
+
+_OVERRIDE_RE = re.compile(r"tensor (?P<name>\S+) \(.*\) buffer type overridden to (?P<buft>\S+)")
+_SPLITS_RE = re.compile(r"graph.*: nodes = [^,]+, splits = (\d+)(?: / (\d+))?,")
+_BUFFER_RE = re.compile(r"(?P<buf>\S+)\s+(?P<kind>model|KV|RS|compute|output) buffer size\s*=\s*(?P<mib>[\d.]+) MiB")
+
+
+class _Logs:
+    """llama.cpp log lines, kept (not printed) so errors can quote the last one."""
+
+    def __init__(self) -> None:
+        self.lines: deque[str] = deque(maxlen=200)
+        self.capture: list[str] | None = None  # every line while an engine loads
+        self.reserve: list[str] | None = None  # the scheduler's graph summaries of the open engine
+        self.verbose = bool(os.environ.get("SPARK_VERBOSE"))
+        self._partial = ""
+
+    def __call__(self, level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        s = self._partial + text.decode(errors="replace")
+        *done, self._partial = s.split("\n")
+        for line in done:
+            self.lines.append(line)
+            if self.capture is not None:
+                self.capture.append(line)
+            if self.reserve is not None and line.startswith("sched_reserve: graph"):
+                self.reserve.append(line)
+            if self.verbose:
+                print(line, file=sys.stderr)
+
+
+    def last_error(self) -> str:
+        for line in reversed(self.lines):
+            if "error" in line.lower() or "failed" in line.lower():
+                return line.strip()
+        return self.lines[-1].strip() if self.lines else ""
+
+
+_logs = _Logs()
+_log_cb = None
+_lock = threading.Lock()
+
+
+def _install_logger(lc) -> None:
+    global _log_cb
+    with _lock:
+        if _log_cb is None:
+            _log_cb = lc.llama_log_callback(_logs)
+            lc.llama_log_set(_log_cb, ctypes.c_void_p(0))
+
+
+class Engine:
+    """A loaded model and context. Use as a context manager or call close()."""
+
+    def __init__(self, opts: EngineOptions):
+        self.opts = opts
+        self.lib = llama_lib.load()
+        faults.install(self.lib.libdir)  # a lost device: one line, kept counts, no backtrace
+        lc = self.lib.lc
+        _install_logger(lc)
+        self.model = None
+        self.ctx = None
+        self.cache: ExpertCache | None = None
+        self._load_log: list[str] = []  # llama.cpp's log while loading (debug level included)
+        self._reserve_log: list[str] = []  # the scheduler's graph summaries, at load and whenever it reserves again
+        self._batch = None
+        self._keep: list[object] = []
+        self.records: list[TopkRecord] = []
+        self.n_past = 0
+        self._last_il = 1 << 30  # eval-callback capture: layer seen last, to find ubatch starts
+        self._ubatch_tokens = 0
+
+        path = Path(opts.model_path)
+        if not path.is_file():
+            raise ModelFileError(f"{path}: no such model file", hint="pass the path of a .gguf file")
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ModelFileError(f"{path}: not a GGUF file")
+        self._geometry: ModelGeometry | None = None
+        # checked before anything is loaded
+        type_k = vram.kv_type(opts.type_k, "--cache-type-k").ggml_id
+        type_v = vram.kv_type(opts.type_v, "--cache-type-v").ggml_id
+        if opts.flash_attn not in FLASH_ATTN:
+            raise UsageError(f"--flash-attn {opts.flash_attn}: expected on, off or auto")
+
+        self.devices = devices_mod.select(devices_mod.parse(opts.device, opts.rpc))
+        mp = lc.llama_model_default_params()
+        dev_arr = (ctypes.c_void_p * (len(self.devices) + 1))(*[d.handle for d in self.devices], None)
+        self._keep.append(dev_arr)
+        mp.devices = ctypes.cast(dev_arr, ctypes.c_void_p)
+        mp.n_gpu_layers = -1 if self.devices else 0
+        self._set_overrides(mp, self._overrides())
+        # NOTE: the cache copies expert slices byte for byte: host weights must keep plain layout
+        mp.use_extra_bufts = bool(opts.repack and not opts.cache_layers and repack_is_safe())
+        if opts.use_mlock or not opts.use_mmap:  # else llama.cpp's default (auto: mmap)
+            mp.load_mode = ((LOAD_MODE_MMAP_MLOCK if opts.use_mmap else LOAD_MODE_MLOCK) if opts.use_mlock
+                            else LOAD_MODE_NONE)
+        _logs.capture = self._load_log
+        _logs.reserve = self._reserve_log
+        try:
+            self._load(path, mp, opts, type_k, type_v)
+        finally:
+            _logs.capture = None
+        if opts.cache_layers or opts.count_experts or opts.trace:
+            self._init_cache()
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _load(self, path: Path, mp, opts: EngineOptions, type_k: int, type_v: int) -> None:
+        lc = self.lib.lc
+        self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
+            raise ModelFileError(f"{path}: llama.cpp could not load it ({_logs.last_error() or 'see SPARK_VERBOSE=1'})")
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.n_layer = lc.llama_model_n_layer(self.model)
+
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = opts.n_ctx
+        cp.n_batch = opts.n_batch
+        cp.n_ubatch = min(opts.n_ubatch, opts.n_batch)
+        threads = opts.n_threads or os.cpu_count() or 1
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        cp.no_perf = False
+        cp.type_k, cp.type_v = type_k, type_v
+        cp.flash_attn_type = FLASH_ATTN[opts.flash_attn]
+        if opts.capture_topk:
+            self._cb = lc.ggml_backend_sched_eval_callback(self._on_eval)
+            cp.cb_eval = self._cb
+            cp.cb_eval_user_data = None
+        self.ctx = lc.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            self.close()
+            raise SparkError(f"{path}: could not create a context of {opts.n_ctx} tokens ({_logs.last_error()})",
+                             hint="try a smaller --ctx-size")
+        self.n_ctx = lc.llama_n_ctx(self.ctx)
+        self._batch = lc.llama_batch_init(opts.n_batch, 0, 1)
+        if self.lib.expert_cache is not None:
+            self.cache = ExpertCache(self.lib.expert_cache, self.ctx)
+
+    @property
+    def geometry(self) -> ModelGeometry:
+        if self._geometry is None:
+            self._geometry = load_geometry(self.opts.model_path, require_moe=False)
+        return self._geometry
+
+    def _overrides(self) -> list[TensorOverride]:
+        """Expert placement (the plan's, or derived from the cached and stock layers), then -ot."""
+        o = self.opts
+        if not self.devices:
+            return list(o.tensor_overrides)
+        placed = o.expert_overrides
+        if placed is None:
+            stock = sorted(set(o.host_layers) - {c.il for c in o.cache_layers})
+            cached = [c.il for c in o.cache_layers]
+            placed = (cached_expert_overrides(self.geometry, cached) if cached else ()) + stock_overrides(stock)
+        return [*placed, *o.tensor_overrides]
+
+    def _buffer_type(self, target: str) -> int:
+        lib = self.lib
+        if target == HOST:
+            # NOTE: cached experts live in the device's pinned host memory where it has one (faster uploads)
+            return lib.dev_host_buffer_type(self.devices[0].handle) or lib.cpu_buffer_type()
+        if target == CPU:
+            return lib.cpu_buffer_type()
+        names = {}
+        for d in llama_lib.devices():
+            buft = lib.dev_buffer_type(d.handle)
+            if buft:
+                names[lib.buft_name(buft).decode()] = buft
+        if target not in names:
+            raise DeviceError(f"-ot ...={target}: no buffer type named {target}",
+                              hint="use CPU or one of " + ", ".join(names))
+        return names[target]
+
+    def _set_overrides(self, mp, overrides: list[TensorOverride]) -> None:
+        if not overrides:
+            return
+        ov = (llama_lib.BuftOverride * (len(overrides) + 1))()
+        for i, o in enumerate(overrides):
+            b = o.pattern.encode()
+            self._keep.append(b)
+            ov[i] = llama_lib.BuftOverride(b, self._buffer_type(o.target))
+        ov[len(overrides)] = llama_lib.BuftOverride(None, None)
+        self._keep.append(ov)
+        mp.tensor_buft_overrides = ctypes.cast(ov, ctypes.c_void_p)
+
+    def _init_cache(self) -> None:
+        if self.cache is None:
+            self.close()
+            raise NativeError("this llama.cpp build has no expert cache (native/ patch missing)",
+                              hint="rebuild with scripts/bootstrap.sh")
+        try:
+            self.cache.init(self.opts.cache_layers, device_budget=self.opts.device_budget, trace=self.opts.trace)
+        except NativeError:
+            self.close()
+            raise
+
+    # -- tokens ---------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        lc = self.lib.lc
+        data = text.encode("utf-8")
+        n_max = len(data) + 16
+        buf = (lc.llama_token * n_max)()
+        n = lc.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            buf = (lc.llama_token * -n)()
+            n = lc.llama_tokenize(self.vocab, data, len(data), buf, -n, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(256)
+        n = self.lib.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self.lib.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self.lib.lc.llama_vocab_is_eog(self.vocab, token))
+
+    def chat_prompt(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """Format messages with the GGUF's chat template (llama.cpp's built-in templates)."""
+        lc = self.lib.lc
+        tmpl = lc.llama_model_chat_template(self.model, None)
+        if not tmpl:
+            # NOTE: a model without a template gets a plain transcript
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            return text + ("assistant:" if add_generation_prompt else "")
+        arr = (lc.llama_chat_message * len(messages))()
+        keep = []
+        for i, m in enumerate(messages):
+            role, content = m["role"].encode(), m["content"].encode()
+            keep += [role, content]
+            arr[i] = lc.llama_chat_message(role, content)
+        size = sum(len(m["content"]) for m in messages) * 2 + 1024
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = lc.llama_chat_apply_template(tmpl, arr, len(messages), add_generation_prompt, buf, size)
+            if n < 0:
+                raise SparkError("the model's chat template is not supported by llama.cpp",
+                                 hint="use --prompt with raw text")
+            if n <= size:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            size = n + 1
+        raise SparkError("chat template output kept growing")
+
+    # -- evaluation -----------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget the KV cache (the expert cache keeps its slots)."""
+        lc = self.lib.lc
+        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        self.n_past = 0
+
+    def truncate(self, n_keep: int) -> None:
+        """Drop KV entries from position n_keep on."""
+        lc = self.lib.lc
+        lc.llama_memory_seq_rm(lc.llama_get_memory(self.ctx), 0, n_keep, -1)
+        self.n_past = min(self.n_past, n_keep)
+
+    def eval(self, tokens: Sequence[int], logits: str = "last") -> np.ndarray | None:
+        """Feed tokens (in n_batch chunks). logits: 'last' -> [n_vocab], 'all' -> [n, n_vocab], 'none',
+        'outputs' -> None, but every token is an output (llama.cpp then runs the last layer on
+        every token, so routing is recorded for all of them) without copying the logits."""
+        lc = self.lib.lc
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise SparkError(f"the prompt needs {self.n_past + len(tokens)} tokens but the context holds {self.n_ctx}",
+                             hint="raise --ctx-size or shorten the prompt")
+        rows = []
+        b = self._batch
+        nb = self.opts.n_batch
+        for start in range(0, len(tokens), nb):
+            chunk = tokens[start:start + nb]
+            last_chunk = start + nb >= len(tokens)
+            b.n_tokens = len(chunk)
+            for i, t in enumerate(chunk):
+                b.token[i] = t
+                b.pos[i] = self.n_past + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                b.logits[i] = logits in ("all", "outputs") or (logits == "last" and last_chunk and i == len(chunk) - 1)
+            rc = lc.llama_decode(self.ctx, b)
+            if rc != 0:
+                raise SparkError(f"llama_decode failed with {rc} ({_logs.last_error()})")
+            self.n_past += len(chunk)
+            if logits == "all":
+                for i in range(len(chunk)):
+                    rows.append(self._logits_row(i))
+        if logits == "last":
+            return self._logits_row(len(tokens[-nb:]) - 1 if len(tokens) % nb == 0 else len(tokens) % nb - 1)
+        if logits == "all":
+            return np.stack(rows)
+        return None
+
+    def _logits_row(self, i: int) -> np.ndarray:
+        ptr = self.lib.lc.llama_get_logits_ith(self.ctx, i)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def make_sampler(self, temp: float = 0.0, top_k: int = 40, top_p: float = 0.95, seed: int = 0,
+                     min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64):
+        """llama-cli's chain: penalties, top-k, top-p, min-p, temperature, dist (temp <= 0: greedy
+        after the penalties)."""
+        lc = self.lib.lc
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if repeat_penalty != 1.0 and repeat_last_n != 0:
+            last_n = self.n_ctx if repeat_last_n < 0 else repeat_last_n
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(last_n, repeat_penalty, 0.0, 0.0))
+        if temp <= 0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+            return chain
+        if top_k > 0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(top_k))
+        if top_p < 1.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(top_p, 1))
+        if min_p > 0.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(min_p, 1))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(temp))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return chain
+
+    def generate(self, prompt: Sequence[int], n_predict: int, sampler=None) -> Iterator[int]:
+        """Yield generated tokens; stops at end-of-generation or n_predict."""
+        lc = self.lib.lc
+        own = sampler is None
+        sampler = sampler or self.make_sampler()
+        try:
+            if prompt:
+                self.eval(prompt, logits="last")
+            for _ in range(n_predict):
+                tok = lc.llama_sampler_sample(sampler, self.ctx, -1)
+                if self.is_eog(tok):
+                    return
+                yield tok
+                self.eval([tok], logits="last")
+        finally:
+            if own:
+                lc.llama_sampler_free(sampler)
+
+    # -- eval callback capture (works without the native patch) ---------------------------
+
+    def _on_eval(self, t_ptr: int, ask: bool, user_data) -> bool:
+        t = llama_lib.GGMLTensor.from_address(t_ptr)
+        name = t.name
+        if ask:
+            return name.startswith(b"ffn_moe_topk-")
+        if name.startswith(b"ffn_moe_topk-"):
+            il = int(name.split(b"-", 1)[1])
+            k, n_tok = t.ne[0], t.ne[1]
+            # NOTE: the phase is the ubatch's: a new ubatch starts when the layer index does not grow,
+            # and its first MoE layer routes every token (the last layer may route only the outputs)
+            if il <= self._last_il:
+                self._ubatch_tokens = n_tok
+            self._last_il = il
+            size = self.lib.nbytes(t_ptr)
+            raw = (ctypes.c_char * size)()
+            self.lib.tensor_get(t_ptr, raw, 0, size)
+            base = np.frombuffer(raw, dtype=np.uint8)
+            # NOTE: a strided view of the argsort result: read it by its strides
+            ids = np.lib.stride_tricks.as_strided(base.view(np.int32) if t.nb[0] == 4 and size % 4 == 0 else base,
+                                                  shape=(n_tok, k), strides=(t.nb[1], t.nb[0]))
+            phase = DECODE if self._ubatch_tokens == 1 else PREFILL
+            self.records.append(TopkRecord(il, phase, ids.astype(np.int32)))
+        return True
+
+    # -- expert cache figures -------------------------------------------------------------
+
+    @property
+    def cache_enabled(self) -> bool:
+        return bool(self.cache is not None and self.ctx and self.cache.enabled())
+
+    def cache_stats(self) -> dict[int, CacheStats]:
+        """Counters of every MoE layer the native side tracks (zeros for one not cached)."""
+        out: dict[int, CacheStats] = {}
+        if not self.cache_enabled:
+            return out
+        for il in range(self.n_layer):
+            s = self.cache.get_stats(il)
+            if s is not None:
+                out[il] = s
+        return out
+
+    def set_miss_path(self, path: str | dict[int, str]) -> None:
+        """Switch the miss path of every cached layer (or per layer: {il: path}); the graph stays."""
+        per_layer = path if isinstance(path, dict) else {c.il: path for c in self.opts.cache_layers}
+        for il, p in per_layer.items():
+            if p not in MISS_PATHS:
+                raise UsageError(f"--miss-path: unknown miss path {p!r}", hint="use auto, cpu or upload")
+            self.cache.set_miss_path(il, MISS_PATHS[p])
+
+    def miss_paths(self) -> dict[int, str]:
+        names = {v: k for k, v in MISS_PATHS.items()}
+        return {c.il: names.get(self.cache.get_miss_path(c.il), "?") for c in self.opts.cache_layers}
+
+    def routing_counts(self, phase: int) -> np.ndarray:
+        """[n_layer, n_expert] routed occurrences in one phase (zeros for dense layers)."""
+        n_exp = max(self.geometry.n_expert, 1)
+        out = np.zeros((self.n_layer, n_exp), np.int64)
+        if not self.cache_enabled:
+            return np.zeros((self.n_layer, 0), np.int64)
+        for il in range(self.n_layer):
+            row = self.cache.get_counts(il, Phase(phase), n_exp)
+            if row is not None:
+                out[il, :len(row)] = row
+        return out
+
+    def slots(self, il: int) -> list[int]:
+        return self.cache.get_slots(il, max(self.geometry.n_expert, 1)) if self.cache_enabled else []
+
+    def trace_records(self) -> list[TopkRecord]:
+        if not self.cache_enabled:
+            return []
+        a = self.cache.get_trace()
+        out, i, n = [], 0, len(a)
+        while i < n:
+            il, n_tok, k, phase = (int(x) for x in a[i:i + 4])
+            out.append(TopkRecord(il, phase, a[i + 4:i + 4 + n_tok * k].reshape(n_tok, k).copy()))
+            i += 4 + n_tok * k
+        return out
+
+    def reset_stats(self) -> None:
+        if self.cache_enabled:
+            self.cache.reset_stats()
+        self.records.clear()
+
+    def bank_bytes(self) -> int:
+        return self.cache.device_bytes() if self.cache_enabled else 0
+
+    def device_memory(self) -> list[tuple[str, int, int]]:
+        """(name, free, total) of the devices in use, read now."""
+        return [(d.name, *devices_mod.free_memory(d)) for d in self.devices]
+
+    def load_log(self) -> list[str]:
+        """llama.cpp's log lines while this engine loaded its model and context (debug level included)."""
+        return list(self._load_log)
+
+    def graph_splits(self) -> int | None:
+        """Splits of the one-token graph as llama.cpp's scheduler last reserved it (after the expert
+        cache is set up it reserves again at the next decode, host nodes included), from its log:
+        `graph: nodes = N, splits = S, ...` or `graph (pp bs=.., tg bs=1): ..., splits = S_pp / S_tg, ...`."""
+        for line in reversed(self._reserve_log):
+            m = _SPLITS_RE.search(line)
+            if m:
+                return int(m.group(2) or m.group(1))
+        return None
+
+    def allocated_bytes(self) -> dict[str, int]:
+        """Buffers llama.cpp reported while loading this model and context, by kind
+        (model, KV, compute, RS) and buffer name, as `"<kind> <buffer>"` -> bytes (from its log)."""
+        out: dict[str, int] = {}
+        for line in self.load_log():
+            m = _BUFFER_RE.search(line)
+            if m:
+                key = f"{m.group('kind')} {m.group('buf')}"
+                out[key] = out.get(key, 0) + round(float(m.group('mib')) * (1 << 20))
+        return out
+
+    def overridden_tensors(self) -> dict[str, str]:
+        """Tensor name -> buffer type of every tensor a tensor override placed (from llama.cpp's log)."""
+        out = {}
+        for line in self.load_log():
+            m = _OVERRIDE_RE.search(line)
+            if m:
+                out[m.group("name")] = m.group("buft")
+        return out
+
+    # -- teardown -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        lc = self.lib.lc
+        if _logs.reserve is self._reserve_log:
+            _logs.reserve = None
+        if self.ctx:
+            lc.llama_synchronize(self.ctx)
+            if self.cache is not None:
+                self.cache.free()
+            if self._batch is not None:
+                lc.llama_batch_free(self._batch)
+                self._batch = None
+            lc.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            lc.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+

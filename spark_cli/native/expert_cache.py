@@ -1,0 +1,327 @@
+"""Typed ctypes binding of the expert-cache C API, native/include/llama-expert-cache-api.h.
+
+The structs mirror the header field for field; `ExpertCacheAPI.bind` refuses a library of
+another API version (LLAMA_EXPERT_CACHE_API_VERSION) so a stale build fails at load, not
+with garbage in a struct. `ExpertCache` wraps one llama_context; its methods are named
+after the C functions (llama_expert_cache_<name>).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, fields
+from enum import IntEnum
+from typing import Sequence
+
+import numpy as np
+
+from ..core import trace
+from ..errors import NativeError
+
+API_VERSION = 3  # LLAMA_EXPERT_CACHE_API_VERSION this binding matches
+REBUILD_HINT = "rerun scripts/bootstrap.sh to install the native build of this checkout"
+
+
+class Status(IntEnum):
+    """enum llama_expert_cache_status."""
+
+    OK = 0
+    ERR_ARG = -1
+    ERR_NOT_MOE = -2
+    ERR_SLOTS = -3
+    ERR_EXPERT_ID = -4
+    ERR_NO_MEMORY = -5
+    ERR_PLACEMENT = -6
+    ERR_LAYER = -7
+    ERR_INTERNAL = -8
+    ERR_VERSION = -9
+
+
+class Phase(IntEnum):
+    """enum llama_expert_cache_phase."""
+
+    PREFILL = trace.PREFILL
+    DECODE = trace.DECODE
+
+
+class MissPath(IntEnum):
+    """enum llama_expert_cache_miss_path."""
+
+    UPLOAD = 0
+    CPU = 1
+
+
+HINTS: dict[Status, str] = {
+    Status.ERR_ARG: "a bug in Spark's call (see SPARK_VERBOSE=1)",
+    Status.ERR_NOT_MOE: "cache only MoE layers",
+    Status.ERR_SLOTS: "give each cached layer at least as many LRU slots as experts used per token",
+    Status.ERR_EXPERT_ID: "pinned expert ids must be distinct and below the expert count",
+    Status.ERR_NO_MEMORY: "lower the slot counts or raise the device budget",
+    Status.ERR_PLACEMENT: "cached layers must run on a GPU-type device with their experts in host RAM",
+    Status.ERR_LAYER: "list each layer once, within the model's layer count",
+    Status.ERR_INTERNAL: "see SPARK_VERBOSE=1 for llama.cpp's log",
+    Status.ERR_VERSION: REBUILD_HINT,
+}
+
+
+class LayerParams(ctypes.Structure):
+    """struct llama_expert_cache_layer_params."""
+
+    _fields_ = [
+        ("il", ctypes.c_int32),
+        ("n_slots", ctypes.c_int32),
+        ("n_pinned", ctypes.c_int32),
+        ("pinned", ctypes.POINTER(ctypes.c_int32)),
+        ("miss_path", ctypes.c_int32),
+        ("max_admit", ctypes.c_int32),
+        ("policy", ctypes.c_int32),
+    ]
+
+
+class Params(ctypes.Structure):
+    """struct llama_expert_cache_params (start from ExpertCacheAPI.default_params)."""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("layers", ctypes.POINTER(LayerParams)),
+        ("n_layers", ctypes.c_int32),
+        ("device_budget", ctypes.c_size_t),
+        ("device_margin", ctypes.c_size_t),
+        ("trace", ctypes.c_bool),
+        ("trace_max", ctypes.c_int64),
+        ("n_threads", ctypes.c_int32),
+        ("policy_window", ctypes.c_int32),
+        ("slru_protected_num", ctypes.c_int32),
+        ("slru_protected_den", ctypes.c_int32),
+    ]
+
+
+class Stats(ctypes.Structure):
+    """struct llama_expert_cache_stats."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "hits", "misses", "uploads", "bytes_uploaded", "upload_us", "steps_cached", "steps_stock",
+        "syncs", "blocking_upload_bytes", "async_uploads", "async_upload_bytes", "cpu_experts",
+        "cpu_expert_bytes", "cpu_us", "admit_skipped")]
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters of one cached layer (or a sum of layers); see the header for each field."""
+
+    hits: int = 0
+    misses: int = 0
+    uploads: int = 0
+    bytes_uploaded: int = 0
+    upload_us: int = 0
+    steps_cached: int = 0
+    steps_stock: int = 0
+    syncs: int = 0
+    blocking_upload_bytes: int = 0
+    async_uploads: int = 0
+    async_upload_bytes: int = 0
+    cpu_experts: int = 0
+    cpu_expert_bytes: int = 0
+    cpu_us: int = 0
+    admit_skipped: int = 0
+
+    @classmethod
+    def from_struct(cls, s: Stats) -> "CacheStats":
+        return cls(**{f.name: int(getattr(s, f.name)) for f in fields(cls)})
+
+    def __add__(self, other: "CacheStats") -> "CacheStats":
+        return CacheStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def __sub__(self, other: "CacheStats") -> "CacheStats":
+        return CacheStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    @classmethod
+    def total(cls, items) -> "CacheStats":
+        out = cls()
+        for s in items:
+            out = out + s
+        return out
+
+    @property
+    def hit_rate(self) -> float | None:
+        n = self.hits + self.misses
+        return self.hits / n if n else None
+
+
+assert [f.name for f in fields(CacheStats)] == [n for n, _ in Stats._fields_], "CacheStats must mirror Stats"
+
+
+MISS_PATHS = {"upload": MissPath.UPLOAD, "cpu": MissPath.CPU}
+
+
+@dataclass(frozen=True)
+class CacheLayer:
+    """One cached MoE layer: `n_slots` device slots, the first `len(pinned)` pinned."""
+
+    il: int
+    n_slots: int
+    pinned: tuple[int, ...] = ()
+    miss_path: str = "upload"  # upload | cpu (MISS_PATHS)
+    max_admit: int = -1  # CPU miss path: admissions per decode step (<0: experts used per token)
+    policy: str = "lru"  # a native policy (simulator.NATIVE_POLICY_IDS)
+
+
+class ExpertCacheAPI:
+    """The C functions of one loaded library, with their ctypes signatures."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        vp, sz, i32, i64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int64
+
+        def fn(name: str, restype, argtypes):
+            f = getattr(lib, f"llama_expert_cache_{name}")
+            f.restype, f.argtypes = restype, argtypes
+            return f
+
+        self.api_version = fn("api_version", i32, [])
+        self.default_params = fn("default_params", Params, [])
+        self.init = fn("init", i32, [vp, ctypes.POINTER(Params), ctypes.c_char_p, sz])
+        self.free = fn("free", None, [vp])
+        self.enabled = fn("enabled", ctypes.c_bool, [vp])
+        self.set_miss_path = fn("set_miss_path", i32, [vp, i32, i32])
+        self.get_miss_path = fn("get_miss_path", i32, [vp, i32])
+        self.get_stats = fn("get_stats", i32, [vp, i32, ctypes.POINTER(Stats)])
+        self.get_counts = fn("get_counts", i32, [vp, i32, i32, ctypes.POINTER(ctypes.c_uint64), i32])
+        self.get_slots = fn("get_slots", i32, [vp, i32, ctypes.POINTER(ctypes.c_int32), i32])
+        self.get_trace = fn("get_trace", i64, [vp, ctypes.POINTER(ctypes.c_int32), i64])
+        self.get_trace_dropped = fn("get_trace_dropped", i64, [vp])
+        self.reset_stats = fn("reset_stats", None, [vp])
+        self.device_bytes = fn("device_bytes", sz, [vp])
+
+    @classmethod
+    def bind(cls, lib: ctypes.CDLL) -> "ExpertCacheAPI | None":
+        """The API of `lib`; None for a library without the expert cache (stock llama.cpp).
+        NativeError (one line) for a library of another API version."""
+        if not hasattr(lib, "llama_expert_cache_init"):
+            return None
+        if not hasattr(lib, "llama_expert_cache_api_version"):
+            raise NativeError(f"the installed llama.cpp has expert cache API v1, Spark needs v{API_VERSION}",
+                              hint=REBUILD_HINT)
+        api = cls(lib)
+        got = int(api.api_version())
+        if got != API_VERSION:
+            raise NativeError(f"the installed llama.cpp has expert cache API v{got}, Spark needs v{API_VERSION}",
+                              hint=REBUILD_HINT)
+        size = ctypes.sizeof(Params)
+        if api.default_params().size != size:
+            raise NativeError(f"the installed llama.cpp's expert cache params are {api.default_params().size} bytes, "
+                              f"this binding's {size}", hint=REBUILD_HINT)
+        return api
+
+
+def native_policy_id(policy: str) -> int:
+    """enum llama_expert_cache_policy of a simulator policy name (belady has none)."""
+    from ..core.simulator import NATIVE_POLICY_IDS, canonical_policy
+
+    p = canonical_policy(policy)
+    if p not in NATIVE_POLICY_IDS:
+        raise NativeError(f"expert cache: policy {policy!r} cannot run in the native cache",
+                          hint="use one of " + ", ".join(NATIVE_POLICY_IDS))
+    return NATIVE_POLICY_IDS[p]
+
+
+class ExpertCache:
+    """The expert cache of one llama_context: methods named after the C functions."""
+
+    def __init__(self, api: ExpertCacheAPI, ctx: int):
+        self.api, self.ctx = api, ctx
+        self._keep: list[object] = []  # arrays the params point into, alive while the cache is
+
+    def default_params(self) -> Params:
+        return self.api.default_params()
+
+    def init(self, layers: Sequence[CacheLayer], *, device_budget: int = 0, device_margin: int | None = None,
+             trace: bool = False, trace_max: int | None = None, n_threads: int | None = None) -> None:
+        """Attach a cache (n_layers 0: counting only). NativeError with the library's reason."""
+        p = self.default_params()
+        arr = (LayerParams * max(1, len(layers)))()
+        keep: list[object] = [arr]
+        for i, c in enumerate(layers):
+            pinned = (ctypes.c_int32 * max(1, len(c.pinned)))(*c.pinned)
+            keep.append(pinned)
+            if c.miss_path not in MISS_PATHS:
+                raise NativeError(f"expert cache: layer {c.il}: unknown miss path {c.miss_path!r}",
+                                  hint="use " + " or ".join(MISS_PATHS))
+            arr[i] = LayerParams(c.il, c.n_slots, len(c.pinned), ctypes.cast(pinned, ctypes.POINTER(ctypes.c_int32)),
+                                 int(MISS_PATHS[c.miss_path]), c.max_admit, native_policy_id(c.policy))
+        p.layers = ctypes.cast(arr, ctypes.POINTER(LayerParams))
+        p.n_layers = len(layers)
+        p.device_budget = device_budget
+        if device_margin is not None:
+            p.device_margin = device_margin
+        p.trace = trace
+        if trace_max is not None:
+            p.trace_max = trace_max
+        if n_threads is not None:
+            p.n_threads = n_threads
+        err = ctypes.create_string_buffer(512)
+        rc = self.api.init(self.ctx, ctypes.byref(p), err, len(err))
+        if rc != Status.OK:
+            status = _status(rc)
+            msg = err.value.decode(errors="replace") or (status.name if status else f"status {rc}")
+            raise NativeError(f"expert cache: {msg}", hint=HINTS.get(status) if status else None)
+        self._keep = keep
+
+    def free(self) -> None:
+        self.api.free(self.ctx)
+        self._keep = []
+
+    def enabled(self) -> bool:
+        return bool(self.api.enabled(self.ctx))
+
+    def set_miss_path(self, il: int, miss_path: MissPath) -> None:
+        rc = self.api.set_miss_path(self.ctx, il, int(miss_path))
+        if rc != Status.OK:
+            status = _status(rc)
+            raise NativeError(f"expert cache: layer {il}: cannot set miss path {MissPath(miss_path).name.lower()} "
+                              f"({status.name if status else rc})", hint=HINTS.get(status) if status else None)
+
+    def get_miss_path(self, il: int) -> MissPath | None:
+        """The layer's miss path, or None for a layer that is not cached."""
+        rc = self.api.get_miss_path(self.ctx, il)
+        return MissPath(rc) if rc >= 0 else None
+
+    def get_stats(self, il: int) -> CacheStats | None:
+        s = Stats()
+        return CacheStats.from_struct(s) if self.api.get_stats(self.ctx, il, ctypes.byref(s)) == Status.OK else None
+
+    def get_counts(self, il: int, phase: Phase, n_expert: int) -> np.ndarray | None:
+        """[n_expert] routed occurrences of layer il in one phase; None for a dense layer."""
+        buf = (ctypes.c_uint64 * max(1, n_expert))()
+        n = self.api.get_counts(self.ctx, il, int(phase), buf, n_expert)
+        return np.array(buf[:n], dtype=np.int64) if n > 0 else None
+
+    def get_slots(self, il: int, n_slots: int) -> list[int]:
+        """Expert per slot (-1 free, -2 - e: admission of e in flight); [] for a layer not cached."""
+        buf = (ctypes.c_int32 * max(1, n_slots))()
+        n = self.api.get_slots(self.ctx, il, buf, n_slots)
+        return list(buf[:min(n, n_slots)]) if n > 0 else []
+
+    def get_trace(self) -> np.ndarray:
+        """The raw trace: records [il, n_tokens, k, phase, ids...] as int32."""
+        n = int(self.api.get_trace(self.ctx, None, 0))
+        if n <= 0:
+            return np.zeros(0, np.int32)
+        buf = (ctypes.c_int32 * n)()
+        self.api.get_trace(self.ctx, buf, n)
+        return np.frombuffer(buf, dtype=np.int32).copy()
+
+    def get_trace_dropped(self) -> int:
+        return int(self.api.get_trace_dropped(self.ctx))
+
+    def reset_stats(self) -> None:
+        self.api.reset_stats(self.ctx)
+
+    def device_bytes(self) -> int:
+        return int(self.api.device_bytes(self.ctx))
+
+
+def _status(rc: int) -> Status | None:
+    try:
+        return Status(rc)
+    except ValueError:
+        return None

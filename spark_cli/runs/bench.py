@@ -1,0 +1,712 @@
+"""`spark bench`, engine side: configurations within one VRAM budget, timed runs on corpus
+text, medians and spreads, the figures that do not depend on the hardware, the report.
+
+Configurations (every one sized for the same budget):
+  resident    all experts on the device: the ceiling (run beyond the budget only on request)
+  cpu-moe     stock llama.cpp --cpu-moe: every expert tensor in host RAM, computed on the CPU
+  n-cpu-moe   stock llama.cpp --n-cpu-moe N, N the fewest expert layers on the CPU that fit
+  spark-step  Spark placement without a cache to speak of: the budget spent on pinned hot
+              experts (plan made without miss-ratio curves), LRU slots = k (one step)
+  spark       Spark placement with the planned cache (LRU slots sized from a routing trace)
+  cpu         everything on the CPU: the only configuration without a GPU-type device
+
+Each run: prompt processing of `n_prompt` corpus tokens, then greedy generation of `n_gen`
+tokens after a corpus prompt (end-of-generation tokens are skipped so every configuration
+decodes the same number of tokens). Cache figures cover the decode steps only.
+Pure of rich and typer: the command renders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..core import planner
+from ..core.trace import DECODE
+from ..native.engine import CacheLayer, CacheStats, Engine, EngineOptions
+from ..errors import PlanError, ProfileError, SparkError, UsageError
+from ..core.gguf_info import ModelGeometry
+
+REPORT_VERSION = 1
+CONFIG_NAMES = ("resident", "cpu-moe", "n-cpu-moe", "spark-step", "spark")
+CPU_CONFIG = "cpu"
+TARGET_VS_CEILING = 0.6  # Spark generation against the all-resident ceiling
+TARGET_VS_STOCK = 2.0  # Spark generation against the best stock offload
+WARMUP_PROMPT = 32
+WARMUP_DECODE = 4
+CALIB_DECODE = 48  # decode tokens after each calibration prompt
+CALIB_PROMPTS = 6
+CALIB_PROMPT_TOKENS = 256
+
+Progress = Callable[[str, int, int], None]  # (configuration, tokens done, tokens in all)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class Spread:
+    median: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "Spread | None":
+        return cls(statistics.median(values), min(values), max(values)) if values else None
+
+
+@dataclass(frozen=True)
+class Run:
+    pp_tokens: int
+    pp_seconds: float
+    tg_tokens: int
+    tg_seconds: float
+
+    @property
+    def pp_tok_s(self) -> float:
+        return self.pp_tokens / self.pp_seconds if self.pp_seconds > 0 else 0.0
+
+    @property
+    def tg_tok_s(self) -> float:
+        return self.tg_tokens / self.tg_seconds if self.tg_seconds > 0 else 0.0
+
+
+# ---------------------------------------------------------------- configurations
+
+
+@dataclass
+class Config:
+    name: str
+    label: str
+    kind: str  # ceiling | stock | spark | cpu
+    status: str = "ready"  # ready | does not fit
+    note: str = ""
+    device: str | None = None  # -dev (devices.py): None = the run's selection, "none" = the CPU
+    host_layers: tuple[int, ...] = ()
+    cache_layers: tuple[CacheLayer, ...] = ()
+    expert_overrides: tuple = ()  # a Spark plan's tensor overrides (placement.py); stock: from host_layers
+    planned_bytes: int = 0
+    over_budget: bool = False  # the ceiling, run beyond the budget as a reference
+    plan: planner.Plan | None = field(default=None, repr=False)
+    miss_path: str = "auto"  # spark: auto | cpu | upload (see miss_path.py)
+
+    def key(self) -> tuple:
+        return self.device, self.host_layers, self.cache_layers, self.miss_path if self.cache_layers else None
+
+    def summary(self, g: ModelGeometry) -> dict:
+        """Where the experts are: layers on the CPU, cached layers, pins, LRU slots, residency."""
+        exp = max(g.total_expert_bytes, 1)
+        out: dict = {"host_layers": list(self.host_layers), "cached_layers": len(self.cache_layers)}
+        if self.plan is not None:
+            b = self.plan.breakdown
+            out["pinned"] = sum(len(c.pinned) for c in self.cache_layers)
+            out["lru_slots"] = sum(c.n_slots - len(c.pinned) for c in self.cache_layers)
+            out["expert_residency"] = (b["experts_resident"] + b["expert_banks"]) / exp
+        elif self.kind in ("ceiling", "stock"):
+            on_cpu = sum(l.expert_bytes for l in g.layers if l.index in set(self.host_layers))
+            out["expert_residency"] = 1.0 - on_cpu / exp
+        return out
+
+
+def fixed_bytes(g: ModelGeometry, n_ctx: int) -> int:
+    """Device bytes of everything but the routed experts (weights, KV cache, compute, overhead)."""
+    ref = planner.make_plan(g, 1 << 62, n_ctx)
+    return ref.breakdown["total"] - ref.breakdown["experts_resident"] - ref.breakdown["expert_banks"]
+
+
+def residency_budget(g: ModelGeometry, n_ctx: int, share: float) -> int:
+    """A budget that holds `share` of the expert bytes beside everything else."""
+    return fixed_bytes(g, n_ctx) + int(share * g.total_expert_bytes)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def make_configs(g: ModelGeometry, budget: int, n_ctx: int, names: Sequence[str],
+                 plan_step: planner.Plan | PlanError | None, plan_cache: planner.Plan | PlanError | None,
+                 ceiling: bool = False) -> list[Config]:
+    """The configurations asked for, each ready or marked "does not fit" (with why)."""
+    fixed = fixed_bytes(g, n_ctx)
+    stock = planner.stock_baseline(g, budget, fixed)
+    moe = g.moe_layers
+    out = []
+    for name in names:
+        if name == "resident":
+            need = planner.stock_baseline(g, 1 << 62, fixed).device_bytes
+            c = Config(name, "all resident", "ceiling", planned_bytes=need)
+            if need > budget:
+                if ceiling:
+                    c.over_budget, c.label = True, "all resident (over budget)"
+                    c.note = f"reference beyond the budget: needs {_gib(need)} > {_gib(budget)}"
+                else:
+                    c.status, c.note = "does not fit", f"needs {_gib(need)} > budget {_gib(budget)}"
+        elif name == "cpu-moe":
+            c = Config(name, "stock --cpu-moe", "stock", host_layers=tuple(moe),
+                       planned_bytes=stock.cpu_moe_device_bytes)
+            if not stock.cpu_moe_fits:
+                c.status, c.note = "does not fit", f"needs {_gib(stock.cpu_moe_device_bytes)} > budget {_gib(budget)}"
+        elif name == "n-cpu-moe":
+            n = stock.n_cpu_moe
+            c = Config(name, f"stock --n-cpu-moe {n}", "stock",
+                       host_layers=tuple(i for i in moe if i < n), planned_bytes=stock.device_bytes)
+            if not stock.fits:
+                c.status, c.note = "does not fit", f"needs {_gib(stock.device_bytes)} > budget {_gib(budget)}"
+        elif name in ("spark-step", "spark"):
+            plan = plan_step if name == "spark-step" else plan_cache
+            label = "Spark, step slots" if name == "spark-step" else "Spark + cache"
+            c = Config(name, label, "spark")
+            if isinstance(plan, planner.Plan):
+                c.plan, c.planned_bytes = plan, plan.breakdown["total"]
+                c.cache_layers = tuple(CacheLayer(l.index, l.slots, tuple(l.pinned), policy=plan.policy)
+                                       for l in plan.layers if l.mode == "cached")
+                c.host_layers = tuple(l.index for l in plan.layers if l.mode == "host")  # below the cache floor
+                c.expert_overrides = plan.overrides
+            else:
+                c.status, c.note = "does not fit", (plan.one_line() if plan is not None else "no plan")
+        else:
+            raise UsageError(f"--configs: unknown configuration {name!r}", hint="use " + ", ".join(CONFIG_NAMES))
+        out.append(c)
+    return out
+
+
+def cpu_config() -> Config:
+    return Config(CPU_CONFIG, "CPU only (no device)", "cpu", device="none")
+
+
+def parse_config_names(text: str | None) -> list[str]:
+    if not text:
+        return list(CONFIG_NAMES)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in CONFIG_NAMES]
+    if bad or not names:
+        raise UsageError(f"--configs: unknown configuration {', '.join(bad) or repr(text)}",
+                         hint="a comma-separated list of " + ", ".join(CONFIG_NAMES))
+    return list(dict.fromkeys(names))
+
+
+# ---------------------------------------------------------------- workload
+
+
+@dataclass
+class Workload:
+    pp_tokens: list[int]  # prompt-processing text
+    gen_prompt: list[int]  # generation starts after this
+    calibration: list[list[int]]  # prompts for the routing trace (other documents than gen_prompt)
+    note: str = ""
+
+
+def _first_turn(messages: list[dict]) -> list[dict]:
+    """The messages up to the first assistant turn: what the model answers."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant" and any(x["role"] == "user" for x in out):
+            break
+        out.append(m)
+    return out
+
+
+def make_workload(engine: Engine, documents: Sequence, n_prompt: int) -> Workload:
+    """Token sequences from corpus documents (corpus.Document): chats through the model's template."""
+    rendered, prompts = [], []
+    for d in documents:
+        if d.is_chat:
+            rendered.append(engine.chat_prompt(d.messages, add_generation_prompt=False))
+            prompts.append(engine.tokenize(engine.chat_prompt(_first_turn(d.messages)), add_special=True))
+        else:
+            rendered.append(d.text or "")
+            prompts.append(engine.tokenize(d.text or "", add_special=True)[:CALIB_PROMPT_TOKENS])
+    prefix = engine.tokenize("", add_special=True)  # BOS, where the model has one
+    body = engine.tokenize("\n\n".join(rendered), add_special=False)
+    if len(body) < 2:
+        raise ProfileError("--corpus: the text tokenizes to nothing", hint="give a corpus with text")
+    text = prefix + body
+    note = ""
+    if len(text) < n_prompt:
+        note = f"corpus has {len(text)} tokens: repeated to {n_prompt} for prompt processing"
+        while len(text) < n_prompt:
+            text += body
+    # generation follows the first chat's first user turn; the other documents calibrate (held out)
+    usable = [i for i, p in enumerate(prompts) if len(p) >= 2]
+    gi = next((i for i in usable if documents[i].is_chat), usable[0] if usable else None)
+    gen = text[:64] if gi is None else prompts[gi] if documents[gi].is_chat else prompts[gi][:64]
+    calib = [p[:CALIB_PROMPT_TOKENS] for i, p in enumerate(prompts) if i != gi and len(p) >= 2][:CALIB_PROMPTS]
+    calib = calib or [text[:CALIB_PROMPT_TOKENS]]
+    return Workload(text[:n_prompt], gen, calib, note)
+
+
+# ---------------------------------------------------------------- measurement
+
+
+def greedy(engine: Engine, logits: np.ndarray) -> int:
+    """Argmax, skipping end-of-generation tokens so a run always decodes its full length."""
+    tok = int(np.argmax(logits))
+    while engine.is_eog(tok):
+        logits[tok] = -np.inf
+        tok = int(np.argmax(logits))
+    return tok
+
+
+def calibrate(engine: Engine, g: ModelGeometry, prompts: Sequence[Sequence[int]], n_decode: int = CALIB_DECODE,
+              progress: Progress | None = None):
+    """A routing trace of the calibration prompts, each followed by greedy decode.
+    `engine` must have been opened with trace=True (any placement: the routing is the same)."""
+    from ..core.capture import records_to_trace
+
+    total = sum(len(p) + n_decode for p in prompts)
+    done = 0
+    engine.reset_stats()
+    for p in prompts:
+        engine.reset()
+        logits = engine.eval(list(p), logits="last")  # the last layer routes the output row only
+        for _ in range(n_decode):
+            logits = engine.eval([greedy(engine, logits)], logits="last")
+        done += len(p) + n_decode
+        if progress:
+            progress("calibration", done, total)
+    records = engine.trace_records()
+    engine.reset_stats()
+    return records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
+
+
+@dataclass
+class Result:
+    config: Config
+    status: str = "pending"  # ok | does not fit | failed | interrupted | pending
+    reason: str = ""
+    runs: list[Run] = field(default_factory=list)
+    decode_tokens: int = 0  # decode steps the cache figures cover
+    hits: int = 0
+    misses: int = 0
+    uploads: int = 0
+    bytes_uploaded: int = 0
+    upload_us: int = 0
+    syncs: int = 0  # device -> host stops of the cache's host nodes (decode)
+    blocking_upload_bytes: int = 0
+    async_upload_bytes: int = 0
+    cpu_expert_bytes: int = 0
+    miss_path: str = ""  # what ran: cpu, upload, or a per-layer mix (spark)
+    miss_path_why: str = ""
+    bank_bytes: int = 0
+    device_name: str = ""
+    device_used_bytes: int | None = None  # free before load - free after warm-up (measured)
+    tokens_digest: str = ""  # of the generated tokens of the first run
+    same_as: str = ""  # identical placement measured under another name
+    counts: np.ndarray | None = field(default=None, repr=False)  # decode routing counts
+    ratios: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def pp(self) -> Spread | None:
+        return Spread.of([r.pp_tok_s for r in self.runs])
+
+    @property
+    def tg(self) -> Spread | None:
+        return Spread.of([r.tg_tok_s for r in self.runs])
+
+
+def cold_figures(r: Result, g: ModelGeometry) -> dict[str, float | None]:
+    """Cold-hit rate (routed decode experts not on the device when needed), uploads and bytes
+    per decode token. Stock layers on the CPU are cold for every routed expert, and never upload."""
+    if not r.runs:
+        return {"cold_hit": None, "uploads_per_token": None, "bytes_per_token": None}
+    moe = max(len(g.moe_layers), 1)
+    if r.config.kind in ("stock", "ceiling", "cpu"):
+        cold = 1.0 if r.config.kind == "cpu" else len(r.config.host_layers) / moe
+        return {"cold_hit": cold, "uploads_per_token": 0.0, "bytes_per_token": 0.0}
+    n = max(r.decode_tokens, 1)
+    return {"cold_hit": r.misses / (n * g.n_expert_used * moe), "uploads_per_token": r.uploads / n,
+            "bytes_per_token": r.bytes_uploaded / n}
+
+
+def accounting(r: Result, g: ModelGeometry) -> dict[str, float | str | None]:
+    """Hardware-independent figures per decode token: device -> host stops on the critical path
+    (the logits read-back included), bytes uploaded while the step waited, bytes uploaded in the
+    background, and host expert bytes the CPU computed with. Stock layers on the CPU stop the
+    device once each (it hands the routed ids and activations over) and read k experts each."""
+    keys = ("syncs_per_token", "blocking_upload_bytes_per_token", "async_upload_bytes_per_token",
+            "cpu_expert_bytes_per_token")
+    if not r.runs:
+        return {"miss_path": r.miss_path or None, **{k: None for k in keys}}
+    k = g.n_expert_used
+    if r.config.kind in ("stock", "ceiling", "cpu"):
+        host = set(g.moe_layers) if r.config.kind == "cpu" else set(r.config.host_layers)
+        cpu_bytes = sum(k * l.expert_bytes / max(g.n_expert, 1) for l in g.layers if l.index in host)
+        syncs = 0.0 if r.config.kind == "cpu" else float(len(host) + 1)
+        return {"miss_path": None, "syncs_per_token": syncs, "blocking_upload_bytes_per_token": 0.0,
+                "async_upload_bytes_per_token": 0.0, "cpu_expert_bytes_per_token": cpu_bytes}
+    n = max(r.decode_tokens, 1)
+    return {"miss_path": r.miss_path or None, "syncs_per_token": r.syncs / n + 1,
+            "blocking_upload_bytes_per_token": r.blocking_upload_bytes / n,
+            "async_upload_bytes_per_token": r.async_upload_bytes / n,
+            "cpu_expert_bytes_per_token": r.cpu_expert_bytes / n}
+
+
+def describe_paths(picks: dict[int, str]) -> str:
+    kinds = sorted(set(picks.values()))
+    if len(kinds) == 1:
+        return kinds[0]
+    return ", ".join(f"{p} {sum(1 for v in picks.values() if v == p)}" for p in kinds)
+
+
+def device_memory(opts: EngineOptions) -> tuple[str, int, int] | None:
+    """(name, free, total) of the first device an engine with these options would use, read now."""
+    from ..native import devices
+
+    devs = devices.select(devices.parse(opts.device, opts.rpc))
+    return (devs[0].name, *devices.free_memory(devs[0])) if devs else None
+
+
+def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, n_gen: int,
+            result: Result, progress: Progress | None = None, learn: bool = True,
+            home: Path | None = None, fingerprint: str = "") -> Result:
+    """Load the configuration, warm up, then `repetitions` runs of prompt processing and
+    generation. Fills `result` as it goes, so an interrupted bench keeps the finished runs."""
+    spark = cfg.kind == "spark"
+    first_path = "cpu" if cfg.miss_path == "auto" else cfg.miss_path
+    cpu = cfg.device == "none"
+    opts = dataclasses.replace(base, device=cfg.device or base.device, rpc=[] if cpu else base.rpc,
+                               host_layers=list(cfg.host_layers),
+                               cache_layers=[replace(c, miss_path=first_path) for c in cfg.cache_layers],
+                               expert_overrides=cfg.expert_overrides if spark else None,
+                               count_experts=spark and learn, trace=False, capture_topk=False)
+    total = repetitions * (len(work.pp_tokens) + n_gen)
+    done = 0
+    result.status = "running"
+    try:
+        mem = device_memory(opts)
+        with Engine(opts) as eng:
+            result.device_name = eng.devices[0].name if eng.devices else "CPU"
+            if spark and cfg.cache_layers:
+                from . import miss_path
+                from ..files.paths import spark_home
+
+                picks, result.miss_path_why = miss_path.resolve(
+                    eng, cfg.miss_path, fingerprint or eng.geometry.fingerprint, home or spark_home())
+                result.miss_path = describe_paths(picks)
+            eng.reset()
+            logits = eng.eval(work.pp_tokens[:WARMUP_PROMPT], logits="last")
+            for _ in range(WARMUP_DECODE):
+                logits = eng.eval([greedy(eng, logits)], logits="last")
+            after = device_memory(opts)
+            if mem is not None and after is not None and mem[1] > after[1]:
+                result.device_used_bytes = mem[1] - after[1]
+            for rep in range(repetitions):
+                eng.reset()
+                t0 = time.perf_counter()
+                eng.eval(work.pp_tokens, logits="last")
+                pp_s = time.perf_counter() - t0
+                done += len(work.pp_tokens)
+                if progress:
+                    progress(cfg.name, done, total)
+
+                eng.reset()
+                logits = eng.eval(work.gen_prompt, logits="last")
+                eng.reset_stats()
+                toks = []
+                t0 = time.perf_counter()
+                for i in range(n_gen):
+                    tok = greedy(eng, logits)
+                    toks.append(tok)
+                    logits = eng.eval([tok], logits="last")
+                    if progress and (i % 8 == 7 or i == n_gen - 1):
+                        progress(cfg.name, done + i + 1, total)
+                tg_s = time.perf_counter() - t0
+                done += n_gen
+                if rep == 0:
+                    result.tokens_digest = hashlib.sha1(np.asarray(toks, np.int32).tobytes()).hexdigest()[:12]
+                if spark:
+                    s = CacheStats.total(eng.cache_stats().values())
+                    result.hits += s.hits
+                    result.misses += s.misses
+                    result.bytes_uploaded += s.bytes_uploaded
+                    result.upload_us += s.upload_us
+                    result.uploads += s.uploads
+                    result.syncs += s.syncs
+                    result.blocking_upload_bytes += s.blocking_upload_bytes
+                    result.async_upload_bytes += s.async_upload_bytes
+                    result.cpu_expert_bytes += s.cpu_expert_bytes
+                    if learn:
+                        c = eng.routing_counts(DECODE).astype(np.float64)
+                        if c.size:
+                            result.counts = c if result.counts is None else result.counts + c
+                result.decode_tokens += n_gen
+                result.runs.append(Run(len(work.pp_tokens), pp_s, n_gen, tg_s))
+            result.bank_bytes = eng.bank_bytes()
+        result.status = "ok"
+    except KeyboardInterrupt:
+        result.status, result.reason = "interrupted", f"after {len(result.runs)} of {repetitions} runs"
+        raise
+    except SparkError as e:
+        result.status, result.reason = "failed", e.one_line()
+    return result
+
+
+def copy_result(cfg: Config, other: Result) -> Result:
+    """A configuration whose placement equals one already measured: same numbers."""
+    r = Result(cfg, status=other.status, reason=other.reason, runs=list(other.runs),
+               decode_tokens=other.decode_tokens, hits=other.hits, misses=other.misses, uploads=other.uploads,
+               bytes_uploaded=other.bytes_uploaded, upload_us=other.upload_us, bank_bytes=other.bank_bytes,
+               syncs=other.syncs, blocking_upload_bytes=other.blocking_upload_bytes,
+               async_upload_bytes=other.async_upload_bytes, cpu_expert_bytes=other.cpu_expert_bytes,
+               miss_path=other.miss_path, miss_path_why=other.miss_path_why,
+               device_name=other.device_name, device_used_bytes=other.device_used_bytes,
+               tokens_digest=other.tokens_digest, same_as=other.config.name)
+    return r
+
+
+# ---------------------------------------------------------------- a whole bench
+
+
+def _plan_or_error(make: Callable[[], planner.Plan]) -> planner.Plan | PlanError:
+    try:
+        return make()
+    except PlanError as e:
+        return e
+
+
+def run(report: "Report", base: EngineOptions, documents: Sequence, names: Sequence[str], *, ceiling: bool = False,
+        learn: bool = True, progress: Progress | None = None, status: Callable[[str], None] | None = None,
+        miss_path: str = "auto", say: Callable[[str], None] | None = None) -> None:
+    """Tokenize the corpus and trace routing on held-out prompts (CPU), plan the Spark
+    configurations from the profile plus that trace, then measure every configuration.
+    Fills `report` as it goes: on KeyboardInterrupt it holds what was measured."""
+    from . import session
+    from ..core.profile import RoutingProfile
+
+    g, path, ctx = report.geometry, report.model, report.n_ctx
+    status = status or (lambda text: None)
+    spark = any(n.startswith("spark") for n in names)
+    plan_step = plan_cache = None
+    status("reading the corpus")
+    # NOTE: one CPU engine tokenizes the corpus and traces routing on held-out prompts
+    cpu = dataclasses.replace(base, device="none", rpc=[], repack=False, trace=True, tensor_overrides=())
+    with Engine(cpu) as eng:
+        work = make_workload(eng, documents, report.n_prompt)
+        need = max(len(work.pp_tokens), len(work.gen_prompt) + report.n_gen + 1,
+                   max(len(p) + CALIB_DECODE + 1 for p in work.calibration))
+        if need > ctx:
+            raise UsageError(f"--ctx-size {ctx}: the runs need {need} tokens of context", hint=f"use -c {need}")
+        if spark:
+            status("calibration (routing trace, CPU)")
+            trace = calibrate(eng, g, work.calibration, progress=progress)
+    if work.note:
+        report.notes.append(work.note)
+    if spark:
+        info = session.load_profile(path, g)
+        if info.profile is None:
+            report.notes.append("no profile: placement from the calibration trace (held-out prompts)")
+            prof = RoutingProfile.empty(g.identity())
+        else:
+            report.notes.append(info.summary() + " + the calibration trace (held-out prompts)")
+            prof = info.profile.copy()
+        # NOTE: planned from everything known; the calibration counts are not saved
+        info = session.ProfileInfo(info.path, prof.add_trace(trace, "bench calibration"))
+        kv = dict(type_k=base.type_k, type_v=base.type_v, n_ubatch=base.n_ubatch)
+        plan_step = _plan_or_error(lambda: session.make_plan_for(path, g, report.budget_bytes, ctx, info, **kv))
+        plan_cache = _plan_or_error(lambda: session.make_plan_for(path, g, report.budget_bytes, ctx, info,
+                                                                  trace=trace, **kv))
+    status("measuring")
+    cfgs = [cpu_config()] if list(names) == [CPU_CONFIG] else \
+        make_configs(g, report.budget_bytes, ctx, names, plan_step, plan_cache, ceiling=ceiling)
+    if not any(c.status == "ready" for c in cfgs):
+        raise PlanError(f"budget {report.budget_bytes / 2**30:.2f} GiB: no configuration fits ("
+                        + "; ".join(f"{c.name}: {c.note}" for c in cfgs) + ")",
+                        hint="raise --vram or --residency, or lower --ctx-size")
+    for c in cfgs:
+        c.miss_path = miss_path
+    seen: dict[tuple, Result] = {}
+    for c in cfgs:
+        if c.status != "ready":
+            report.results.append(Result(c, status=c.status, reason=c.note))
+            continue
+        if c.key() in seen and seen[c.key()].runs:
+            report.results.append(copy_result(c, seen[c.key()]))
+            continue
+        r = Result(c)
+        report.results.append(r)
+        if progress:
+            progress(c.label, 0, report.repetitions * (len(work.pp_tokens) + report.n_gen))
+        measure(c, base, work, report.repetitions, report.n_gen, r, learn=learn,
+                progress=(lambda _n, d, t, c=c: progress(c.label, d, t)) if progress else None,
+                fingerprint=g.fingerprint)
+        if r.miss_path_why and say:
+            say(f"{c.label}: {r.miss_path_why}")
+        seen[c.key()] = r
+
+
+def fold(report: "Report") -> "Result | None":
+    """Self-tuning: the decode routing of the Spark run joins the model's profile. Returns
+    the result whose counts were folded, or None."""
+    from . import session
+
+    src = next((r for r in (report.result("spark"), report.result("spark-step"))
+                if r is not None and r.counts is not None), None)
+    if src is None:
+        return None
+    prof = session.fold_into_profile(report.model, report.geometry, src.counts, "spark bench")
+    return src if prof is not None else None
+
+
+# ---------------------------------------------------------------- report
+
+
+@dataclass
+class Report:
+    model: Path
+    geometry: ModelGeometry
+    budget_bytes: int
+    budget_source: str
+    n_ctx: int
+    n_prompt: int
+    n_gen: int
+    repetitions: int
+    device: str  # CUDA0, RPC[...] or CPU
+    corpus: str
+    results: list[Result] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    interrupted: bool = False
+    baseline: str | None = None  # best stock configuration by generation median
+    ceiling: str | None = None
+
+    def result(self, name: str) -> Result | None:
+        return next((r for r in self.results if r.config.name == name), None)
+
+    def finalize(self) -> None:
+        """Ratios from the medians: against the best stock configuration and the ceiling."""
+        measured = [r for r in self.results if r.runs]
+        stock = [r for r in measured if r.config.kind == "stock"]
+        best = max(stock, key=lambda r: r.tg.median) if stock else None
+        ceil = next((r for r in measured if r.config.kind == "ceiling"), None)
+        self.baseline = best.config.name if best else None
+        self.ceiling = ceil.config.name if ceil else None
+        for r in self.results:
+            r.ratios = {}
+            for what in ("pp", "tg"):
+                mine = getattr(r, what)
+                for ref_name, ref in (("stock", best), ("ceiling", ceil)):
+                    theirs = getattr(ref, what) if ref is not None else None
+                    ok = mine is not None and theirs is not None and theirs.median > 0
+                    r.ratios[f"{what}_vs_{ref_name}"] = mine.median / theirs.median if ok else None
+
+    def targets(self) -> dict[str, dict]:
+        spark = self.result("spark")
+        out = {}
+        for key, target in (("tg_vs_ceiling", TARGET_VS_CEILING), ("tg_vs_stock", TARGET_VS_STOCK)):
+            v = spark.ratios.get(key) if spark is not None else None
+            out[key] = {"target": target, "value": v, "met": None if v is None else bool(v >= target)}
+        return out
+
+    def to_dict(self) -> dict:
+        g = self.geometry
+        configs = []
+        for r in self.results:
+            c = r.config
+            configs.append({
+                "name": c.name, "label": c.label, "kind": c.kind, "status": r.status,
+                "reason": r.reason or c.note, "same_as": r.same_as or None, "over_budget": c.over_budget,
+                "placement": c.summary(g),
+                "vram_planned_bytes": c.planned_bytes, "bank_bytes": r.bank_bytes,
+                "device_used_bytes": r.device_used_bytes, "device": r.device_name or None,
+                "runs": [{"pp_tokens": x.pp_tokens, "pp_seconds": x.pp_seconds, "pp_tok_s": x.pp_tok_s,
+                          "tg_tokens": x.tg_tokens, "tg_seconds": x.tg_seconds, "tg_tok_s": x.tg_tok_s}
+                         for x in r.runs],
+                "pp_tok_s": _spread(r.pp), "tg_tok_s": _spread(r.tg),
+                **cold_figures(r, g),
+                **accounting(r, g),
+                "miss_path_why": r.miss_path_why or None,
+                "decode_tokens": r.decode_tokens, "hits": r.hits, "misses": r.misses, "uploads": r.uploads,
+                "bytes_uploaded": r.bytes_uploaded, "upload_seconds": r.upload_us / 1e6,
+                "tokens_digest": r.tokens_digest or None,
+                "ratios": dict(r.ratios),
+            })
+        return {
+            "version": REPORT_VERSION,
+            "model": {"path": str(self.model), "name": self.model.name, **g.identity(),
+                      "n_moe_layers": len(g.moe_layers), "expert_bytes": g.total_expert_bytes},
+            "device": self.device, "budget_bytes": self.budget_bytes, "budget_source": self.budget_source,
+            "n_ctx": self.n_ctx, "n_prompt": self.n_prompt, "n_gen": self.n_gen,
+            "repetitions": self.repetitions, "corpus": self.corpus,
+            "baseline": self.baseline, "ceiling": self.ceiling,
+            "targets": self.targets(), "notes": list(self.notes), "interrupted": self.interrupted,
+            "configs": configs,
+        }
+
+
+def _spread(s: Spread | None) -> dict | None:
+    return None if s is None else {"median": s.median, "min": s.min, "max": s.max}
+
+
+def fmt_rate(s: Spread | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s.median:.1f} ({s.min:.1f}-{s.max:.1f})" if s.max > s.min else f"{s.median:.1f}"
+
+
+def fmt_ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _mib(v: float | None) -> str:
+    return "-" if v is None else f"{v / (1 << 20):.2f}"
+
+
+def rows(report: Report) -> list[dict[str, str]]:
+    """One row of display strings per configuration (shared by the rich and markdown tables);
+    a configuration that did not run shows its status in the pp column (reasons: `footnotes`)."""
+    out = []
+    for r in report.results:
+        c = r.config
+        cold = cold_figures(r, report.geometry)
+        acc = accounting(r, report.geometry)
+        row = {
+            "configuration": c.label,
+            "VRAM": _gib(c.planned_bytes) if c.planned_bytes else "-",
+            "pp tok/s": fmt_rate(r.pp), "tg tok/s": fmt_rate(r.tg),
+            "tg/stock": fmt_ratio(r.ratios.get("tg_vs_stock")),
+            "tg/ceiling": fmt_ratio(r.ratios.get("tg_vs_ceiling")),
+            "cold-hit": "-" if cold["cold_hit"] is None else f"{100 * cold['cold_hit']:.1f}%",
+            "up/tok": "-" if cold["uploads_per_token"] is None else f"{cold['uploads_per_token']:.2f}",
+            "MiB/tok": "-" if cold["bytes_per_token"] is None else f"{cold['bytes_per_token'] / (1 << 20):.2f}",
+            "miss path": acc["miss_path"] or "-",
+            "syncs/tok": "-" if acc["syncs_per_token"] is None else f"{acc['syncs_per_token']:.1f}",
+            "blocking MiB/tok": _mib(acc["blocking_upload_bytes_per_token"]),
+            "async MiB/tok": _mib(acc["async_upload_bytes_per_token"]),
+            "CPU MiB/tok": _mib(acc["cpu_expert_bytes_per_token"]),
+        }
+        if not r.runs:
+            row["pp tok/s"] = r.status
+        elif r.status != "ok":
+            row["configuration"] += f" ({r.status})"
+        out.append(row)
+    return out
+
+
+def footnotes(report: Report) -> list[str]:
+    """Why a configuration did not run, was cut short, or repeats another."""
+    out = []
+    for r in report.results:
+        why = r.reason or r.config.note
+        if r.same_as:
+            out.append(f"{r.config.label}: same placement as {r.same_as}, measured once")
+        elif why:
+            out.append(f"{r.config.label}: {r.status}: {why}" if r.status not in ("ok",) else f"{r.config.label}: {why}")
+    return out
+
+
+def to_markdown(report: Report) -> str:
+    table = rows(report)
+    if not table:
+        return ""
+    cols = list(table[0])
+    lines = ["| " + " | ".join(cols) + " |",
+             "|" + "|".join("---" if c == "configuration" else "---:" for c in cols) + "|"]
+    for r in table:
+        lines.append("| " + " | ".join(r[c].replace("|", "\\|") for c in cols) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,341 @@
+"""A conversation over one Engine: history, context trimming, per-answer figures, learning.
+
+No terminal here: `spark chat` renders what this module returns, and tests drive it directly.
+The KV cache keeps the tokens already evaluated; each turn evaluates only the suffix of the
+newly formatted prompt that differs from them.
+"""
+
+from __future__ import annotations
+
+import codecs
+import datetime as _dt
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..files.atomic import atomic_write_text
+from ..errors import SparkError
+from ..native.expert_cache import CacheStats
+from .session import decode_counts
+
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temp: float = 0.8  # 0: greedy
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int = 0
+    n_predict: int = -1  # -1: until end of generation or a full context
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0  # 1.0: off
+    repeat_last_n: int = 64
+
+
+@dataclass
+class AnswerFigures:
+    """What one answer cost; cache figures are deltas over this answer, cached layers only."""
+
+    prompt_tokens: int = 0  # evaluated for this prompt
+    reused_tokens: int = 0  # kept from the KV cache (common prefix with the last turn)
+    generated_tokens: int = 0  # sampled and evaluated one at a time (decode)
+    prompt_seconds: float = 0.0
+    gen_seconds: float = 0.0
+    hits: int = 0
+    misses: int = 0
+    uploads: int = 0
+    bytes_uploaded: int = 0
+    syncs: int = 0  # device -> host stops of the cache's host nodes
+    blocking_upload_bytes: int = 0  # uploads a step waited for
+    async_upload_bytes: int = 0  # admissions uploaded in the background
+    cpu_expert_bytes: int = 0  # host expert bytes computed on the CPU
+    miss_path: str = ""  # cpu, upload or a per-layer mix
+    cached_layers: int = 0
+    vram_bytes: int | None = None
+    vram_source: str = ""  # measured | planned | "" (no device)
+    dropped_turns: int = 0
+    stop: str = ""  # eog | length | context | interrupted | error
+
+    @property
+    def prompt_tps(self) -> float | None:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else None
+
+    @property
+    def gen_tps(self) -> float | None:
+        return self.generated_tokens / self.gen_seconds if self.gen_seconds > 0 else None
+
+    @property
+    def hit_rate(self) -> float | None:
+        n = self.hits + self.misses
+        return self.hits / n if n else None
+
+    def per_token(self, value: int) -> float | None:
+        """A counter of this answer per token evaluated (prompt and generated)."""
+        n = self.prompt_tokens + self.generated_tokens
+        return value / n if n else None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(prompt_tps=self.prompt_tps, gen_tps=self.gen_tps, hit_rate=self.hit_rate,
+                 syncs_per_token=self.per_token(self.syncs),
+                 blocking_upload_bytes_per_token=self.per_token(self.blocking_upload_bytes),
+                 async_upload_bytes_per_token=self.per_token(self.async_upload_bytes),
+                 cpu_expert_bytes_per_token=self.per_token(self.cpu_expert_bytes))
+        return d
+
+
+@dataclass
+class Answer:
+    text: str
+    figures: AnswerFigures
+    error: str | None = None
+
+
+@dataclass
+class _Learned:
+    """Decode routing counts of this session, taken as deltas around each generation."""
+
+    counts: np.ndarray | None = None  # [n_layer, n_expert]
+    tokens: int = 0
+    mark: np.ndarray | None = field(default=None, repr=False)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _stats_sum(stats: dict[int, CacheStats], layers: set[int]) -> CacheStats:
+    return CacheStats.total(s for il, s in stats.items() if il in layers)
+
+
+class ChatSession:
+    """History and generation over an open Engine (which the caller owns and closes)."""
+
+    def __init__(self, engine, sampling: Sampling = Sampling(), system: str | None = None,
+                 cached_layers: set[int] | None = None, vram_probe: Callable[[], tuple[int | None, str]] | None = None):
+        self.engine = engine
+        self.sampling = sampling
+        self.system = system or None
+        self.turns: list[tuple[dict, dict]] = []  # (user, assistant) messages within the context
+        self.transcript: list[dict] = []  # every message since the start or /reset, for /save
+        self.answers: list[AnswerFigures] = []
+        self.cached_layers = set(cached_layers or ())
+        self.vram_probe = vram_probe
+        self.learned = _Learned()
+        self._generating: list[int] | None = None  # tokens of the answer being decoded, for harvest_now
+        self._kv: list[int] = []  # tokens whose KV entries are in the context, in order
+        self._sampler = engine.make_sampler(sampling.temp, sampling.top_k, sampling.top_p, sampling.seed,
+                                            sampling.min_p, sampling.repeat_penalty, sampling.repeat_last_n)
+
+    # -- conversation state ----------------------------------------------------------------
+
+    def messages(self, user: str | None = None) -> list[dict]:
+        return self._messages_with(self.turns, user)
+
+    def _messages_with(self, turns: list[tuple[dict, dict]], user: str | None) -> list[dict]:
+        out = [{"role": "system", "content": self.system}] if self.system else []
+        for u, a in turns:
+            out += [u, a]
+        if user is not None:
+            out.append({"role": "user", "content": user})
+        return out
+
+    def set_system(self, text: str | None) -> None:
+        self.system = (text or "").strip() or None
+        self.transcript.append({"role": "system", "content": self.system or ""})
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays) and the KV cache."""
+        self.turns.clear()
+        self.transcript.clear()
+        self.engine.reset()
+        self._kv = []
+
+    def _tokens(self, messages: list[dict]) -> list[int]:
+        eng = self.engine
+        toks = eng.tokenize(eng.chat_prompt(messages), add_special=True, parse_special=True)
+        # NOTE: templates that write their own BOS would otherwise get two
+        if len(toks) > 1 and toks[0] == toks[1] and toks[0] == eng.lib.lc.llama_vocab_bos(eng.vocab):
+            toks = toks[1:]
+        return toks
+
+    def _fit(self, user: str) -> tuple[list[int], int]:
+        """(prompt tokens, oldest turns to drop) so that prompt + a reserve for the answer fits."""
+        n_ctx = self.engine.n_ctx
+        n = self.sampling.n_predict
+        reserve = min(n if n >= 0 else n_ctx // 4, n_ctx // 2)
+        keep = list(self.turns)
+        toks = self._tokens(self.messages(user))
+        while keep and len(toks) + reserve > n_ctx:
+            keep.pop(0)
+            toks = self._tokens(self._messages_with(keep, user))
+        if len(toks) >= n_ctx:
+            raise SparkError(f"the prompt needs {len(toks)} tokens but the context holds {n_ctx}",
+                             hint="raise --ctx-size or shorten the prompt")
+        return toks, len(self.turns) - len(keep)
+
+    def check_fits(self, user: str) -> None:
+        """Raise SparkError if `user` cannot fit in the context even without history."""
+        self._fit(user)
+
+    # -- one answer ------------------------------------------------------------------------
+
+    def answer(self, user: str, on_text: Callable[[str], None] | None = None,
+               should_stop: Callable[[], bool] | None = None,
+               on_notice: Callable[[str], None] | None = None) -> Answer:
+        """Generate the reply to `user`; stream pieces to on_text. Raises SparkError before
+        anything is evaluated when the prompt cannot fit; later failures come back in
+        Answer.error (the session and its learned counts stay)."""
+        eng = self.engine
+        toks, dropped = self._fit(user)
+        del self.turns[:dropped]
+        fig = AnswerFigures(dropped_turns=dropped, cached_layers=len(self.cached_layers))
+        if dropped and on_notice:
+            on_notice("context full: dropped the oldest " + (f"{dropped} turns" if dropped > 1 else "turn"))
+        before = _stats_sum(eng.cache_stats(), self.cached_layers)
+        keep = _common_prefix(self._kv, toks)
+        keep = min(keep, len(toks) - 1)  # evaluate at least one token to get fresh logits
+        text_parts: list[str] = []
+        generated: list[int] = []
+        error = None
+        lc = eng.lib.lc
+        decoding = False
+        try:
+            eng.truncate(keep)
+            self._kv = self._kv[:keep]
+            fig.reused_tokens = keep
+            fig.prompt_tokens = len(toks) - keep
+            t0 = time.perf_counter()
+            eng.eval(toks[keep:], logits="last")
+            self._kv = list(toks)
+            fig.prompt_seconds = time.perf_counter() - t0
+            self._mark()  # NOTE: a prompt's last layer runs one row (its logits row): not decode
+            decoding = True
+            self._generating = generated
+            dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            limit = self.sampling.n_predict if self.sampling.n_predict >= 0 else 1 << 30
+            t1 = time.perf_counter()
+            fig.stop = "length"
+            while len(generated) < limit:
+                if should_stop and should_stop():
+                    fig.stop = "interrupted"
+                    break
+                if eng.n_past >= eng.n_ctx:
+                    fig.stop = "context"
+                    break
+                tok = lc.llama_sampler_sample(self._sampler, eng.ctx, -1)
+                if eng.is_eog(tok):
+                    fig.stop = "eog"
+                    break
+                eng.eval([tok], logits="last")
+                generated.append(tok)
+                self._kv.append(tok)
+                piece = dec.decode(eng.piece(tok))
+                if piece:
+                    text_parts.append(piece)
+                    if on_text:
+                        on_text(piece)
+            tail = dec.decode(b"", final=True)
+            if tail:
+                text_parts.append(tail)
+                if on_text:
+                    on_text(tail)
+            fig.gen_seconds = time.perf_counter() - t1
+        except SparkError as e:
+            error, fig.stop = e.one_line(), "error"
+        except Exception as e:  # noqa: BLE001 - one failed answer must not end the session
+            error, fig.stop = f"{type(e).__name__}: {e}", "error"
+        finally:
+            self._generating = None
+            self._harvest(decoding, len(generated))
+            if fig.stop == "error":
+                # NOTE: the KV cache may hold a half-evaluated batch: start the next turn afresh
+                eng.reset()
+                self._kv = []
+        fig.generated_tokens = len(generated)
+        delta = _stats_sum(eng.cache_stats(), self.cached_layers) - before
+        fig.hits, fig.misses, fig.uploads, fig.bytes_uploaded = delta.hits, delta.misses, delta.uploads, \
+            delta.bytes_uploaded
+        fig.syncs, fig.blocking_upload_bytes = delta.syncs, delta.blocking_upload_bytes
+        fig.async_upload_bytes, fig.cpu_expert_bytes = delta.async_upload_bytes, delta.cpu_expert_bytes
+        if self.cached_layers:
+            paths = {p for il, p in eng.miss_paths().items() if il in self.cached_layers}
+            fig.miss_path = paths.pop() if len(paths) == 1 else "mixed"
+        if self.vram_probe:
+            fig.vram_bytes, fig.vram_source = self.vram_probe()
+        text = "".join(text_parts)
+        u = {"role": "user", "content": user}
+        a = {"role": "assistant", "content": text}
+        if text:
+            self.turns.append((u, a))
+        self.transcript += [u, {**a, "stop": fig.stop, "figures": fig.to_dict()}]
+        self.answers.append(fig)
+        return Answer(text, fig, error)
+
+    # -- learning --------------------------------------------------------------------------
+
+    def _mark(self) -> None:
+        self.learned.mark = decode_counts(self.engine)
+
+    def harvest_now(self) -> None:
+        """Take the decode counts of an answer still being generated (the device is lost)."""
+        if self._generating is not None:
+            self._harvest(True, len(self._generating))
+            self._generating = []
+
+    def _harvest(self, decoding: bool, n_tokens: int) -> None:
+        """Add the decode counts since the mark; prompt-phase counts are dropped."""
+        now = decode_counts(self.engine)
+        if now is None:
+            return
+        L = self.learned
+        if decoding and L.mark is not None:
+            delta = now - L.mark
+            L.counts = delta if L.counts is None else L.counts + delta
+            L.tokens += n_tokens
+        L.mark = now
+
+    # -- figures, saving, teardown ---------------------------------------------------------
+
+    def layer_stats(self) -> dict[int, CacheStats]:
+        return self.engine.cache_stats()
+
+    def totals(self) -> AnswerFigures:
+        t = AnswerFigures(cached_layers=len(self.cached_layers))
+        for f in self.answers:
+            for name in ("prompt_tokens", "reused_tokens", "generated_tokens", "prompt_seconds", "gen_seconds",
+                         "hits", "misses", "uploads", "bytes_uploaded", "dropped_turns"):
+                setattr(t, name, getattr(t, name) + getattr(f, name))
+        return t
+
+    def to_json(self, model: str | None = None) -> dict:
+        return {
+            "format": "spark-chat",
+            "version": 1,
+            "model": model,
+            "saved": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "sampling": asdict(self.sampling),
+            "system": self.system,
+            "messages": self.transcript,
+            "totals": self.totals().to_dict(),
+        }
+
+    def save(self, path: Path | str, model: str | None = None) -> Path:
+        """Write the conversation as JSON; a folder, a device or a missing folder is a SparkError."""
+        path = Path(path).expanduser()
+        atomic_write_text(path, json.dumps(self.to_json(model), indent=2, ensure_ascii=False) + "\n", "/save",
+                          make_parent=False)
+        return path
+
+    def close(self) -> None:
+        if self._sampler is not None:
+            self.engine.lib.lc.llama_sampler_free(self._sampler)
+            self._sampler = None

