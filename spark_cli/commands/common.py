@@ -30,7 +30,11 @@ MODEL_FLAGS: dict[str, tuple[Any, Any]] = {
                                      help=f"context size (default: the model's trained context, at most "
                                           f"{DEFAULT_CTX}; with --plan: the plan's)")),
     "threads": (Optional[int], _opt(None, "--threads", "-t", min=1, show_default=False,
-                                    help="CPU threads (default: all cores)")),
+                                    help="CPU threads for generation, the CPU miss path's included (default: "
+                                         "all cores)")),
+    "threads_batch": (Optional[int], _opt(None, "--threads-batch", "-tb", min=1, show_default=False,
+                                          help="CPU threads for prompt processing and other multi-token steps "
+                                               "(default: --threads)")),
     "type_k": (Optional[str], _opt(None, "--cache-type-k", "-ctk", show_default=False,
                                    help="KV cache type for K: f16, bf16, f32, q8_0, q4_0, q4_1, iq4_nl, q5_0, "
                                         "q5_1 (default: f16, or the plan's)")),

@@ -18,7 +18,7 @@ FLASH_ATTN_VALUES = ("on", "off", "auto")
 
 @dataclass(frozen=True)
 class LoadFlags:
-    """What -c, -t, -ctk/-ctv, -fa, -b/-ub, --no-mmap, --mlock, -nr, -dev, --rpc and -ot asked for
+    """What -c, -t/-tb, -ctk/-ctv, -fa, -b/-ub, --no-mmap, --mlock, -nr, -dev, --rpc and -ot asked for
     (None: the default, or the plan's)."""
 
     ctx_size: int | None = None
@@ -34,13 +34,14 @@ class LoadFlags:
     device: str | None = None
     rpc: str | None = None
     override_tensor: tuple[str, ...] = ()
+    threads_batch: int | None = None  # -tb: threads for multi-token steps (default: -t)
 
     @classmethod
     def from_cli(cls, *, ctx_size: int | None = None, threads: int | None = None, type_k: str | None = None,
                  type_v: str | None = None, flash_attn: str = "auto", batch_size: int = 2048,
                  ubatch_size: int | None = None, no_mmap: bool = False, mlock: bool = False,
                  no_repack: bool = False, device: str | None = None, rpc: str | None = None,
-                 override_tensor: Sequence[str] | None = None) -> "LoadFlags":
+                 override_tensor: Sequence[str] | None = None, threads_batch: int | None = None) -> "LoadFlags":
         from . import vram
 
         fa = flash_attn.lower()
@@ -55,7 +56,7 @@ class LoadFlags:
                 vram.kv_type(value, flag)  # UsageError naming the flag
         type_k, type_v = (t.lower() if t is not None else None for t in (type_k, type_v))
         return cls(ctx_size, threads, type_k, type_v, fa, batch_size, ubatch_size, not no_mmap, mlock,
-                   not no_repack, device, rpc, tuple(override_tensor or ()))
+                   not no_repack, device, rpc, tuple(override_tensor or ()), threads_batch)
 
 
 def context_size(requested: int | None, trained: int, plan_ctx: int | None = None) -> int:

@@ -53,6 +53,7 @@ DEFAULT_POLICY = "tinylfu"
 # the native cache's enum llama_expert_cache_policy (belady is an oracle: simulator only)
 NATIVE_POLICY_IDS = {"lru": 0, "lru-pinned": 0, "lfu-aged": 1, "slru": 2, "tinylfu": 3}
 MISS_PATHS = ("upload", "cpu")
+MISS_PATH_CHOICES = ("auto", "cpu", "upload")  # --miss-path: auto picks one of MISS_PATHS per layer
 _INF = 1 << 62
 _U32 = (1 << 32) - 1
 

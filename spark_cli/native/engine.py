@@ -56,7 +56,8 @@ class EngineOptions:
     n_ctx: int = 2048
     n_batch: int = 512
     n_ubatch: int = 512
-    n_threads: int | None = None
+    n_threads: int | None = None        # -t: decode steps (None: all cores)
+    n_threads_batch: int | None = None  # -tb: multi-token steps (None: n_threads)
     device: str | None = None          # -dev: device names, comma-separated, or none (see devices.py)
     rpc: list[str] = field(default_factory=list)
     host_layers: list[int] = field(default_factory=list)  # stock --n-cpu-moe: these layers' experts on the CPU
@@ -195,9 +196,7 @@ class Engine:
         cp.n_ctx = opts.n_ctx
         cp.n_batch = opts.n_batch
         cp.n_ubatch = min(opts.n_ubatch, opts.n_batch)
-        threads = opts.n_threads or os.cpu_count() or 1
-        cp.n_threads = threads
-        cp.n_threads_batch = threads
+        cp.n_threads, cp.n_threads_batch = self.cpu_threads
         cp.no_perf = False
         cp.type_k, cp.type_v = type_k, type_v
         cp.flash_attn_type = FLASH_ATTN[opts.flash_attn]
@@ -268,7 +267,9 @@ class Engine:
             raise NativeError("this llama.cpp build has no expert cache (native/ patch missing)",
                               hint="rebuild with scripts/bootstrap.sh")
         try:
-            self.cache.init(self.opts.cache_layers, device_budget=self.opts.device_budget, trace=self.opts.trace)
+            threads, threads_batch = self.cpu_threads
+            self.cache.init(self.opts.cache_layers, device_budget=self.opts.device_budget, trace=self.opts.trace,
+                            n_threads=threads, n_threads_batch=threads_batch)
         except NativeError:
             self.close()
             raise
@@ -445,6 +446,12 @@ class Engine:
         return True
 
     # -- expert cache figures -------------------------------------------------------------
+
+    @property
+    def cpu_threads(self) -> tuple[int, int]:
+        """(decode, multi-token) CPU threads: llama.cpp's and the CPU miss path's (-t, -tb)."""
+        threads = self.opts.n_threads or os.cpu_count() or 1
+        return threads, self.opts.n_threads_batch or threads
 
     @property
     def cache_enabled(self) -> bool:

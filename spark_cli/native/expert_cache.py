@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..core import trace
+from ..core import simulator, trace
 from ..errors import NativeError
 
 API_VERSION = 3  # LLAMA_EXPERT_CACHE_API_VERSION this binding matches
@@ -151,7 +151,7 @@ class CacheStats:
 assert [f.name for f in fields(CacheStats)] == [n for n, _ in Stats._fields_], "CacheStats must mirror Stats"
 
 
-MISS_PATHS = {"upload": MissPath.UPLOAD, "cpu": MissPath.CPU}
+MISS_PATHS = {name: MissPath[name.upper()] for name in simulator.MISS_PATHS}
 
 
 @dataclass(frozen=True)
@@ -235,9 +235,14 @@ class ExpertCache:
         return self.api.default_params()
 
     def init(self, layers: Sequence[CacheLayer], *, device_budget: int = 0, device_margin: int | None = None,
-             trace: bool = False, trace_max: int | None = None, n_threads: int | None = None) -> None:
-        """Attach a cache (n_layers 0: counting only). NativeError with the library's reason."""
+             trace: bool = False, trace_max: int | None = None, n_threads: int | None = None,
+             n_threads_batch: int | None = None,
+             policy_params: simulator.PolicyParams = simulator.PolicyParams()) -> None:
+        """Attach a cache (n_layers 0: counting only). NativeError with the library's reason.
+        The policies' tunables come from the simulator, their specification."""
         p = self.default_params()
+        p.policy_window = policy_params.window
+        p.slru_protected_num, p.slru_protected_den = policy_params.protected_num, policy_params.protected_den
         arr = (LayerParams * max(1, len(layers)))()
         keep: list[object] = [arr]
         for i, c in enumerate(layers):

@@ -12,11 +12,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from ..core.simulator import MISS_PATH_CHOICES, MISS_PATHS
 from ..files.atomic import atomic_write_text
 from ..errors import SparkError, UsageError
 
-MISS_PATH_CHOICES = ("auto", "cpu", "upload")
-CALIB_VERSION = 1
+CALIB_VERSION = 2  # 2: measured at a thread count
 CALIB_DECODE = 8  # decode tokens measured per miss path
 
 
@@ -41,6 +41,7 @@ class Calibration:
     device: str
     model_fingerprint: str
     layers: dict[int, LayerCost]
+    cpu_threads: int  # the CPU miss path's threads when measured: its cost depends on them
 
     def choose(self) -> dict[int, str]:
         return {il: c.choice() for il, c in self.layers.items()}
@@ -53,18 +54,20 @@ class Calibration:
         cpu = sorted(c.cpu_us for c in self.layers.values() if c.cpu_us is not None)
         med = lambda v: f"{v[len(v) // 2]:.0f} us" if v else "n/a"  # noqa: E731
         return (f"miss path auto: cpu on {n_cpu} of {len(picks)} cached layers, upload on {len(picks) - n_cpu} "
-                f"(per missed expert: upload {med(up)}, CPU {med(cpu)}; median over layers)")
+                f"(per missed expert: upload {med(up)}, CPU {med(cpu)} on {self.cpu_threads} "
+                f"thread{'s' if self.cpu_threads != 1 else ''}; median over layers)")
 
     def to_dict(self) -> dict:
         return {"version": CALIB_VERSION, "device": self.device, "model_fingerprint": self.model_fingerprint,
-                "layers": {str(il): asdict(c) for il, c in self.layers.items()}}
+                "cpu_threads": self.cpu_threads, "layers": {str(il): asdict(c) for il, c in self.layers.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
         if d.get("version") != CALIB_VERSION:
             raise ValueError("calibration version")
         return cls(str(d["device"]), str(d["model_fingerprint"]),
-                   {int(il): LayerCost(c.get("upload_us"), c.get("cpu_us")) for il, c in d["layers"].items()})
+                   {int(il): LayerCost(c.get("upload_us"), c.get("cpu_us")) for il, c in d["layers"].items()},
+                   int(d["cpu_threads"]))
 
 
 def check_choice(value: str, flag: str = "--miss-path") -> str:
@@ -73,17 +76,17 @@ def check_choice(value: str, flag: str = "--miss-path") -> str:
     return value
 
 
-def cache_file(home: Path, device: str, fingerprint: str) -> Path:
-    key = hashlib.sha1(f"{device}\n{fingerprint}".encode()).hexdigest()[:16]
+def cache_file(home: Path, device: str, fingerprint: str, cpu_threads: int) -> Path:
+    key = hashlib.sha1(f"{device}\n{fingerprint}\n{cpu_threads}".encode()).hexdigest()[:16]
     return home / "calibration" / f"miss-path-{key}.json"
 
 
-def load_cached(path: Path, device: str, fingerprint: str) -> Calibration | None:
+def load_cached(path: Path, device: str, fingerprint: str, cpu_threads: int) -> Calibration | None:
     try:
         cal = Calibration.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return cal if (cal.device, cal.model_fingerprint) == (device, fingerprint) else None
+    return cal if (cal.device, cal.model_fingerprint, cal.cpu_threads) == (device, fingerprint, cpu_threads) else None
 
 
 def save(path: Path, cal: Calibration) -> None:
@@ -98,7 +101,7 @@ def measure(engine, prompt: Sequence[int], n_decode: int = CALIB_DECODE) -> dict
     import numpy as np
 
     per_path: dict[str, dict] = {}
-    for path in ("upload", "cpu"):
+    for path in MISS_PATHS:
         engine.set_miss_path(path)
         engine.reset()
         logits = engine.eval(list(prompt), logits="last")
@@ -136,13 +139,14 @@ def resolve(engine, choice: str, fingerprint: str, home: Path) -> tuple[dict[int
         return picks, f"miss path {choice} on {len(layers)} cached layers"
     dev = engine.devices[0] if engine.devices else None
     device = f"{dev.name} {dev.description}" if dev else "CPU"
-    path = cache_file(home, device, fingerprint)
-    cal = load_cached(path, device, fingerprint)
+    threads = engine.cpu_threads[0]  # calibration times decode steps
+    path = cache_file(home, device, fingerprint, threads)
+    cal = load_cached(path, device, fingerprint, threads)
     source = "cached calibration"
     if cal is None or set(cal.layers) != set(layers):
         measured = measure(engine, engine.tokenize(CALIB_TEXT))
         # NOTE: stats come back for every MoE layer (zeros where uncached): keep the cached ones
-        cal = Calibration(device, fingerprint, {il: c for il, c in measured.items() if il in layers})
+        cal = Calibration(device, fingerprint, {il: c for il, c in measured.items() if il in layers}, threads)
         source = "calibrated now"
         try:
             save(path, cal)

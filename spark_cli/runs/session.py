@@ -110,6 +110,7 @@ def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | No
                  for l in plan.layers if l.mode == "cached"]
     return EngineOptions(
         model, n_ctx=n_ctx, n_batch=flags.batch_size, n_ubatch=ubatch_size(flags, plan), n_threads=flags.threads,
+        n_threads_batch=flags.threads_batch,
         device=flags.device, rpc=parse_endpoints(flags.rpc), cache_layers=cache,
         host_layers=[l.index for l in plan.layers if l.mode == "host"] if plan is not None else [],
         expert_overrides=plan.overrides if plan is not None else None,
