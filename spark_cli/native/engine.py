@@ -267,9 +267,9 @@ class Engine:
             raise NativeError("this llama.cpp build has no expert cache (native/ patch missing)",
                               hint="rebuild with scripts/bootstrap.sh")
         try:
-            threads, threads_batch = self.cpu_threads
+            # NOTE: the miss path runs on the graph's threads (-t for decode, -tb for larger steps)
             self.cache.init(self.opts.cache_layers, device_budget=self.opts.device_budget, trace=self.opts.trace,
-                            n_threads=threads, n_threads_batch=threads_batch)
+                            n_threads=max(self.cpu_threads))
         except NativeError:
             self.close()
             raise

@@ -236,7 +236,6 @@ class ExpertCache:
 
     def init(self, layers: Sequence[CacheLayer], *, device_budget: int = 0, device_margin: int | None = None,
              trace: bool = False, trace_max: int | None = None, n_threads: int | None = None,
-             n_threads_batch: int | None = None,
              policy_params: simulator.PolicyParams = simulator.PolicyParams()) -> None:
         """Attach a cache (n_layers 0: counting only). NativeError with the library's reason.
         The policies' tunables come from the simulator, their specification."""
