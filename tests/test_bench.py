@@ -142,8 +142,8 @@ def test_unknown_configuration_is_one_line(spark, small_model) -> None:
 
 
 def test_tiny_budget_marks_what_does_not_fit(geo) -> None:
-    budget = bench.fixed_bytes(geo, 4096) + 1  # room for no expert at all
-    plan = bench._plan_or_error(lambda: planner.make_plan(geo, budget, 4096))
+    budget = planner.fixed_bytes(geo, 4096) + 1  # room for no expert at all
+    plan = planner.plan_for(geo, planner.PlanRequest(budget, 4096)).plan
     cfgs = bench.make_configs(geo, budget, 4096, bench.CONFIG_NAMES, plan, plan)
     status = {c.name: c.status for c in cfgs}
     # below the cache floor Spark keeps every MoE layer on the host, as stock --cpu-moe

@@ -38,7 +38,7 @@ def _min_budget(g, n_ctx: int) -> int:
     while hi - lo > (1 << 20):
         mid = (lo + hi) // 2
         try:
-            ok = all(l.mode != "host" for l in planner.make_plan(g, mid, n_ctx).layers)
+            ok = all(l.mode != "host" for l in planner.plan_for(g, planner.PlanRequest(mid, n_ctx)).plan.layers)
         except PlanError:
             ok = False
         if ok:
@@ -116,7 +116,7 @@ def test_one_shot_cache_matches_resident_and_learns(small_model, rpc_server, tmp
     model = _model_copy(small_model, tmp_path)
     g = load_geometry(model)
     n_ctx = 512
-    plan = planner.make_plan(g, _min_budget(g, n_ctx), n_ctx)
+    plan = planner.plan_for(g, planner.PlanRequest(_min_budget(g, n_ctx), n_ctx)).plan
     cached = [l for l in plan.layers if l.mode == "cached"]
     assert len(cached) == len(g.moe_layers) and all(l.slots <= g.n_expert // 2 for l in cached)
     plan.save(tmp_path / "plan.json")
@@ -276,7 +276,7 @@ def _other_model_plan(tmp_path: Path) -> Path:
 
     tiny = load_geometry(build_tiny_model("qwen3moe"))
     p = tmp_path / "tiny-plan.json"
-    planner.make_plan(tiny, 4 << 30, 512).save(p)
+    planner.plan_for(tiny, planner.PlanRequest(4 << 30, 512)).plan.save(p)
     return p
 
 

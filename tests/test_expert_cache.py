@@ -36,7 +36,8 @@ def _run(eng: Engine, text: str, n_decode: int = N_DECODE) -> tuple[np.ndarray, 
 def _cache_layers(path, n_slots_extra: int, n_pinned: int) -> tuple[list[CacheLayer], object]:
     g = load_geometry(path)
     k = g.n_expert_used
-    layers = [CacheLayer(il, k + n_slots_extra + n_pinned, tuple(range(n_pinned))) for il in g.moe_layers]
+    layers = [CacheLayer(il, k + n_slots_extra + n_pinned, tuple(range(n_pinned)), policy="lru")  # the LRU rule
+              for il in g.moe_layers]
     return layers, g
 
 

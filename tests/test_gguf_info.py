@@ -231,9 +231,9 @@ def test_bad_metadata_type(tmp_path: Path) -> None:
 
 
 def test_loaded_geometry_plans(model: tuple[Path, dict[str, int]]) -> None:
-    from spark_cli.core.planner import make_plan
+    from spark_cli.core.planner import PlanRequest, plan_for
 
     g = load_geometry(model[0])
-    plan = make_plan(g, 1 << 30, 256)
+    plan = plan_for(g, PlanRequest(1 << 30, 256)).plan
     assert [l.mode for l in plan.layers] == ["dense", "resident", "resident"]
     assert plan.model == g.identity()

@@ -20,7 +20,7 @@ MiB = 1 << 20
 
 
 def _fixed(g, n_ctx: int) -> int:
-    return sum(planner._fixed_costs(g, n_ctx, "f16", "f16", 512).values())
+    return planner.fixed_bytes(g, n_ctx, "f16", "f16", 512)
 
 
 def _floor(g) -> int:
@@ -36,7 +36,7 @@ def _open(path, g, plan, endpoint, n_ctx, **flags) -> Engine:
 def test_overrides_move_exactly_the_planned_host_bytes(arch, rpc_server):
     path = build_tiny_model(arch)
     g = load_geometry(path)
-    plan = planner.make_plan(g, _fixed(g, 256) + _floor(g), 256)
+    plan = planner.plan_for(g, planner.PlanRequest(_fixed(g, 256) + _floor(g), 256)).plan
     cached = [l.index for l in plan.layers if l.mode == "cached"]
     assert cached, f"tiny {arch}: the floor budget caches no layer"
     with _open(path, g, plan, rpc_server.endpoint, 256) as eng:
@@ -65,7 +65,7 @@ def test_planned_vram_matches_llama_cpp(small_model, rpc_server):
     was allocated and at most 1.25x it."""
     g = load_geometry(small_model)
     n_ctx = 512
-    plan = planner.make_plan(g, _fixed(g, n_ctx) + int(0.5 * g.total_expert_bytes), n_ctx)
+    plan = planner.plan_for(g, planner.PlanRequest(_fixed(g, n_ctx) + int(0.5 * g.total_expert_bytes), n_ctx)).plan
     assert {l.mode for l in plan.layers} >= {"resident", "cached"}
     with _open(small_model, g, plan, rpc_server.endpoint, n_ctx) as eng:
         got = eng.allocated_bytes()

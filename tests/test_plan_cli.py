@@ -37,7 +37,7 @@ def geo(small_model):
 
 
 def fixed_bytes(g, n_ctx: int = DEFAULT_CTX, type_k: str = "f16", type_v: str = "f16") -> int:
-    return sum(planner._fixed_costs(g, n_ctx, type_k, type_v, 512).values())
+    return planner.fixed_bytes(g, n_ctx, type_k, type_v, 512)
 
 
 def floor_bytes(g) -> int:

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from spark_cli.core import vram
 from spark_cli.errors import PlanError
-from spark_cli.core.planner import PLAN_VERSION, Plan, make_plan, stock_baseline
+from spark_cli.core.planner import PLAN_VERSION, Plan, stock_baseline
+from spark_cli.core.planner import _make_plan as make_plan  # the greedy under plan_for
 
 GiB = 1 << 30
 SETTINGS = settings(max_examples=int(os.environ.get("SPARK_HYP_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -42,7 +43,7 @@ def full_bytes(g) -> int:
 
 @st.composite
 def scenarios(draw, feasible: bool = False):
-    """Geometry, profile, miss ratio, slot cap and two budgets; feasible: budgets >= the floor."""
+    """Geometry, profile, miss function, slot cap and two budgets; feasible: budgets >= the floor."""
     n_layer = draw(st.integers(1, 6))
     n_expert = draw(st.sampled_from([4, 8, 16, 32]))
     k = draw(st.integers(1, min(n_expert, 6)))
@@ -59,7 +60,7 @@ def scenarios(draw, feasible: bool = False):
     miss = None
     if draw(st.booleans()):
         decay = rng.uniform(0.5, 8.0, size=n_layer)
-        miss = lambda l, s: float(np.exp(-s / decay[l]))  # noqa: E731
+        miss = lambda l, p, s: float(np.exp(-(p + s) / decay[l]))  # noqa: E731
     max_slots = draw(st.sampled_from([None, None, k, k + 3]))
     span = full_bytes(g) - fixed_bytes(g)
     lo = fixed_bytes(g) + floor_bytes(g, max_slots) if feasible else fixed_bytes(g) - span // 10 - 1
@@ -114,7 +115,7 @@ def test_budget_respected_or_refused(s) -> None:
         need = fixed_bytes(g) + floor_bytes(g, max_slots)
         stock_cpu_moe = fixed_bytes(g) - sum(g.layers[i].expert_bias_bytes for i in g.moe_layers)
         try:
-            plan = make_plan(g, budget, 4096, profile, miss_ratio=miss, max_slots_per_layer=max_slots)
+            plan = make_plan(g, budget, 4096, profile, miss_fn=miss, max_slots_per_layer=max_slots)
         except PlanError as e:
             assert stock_cpu_moe > budget  # refused only where stock --cpu-moe does not fit either
             assert "over by" in e.message and "\n" not in e.one_line()
@@ -135,8 +136,8 @@ def test_budget_respected_or_refused(s) -> None:
 @given(scenarios(feasible=True))
 def test_hot_set_grows_with_budget(s) -> None:
     g, profile, miss, max_slots, (b1, b2) = s
-    p1 = make_plan(g, b1, 4096, profile, miss_ratio=miss, max_slots_per_layer=max_slots)
-    p2 = make_plan(g, b2, 4096, profile, miss_ratio=miss, max_slots_per_layer=max_slots)
+    p1 = make_plan(g, b1, 4096, profile, miss_fn=miss, max_slots_per_layer=max_slots)
+    p2 = make_plan(g, b2, 4096, profile, miss_fn=miss, max_slots_per_layer=max_slots)
     h1, h2 = hot_sets(p1), hot_sets(p2)
     for layer, hot in h1.items():
         assert hot <= h2[layer]
@@ -183,17 +184,17 @@ def test_uniform_prior_makes_whole_layers_resident() -> None:
     assert plan.predicted_cold_hit is None
 
 
-def test_miss_ratio_buys_lru_slots() -> None:
+def test_replayed_miss_buys_policy_slots() -> None:
     g = make_geometry(n_layer=3, n_expert=32, k=2, dense=())
-    calls: dict[tuple[int, int], int] = {}
+    calls: dict[tuple[int, int, int], int] = {}
 
-    def miss(layer: int, slots: int) -> float:
-        calls[(layer, slots)] = calls.get((layer, slots), 0) + 1
-        return max(0.0, 1.0 - slots / 12) if layer == 1 else 0.9 ** slots
+    def miss(layer: int, pins: int, slots: int) -> float:
+        calls[(layer, pins, slots)] = calls.get((layer, pins, slots), 0) + 1
+        return max(0.0, 1.0 - (pins + slots) / 12) if layer == 1 else 0.9 ** (pins + slots)
 
     counts = np.ones((3, 32))  # flat profile: pins are worth 1/32 each
     budget = fixed_bytes(g) + floor_bytes(g) + 10 * 10 * MiB
-    plan = make_plan(g, budget, 4096, counts, miss_ratio=miss)
+    plan = make_plan(g, budget, 4096, counts, miss_fn=miss)
     assert plan.layers[1].lru_slots > 2
     assert max(calls.values()) == 1
     without = make_plan(g, budget, 4096, counts)
@@ -304,7 +305,7 @@ def test_json_round_trip_and_identity(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- planning by replay (issue 12)
 
-from spark_cli.core.planner import LayerReplay, held_out_check, plan_by_replay  # noqa: E402
+from spark_cli.core.planner import PlanRequest, held_out_check, plan_for, replayed_miss  # noqa: E402
 from spark_cli.core.trace import RoutingTrace  # noqa: E402
 
 
@@ -331,26 +332,27 @@ def test_replay_plan_never_worse_than_both_baselines(seed, frac, drift, policy) 
     tr = _skewed_trace(g, 120, seed, drift)
     lo = fixed_bytes(g)  # stock --cpu-moe (no expert biases here): every layer on the host
     budget = int(lo + frac * (full_bytes(g) - lo))
-    plan, cands = plan_by_replay(g, budget, 4096, tr, None, policy)
-    by = {c.name: c for c in cands}
+    res = plan_for(g, PlanRequest(budget, 4096, trace=tr, policy=policy))
+    plan, by = res.plan, {c.name: c for c in res.candidates}
     assert set(by) == {"replay", "pins+k", "all-slots"}
     assert plan.predicted_miss <= min(by["pins+k"].miss, by["all-slots"].miss) + 1e-12
     assert plan.policy == policy and plan.breakdown["total"] <= budget
     assert all(not c.plan.layers[i].pinned for c in [by["all-slots"]] for i in range(g.n_layer))
-    again, _ = plan_by_replay(g, budget, 4096, tr, None, policy)
+    again = plan_for(g, PlanRequest(budget, 4096, trace=tr, policy=policy)).plan
     assert again == plan  # deterministic
-    assert LayerReplay(tr, None, policy).plan_miss(plan) == pytest.approx(plan.predicted_miss)
+    assert replayed_miss(plan, tr) == pytest.approx(plan.predicted_miss)
+    assert res.replay_steps == 120 and res.candidate(res.chosen).layers == plan.layers
 
 
 def test_replay_prices_slots_when_the_hot_set_moves() -> None:
     g = make_geometry(n_layer=3, n_expert=16, k=2, dense=())
     tr = _skewed_trace(g, 400, 1, drift=True)
     budget = fixed_bytes(g) + floor_bytes(g) + 3 * 6 * 10 * MiB
-    plan, cands = plan_by_replay(g, budget, 4096, tr, None, "lru")
-    by = {c.name: c.miss for c in cands}
+    res = plan_for(g, PlanRequest(budget, 4096, trace=tr, policy="lru"))
+    plan, by = res.plan, {c.name: c.miss for c in res.candidates}
     assert plan.predicted_miss == min(by.values())
     assert by["all-slots"] < by["pins+k"]  # pins bet on a hot set that moves away
-    c = held_out_check(g, budget, 4096, tr, policy="lru")
+    c = held_out_check(g, PlanRequest(budget, 4096, trace=tr, policy="lru"))
     assert c is not None and (c.train_steps, c.test_steps) == (280, 120)
     assert 0.0 <= c.belady <= c.measured <= 1.0 and 0.0 <= c.oracle <= 1.0
-    assert held_out_check(g, budget, 4096, tr.rows(0, 1), policy="lru") is None
+    assert held_out_check(g, PlanRequest(budget, 4096, trace=tr.rows(0, 1), policy="lru")) is None

@@ -16,14 +16,16 @@ from ..core.options import LoadFlags
 from .common import console, err_console, model_flags, model_or_demo
 
 
-def _budget(vram_text: str | None, residency: float | None, geometry, ctx: int, devs: list) -> tuple[int, str]:
+def _budget(vram_text: str | None, residency: float | None, geometry, ctx: int, devs: list,
+            kv: dict | None = None) -> tuple[int, str]:
+    """--vram, else --residency with the run's -ctk/-ctv/-ub (kv: session.kv_settings), else the device's."""
     from ..runs import bench, session
     from ..errors import UsageError
 
     if vram_text and residency is not None:
         raise UsageError("--vram and --residency: give one of them")
     if residency is not None:
-        return (bench.residency_budget(geometry, ctx, residency),
+        return (bench.residency_budget(geometry, ctx, residency, **(kv or {})),
                 f"--residency {residency:g}: everything else + {100 * residency:.0f}% of the expert bytes")
     b = session.resolve_budget(vram_text, devs)
     return b.bytes, b.source
@@ -236,7 +238,7 @@ def register(app: typer.Typer) -> None:
                 err_console.print(f"[yellow]note:[/] {notes[-1]}")
                 budget, source = 0, "no device"
             else:
-                budget, source = _budget(vram_text, residency, g, ctx, devs)
+                budget, source = _budget(vram_text, residency, g, ctx, devs, session.kv_settings(flags))
             if server is not None:
                 notes.append("device: a local RPC stand-in GPU (--rpc auto): its speed is the CPU's; "
                              "compare the cold-hit and upload figures")

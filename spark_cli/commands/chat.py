@@ -315,7 +315,8 @@ def register(app: typer.Typer) -> None:
         info = session.load_profile(path, geometry)
         if info.warning():
             say.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
-        where = session.resolve_placement(path, geometry, info, flags, plan_path=plan_path, vram_text=vram_text)
+        where = session.resolve_placement(path, geometry, info, flags, plan_path=plan_path, vram_text=vram_text,
+                                          miss_path=miss_path_choice)
         for w in where.warnings:
             say.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
         devices, plan = where.devices, where.plan

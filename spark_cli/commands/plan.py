@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -18,7 +17,7 @@ def _save(plan, output: Path) -> None:
 
 def trace_replay_line(trace, plan) -> str:
     """The plan replayed on the trace: static cold-hit, then experts off the device with its policy."""
-    from ..core.planner import LayerReplay
+    from ..core.planner import replayed_miss
     from ..core.simulator import cold_hit_rate
 
     if trace.n_decode == 0:
@@ -26,7 +25,7 @@ def trace_replay_line(trace, plan) -> str:
     cold = cold_hit_rate(trace, plan.hot_set())
     if not any(l.mode == "cached" for l in plan.layers):
         return f"on the trace ({trace.n_decode} decode rows, in-sample): cold-hit {100 * cold:.1f}%"
-    miss = LayerReplay(trace, None, plan.policy).plan_miss(plan)
+    miss = replayed_miss(plan, trace, "cpu" if plan.miss_path == "cpu" else "upload")
     return (f"on the trace ({trace.n_decode} decode rows, in-sample): cold-hit {100 * cold:.1f}%, "
             f"with the {plan.policy} slots {100 * miss:.1f}% of experts are not on the device")
 
@@ -52,6 +51,9 @@ def register(app: typer.Typer) -> None:
                                         "profile's ring of recent decode steps)"),
         policy: str = typer.Option(None, "--policy", help="cache policy the plan is priced for and records: "
                                    "lru, lfu-aged, slru, tinylfu (default: the default policy)"),
+        miss_path: str = typer.Option("auto", "--miss-path", help="the miss path the plan is priced for and "
+                                      "records: auto (chosen per layer when it runs; priced as upload), cpu, "
+                                      "upload; chat and serve's --miss-path overrides it"),
         check: bool = typer.Option(True, "--check/--no-check", help="print the held-out check (plan on 70%% "
                                    "of the replayed steps, predict the rest)"),
         output: Path = typer.Option(None, "--output", "-o", help="write the plan JSON here (for --plan)"),
@@ -68,8 +70,9 @@ def register(app: typer.Typer) -> None:
         from ..core.trace import RoutingTrace
 
         from ..files.atomic import check_output
-        from ..core.planner import held_out_check, plan_by_replay
+        from ..core.planner import held_out_check, plan_for
         from ..core.simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy
+        from ..runs.miss_path import check_choice
 
         say = err_console if as_json else console
         if output is not None:
@@ -77,6 +80,7 @@ def register(app: typer.Typer) -> None:
         pol = canonical_policy(policy or DEFAULT_POLICY)
         if pol not in ONLINE_POLICIES:
             raise UsageError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
+        check_choice(miss_path)
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
         # NOTE: a dry run with --vram needs no device (and does not load llama.cpp)
@@ -106,20 +110,13 @@ def register(app: typer.Typer) -> None:
         else:
             routing = (f"no profile at {info.path.name}: uniform prior "
                        "(run `spark profile` to learn which experts are hot)")
-        tk, tv, ub = flags.type_k or "f16", flags.type_v or "f16", session.ubatch_size(flags)
-        replay, replay_src = trace, f"the trace {trace_path.name}" if trace_path else ""
-        if replay is None and info.profile is not None and info.profile.recent_trace() is not None:
-            replay, replay_src = info.profile.recent_trace(), "the profile's recent decode steps"
-        cands, check_result = [], None
-        if replay is not None and replay.n_decode:
-            plan, cands = plan_by_replay(geometry, budget.bytes, ctx, replay, session.profile_counts(info), pol,
-                                         tk, tv, n_ubatch=ub)
-            if check:
-                check_result = held_out_check(geometry, budget.bytes, ctx, replay, policy=pol, type_k=tk, type_v=tv,
-                                              n_ubatch=ub)
-        else:
-            plan = replace(session.make_plan_for(path, geometry, budget.bytes, ctx, info, tk, tv, trace=trace,
-                                                 n_ubatch=ub), policy=pol)
+        # NOTE: the same request chat and serve make for --vram (session.resolve_placement)
+        req = session.plan_request(info, budget.bytes, ctx, trace=trace, policy=pol, miss_path=miss_path,
+                                   **session.kv_settings(flags))
+        replay_src = f"the trace {trace_path.name}" if trace_path else "the profile's recent decode steps"
+        placed = plan_for(geometry, req)
+        plan = placed.plan
+        check_result = held_out_check(geometry, req) if check and placed.replay_steps and not as_json else None
 
         if output is not None:
             _save(plan, output)
@@ -133,8 +130,7 @@ def register(app: typer.Typer) -> None:
         console.print(f"[bold]{path.name}[/]: {g.arch}, {g.n_layer} layers, {len(g.moe_layers)} MoE, "
                       f"{g.n_expert} experts (top-{g.n_expert_used}), "
                       f"{render_plan.fmt_bytes(g.total_expert_bytes)} of experts")
-        console.print(routing + (f"; LRU slots sized from the trace {trace_path.name}" if trace else ""),
-                      soft_wrap=True)
+        console.print(routing, soft_wrap=True)
         console.print(render_plan.layer_table(plan))
         console.print(render_plan.budget_table(plan, budget.source))
         host = sum(l.host_bytes for l in plan.layers)
@@ -143,12 +139,11 @@ def register(app: typer.Typer) -> None:
         console.print(render_plan.cold_hit_line(plan), soft_wrap=True)
         if trace is not None:
             console.print(trace_replay_line(trace, plan), soft_wrap=True)
-        if cands:
-            n = replay.n_decode
-            parts = ", ".join(f"{c.name} {100 * c.miss:.1f}%" for c in cands)
-            chosen = next(c.name for c in cands if c.plan.layers == plan.layers)
-            console.print(f"priced by replaying {n:,} decode steps of {replay_src} through {pol}: "
-                          f"experts not on the device {parts}: [bold]{chosen}[/] chosen", soft_wrap=True)
+        if placed.candidates:
+            parts = ", ".join(f"{c.name} {100 * c.miss:.1f}%" for c in placed.candidates)
+            console.print(f"priced by replaying {placed.replay_steps:,} decode steps of {replay_src} through {pol}"
+                          f"{' (cpu miss path)' if req.replay_path == 'cpu' else ''}: experts not on the device "
+                          f"{parts}: [bold]{placed.chosen}[/] chosen", soft_wrap=True)
         if check_result is not None:
             console.print(held_out_line(check_result, pol), soft_wrap=True)
         for line in render_plan.stock_lines(plan):

@@ -78,7 +78,8 @@ def register(app: typer.Typer) -> None:
         info = session.load_profile(path, geometry)
         if info.warning():
             err_console.print(f"[yellow]warning:[/] {info.warning()}", soft_wrap=True, markup=False)
-        where = session.resolve_placement(path, geometry, info, flags, plan_path=plan_path, vram_text=vram_text)
+        where = session.resolve_placement(path, geometry, info, flags, plan_path=plan_path, vram_text=vram_text,
+                                          miss_path=miss_path)
         for w in where.warnings:
             err_console.print(f"warning: {w}", soft_wrap=True, markup=False)
         devices, plan, n_ctx = where.devices, where.plan, where.n_ctx

@@ -1,25 +1,34 @@
-"""Geometry + routing profile + VRAM budget -> a Plan of resident, cached and pinned experts.
+"""Geometry + routing + VRAM budget -> a Plan of resident, cached and pinned experts.
+
+One entry point: `plan_for(geometry, PlanRequest) -> PlanResult`. Every command that
+places a model (plan, chat, serve, bench, demo through plan and bench) builds a
+PlanRequest (runs/session.plan_request): the budget, n_ctx, the KV types and ubatch
+(-ctk/-ctv/-ub), the profile's routing counts, a trace to replay (`--trace`, else the
+profile's ring of recent decode steps), the cache policy, the miss path and max_admit.
+The same request gives the same plan whichever command asks. The rest of this module
+(_make_plan, _plan_by_replay, _LayerReplay) is its machinery.
 
 Every MoE layer is either *resident* (all experts on the device) or *cached*: experts
 stay in host RAM and a device bank of S slots holds P pinned hot experts plus S - P
-LRU slots, with S - P >= k (n_expert_used) so one decode step fits, and one guard
+policy slots, with S - P >= k (n_expert_used) so one decode step fits, and one guard
 slice: bank bytes = (S + 1) * bytes_per_expert.
 
 Placement is one greedy sequence of actions, independent of the budget: each action
-pins the next-hottest expert of a layer or adds an LRU slot to a layer, whichever
+pins the next-hottest expert of a layer or adds a policy slot to a layer, whichever
 removes the most predicted miss mass per byte. A budget takes the longest prefix of
-that sequence that fits, so a larger budget never loses a pinned, resident or LRU
+that sequence that fits, so a larger budget never loses a pinned, resident or policy
 slot (the hot set grows monotonically). Predicted miss share of a cached layer with
-P pins (the P hottest) and L LRU slots:
-  without miss_ratio:  u(P), the layer's routing mass outside its pins (LRU slots
-                       are credited nothing, so they stay at the floor k);
-  with miss_ratio:     min(u(P), miss_ratio(layer, P + L)), where miss_ratio is the
-                       miss ratio of plain LRU with that many slots on the layer's
-                       decode traffic (pinning the hottest P and keeping L LRU slots is
-                       assumed no worse than LRU of P + L slots).
-  with miss_fn:        miss_fn(layer, P, L), the replayed miss share of the policy that
-                       will run (simulator.py) with the P hottest pinned and L policy slots.
-A layer whose pins, LRU slots and guard would reach n_expert becomes resident.
+P pins (the P hottest) and L policy slots:
+  without a trace:  u(P), the layer's routing mass outside its pins (slots are credited
+                    nothing, so they stay at the floor k): "pins+k";
+  with a trace:     miss(layer, P, L), the trace's decode steps replayed through the
+                    policy that will run (simulator.LayerTrace) with the P hottest pinned
+                    and L policy slots. plan_for then keeps the best of three plans by
+                    their replayed miss share (ties: this order): "replay" (that greedy),
+                    "pins+k" (counts alone) and "all-slots" (the greedy without pins).
+The replay runs the request's miss path: "cpu" replays the cpu path, "upload" and
+"auto" (chosen per layer on the machine, after planning) the upload path.
+A layer whose pins, policy slots and guard would reach n_expert becomes resident.
 Below the cache floor (fixed costs + k slots and a guard in every MoE layer), layers keep
 their experts wholly in host RAM, as stock `--n-cpu-moe N` does: the lowest-numbered MoE
 layers first, their expert biases on the host too, until the rest fits ("host" layers,
@@ -27,11 +36,12 @@ predicted cold-hit 1). A plan is refused only where stock `--cpu-moe` does not f
 Layer mass is equal (every token passes every MoE layer); the profile is normalized
 per layer. The prefix stops at the first action that does not fit, so up to one
 action's bytes (one expert, or a whole-layer jump under max_slots_per_layer) may stay
-unspent.
+unspent. The fixed costs (`fixed_costs`: weights, KV cache, compute buffer, overhead)
+are the one non-expert bill: bench sizes stock offload and --residency with it too.
 
 Plan file (`spark plan -o`, read by `--plan`), JSON:
   {"version": 2,
-   "policy": "lru" | "lfu-aged" | "slru" | "tinylfu"   # optional (default "lru")
+   "policy": "lru" | "lfu-aged" | "slru" | "tinylfu"   # optional (default simulator.DEFAULT_POLICY)
    "miss_path": "auto" | "cpu" | "upload"              # optional (default "auto")
    "predicted_miss": float | null,  # optional: replayed miss share on the planning trace
    "model": {arch, n_layer, n_expert, n_expert_used, fingerprint, tensor_layout_hash},
@@ -51,7 +61,7 @@ from __future__ import annotations
 
 import heapq
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,14 +71,16 @@ from . import units, vram
 from ..files.atomic import atomic_write_text
 from ..errors import PlanError
 from .gguf_info import ModelGeometry
+from .options import DEFAULT_UBATCH
 from .placement import TensorOverride, cached_expert_overrides, stock_overrides, stock_patterns
+from .simulator import DEFAULT_POLICY, ONLINE_POLICIES, LayerTrace, canonical_policy
 
 PLAN_VERSION = 2
 MODES = ("resident", "cached", "host", "dense", "skipped")
 BREAKDOWN_KEYS = ("weights_global", "weights_layers_nonexpert", "experts_resident", "expert_banks",
                   "kv_cache", "compute", "overhead", "total")
 
-MissRatio = Callable[[int, int], float]
+MISS_PATHS = ("auto", "cpu", "upload")  # what a plan records (runs/miss_path.py resolves auto)
 MissFn = Callable[[int, int, int], float]  # (layer, pins, policy slots) -> miss share
 
 
@@ -110,7 +122,7 @@ class Plan:
     breakdown: dict[str, int]
     predicted_cold_hit: float | None
     stock: StockBaseline
-    policy: str = "lru"  # the cache policy of the cached layers (simulator.POLICIES)
+    policy: str = DEFAULT_POLICY  # the cache policy of the cached layers (simulator.POLICIES)
     predicted_miss: float | None = None  # replayed miss share on the planning trace
     miss_path: str = "auto"  # auto | cpu | upload (miss_path.py); --miss-path overrides it
     overrides: tuple[TensorOverride, ...] = ()  # expert weights of cached layers -> host RAM (placement.py)
@@ -153,7 +165,7 @@ class Plan:
                        type_k=str(d["type_k"]), type_v=str(d["type_v"]), n_ubatch=int(d["n_ubatch"]),
                        layers=layers, breakdown={k: int(d["breakdown"][k]) for k in BREAKDOWN_KEYS},
                        predicted_cold_hit=None if cold is None else float(cold), stock=stock,
-                       policy=str(d.get("policy", "lru")),
+                       policy=str(d.get("policy", DEFAULT_POLICY)),
                        predicted_miss=None if miss is None else float(miss),
                        miss_path=str(d.get("miss_path", "auto")),
 
@@ -163,12 +175,10 @@ overrides=tuple(TensorOverride(str(o["pattern"]), str(o["target"])) for o in d["
         for l in plan.layers:
             if l.mode not in MODES:
                 raise PlanError(f"{source}: layers[{l.index}].mode: unknown mode {l.mode!r}")
-        from .simulator import ONLINE_POLICIES
-
         if plan.policy not in ONLINE_POLICIES and plan.policy != "lru-pinned":
             raise PlanError(f"{source}: policy: unknown cache policy {plan.policy!r}",
                             hint=f"use one of {', '.join(ONLINE_POLICIES)}")
-        if plan.miss_path not in ("auto", "cpu", "upload"):
+        if plan.miss_path not in MISS_PATHS:
             raise PlanError(f"{source}: miss_path: unknown miss path {plan.miss_path!r}", hint="use auto, cpu or upload")
         return plan
 
@@ -196,7 +206,9 @@ overrides=tuple(TensorOverride(str(o["pattern"]), str(o["target"])) for o in d["
         return plan
 
 
-def _fixed_costs(g: ModelGeometry, n_ctx: int, type_k: str, type_v: str, n_ubatch: int) -> dict[str, int]:
+def fixed_costs(g: ModelGeometry, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
+                n_ubatch: int = DEFAULT_UBATCH) -> dict[str, int]:
+    """The device bill of everything but the routed experts, by item: the plan's and bench's."""
     return {
         "weights_global": g.device_global_bytes,
         "weights_layers_nonexpert": sum(l.nonexpert_bytes for l in g.layers if not l.is_nextn),
@@ -204,6 +216,12 @@ def _fixed_costs(g: ModelGeometry, n_ctx: int, type_k: str, type_v: str, n_ubatc
         "compute": vram.compute_buffer_bytes(g, n_ctx, n_ubatch),
         "overhead": vram.DEVICE_OVERHEAD_BYTES,
     }
+
+
+def fixed_bytes(g: ModelGeometry, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
+                n_ubatch: int = DEFAULT_UBATCH) -> int:
+    """Device bytes of everything but the routed experts (weights, KV cache, compute, overhead)."""
+    return sum(fixed_costs(g, n_ctx, type_k, type_v, n_ubatch).values())
 
 
 def stock_baseline(g: ModelGeometry, budget_bytes: int, fixed_bytes: int) -> StockBaseline:
@@ -231,12 +249,12 @@ class _Layer:
     """Greedy state of one MoE layer."""
 
     def __init__(self, index: int, n_expert: int, k: int, bpe: int, freq: np.ndarray,
-                 mass: float, max_slots: int | None, miss_ratio: Callable[[int, int], float] | None,
-                 miss_fn: Callable[[int, int], float] | None = None, allow_pins: bool = True):
+                 mass: float, max_slots: int | None, miss_fn: Callable[[int, int], float] | None = None,
+                 allow_pins: bool = True):
         self.index, self.n, self.k, self.bpe, self.mass = index, n_expert, k, bpe, mass
         self.order = hottest_first(freq)
         self.unpinned = 1.0 - np.concatenate([[0.0], np.cumsum(freq[self.order])])  # u(P)
-        self.max_slots, self.miss_ratio, self.miss_fn = max_slots, miss_ratio, miss_fn
+        self.max_slots, self.miss_fn = max_slots, miss_fn
         self.allow_pins = allow_pins
         self.pins, self.lru, self.resident = 0, k, False
         if k + 1 >= n_expert or bpe <= 0 or (max_slots is not None and max_slots < k):
@@ -249,10 +267,7 @@ class _Layer:
     def miss(self, pins: int, lru: int) -> float:
         if self.miss_fn is not None:
             return min(max(self.miss_fn(pins, lru), 0.0), 1.0)
-        u = max(float(self.unpinned[pins]), 0.0)
-        if self.miss_ratio is None:
-            return u
-        return min(u, min(max(self.miss_ratio(self.index, pins + lru), 0.0), 1.0))
+        return max(float(self.unpinned[pins]), 0.0)
 
     def actions(self) -> list[tuple[float, int, str, int]]:
         """(gain per byte, kind rank, kind, cost) of each next action."""
@@ -262,11 +277,11 @@ class _Layer:
         if self.max_slots is not None and self.pins + self.lru >= self.max_slots:
             cost = self.n * self.bpe - self.cost()
             return [(self.mass * now / cost, 2, "resident", cost)]
-        # On a tie an LRU slot wins: it adapts to the traffic, a pin is a bet on the profile.
+        # On a tie a policy slot wins: it adapts to the traffic, a pin is a bet on the profile.
         out = []
         if self.allow_pins:
             out.append((self.mass * (now - self.miss(self.pins + 1, self.lru)) / self.bpe, 1, "pin", self.bpe))
-        if self.miss_ratio is not None or self.miss_fn is not None:
+        if self.miss_fn is not None:
             out.append((self.mass * (now - self.miss(self.pins, self.lru + 1)) / self.bpe, 0, "slot", self.bpe))
         return out
 
@@ -280,20 +295,20 @@ class _Layer:
         self.version += 1
 
 
-def make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
-              profile_counts: np.ndarray | None = None, type_k: str = "f16", type_v: str = "f16",
-              miss_ratio: MissRatio | None = None, max_slots_per_layer: int | None = None,
-              n_ubatch: int = 512, *, miss_fn: MissFn | None = None, allow_pins: bool = True,
-              policy: str = "lru") -> Plan:
-    """Place experts for `budget_bytes` of device memory (see the module docstring).
+def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
+               profile_counts: np.ndarray | None = None, type_k: str = "f16", type_v: str = "f16",
+               max_slots_per_layer: int | None = None, n_ubatch: int = DEFAULT_UBATCH, *,
+               miss_fn: MissFn | None = None, allow_pins: bool = True, policy: str = DEFAULT_POLICY,
+               miss_path: str = "auto") -> Plan:
+    """The greedy for `budget_bytes` of device memory (see the module docstring); plan_for's.
 
     profile_counts: [n_layer, n_expert] decode routing counts; None = uniform prior.
-    miss_ratio(layer, slots): plain-LRU miss ratio, called at most once per pair.
-    miss_fn(layer, pins, slots): replayed miss share (overrides miss_ratio), called at most
-    once per triple. allow_pins=False: policy slots only. `policy` is recorded in the plan.
+    miss_fn(layer, pins, slots): replayed miss share, called at most once per triple; None:
+    pins only, k policy slots per layer. allow_pins=False: policy slots only.
+    `policy` and `miss_path` are recorded in the plan.
     """
     g = geometry
-    fixed = _fixed_costs(g, n_ctx, type_k, type_v, n_ubatch)
+    fixed = fixed_costs(g, n_ctx, type_k, type_v, n_ubatch)
     fixed_total = sum(fixed.values())
     moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
     all_bias = sum(l.expert_bias_bytes for l in moe)
@@ -316,11 +331,6 @@ def make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
             counts = None
     cache: dict[tuple[int, int, int], float] = {}
 
-    def mr(layer: int, slots: int) -> float:
-        if (layer, -1, slots) not in cache:
-            cache[(layer, -1, slots)] = float(miss_ratio(layer, slots))  # type: ignore[misc]
-        return cache[(layer, -1, slots)]
-
     def mf(layer: int) -> Callable[[int, int], float]:
         def f(pins: int, lru: int) -> float:
             if (layer, pins, lru) not in cache:
@@ -334,8 +344,8 @@ def make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
         row = counts[l.index] if counts is not None else np.zeros(l.n_expert)
         freq = row / row.sum() if row.sum() > 0 else np.full(l.n_expert, 1.0 / l.n_expert)
         states[l.index] = _Layer(l.index, l.n_expert, k, l.expert_bytes_per_expert, freq,
-                                 1.0 / len(moe), max_slots_per_layer, mr if miss_ratio else None,
-                                 mf(l.index) if miss_fn else None, allow_pins)
+                                 1.0 / len(moe), max_slots_per_layer, mf(l.index) if miss_fn else None,
+                                 allow_pins)
 
     # Below the cache floor: the lowest-numbered MoE layers keep their experts (and expert
     # biases) in host RAM, as stock --n-cpu-moe does, until the rest fits.
@@ -405,13 +415,33 @@ def make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
     return Plan(model=g.identity(), budget_bytes=budget_bytes, n_ctx=n_ctx, type_k=type_k, type_v=type_v,
                 n_ubatch=n_ubatch, layers=tuple(layers), breakdown=breakdown,
                 predicted_cold_hit=(sum(cold) / len(cold) if cold else 0.0) if counts is not None else None,
-                stock=stock_baseline(g, budget_bytes, fixed_total), policy=policy,
+                stock=stock_baseline(g, budget_bytes, fixed_total), policy=policy, miss_path=miss_path,
                 overrides=cached_expert_overrides(g, [l.index for l in layers if l.mode == "cached"])
                 + stock_overrides(l.index for l in layers if l.mode == "host"))
 
 
 
-# ---------------------------------------------------------------- planning by replay
+# ---------------------------------------------------------------- the one entry point
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything a placement depends on; every placing command builds one (runs/session.py)."""
+
+    budget_bytes: int
+    n_ctx: int
+    type_k: str = "f16"  # -ctk
+    type_v: str = "f16"  # -ctv
+    n_ubatch: int = DEFAULT_UBATCH  # -ub
+    profile_counts: np.ndarray | None = field(default=None, compare=False)  # [n_layer, n_expert]; None: uniform
+    trace: Any = field(default=None, compare=False)  # RoutingTrace to replay: --trace, else the profile's ring
+    policy: str = DEFAULT_POLICY  # simulator.ONLINE_POLICIES
+    miss_path: str = "auto"  # recorded in the plan; "cpu" replays the cpu path, the others the upload path
+    max_admit: int | None = None  # cpu path admissions per decode step (None: k)
+
+    @property
+    def replay_path(self) -> str:
+        return "cpu" if self.miss_path == "cpu" else "upload"
 
 
 @dataclass(frozen=True)
@@ -423,39 +453,84 @@ class Candidate:
     miss: float
 
 
+@dataclass(frozen=True)
+class PlanResult:
+    """The plan, and how it was chosen (what `spark plan` prints)."""
+
+    plan: Plan
+    candidates: tuple[Candidate, ...] = ()  # with a trace: every plan tried, replayed on it
+    replay_steps: int = 0  # decode steps replayed (0: planned from the counts alone)
+    chosen: str = "pins+k"  # the candidate kept
+
+    def candidate(self, name: str) -> Plan:
+        """The candidate plan `name`; without a trace the plan itself is the pins+k plan."""
+        if not self.candidates and name == "pins+k":
+            return self.plan
+        for c in self.candidates:
+            if c.name == name:
+                return c.plan
+        raise KeyError(name)
+
+
+def plan_for(geometry: ModelGeometry, request: PlanRequest) -> PlanResult:
+    """The placement for `request`: replay pricing when its trace has decode steps, else the
+    profile's counts alone (pins and k policy slots per layer). PlanError when the budget
+    cannot hold even stock --cpu-moe, or for a policy or miss path a cache cannot run."""
+    r = request
+    policy = canonical_policy(r.policy)
+    if policy not in ONLINE_POLICIES:
+        raise PlanError(f"policy {r.policy!r}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
+    if r.miss_path not in MISS_PATHS:
+        raise PlanError(f"miss path {r.miss_path!r}: unknown", hint="use auto, cpu or upload")
+    kw = dict(type_k=r.type_k, type_v=r.type_v, n_ubatch=r.n_ubatch, policy=policy, miss_path=r.miss_path)
+    trace = r.trace if r.trace is not None and r.trace.n_decode else None
+    if trace is None:
+        return PlanResult(_make_plan(geometry, r.budget_bytes, r.n_ctx, r.profile_counts, **kw))
+    if (trace.n_layer, trace.n_expert) != (geometry.n_layer, geometry.n_expert):
+        raise PlanError(f"trace: {trace.n_layer} layers x {trace.n_expert} experts; the model has "
+                        f"{geometry.n_layer} x {geometry.n_expert}")
+    plan, cands = _plan_by_replay(geometry, r.budget_bytes, r.n_ctx, trace, r.profile_counts,
+                                  replay_path=r.replay_path, max_admit=r.max_admit, **kw)
+    chosen = next(c.name for c in cands if c.plan.layers == plan.layers)
+    return PlanResult(plan, tuple(cands), trace.n_decode, chosen)
+
+
+def replayed_miss(plan: Plan, trace: Any, miss_path: str = "upload", max_admit: int | None = None) -> float:
+    """Share of routed decode experts of `trace` not on the device when needed, with the plan's
+    pins, slots and policy (resident layers 0, host layers 1; mean over the MoE layers)."""
+    return _LayerReplay(trace, None, canonical_policy(plan.policy), miss_path, max_admit).plan_miss(plan)
+
+
+# ---------------------------------------------------------------- planning by replay (internal)
+
+
 def _policy_for(policy: str, pins: int) -> str:
     return "lru-pinned" if policy == "lru" and pins else policy
 
 
-class LayerReplay:
+class _LayerReplay:
     """Replays one trace's decode steps, layer by layer, through `policy` with the P
     hottest experts (by `counts`) pinned and L policy slots: miss(layer, P, L) in [0, 1]."""
 
     def __init__(self, trace: Any, counts: np.ndarray | None, policy: str, miss_path: str = "upload",
                  max_admit: int | None = None):
-        from .simulator import _layer_steps, _phase_mask
-
         self.trace, self.policy, self.miss_path, self.max_admit = trace, policy, miss_path, max_admit
-        keep, _ = _phase_mask(trace, ("decode",))
-        self._keep, self._layer_steps = keep, _layer_steps
-        self._steps: dict[int, Any] = {}
+        self._layers: dict[int, LayerTrace] = {}
         self._memo: dict[tuple[int, tuple[int, ...], int], float] = {}
         n = trace.n_expert
         self.order = {l: hottest_first(counts[l] if counts is not None else np.zeros(n)) for l in trace.moe_layers()}
 
     def miss(self, layer: int, pins: int, lru: int, pinned: tuple[int, ...] | None = None) -> float:
-        from .simulator import _replay
-
         if layer not in self.order:
             return 0.0  # the trace never routes this layer: nothing to miss
-        if layer not in self._steps:
-            self._steps[layer] = self._layer_steps(self.trace, layer, self._keep)
+        if layer not in self._layers:
+            self._layers[layer] = LayerTrace(self.trace, layer, ("decode",))
         pin = pinned if pinned is not None else tuple(self.order[layer][:pins])
         key = (layer, pin, lru)
         if key in self._memo:
             return self._memo[key]
-        st = _replay(self._steps[layer], self.trace.k, self.trace.n_expert, layer, len(pin) + lru, pin,
-                     _policy_for(self.policy, len(pin)), self.miss_path, self.max_admit)
+        st = self._layers[layer].replay(len(pin) + lru, pin, _policy_for(self.policy, len(pin)), self.miss_path,
+                                        self.max_admit)
         n = st.hits_decode + st.misses_decode + st.stock_accesses_decode
         self._memo[key] = 1.0 - st.hits_decode / n if n else 0.0
         return self._memo[key]
@@ -473,35 +548,34 @@ class LayerReplay:
         return sum(out) / len(out) if out else 0.0
 
 
-def plan_by_replay(geometry: ModelGeometry, budget_bytes: int, n_ctx: int, trace: Any,
-                   profile_counts: np.ndarray | None = None, policy: str = "lru", type_k: str = "f16",
-                   type_v: str = "f16", n_ubatch: int = 512, miss_path: str = "upload",
-                   max_admit: int | None = None) -> tuple[Plan, list[Candidate]]:
+def _plan_by_replay(geometry: ModelGeometry, budget_bytes: int, n_ctx: int, trace: Any,
+                    profile_counts: np.ndarray | None = None, policy: str = DEFAULT_POLICY, type_k: str = "f16",
+                    type_v: str = "f16", n_ubatch: int = DEFAULT_UBATCH, replay_path: str = "upload",
+                    max_admit: int | None = None, miss_path: str = "auto") -> tuple[Plan, list[Candidate]]:
     """Price pins against policy slots per layer by replaying `trace` (decode steps)
     through the policy that will run, and keep the best of three plans for the budget:
 
-    - "replay": the greedy of make_plan with miss_fn = the replayed miss share with the
+    - "replay": the greedy of _make_plan with miss_fn = the replayed miss share with the
       P hottest pinned (by `profile_counts`, else the trace's decode counts) and L slots;
-    - "pins+k": make_plan from the counts alone (pins, k policy slots per layer);
-    - "all-slots": make_plan with slots only (no pins), priced by replay.
+    - "pins+k": _make_plan from the counts alone (pins, k policy slots per layer);
+    - "all-slots": _make_plan with slots only (no pins), priced by replay.
 
     The chosen plan has the smallest replayed miss share on `trace` (ties: that order),
     so on its own trace it is never worse than pins+k or all-slots. Returns (plan with
     predicted_miss set, every candidate).
     """
-    from .simulator import canonical_policy
-
     policy = canonical_policy(policy)
     counts = profile_counts
     if counts is None or np.asarray(counts).sum() <= 0:
         counts = trace.counts("decode") if trace.n_decode else None
-    rp = LayerReplay(trace, None if counts is None else np.asarray(counts, dtype=np.float64), policy,
-                     miss_path, max_admit)
-    common = dict(profile_counts=counts, type_k=type_k, type_v=type_v, n_ubatch=n_ubatch, policy=policy)
+    rp = _LayerReplay(trace, None if counts is None else np.asarray(counts, dtype=np.float64), policy,
+                      replay_path, max_admit)
+    common = dict(profile_counts=counts, type_k=type_k, type_v=type_v, n_ubatch=n_ubatch, policy=policy,
+                  miss_path=miss_path)
     plans = [
-        ("replay", make_plan(geometry, budget_bytes, n_ctx, miss_fn=rp.miss, **common)),
-        ("pins+k", make_plan(geometry, budget_bytes, n_ctx, **common)),
-        ("all-slots", make_plan(geometry, budget_bytes, n_ctx, miss_fn=rp.miss, allow_pins=False, **common)),
+        ("replay", _make_plan(geometry, budget_bytes, n_ctx, miss_fn=rp.miss, **common)),
+        ("pins+k", _make_plan(geometry, budget_bytes, n_ctx, **common)),
+        ("all-slots", _make_plan(geometry, budget_bytes, n_ctx, miss_fn=rp.miss, allow_pins=False, **common)),
     ]
     cands = [Candidate(name, p, rp.plan_miss(p)) for name, p in plans]
     best = min(range(len(cands)), key=lambda i: (cands[i].miss, i))
@@ -520,19 +594,18 @@ class HeldOutCheck:
     belady: float  # the train plan's pins and slots on the held-out part, Belady evicting
 
 
-def held_out_check(geometry: ModelGeometry, budget_bytes: int, n_ctx: int, trace: Any, train_frac: float = 0.7,
-                   policy: str = "lru", type_k: str = "f16", type_v: str = "f16", n_ubatch: int = 512,
-                   miss_path: str = "upload", max_admit: int | None = None) -> HeldOutCheck | None:
-    """Train on the first `train_frac` of the decode steps (their counts pick the pins),
-    predict the rest; None when either part has no decode step."""
-    train, test = trace.decode_steps().split(train_frac)
+def held_out_check(geometry: ModelGeometry, request: PlanRequest, train_frac: float = 0.7) -> HeldOutCheck | None:
+    """Plan as `request` asks on the first `train_frac` of its trace's decode steps (their
+    counts pick the pins), predict the rest; None when either part has no decode step."""
+    if request.trace is None:
+        return None
+    train, test = request.trace.decode_steps().split(train_frac)
     if not train.n_rows or not test.n_rows:
         return None
-    kw = dict(policy=policy, type_k=type_k, type_v=type_v, n_ubatch=n_ubatch, miss_path=miss_path,
-              max_admit=max_admit)
-    p_train, _ = plan_by_replay(geometry, budget_bytes, n_ctx, train, train.counts("decode"), **kw)
-    p_test, _ = plan_by_replay(geometry, budget_bytes, n_ctx, test, test.counts("decode"), **kw)
-    measured = LayerReplay(test, None, policy, miss_path, max_admit).plan_miss(p_train)
-    belady = LayerReplay(test, None, "belady", miss_path, max_admit).plan_miss(p_train)
+    p_train = plan_for(geometry, replace(request, trace=train, profile_counts=train.counts("decode"))).plan
+    p_test = plan_for(geometry, replace(request, trace=test, profile_counts=test.counts("decode"))).plan
+    path, policy = request.replay_path, canonical_policy(request.policy)
+    measured = _LayerReplay(test, None, policy, path, request.max_admit).plan_miss(p_train)
+    belady = _LayerReplay(test, None, "belady", path, request.max_admit).plan_miss(p_train)
     return HeldOutCheck(train.n_rows, test.n_rows, float(p_train.predicted_miss or 0.0), measured,
                         float(p_test.predicted_miss or 0.0), belady)

@@ -595,18 +595,34 @@ def simulate(trace: RoutingTrace, policy: str, slots: Mapping[int, int] | int,
                      bytes_per_expert=bpe, phases=names, miss_path=miss_path)
 
 
+class LayerTrace:
+    """The steps of `phases` of one layer of a trace, read once, to replay many placements
+    of that layer on them (the planner prices pins against slots this way)."""
+
+    def __init__(self, trace: RoutingTrace, layer: int, phases: Sequence[str | int] = ("decode",)):
+        keep, _ = _phase_mask(trace, phases)
+        self.layer, self.k, self.n_expert = layer, trace.k, trace.n_expert
+        self._steps = _layer_steps(trace, layer, keep)
+
+    def replay(self, slots: int, pinned: Sequence[int] = (), policy: str = DEFAULT_POLICY,
+               miss_path: str = "upload", max_admit: int | None = None, params: PolicyParams | None = None,
+               cpu_path: bool = True) -> LayerStats:
+        """This layer with `slots` slots, `pinned` in the first ones, through `policy` (as simulate;
+        cpu_path True: steps too large for the slots run from the bank plus the CPU, as native)."""
+        policy = _check(policy, {self.layer: pinned} if pinned else None, miss_path)
+        return _replay(self._steps, self.k, self.n_expert, self.layer, int(slots), pinned, policy, miss_path,
+                       max_admit, params or PolicyParams(), cpu_path)
+
+
 def miss_ratio_curve(trace: RoutingTrace, layer: int, slot_counts: Sequence[int],
                      policy: str = "lru", pinned: Sequence[int] | None = None,
                      phases: Sequence[str | int] = ("decode",), miss_path: str = "upload",
                      params: PolicyParams | None = None) -> list[float]:
     """1 - hit_rate of one layer for each slot count (stock steps count as misses)."""
-    policy = _check(policy, {layer: pinned} if pinned else None, miss_path)
-    keep, _ = _phase_mask(trace, phases)
-    steps = _layer_steps(trace, layer, keep)
+    lt = LayerTrace(trace, layer, phases)
     out = []
     for s in slot_counts:
-        st = _replay(steps, trace.k, trace.n_expert, layer, int(s), pinned or (), policy, miss_path,
-                     None, params or PolicyParams())
+        st = lt.replay(int(s), pinned or (), policy, miss_path, None, params)
         out.append(1.0 - st.hit_rate if st.accesses else 0.0)
     return out
 

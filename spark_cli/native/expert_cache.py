@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from ..core import simulator, trace
+from ..core.simulator import DEFAULT_POLICY
 from ..errors import NativeError
 
 API_VERSION = 3  # LLAMA_EXPERT_CACHE_API_VERSION this binding matches
@@ -163,7 +164,7 @@ class CacheLayer:
     pinned: tuple[int, ...] = ()
     miss_path: str = "upload"  # upload | cpu (MISS_PATHS)
     max_admit: int = -1  # CPU miss path: admissions per decode step (<0: experts used per token)
-    policy: str = "lru"  # a native policy (simulator.NATIVE_POLICY_IDS)
+    policy: str = DEFAULT_POLICY  # a native policy (simulator.NATIVE_POLICY_IDS)
 
 
 class ExpertCacheAPI:

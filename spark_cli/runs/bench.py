@@ -6,9 +6,12 @@ Configurations (every one sized for the same budget):
   cpu-moe     stock llama.cpp --cpu-moe: every expert tensor in host RAM, computed on the CPU
   n-cpu-moe   stock llama.cpp --n-cpu-moe N, N the fewest expert layers on the CPU that fit
   spark-step  Spark placement without a cache to speak of: the budget spent on pinned hot
-              experts (plan made without miss-ratio curves), LRU slots = k (one step)
-  spark       Spark placement with the planned cache (LRU slots sized from a routing trace)
+              experts, k policy slots per layer (one step): the planner's "pins+k" candidate
+  spark       Spark placement with the planned cache: planner.plan_for, as chat and plan place
+              (pins against slots priced by replaying the profile's ring, calibration included)
   cpu         everything on the CPU: the only configuration without a GPU-type device
+
+Every configuration is sized with the run's -ctk/-ctv/-ub (planner.fixed_bytes), as the plans are.
 
 Each run: prompt processing of `n_prompt` corpus tokens, then greedy generation of `n_gen`
 tokens after a corpus prompt (end-of-generation tokens are skipped so every configuration
@@ -33,6 +36,7 @@ from ..core.trace import DECODE
 from ..native.engine import CacheLayer, CacheStats, Engine, EngineOptions
 from ..errors import PlanError, ProfileError, SparkError, UsageError
 from ..core.gguf_info import ModelGeometry
+from ..core.options import DEFAULT_UBATCH
 
 REPORT_VERSION = 1
 CONFIG_NAMES = ("resident", "cpu-moe", "n-cpu-moe", "spark-step", "spark")
@@ -115,15 +119,11 @@ class Config:
         return out
 
 
-def fixed_bytes(g: ModelGeometry, n_ctx: int) -> int:
-    """Device bytes of everything but the routed experts (weights, KV cache, compute, overhead)."""
-    ref = planner.make_plan(g, 1 << 62, n_ctx)
-    return ref.breakdown["total"] - ref.breakdown["experts_resident"] - ref.breakdown["expert_banks"]
-
-
-def residency_budget(g: ModelGeometry, n_ctx: int, share: float) -> int:
-    """A budget that holds `share` of the expert bytes beside everything else."""
-    return fixed_bytes(g, n_ctx) + int(share * g.total_expert_bytes)
+def residency_budget(g: ModelGeometry, n_ctx: int, share: float, type_k: str = "f16", type_v: str = "f16",
+                     n_ubatch: int = DEFAULT_UBATCH) -> int:
+    """A budget that holds `share` of the expert bytes beside everything else (planner.fixed_bytes
+    with the run's KV types and ubatch)."""
+    return planner.fixed_bytes(g, n_ctx, type_k, type_v, n_ubatch) + int(share * g.total_expert_bytes)
 
 
 def _gib(n: int) -> str:
@@ -132,9 +132,11 @@ def _gib(n: int) -> str:
 
 def make_configs(g: ModelGeometry, budget: int, n_ctx: int, names: Sequence[str],
                  plan_step: planner.Plan | PlanError | None, plan_cache: planner.Plan | PlanError | None,
-                 ceiling: bool = False) -> list[Config]:
-    """The configurations asked for, each ready or marked "does not fit" (with why)."""
-    fixed = fixed_bytes(g, n_ctx)
+                 ceiling: bool = False, *, type_k: str = "f16", type_v: str = "f16",
+                 n_ubatch: int = DEFAULT_UBATCH) -> list[Config]:
+    """The configurations asked for, each ready or marked "does not fit" (with why); stock ones
+    sized with the KV types and ubatch the plans were made for."""
+    fixed = planner.fixed_bytes(g, n_ctx, type_k, type_v, n_ubatch)
     stock = planner.stock_baseline(g, budget, fixed)
     moe = g.moe_layers
     out = []
@@ -464,23 +466,18 @@ def copy_result(cfg: Config, other: Result) -> Result:
 # ---------------------------------------------------------------- a whole bench
 
 
-def _plan_or_error(make: Callable[[], planner.Plan]) -> planner.Plan | PlanError:
-    try:
-        return make()
-    except PlanError as e:
-        return e
-
-
 def run(report: "Report", base: EngineOptions, documents: Sequence, names: Sequence[str], *, ceiling: bool = False,
         learn: bool = True, progress: Progress | None = None, status: Callable[[str], None] | None = None,
         miss_path: str = "auto", say: Callable[[str], None] | None = None) -> None:
     """Tokenize the corpus and trace routing on held-out prompts (CPU), plan the Spark
-    configurations from the profile plus that trace, then measure every configuration.
+    configurations from the profile plus that trace (one planner.plan_for call: "spark" is its
+    plan, "spark-step" its pins+k candidate), then measure every configuration.
     Fills `report` as it goes: on KeyboardInterrupt it holds what was measured."""
     from . import session
     from ..core.profile import RoutingProfile
 
     g, path, ctx = report.geometry, report.model, report.n_ctx
+    kv = dict(type_k=base.type_k, type_v=base.type_v, n_ubatch=base.n_ubatch)
     status = status or (lambda text: None)
     spark = any(n.startswith("spark") for n in names)
     plan_step = plan_cache = None
@@ -508,13 +505,15 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
             prof = info.profile.copy()
         # NOTE: planned from everything known; the calibration counts are not saved
         info = session.ProfileInfo(info.path, prof.add_trace(trace, "bench calibration"))
-        kv = dict(type_k=base.type_k, type_v=base.type_v, n_ubatch=base.n_ubatch)
-        plan_step = _plan_or_error(lambda: session.make_plan_for(path, g, report.budget_bytes, ctx, info, **kv))
-        plan_cache = _plan_or_error(lambda: session.make_plan_for(path, g, report.budget_bytes, ctx, info,
-                                                                  trace=trace, **kv))
+        req = session.plan_request(info, report.budget_bytes, ctx, miss_path=miss_path, **kv)
+        try:
+            placed = planner.plan_for(g, req)
+            plan_step, plan_cache = placed.candidate("pins+k"), placed.plan
+        except PlanError as e:
+            plan_step = plan_cache = e
     status("measuring")
     cfgs = [cpu_config()] if list(names) == [CPU_CONFIG] else \
-        make_configs(g, report.budget_bytes, ctx, names, plan_step, plan_cache, ceiling=ceiling)
+        make_configs(g, report.budget_bytes, ctx, names, plan_step, plan_cache, ceiling=ceiling, **kv)
     if not any(c.status == "ready" for c in cfgs):
         raise PlanError(f"budget {report.budget_bytes / 2**30:.2f} GiB: no configuration fits ("
                         + "; ".join(f"{c.name}: {c.note}" for c in cfgs) + ")",

@@ -80,24 +80,20 @@ def profile_counts(info: ProfileInfo) -> np.ndarray | None:
     return counts
 
 
-def make_plan_for(model: Path, geometry: ModelGeometry, budget: int, n_ctx: int, info: ProfileInfo,
-                  type_k: str = "f16", type_v: str = "f16", trace=None, n_ubatch: int = DEFAULT_UBATCH) -> planner.Plan:
-    counts = profile_counts(info)
-    miss_ratio = None
-    if trace is not None:
-        from ..core.simulator import miss_ratio_curve
+def kv_settings(flags: LoadFlags) -> dict:
+    """-ctk/-ctv/-ub as a placement is priced for them (the engine runs the same: engine_options)."""
+    return {"type_k": flags.type_k or "f16", "type_v": flags.type_v or "f16", "n_ubatch": ubatch_size(flags)}
 
-        k, E = geometry.n_expert_used, geometry.n_expert
-        curves: dict[int, list[float]] = {}
 
-        def miss_ratio(layer: int, slots: int) -> float:
-            if layer not in curves:
-                curves[layer] = miss_ratio_curve(trace, layer, list(range(k, E)), "lru")
-            return curves[layer][min(max(slots, k), E - 1) - k]
-    from ..core.simulator import DEFAULT_POLICY
-
-    return planner.make_plan(geometry, budget, n_ctx, profile_counts=counts, type_k=type_k, type_v=type_v,
-                             miss_ratio=miss_ratio, n_ubatch=n_ubatch, policy=DEFAULT_POLICY)
+def plan_request(info: ProfileInfo, budget: int, n_ctx: int, *, type_k: str = "f16", type_v: str = "f16",
+                 n_ubatch: int = DEFAULT_UBATCH, trace=None, policy: str | None = None,
+                 miss_path: str | None = None) -> planner.PlanRequest:
+    """What a placing command asks planner.plan_for: the profile's counts, and to replay
+    `trace` (a --trace) or else the profile's ring of recent decode steps."""
+    if trace is None and info.profile is not None:
+        trace = info.profile.recent_trace()
+    return planner.PlanRequest(budget, n_ctx, type_k, type_v, n_ubatch, profile_counts(info), trace,
+                               policy or planner.DEFAULT_POLICY, miss_path or "auto")
 
 
 def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | None, flags: LoadFlags, *,
@@ -195,9 +191,10 @@ def load_plan_file(plan_path: Path, geometry: ModelGeometry) -> planner.Plan:
 
 
 def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags, *,
-                      plan_path: Path | None, vram_text: str | None) -> Placement:
+                      plan_path: Path | None, vram_text: str | None, miss_path: str | None = None) -> Placement:
     """The devices -dev/--rpc select, and a plan: the --plan file, or one made now from --vram
-    (or the device's free memory). No GPU-type device: the stock CPU path, without a plan."""
+    (or the device's free memory) as `spark plan` makes it (planner.plan_for; `miss_path`:
+    --miss-path, priced and recorded). No GPU-type device: the stock CPU path, without a plan."""
     file_plan = load_plan_file(plan_path, geometry) if plan_path is not None else None  # checked even if unused
     sel = devices.parse(flags.device, flags.rpc)
     devs = devices.select(sel)
@@ -218,8 +215,8 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
     else:
         n_ctx = context_size(flags.ctx_size, geometry.context_length)
         budget = resolve_budget(vram_text, devs)
-        plan = make_plan_for(model, geometry, budget.bytes, n_ctx, info, flags.type_k or "f16",
-                             flags.type_v or "f16", n_ubatch=ubatch_size(flags))
+        req = plan_request(info, budget.bytes, n_ctx, miss_path=miss_path, **kv_settings(flags))
+        plan = planner.plan_for(geometry, req).plan
         out = Placement(devs, plan, n_ctx, budget.source)
     if not any(l.mode in ("resident", "cached", "host") for l in out.plan.layers):
         raise PlanError("the plan places no MoE layer", hint="write it again with spark plan")
