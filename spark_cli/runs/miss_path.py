@@ -95,16 +95,15 @@ def measure(engine, prompt: Sequence[int], n_decode: int = CALIB_DECODE) -> dict
     """Decode n_decode greedy tokens after `prompt` once per miss path and read the native
     counters: blocking upload time per uploaded miss, CPU time per CPU-computed miss. Leaves
     the engine on the cpu path with its KV cache and counters reset."""
-    import numpy as np
+    from ..native.generate import StopRules
 
     per_path: dict[str, dict] = {}
     for path in ("upload", "cpu"):
         engine.set_miss_path(path)
         engine.reset()
-        logits = engine.eval(list(prompt), logits="last")
-        engine.reset_stats()
-        for _ in range(n_decode):
-            logits = engine.eval([int(np.argmax(logits))], logits="last")
+        for _ in engine.stream_generate(list(prompt), max_tokens=n_decode, stop=StopRules(eog=False),
+                                        on_prompt=lambda _: engine.reset_stats()):
+            pass
         per_path[path] = engine.cache_stats()
     engine.reset()
     engine.reset_stats()
