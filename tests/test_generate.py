@@ -130,6 +130,7 @@ def test_greedy_equals_the_old_hand_written_loop_and_chat(small_model):
         eng.reset()
         ans = chat.answer("What is the capital of France?")
         chat.close()
+        assert ans.figures.to_dict()["cpu_threads"] == eng.cpu_threads > 0
         eng.reset()
         benched: list[int] = []
         bench.decode(eng, prompt, len(old), on_token=benched.append)
