@@ -158,9 +158,7 @@ class _FakeEngine:
         self.evals: list[int] = []
         self.truncations: list[int] = []
         self._reply: list[int] = []
-        self.lib = SimpleNamespace(lc=SimpleNamespace(llama_sampler_sample=self._sample,
-                                                      llama_sampler_free=lambda s: None,
-                                                      llama_vocab_bos=lambda v: -1))
+        self.bos_token = -1
         self.cache_enabled = False
 
     def _id(self, w: str) -> int:
@@ -173,9 +171,9 @@ class _FakeEngine:
         return "".join(f"<{m['role']}> {m['content']} " for m in messages) + "<assistant>"
 
     def make_sampler(self, *a):
-        return object()
+        return SimpleNamespace(sample=self._sample, close=lambda: None)
 
-    def _sample(self, sampler, ctx, i):
+    def _sample(self, engine, logits):
         if not self._reply:
             self._reply = [self._id(w) for w in ("yes", "of", "course")] + [self.EOG]
         return self._reply.pop(0)

@@ -172,6 +172,33 @@ def test_run_writes_profile_trace_and_report(run, small_model):
     assert "tok/s" in out
 
 
+@pytest.mark.parametrize("trace_max", [None, 200])
+def test_a_full_native_trace_is_reported_and_the_counts_stay_complete(small_model, tmp_path, monkeypatch, trace_max):
+    """A trace too small for the run drops steps: a warning line, a JSON field, and the profile's
+    counts still equal the native counters (every token routes k experts in every MoE layer)."""
+    from spark_cli.runs import profiling
+
+    monkeypatch.setattr(profiling, "TRACE_MAX", trace_max)
+    model = tmp_path / "model.gguf"
+    model.symlink_to(small_model)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(PROSE, encoding="utf-8")
+    rc, out, err = spark("profile", model, "--corpus", corpus, "-c", 64, "--gen", 3, "--json", *FAST)
+    assert rc == 0, out + err
+    d = json.loads(out)  # stdout holds only the JSON (messages went to stderr)
+    g = load_geometry(small_model)
+    k, n_moe = g.n_expert_used, len(g.moe_layers)
+    p = RoutingProfile.load(profile_path_for(model), expect=g.identity())
+    assert (d["tokens_prefill"], d["tokens_decode"]) == (p.tokens_prefill, p.tokens_decode)
+    assert p.prefill.sum() == p.tokens_prefill * k * n_moe and p.decode.sum() == p.tokens_decode * k * n_moe
+    assert np.all(p.decode.sum(axis=1)[list(g.moe_layers)] == p.tokens_decode * k)
+    if trace_max is None:
+        assert d["trace_dropped_steps"] == 0 and "native trace full" not in err
+    else:
+        assert d["trace_dropped_steps"] > 0
+        assert f"native trace full: {d['trace_dropped_steps']:,} steps dropped; counts are complete" in err
+
+
 def test_show_reports_the_saved_profile(run):
     rc, out, _ = spark("profile", "show", run["model"])
     assert rc == 0 and str(run["profile"]) in out

@@ -18,7 +18,7 @@ PROMPT = "What is the capital of France?"
 
 def _greedy(engine: Engine, n: int = 24) -> list[int]:
     prompt = engine.tokenize(engine.chat_prompt([{"role": "user", "content": PROMPT}]))
-    return list(engine.generate(prompt, n))
+    return [s.token for s in engine.stream_generate(prompt, max_tokens=n) if s.token is not None]
 
 
 def test_weights_live_in_the_server(small_model, rpc_server):

@@ -51,7 +51,7 @@ def _options(model, endpoint, **kw) -> EngineOptions:
 @pytest.mark.parametrize("threads, batch, want", [(1, None, (1, 1)), (2, 1, (2, 1)), (1, 2, (1, 2))])
 def test_native_params_carry_the_thread_counts(native_params, small_model, rpc_server, threads, batch, want):
     with Engine(_options(small_model, rpc_server.endpoint, n_threads=threads, n_threads_batch=batch)) as eng:
-        assert eng.cpu_threads == want
+        assert (eng.cpu_threads, eng.cpu_threads_batch) == want
     p = native_params[-1]
     assert p["n_threads"] == max(want)  # workers for the larger of the graph's thread counts
     d = PolicyParams()

@@ -68,9 +68,9 @@ def figures_line(f) -> str:
     if f.cached_layers:
         hr = f.hit_rate
         parts.append(f"cache hit {100 * hr:.1f}%" if hr is not None else "cache hit -")
-        parts.append(f"{f.uploads} uploads ({_fmt_bytes(f.bytes_uploaded)})")
-        if f.cpu_expert_bytes:
-            parts.append(f"CPU experts {_fmt_bytes(f.cpu_expert_bytes)}")
+        parts.append(f"{f.cache.uploads} uploads ({_fmt_bytes(f.cache.bytes_uploaded)})")
+        if f.cache.cpu_expert_bytes:
+            parts.append(f"CPU experts {_fmt_bytes(f.cache.cpu_expert_bytes)}")
     if f.vram_bytes is not None:
         parts.append(f"VRAM {_fmt_bytes(f.vram_bytes)}" + (" (plan)" if f.vram_source == "planned" else ""))
     if f.stop in ("interrupted", "context", "length"):
@@ -182,8 +182,9 @@ def _interactive(chat, plan, model_name: str) -> None:
             if cmd == "/stats":
                 console.print(stats_table(chat, plan))
                 t = chat.totals()
+                threads = f", {t.cpu_threads} CPU threads" if t.cpu_threads else ""
                 console.print(f"[dim]session: {t.prompt_tokens} prompt + {t.generated_tokens} generated tokens, "
-                              f"{t.uploads} uploads ({_fmt_bytes(t.bytes_uploaded)})[/]")
+                              f"{t.cache.uploads} uploads ({_fmt_bytes(t.cache.bytes_uploaded)}){threads}[/]")
             elif cmd == "/reset":
                 chat.reset()
                 console.print("[dim]conversation cleared[/]")
@@ -280,10 +281,9 @@ def register(app: typer.Typer) -> None:
         flags: LoadFlags = None,
     ) -> None:
         """Chat with a model on the planned placement; --prompt answers once (for scripts)."""
-        from ..native import faults
         from ..runs import session
         from ..runs.chat_session import ChatSession, Sampling
-        from ..native.engine import Engine
+        from ..runs.run import engine_run
         from ..errors import SparkError, UsageError
         from ..files.text_input import read_stream, replaced_note, utf8_text
 
@@ -324,8 +324,6 @@ def register(app: typer.Typer) -> None:
         meter = _VramMeter(devices[0] if devices else None, plan)
         sampling = Sampling(temp, top_k, top_p, seed if seed >= 0 else secrets.randbelow(1 << 31), n_predict,
                             min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n)
-        with console.status(f"loading {path.name} ...") if not one_shot else contextlib.nullcontext():
-            engine = Engine(opts)
         chat = None
         fold_error = None
 
@@ -339,20 +337,13 @@ def register(app: typer.Typer) -> None:
                 return e.one_line()
             return f"{n} decode tokens of routing folded into {session.profile_path_for(path)}" if n else None
 
-        try:
-            if opts.cache_layers:  # each cached layer on its miss path: --miss-path, else the plan's
-                from ..runs import miss_path
-                from ..files.paths import spark_home
-
-                # NOTE: before the session starts: an `auto` calibration resets the KV cache and counters
-                choice = miss_path_choice or (plan.miss_path if plan is not None else "auto")
-                _, why = miss_path.resolve(engine, choice, geometry.fingerprint, spark_home())
-                if why:
-                    err_console.print(f"[dim]{escape(why)}[/]", soft_wrap=True)
-            cached = {c.il for c in opts.cache_layers}
-            chat = ChatSession(engine, sampling, system=system, cached_layers=cached,
+        choice = miss_path_choice or (plan.miss_path if plan is not None else "auto")  # each cached layer's
+        with engine_run(opts, choice, geometry.fingerprint, keep=keep_on_loss,
+                        on_why=lambda why: err_console.print(f"[dim]{escape(why)}[/]", soft_wrap=True),
+                        loading=console.status(f"loading {path.name} ...") if not one_shot else None) as engine:
+            chat = ChatSession(engine, sampling, system=system, cached_layers={c.il for c in opts.cache_layers},
                                vram_probe=meter if devices else None)
-            with faults.keeper(keep_on_loss):
+            try:
                 if one_shot:
                     chat.check_fits(prompt)  # a prompt that cannot fit: one error line, no summary
                 if not one_shot or not as_json:
@@ -365,20 +356,18 @@ def register(app: typer.Typer) -> None:
                                               ensure_ascii=False))
                 else:
                     _interactive(chat, plan, path.name)
-        finally:
-            try:
-                if learn and chat is not None:
-                    try:
-                        n = _fold(path, geometry, chat, say)
-                        if n:
-                            say.print(f"[dim]learned: {n} decode tokens folded into "
-                                      f"{session.profile_path_for(path).name}[/]")
-                    except SparkError as e:  # the counts went to a pending side file it names
-                        fold_error = e
             finally:
-                if chat is not None:
+                try:
+                    if learn:
+                        try:
+                            n = _fold(path, geometry, chat, say)
+                            if n:
+                                say.print(f"[dim]learned: {n} decode tokens folded into "
+                                          f"{session.profile_path_for(path).name}[/]")
+                        except SparkError as e:  # the counts went to a pending side file it names
+                            fold_error = e
+                finally:
                     chat.close()
-                engine.close()
         if fold_error is not None:
             if info.problem is None:
                 raise fold_error

@@ -22,8 +22,8 @@ from typer.core import TyperGroup
 
 from ..errors import PlanError, ProfileError, SparkError, UsageError
 from ..core.options import LoadFlags
-from ..runs.profiling import (CAPTURE_MODES, Gathered, StopFlag, _Capture, gather, open_engine,  # noqa: F401
-                         resolve_capture, split_held_out)
+from ..runs.profiling import (CAPTURE_MODES, Gathered, StopFlag, _Capture, dropped_warning, gather,  # noqa: F401
+                              open_engine, resolve_capture, split_held_out)
 from .common import JSON_HELP, console, err_console, model_flags, model_or_demo
 
 DEFAULT_RESIDENCIES = "0.4,0.6,0.8"
@@ -124,12 +124,13 @@ def _means_line(k: int, m: dict[str, float]) -> str:
             f"top-{k} share {m['top_k_share']:.3f} (uniform routing: {m['uniform_top_k_share']:.3f})")
 
 
-def _print_skew(prefill: np.ndarray, decode: np.ndarray, k: int, whose: str = "") -> tuple[np.ndarray, str]:
+def _print_skew(prefill: np.ndarray, decode: np.ndarray, k: int, whose: str = "", to=None) -> tuple[np.ndarray, str]:
     """Print the per-layer skew table and its means; returns (counts, which routing)."""
+    to = to or console
     counts, what = _routing_for_report(prefill, decode)
     table, means = skew_report(counts, k, f"routing skew per layer, {whose}{what} routing")
-    console.print(table)
-    console.print(_means_line(k, means))
+    to.print(table)
+    to.print(_means_line(k, means))
     return counts, what
 
 
@@ -179,6 +180,7 @@ def run_cmd(
     profile: Path = typer.Option(None, "--profile", help="profile file to update (default: beside the model)"),
     reset: bool = typer.Option(False, "--reset", help="move the existing profile aside (kept as "
                                ".old-DATE) and start a fresh one: for a corrupt or newer-version profile"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
     flags: LoadFlags = None,
 ) -> None:
     from ..native import faults
@@ -191,6 +193,7 @@ def run_cmd(
     from ..core.profile import RESET_HINT, RoutingProfile, profile_path_for
     from ..files.recovery import save_or_recover
 
+    say = err_console if as_json else console
     residencies = _parse_floats(residency, "--residency", 0.0, 1.0)
     if capture not in CAPTURE_MODES:
         raise UsageError(f"--capture {capture}: expected one of {', '.join(CAPTURE_MODES)}")
@@ -210,7 +213,7 @@ def run_cmd(
     if reset:
         aside = profile_store.reset(prof_path)
         if aside is not None:
-            console.print(f"moved {prof_path} aside to {aside.name}: starting a fresh profile")
+            say.print(f"moved {prof_path} aside to {aside.name}: starting a fresh profile")
     try:  # refuse early
         old = RoutingProfile.load(prof_path, expect=ident) if prof_path.exists() else None
     except ProfileError as e:
@@ -218,7 +221,7 @@ def run_cmd(
 
     corpus_path = Path(corpus) if corpus else bundled_corpus()
     docs = read_corpus(corpus_path)
-    console.print(f"corpus {corpus_path}{' (bundled sample)' if corpus is None else ''}: {docs.summary()}")
+    say.print(f"corpus {corpus_path}{' (bundled sample)' if corpus is None else ''}: {docs.summary()}")
     for p, why in docs.unreadable[:5]:
         err_console.print(f"[yellow]warning:[/] cannot read {p}: {why}")
     if len(docs.unreadable) > 5:
@@ -232,7 +235,7 @@ def run_cmd(
     base = session.engine_options(model, geometry, None, flags, n_ctx=ctx, learn=False)
     base.n_batch = base.n_ubatch = n_batch
     engine = open_engine(base, geometry, mode, keep_trace,
-                         note=lambda msg: console.print(f"[yellow]note:[/] {msg}"))
+                         note=lambda msg: say.print(f"[yellow]note:[/] {msg}"))
     try:
         prefix = engine.tokenize("", add_special=True)
         chunks = list(make_chunks(
@@ -244,12 +247,12 @@ def run_cmd(
             raise CorpusError(f"--corpus {corpus_path}: no document gives two tokens or more")
         n_docs_cut = _count_cut(chunks)
         where = ", ".join(d.name for d in engine.devices) or "CPU"
-        console.print(f"model {model.name}: {len(geometry.moe_layers)} MoE layers x {geometry.n_expert} experts, "
+        say.print(f"model {model.name}: {len(geometry.moe_layers)} MoE layers x {geometry.n_expert} experts, "
                       f"top-{geometry.n_expert_used}; {geometry.arch} on {where}; capture: "
                       + ("native counters" if mode == "native" else "eval callback")
                       + ("" if mode == "native" or capture == "callback" else " (this build has no expert cache)"))
         total = sum(len(c.tokens) for c in chunks) + gen * len(chunks)
-        console.print(f"profiling {len(chunks)} chunks of up to {max_len} tokens"
+        say.print(f"profiling {len(chunks)} chunks of up to {max_len} tokens"
                       + (f" ({n_docs_cut} documents longer than the context were cut)" if n_docs_cut else "")
                       + (f", {gen} decoded tokens after each" if gen else "")
                       + ": Ctrl-C stops and keeps what was gathered")
@@ -258,7 +261,7 @@ def run_cmd(
         progress = Progress(TextColumn("{task.description}"), BarColumn(),
                             TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"), _RateColumn(),
                             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                            console=console)
+                            console=say)
         g = Gathered(np.zeros((geometry.n_layer, geometry.n_expert)), np.zeros((geometry.n_layer, geometry.n_expert)))
 
         def keep_on_loss() -> str | None:  # the device died: fold the chunks done so far
@@ -282,7 +285,7 @@ def run_cmd(
         engine.close()
 
     if g.tokens == 0:
-        console.print("interrupted before any routing was recorded: the profile is unchanged")
+        say.print("interrupted before any routing was recorded: the profile is unchanged")
         raise typer.Exit(130)
     source = f"profile {corpus_path.name}" + (" (interrupted)" if g.interrupted else "")
     failures: list[SparkError] = []
@@ -296,15 +299,15 @@ def run_cmd(
     except SparkError as e:  # the counts went to a pending file; trace and plot are still written
         failures.append(e)
     rate = g.tokens / g.seconds if g.seconds > 0 else 0.0
-    console.print(f"{'[yellow]interrupted:[/] kept ' if g.interrupted else 'profiled '}"
+    say.print(f"{'[yellow]interrupted:[/] kept ' if g.interrupted else 'profiled '}"
                   f"{g.tokens:,} tokens ({g.tokens_prefill:,} prefill + {g.tokens_decode:,} decode) from "
                   f"{g.chunks_done}/{len(chunks)} chunks in {g.seconds:.1f} s: {rate:,.1f} tok/s")
     if saved is not None:
-        console.print(f"{'updated' if old else 'new'} profile {prof_path}: {saved.tokens_prefill:,.0f} prefill + "
+        say.print(f"{'updated' if old else 'new'} profile {prof_path}: {saved.tokens_prefill:,.0f} prefill + "
                       f"{saved.tokens_decode:,.0f} decode tokens")
 
     if saved is not None and saved.recent is not None:
-        console.print(f"recent decode steps kept in the profile: {len(saved.recent):,} "
+        say.print(f"recent decode steps kept in the profile: {len(saved.recent):,} "
                       f"(at most {saved.recent_capacity(len(saved.recent_layers), saved.recent.shape[2]):,})")
     if g.traces and full_trace:
         from ..core.trace import concat
@@ -313,30 +316,36 @@ def run_cmd(
         if trace is not None:
             try:
                 save_or_recover(lambda p: full.save(p, "--trace"), trace, beside=model.parent)
-                console.print(f"trace {trace}: {full.n_rows:,} token rows")
+                say.print(f"trace {trace}: {full.n_rows:,} token rows")
             except SparkError as e:
                 failures.append(e)
 
-    counts, what = _print_skew(g.prefill, g.decode, geometry.n_expert_used, "this run's ")
+    dropped = dropped_warning(g)
+    if dropped:
+        err_console.print(f"[yellow]warning:[/] {escape(dropped)}", soft_wrap=True)
+    counts, what = _print_skew(g.prefill, g.decode, geometry.n_expert_used, "this run's ", to=say)
     if held_out > 0:
         if not g.traces:
-            console.print("[yellow]held-out:[/] no trace was gathered")
+            say.print("[yellow]held-out:[/] no trace was gathered")
         else:
             train, test = split_held_out(g.traces, held_out)
             if test.n_decode == 0 or train.n_rows == 0:
-                console.print("[yellow]held-out:[/] the held-out part has no decode tokens; "
+                say.print("[yellow]held-out:[/] the held-out part has no decode tokens; "
                               "use --gen N and a corpus of several chunks")
             else:
-                console.print(held_out_report(train, test, geometry, residencies))
+                say.print(held_out_report(train, test, geometry, residencies))
     if plot is not None:
         from ..core.report import heatmap_png
 
         try:
             save_or_recover(lambda p: heatmap_png(counts, p, f"{model.name}: {what.split(' ')[0]} routing share",
                                                   "--plot"), plot, beside=model.parent)
-            console.print(f"heatmap {plot}")
+            say.print(f"heatmap {plot}")
         except SparkError as e:
             failures.append(e)
+    if as_json:
+        typer.echo(json.dumps({"profile": str(prof_path), "saved": saved is not None, "capture": mode,
+                               "chunks": len(chunks), **g.summary(), "routing": what.split(" ")[0]}))
     for e in failures[:-1]:
         err_console.print(f"[bold red]error:[/] {escape(e.one_line())}", soft_wrap=True)
     if failures:

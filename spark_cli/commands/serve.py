@@ -21,23 +21,6 @@ def _engine_options(path: Path, geometry, plan, flags, n_ctx: int, learn: bool, 
     return opts
 
 
-def _open_engine(opts, miss_path: str, fingerprint: str):
-    """The engine, with each cached layer on its miss path (auto: calibrated, then cached)."""
-    from ..runs import miss_path as mp
-    from ..native.engine import Engine
-    from ..files.paths import spark_home
-
-    engine = Engine(opts)
-    try:
-        if opts.cache_layers:
-            _, why = mp.resolve(engine, miss_path, fingerprint, spark_home())
-            err_console.print(f"[dim]{why}[/]", soft_wrap=True)
-    except BaseException:
-        engine.close()
-        raise
-    return engine
-
-
 def register(app: typer.Typer) -> None:
     @app.command("serve")
     @model_flags
@@ -65,6 +48,7 @@ def register(app: typer.Typer) -> None:
         from ..runs import session
         from ..errors import SparkError
         from ..runs.miss_path import check_choice
+        from ..runs.run import open_engine
         from ..serve.app import ServerState
         from ..serve.learn import Learner
         from ..serve.server import bind, serve
@@ -91,7 +75,9 @@ def register(app: typer.Typer) -> None:
         bound_host, bound_port = sock.getsockname()[:2]
         stats = ServerStats(cached_layers=cached, planned_bytes=int(plan.breakdown["total"]) if plan else 0)
         learner = Learner(path, geometry, interval=learn_every, enabled=learn)
-        worker = Worker(lambda: _open_engine(opts, miss_path, geometry.fingerprint), cached, stats, learner, max_queue=max_queue)
+        worker = Worker(lambda: open_engine(opts, miss_path, geometry.fingerprint,
+                                            on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True)),
+                        cached, stats, learner, max_queue=max_queue)
         state = ServerState(worker, stats, path.name, api_key=api_key or None)
         where = f"{devices[0].name}" if devices else f"CPU ({cpu_reason})"
         placement = (f"{len(cached)} cached MoE layers, plan {budget_source}" if plan is not None

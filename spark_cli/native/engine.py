@@ -24,6 +24,7 @@ from ..core import vram
 from ..errors import DeviceError, ModelFileError, NativeError, SparkError, UsageError
 from ..core.capture import TopkRecord
 from ..core.trace import DECODE, PREFILL
+from .generate import GenerationStep, NativeSampler, stream_generate
 from .expert_cache import MISS_PATHS, CacheLayer, CacheStats, ExpertCache, Phase
 from ..core.gguf_info import ModelGeometry, load_geometry
 from ..core.placement import CPU, HOST, TensorOverride, cached_expert_overrides, stock_overrides
@@ -66,6 +67,7 @@ class EngineOptions:
     tensor_overrides: tuple[TensorOverride, ...] = ()  # -ot pass-through (expert-free tensors)
     count_experts: bool = False        # native routing counters without a cache
     trace: bool = False                # native trace of routed ids
+    trace_max: int | None = None       # trace capacity (None: the library's default)
     capture_topk: bool = False         # eval-callback capture of ffn_moe_topk-<il> (no native needed)
     device_budget: int = 0             # bytes the expert banks may take (0: device free memory)
     type_k: str = "f16"
@@ -196,7 +198,7 @@ class Engine:
         cp.n_ctx = opts.n_ctx
         cp.n_batch = opts.n_batch
         cp.n_ubatch = min(opts.n_ubatch, opts.n_batch)
-        cp.n_threads, cp.n_threads_batch = self.cpu_threads
+        cp.n_threads, cp.n_threads_batch = self.cpu_threads, self.cpu_threads_batch
         cp.no_perf = False
         cp.type_k, cp.type_v = type_k, type_v
         cp.flash_attn_type = FLASH_ATTN[opts.flash_attn]
@@ -269,7 +271,7 @@ class Engine:
         try:
             # NOTE: the miss path runs on the graph's threads (-t for decode, -tb for larger steps)
             self.cache.init(self.opts.cache_layers, device_budget=self.opts.device_budget, trace=self.opts.trace,
-                            n_threads=max(self.cpu_threads))
+                            trace_max=self.opts.trace_max, n_threads=max(self.cpu_threads, self.cpu_threads_batch))
         except NativeError:
             self.close()
             raise
@@ -297,6 +299,10 @@ class Engine:
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    @property
+    def bos_token(self) -> int:
+        return int(self.lib.lc.llama_vocab_bos(self.vocab))
 
     def is_eog(self, token: int) -> bool:
         return bool(self.lib.lc.llama_vocab_is_eog(self.vocab, token))
@@ -375,6 +381,10 @@ class Engine:
             return np.stack(rows)
         return None
 
+    def last_logits(self) -> np.ndarray:
+        """The logits row of the last output token evaluated."""
+        return self._logits_row(-1)
+
     def _logits_row(self, i: int) -> np.ndarray:
         ptr = self.lib.lc.llama_get_logits_ith(self.ctx, i)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
@@ -382,7 +392,7 @@ class Engine:
     def make_sampler(self, temp: float = 0.0, top_k: int = 40, top_p: float = 0.95, seed: int = 0,
                      min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64):
         """llama-cli's chain: penalties, top-k, top-p, min-p, temperature, dist (temp <= 0: greedy
-        after the penalties)."""
+        after the penalties). Close it when done (or let it go)."""
         lc = self.lib.lc
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         if repeat_penalty != 1.0 and repeat_last_n != 0:
@@ -390,7 +400,7 @@ class Engine:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(last_n, repeat_penalty, 0.0, 0.0))
         if temp <= 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
-            return chain
+            return NativeSampler(lc, chain)
         if top_k > 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(top_k))
         if top_p < 1.0:
@@ -399,25 +409,11 @@ class Engine:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(min_p, 1))
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(temp))
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return chain
+        return NativeSampler(lc, chain)
 
-    def generate(self, prompt: Sequence[int], n_predict: int, sampler=None) -> Iterator[int]:
-        """Yield generated tokens; stops at end-of-generation or n_predict."""
-        lc = self.lib.lc
-        own = sampler is None
-        sampler = sampler or self.make_sampler()
-        try:
-            if prompt:
-                self.eval(prompt, logits="last")
-            for _ in range(n_predict):
-                tok = lc.llama_sampler_sample(sampler, self.ctx, -1)
-                if self.is_eog(tok):
-                    return
-                yield tok
-                self.eval([tok], logits="last")
-        finally:
-            if own:
-                lc.llama_sampler_free(sampler)
+    def stream_generate(self, prompt: Sequence[int], **kw) -> Iterator[GenerationStep]:
+        """The generation loop (generate.stream_generate) on this engine."""
+        return stream_generate(self, prompt, **kw)
 
     # -- eval callback capture (works without the native patch) ---------------------------
 
@@ -448,10 +444,14 @@ class Engine:
     # -- expert cache figures -------------------------------------------------------------
 
     @property
-    def cpu_threads(self) -> tuple[int, int]:
-        """(decode, multi-token) CPU threads: llama.cpp's and the CPU miss path's (-t, -tb)."""
-        threads = self.opts.n_threads or os.cpu_count() or 1
-        return threads, self.opts.n_threads_batch or threads
+    def cpu_threads(self) -> int:
+        """CPU threads of decode steps (-t): llama.cpp's and the CPU miss path's."""
+        return self.opts.n_threads or os.cpu_count() or 1
+
+    @property
+    def cpu_threads_batch(self) -> int:
+        """CPU threads of multi-token steps (-tb; default -t)."""
+        return self.opts.n_threads_batch or self.cpu_threads
 
     @property
     def cache_enabled(self) -> bool:
@@ -505,6 +505,10 @@ class Engine:
             out.append(TopkRecord(il, phase, a[i + 4:i + 4 + n_tok * k].reshape(n_tok, k).copy()))
             i += 4 + n_tok * k
         return out
+
+    def trace_dropped(self) -> int:
+        """Steps the native trace could not hold since the last reset (the counters still have them)."""
+        return self.cache.get_trace_dropped() if self.cache_enabled else 0
 
     def reset_stats(self) -> None:
         if self.cache_enabled:

@@ -34,6 +34,7 @@ import numpy as np
 from ..core import planner
 from ..core.trace import DECODE
 from ..native.engine import CacheLayer, CacheStats, Engine, EngineOptions
+from ..native.generate import GenerationStep, Greedy, StopRules
 from ..errors import PlanError, ProfileError, SparkError, UsageError
 from ..core.gguf_info import ModelGeometry
 from ..core.options import DEFAULT_UBATCH
@@ -247,13 +248,17 @@ def make_workload(engine: Engine, documents: Sequence, n_prompt: int) -> Workloa
 # ---------------------------------------------------------------- measurement
 
 
-def greedy(engine: Engine, logits: np.ndarray) -> int:
-    """Argmax, skipping end-of-generation tokens so a run always decodes its full length."""
-    tok = int(np.argmax(logits))
-    while engine.is_eog(tok):
-        logits[tok] = -np.inf
-        tok = int(np.argmax(logits))
-    return tok
+GREEDY = Greedy(skip_eog=True)  # every run decodes its full length
+NO_EOG = StopRules(eog=False)
+
+
+def decode(engine: Engine, prompt: Sequence[int], n: int, on_prompt: Callable | None = None,
+           on_token: Callable[[int], None] | None = None) -> GenerationStep:
+    """Greedy decode of n tokens after `prompt` through the generation loop; its last step."""
+    for step in engine.stream_generate(list(prompt), sampler=GREEDY, max_tokens=n, stop=NO_EOG, on_prompt=on_prompt):
+        if step.token is not None and on_token:
+            on_token(step.token)
+    return step
 
 
 def calibrate(engine: Engine, g: ModelGeometry, prompts: Sequence[Sequence[int]], n_decode: int = CALIB_DECODE,
@@ -267,9 +272,7 @@ def calibrate(engine: Engine, g: ModelGeometry, prompts: Sequence[Sequence[int]]
     engine.reset_stats()
     for p in prompts:
         engine.reset()
-        logits = engine.eval(list(p), logits="last")  # the last layer routes the output row only
-        for _ in range(n_decode):
-            logits = engine.eval([greedy(engine, logits)], logits="last")
+        decode(engine, p, n_decode)  # the prompt's last layer routes the output row only
         done += len(p) + n_decode
         if progress:
             progress("calibration", done, total)
@@ -285,15 +288,7 @@ class Result:
     reason: str = ""
     runs: list[Run] = field(default_factory=list)
     decode_tokens: int = 0  # decode steps the cache figures cover
-    hits: int = 0
-    misses: int = 0
-    uploads: int = 0
-    bytes_uploaded: int = 0
-    upload_us: int = 0
-    syncs: int = 0  # device -> host stops of the cache's host nodes (decode)
-    blocking_upload_bytes: int = 0
-    async_upload_bytes: int = 0
-    cpu_expert_bytes: int = 0
+    cache: CacheStats = field(default_factory=CacheStats)  # summed over the decode steps of every run
     miss_path: str = ""  # what ran: cpu, upload, or a per-layer mix (spark)
     miss_path_why: str = ""
     bank_bytes: int = 0
@@ -322,9 +317,9 @@ def cold_figures(r: Result, g: ModelGeometry) -> dict[str, float | None]:
     if r.config.kind in ("stock", "ceiling", "cpu"):
         cold = 1.0 if r.config.kind == "cpu" else len(r.config.host_layers) / moe
         return {"cold_hit": cold, "uploads_per_token": 0.0, "bytes_per_token": 0.0}
-    n = max(r.decode_tokens, 1)
-    return {"cold_hit": r.misses / (n * g.n_expert_used * moe), "uploads_per_token": r.uploads / n,
-            "bytes_per_token": r.bytes_uploaded / n}
+    n, c = max(r.decode_tokens, 1), r.cache
+    return {"cold_hit": c.misses / (n * g.n_expert_used * moe), "uploads_per_token": c.uploads / n,
+            "bytes_per_token": c.bytes_uploaded / n}
 
 
 def accounting(r: Result, g: ModelGeometry) -> dict[str, float | str | None]:
@@ -343,11 +338,11 @@ def accounting(r: Result, g: ModelGeometry) -> dict[str, float | str | None]:
         syncs = 0.0 if r.config.kind == "cpu" else float(len(host) + 1)
         return {"miss_path": None, "syncs_per_token": syncs, "blocking_upload_bytes_per_token": 0.0,
                 "async_upload_bytes_per_token": 0.0, "cpu_expert_bytes_per_token": cpu_bytes}
-    n = max(r.decode_tokens, 1)
-    return {"miss_path": r.miss_path or None, "syncs_per_token": r.syncs / n + 1,
-            "blocking_upload_bytes_per_token": r.blocking_upload_bytes / n,
-            "async_upload_bytes_per_token": r.async_upload_bytes / n,
-            "cpu_expert_bytes_per_token": r.cpu_expert_bytes / n}
+    n, c = max(r.decode_tokens, 1), r.cache
+    return {"miss_path": r.miss_path or None, "syncs_per_token": c.syncs / n + 1,
+            "blocking_upload_bytes_per_token": c.blocking_upload_bytes / n,
+            "async_upload_bytes_per_token": c.async_upload_bytes / n,
+            "cpu_expert_bytes_per_token": c.cpu_expert_bytes / n}
 
 
 def describe_paths(picks: dict[int, str]) -> str:
@@ -363,6 +358,12 @@ def device_memory(opts: EngineOptions) -> tuple[str, int, int] | None:
 
     devs = devices.select(devices.parse(opts.device, opts.rpc))
     return (devs[0].name, *devices.free_memory(devs[0])) if devs else None
+
+
+def geometry_fingerprint(opts: EngineOptions) -> str:
+    from ..core.gguf_info import load_geometry
+
+    return load_geometry(opts.model_path, require_moe=False).fingerprint
 
 
 def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, n_gen: int,
@@ -382,20 +383,18 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
     done = 0
     result.status = "running"
     try:
-        mem = device_memory(opts)
-        with Engine(opts) as eng:
-            result.device_name = eng.devices[0].name if eng.devices else "CPU"
-            if spark and cfg.cache_layers:
-                from . import miss_path
-                from ..files.paths import spark_home
+        from .run import open_engine
 
-                picks, result.miss_path_why = miss_path.resolve(
-                    eng, cfg.miss_path, fingerprint or eng.geometry.fingerprint, home or spark_home())
-                result.miss_path = describe_paths(picks)
+        mem = device_memory(opts)
+        why: list[str] = []
+        fingerprint = fingerprint or (geometry_fingerprint(opts) if opts.cache_layers else "")
+        with open_engine(opts, cfg.miss_path, fingerprint, home=home,
+                         on_why=why.append) as eng:
+            result.device_name = eng.devices[0].name if eng.devices else "CPU"
+            if opts.cache_layers:
+                result.miss_path_why, result.miss_path = "".join(why), describe_paths(eng.miss_paths())
             eng.reset()
-            logits = eng.eval(work.pp_tokens[:WARMUP_PROMPT], logits="last")
-            for _ in range(WARMUP_DECODE):
-                logits = eng.eval([greedy(eng, logits)], logits="last")
+            decode(eng, work.pp_tokens[:WARMUP_PROMPT], WARMUP_DECODE)
             after = device_memory(opts)
             if mem is not None and after is not None and mem[1] > after[1]:
                 result.device_used_bytes = mem[1] - after[1]
@@ -409,31 +408,20 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
                     progress(cfg.name, done, total)
 
                 eng.reset()
-                logits = eng.eval(work.gen_prompt, logits="last")
-                eng.reset_stats()
-                toks = []
-                t0 = time.perf_counter()
-                for i in range(n_gen):
-                    tok = greedy(eng, logits)
+                toks: list[int] = []
+
+                def on_token(tok: int, base: int = done) -> None:
                     toks.append(tok)
-                    logits = eng.eval([tok], logits="last")
-                    if progress and (i % 8 == 7 or i == n_gen - 1):
-                        progress(cfg.name, done + i + 1, total)
-                tg_s = time.perf_counter() - t0
+                    if progress and (len(toks) % 8 == 0 or len(toks) == n_gen):
+                        progress(cfg.name, base + len(toks), total)
+
+                last = decode(eng, work.gen_prompt, n_gen, on_prompt=lambda _: eng.reset_stats(), on_token=on_token)
+                tg_s = last.gen_seconds
                 done += n_gen
                 if rep == 0:
                     result.tokens_digest = hashlib.sha1(np.asarray(toks, np.int32).tobytes()).hexdigest()[:12]
                 if spark:
-                    s = CacheStats.total(eng.cache_stats().values())
-                    result.hits += s.hits
-                    result.misses += s.misses
-                    result.bytes_uploaded += s.bytes_uploaded
-                    result.upload_us += s.upload_us
-                    result.uploads += s.uploads
-                    result.syncs += s.syncs
-                    result.blocking_upload_bytes += s.blocking_upload_bytes
-                    result.async_upload_bytes += s.async_upload_bytes
-                    result.cpu_expert_bytes += s.cpu_expert_bytes
+                    result.cache += last.cache
                     if learn:
                         c = eng.routing_counts(DECODE).astype(np.float64)
                         if c.size:
@@ -452,15 +440,7 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
 
 def copy_result(cfg: Config, other: Result) -> Result:
     """A configuration whose placement equals one already measured: same numbers."""
-    r = Result(cfg, status=other.status, reason=other.reason, runs=list(other.runs),
-               decode_tokens=other.decode_tokens, hits=other.hits, misses=other.misses, uploads=other.uploads,
-               bytes_uploaded=other.bytes_uploaded, upload_us=other.upload_us, bank_bytes=other.bank_bytes,
-               syncs=other.syncs, blocking_upload_bytes=other.blocking_upload_bytes,
-               async_upload_bytes=other.async_upload_bytes, cpu_expert_bytes=other.cpu_expert_bytes,
-               miss_path=other.miss_path, miss_path_why=other.miss_path_why,
-               device_name=other.device_name, device_used_bytes=other.device_used_bytes,
-               tokens_digest=other.tokens_digest, same_as=other.config.name)
-    return r
+    return replace(other, config=cfg, runs=list(other.runs), counts=None, ratios={}, same_as=other.config.name)
 
 
 # ---------------------------------------------------------------- a whole bench
@@ -620,8 +600,9 @@ class Report:
                 **cold_figures(r, g),
                 **accounting(r, g),
                 "miss_path_why": r.miss_path_why or None,
-                "decode_tokens": r.decode_tokens, "hits": r.hits, "misses": r.misses, "uploads": r.uploads,
-                "bytes_uploaded": r.bytes_uploaded, "upload_seconds": r.upload_us / 1e6,
+                "decode_tokens": r.decode_tokens, "hits": r.cache.hits, "misses": r.cache.misses,
+                "uploads": r.cache.uploads, "bytes_uploaded": r.cache.bytes_uploaded,
+                "upload_seconds": r.cache.upload_us / 1e6,
                 "tokens_digest": r.tokens_digest or None,
                 "ratios": dict(r.ratios),
             })

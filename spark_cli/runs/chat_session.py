@@ -7,19 +7,18 @@ newly formatted prompt that differs from them.
 
 from __future__ import annotations
 
-import codecs
 import datetime as _dt
 import json
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from ..files.atomic import atomic_write_text
 from ..errors import SparkError
 from ..native.expert_cache import CacheStats
+from ..native.generate import StopRules, stream_generate
 from .session import decode_counts
 
 
@@ -36,29 +35,28 @@ class Sampling:
     repeat_last_n: int = 64
 
 
+CACHE_KEYS = ("hits", "misses", "uploads", "bytes_uploaded", "syncs", "blocking_upload_bytes",
+              "async_upload_bytes", "cpu_expert_bytes")  # of `cache`, flat in to_dict
+PER_TOKEN_KEYS = ("syncs", "blocking_upload_bytes", "async_upload_bytes", "cpu_expert_bytes")
+
+
 @dataclass
 class AnswerFigures:
-    """What one answer cost; cache figures are deltas over this answer, cached layers only."""
+    """What one answer cost; `cache` is the delta over this answer, cached layers only."""
 
     prompt_tokens: int = 0  # evaluated for this prompt
     reused_tokens: int = 0  # kept from the KV cache (common prefix with the last turn)
     generated_tokens: int = 0  # sampled and evaluated one at a time (decode)
     prompt_seconds: float = 0.0
     gen_seconds: float = 0.0
-    hits: int = 0
-    misses: int = 0
-    uploads: int = 0
-    bytes_uploaded: int = 0
-    syncs: int = 0  # device -> host stops of the cache's host nodes
-    blocking_upload_bytes: int = 0  # uploads a step waited for
-    async_upload_bytes: int = 0  # admissions uploaded in the background
-    cpu_expert_bytes: int = 0  # host expert bytes computed on the CPU
+    cache: CacheStats = field(default_factory=CacheStats)
     miss_path: str = ""  # cpu, upload or a per-layer mix
     cached_layers: int = 0
+    cpu_threads: int | None = None  # threads of the CPU work (llama.cpp, the CPU miss path)
     vram_bytes: int | None = None
     vram_source: str = ""  # measured | planned | "" (no device)
     dropped_turns: int = 0
-    stop: str = ""  # eog | length | context | interrupted | error
+    stop: str = ""  # eog | stop | length | context | interrupted | error
 
     @property
     def prompt_tps(self) -> float | None:
@@ -70,21 +68,26 @@ class AnswerFigures:
 
     @property
     def hit_rate(self) -> float | None:
-        n = self.hits + self.misses
-        return self.hits / n if n else None
+        return self.cache.hit_rate
 
     def per_token(self, value: int) -> float | None:
         """A counter of this answer per token evaluated (prompt and generated)."""
         n = self.prompt_tokens + self.generated_tokens
         return value / n if n else None
 
+    def __add__(self, other: "AnswerFigures") -> "AnswerFigures":
+        """Sums of the counts, times and cache figures (a session's totals)."""
+        return replace(self, **{k: getattr(self, k) + getattr(other, k) for k in (
+            "prompt_tokens", "reused_tokens", "generated_tokens", "prompt_seconds", "gen_seconds", "cache",
+            "dropped_turns")})
+
     def to_dict(self) -> dict:
         d = asdict(self)
+        del d["cache"]
+        c = self.cache
+        d.update({k: getattr(c, k) for k in CACHE_KEYS})
         d.update(prompt_tps=self.prompt_tps, gen_tps=self.gen_tps, hit_rate=self.hit_rate,
-                 syncs_per_token=self.per_token(self.syncs),
-                 blocking_upload_bytes_per_token=self.per_token(self.blocking_upload_bytes),
-                 async_upload_bytes_per_token=self.per_token(self.async_upload_bytes),
-                 cpu_expert_bytes_per_token=self.per_token(self.cpu_expert_bytes))
+                 **{f"{k}_per_token": self.per_token(getattr(c, k)) for k in PER_TOKEN_KEYS})
         return d
 
 
@@ -110,10 +113,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-def _stats_sum(stats: dict[int, CacheStats], layers: set[int]) -> CacheStats:
-    return CacheStats.total(s for il, s in stats.items() if il in layers)
 
 
 class ChatSession:
@@ -163,7 +162,7 @@ class ChatSession:
         eng = self.engine
         toks = eng.tokenize(eng.chat_prompt(messages), add_special=True, parse_special=True)
         # NOTE: templates that write their own BOS would otherwise get two
-        if len(toks) > 1 and toks[0] == toks[1] and toks[0] == eng.lib.lc.llama_vocab_bos(eng.vocab):
+        if len(toks) > 1 and toks[0] == toks[1] and toks[0] == eng.bos_token:
             toks = toks[1:]
         return toks
 
@@ -190,65 +189,50 @@ class ChatSession:
 
     def answer(self, user: str, on_text: Callable[[str], None] | None = None,
                should_stop: Callable[[], bool] | None = None,
-               on_notice: Callable[[str], None] | None = None) -> Answer:
-        """Generate the reply to `user`; stream pieces to on_text. Raises SparkError before
+               on_notice: Callable[[str], None] | None = None, stops: Sequence[str] = ()) -> Answer:
+        """Generate the reply to `user`; stream pieces to on_text (text that may begin one of
+        `stops` is held back; a stop string ends the answer, cut). Raises SparkError before
         anything is evaluated when the prompt cannot fit; later failures come back in
         Answer.error (the session and its learned counts stay)."""
         eng = self.engine
         toks, dropped = self._fit(user)
         del self.turns[:dropped]
-        fig = AnswerFigures(dropped_turns=dropped, cached_layers=len(self.cached_layers))
+        fig = AnswerFigures(dropped_turns=dropped, cached_layers=len(self.cached_layers),
+                            cpu_threads=getattr(eng, "cpu_threads", None))
         if dropped and on_notice:
             on_notice("context full: dropped the oldest " + (f"{dropped} turns" if dropped > 1 else "turn"))
-        before = _stats_sum(eng.cache_stats(), self.cached_layers)
         keep = _common_prefix(self._kv, toks)
         keep = min(keep, len(toks) - 1)  # evaluate at least one token to get fresh logits
         text_parts: list[str] = []
         generated: list[int] = []
         error = None
-        lc = eng.lib.lc
         decoding = False
+
+        def prompt_done(_logits) -> None:
+            nonlocal decoding
+            self._kv = list(toks)
+            self._mark()  # NOTE: a prompt's last layer runs one row (its logits row): not decode
+            decoding = True
+            self._generating = generated
+
         try:
             eng.truncate(keep)
             self._kv = self._kv[:keep]
             fig.reused_tokens = keep
             fig.prompt_tokens = len(toks) - keep
-            t0 = time.perf_counter()
-            eng.eval(toks[keep:], logits="last")
-            self._kv = list(toks)
-            fig.prompt_seconds = time.perf_counter() - t0
-            self._mark()  # NOTE: a prompt's last layer runs one row (its logits row): not decode
-            decoding = True
-            self._generating = generated
-            dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            limit = self.sampling.n_predict if self.sampling.n_predict >= 0 else 1 << 30
-            t1 = time.perf_counter()
-            fig.stop = "length"
-            while len(generated) < limit:
-                if should_stop and should_stop():
-                    fig.stop = "interrupted"
-                    break
-                if eng.n_past >= eng.n_ctx:
-                    fig.stop = "context"
-                    break
-                tok = lc.llama_sampler_sample(self._sampler, eng.ctx, -1)
-                if eng.is_eog(tok):
-                    fig.stop = "eog"
-                    break
-                eng.eval([tok], logits="last")
-                generated.append(tok)
-                self._kv.append(tok)
-                piece = dec.decode(eng.piece(tok))
-                if piece:
-                    text_parts.append(piece)
+            for step in stream_generate(eng, toks[keep:], sampler=self._sampler, max_tokens=self.sampling.n_predict,
+                                        stop=StopRules(strings=tuple(stops)), should_stop=should_stop,
+                                        on_prompt=prompt_done, cache_layers=self.cached_layers):
+                fig.prompt_seconds, fig.gen_seconds = step.prompt_seconds, step.gen_seconds
+                if step.token is not None:
+                    generated.append(step.token)
+                    self._kv.append(step.token)
+                if step.text:
+                    text_parts.append(step.text)
                     if on_text:
-                        on_text(piece)
-            tail = dec.decode(b"", final=True)
-            if tail:
-                text_parts.append(tail)
-                if on_text:
-                    on_text(tail)
-            fig.gen_seconds = time.perf_counter() - t1
+                        on_text(step.text)
+                if step.finish:
+                    fig.stop, fig.cache = step.finish, step.prompt_cache + step.cache
         except SparkError as e:
             error, fig.stop = e.one_line(), "error"
         except Exception as e:  # noqa: BLE001 - one failed answer must not end the session
@@ -261,11 +245,6 @@ class ChatSession:
                 eng.reset()
                 self._kv = []
         fig.generated_tokens = len(generated)
-        delta = _stats_sum(eng.cache_stats(), self.cached_layers) - before
-        fig.hits, fig.misses, fig.uploads, fig.bytes_uploaded = delta.hits, delta.misses, delta.uploads, \
-            delta.bytes_uploaded
-        fig.syncs, fig.blocking_upload_bytes = delta.syncs, delta.blocking_upload_bytes
-        fig.async_upload_bytes, fig.cpu_expert_bytes = delta.async_upload_bytes, delta.cpu_expert_bytes
         if self.cached_layers:
             paths = {p for il, p in eng.miss_paths().items() if il in self.cached_layers}
             fig.miss_path = paths.pop() if len(paths) == 1 else "mixed"
@@ -309,11 +288,9 @@ class ChatSession:
         return self.engine.cache_stats()
 
     def totals(self) -> AnswerFigures:
-        t = AnswerFigures(cached_layers=len(self.cached_layers))
+        t = AnswerFigures(cached_layers=len(self.cached_layers), cpu_threads=getattr(self.engine, "cpu_threads", None))
         for f in self.answers:
-            for name in ("prompt_tokens", "reused_tokens", "generated_tokens", "prompt_seconds", "gen_seconds",
-                         "hits", "misses", "uploads", "bytes_uploaded", "dropped_turns"):
-                setattr(t, name, getattr(t, name) + getattr(f, name))
+            t = t + f
         return t
 
     def to_json(self, model: str | None = None) -> dict:
@@ -337,5 +314,5 @@ class ChatSession:
 
     def close(self) -> None:
         if self._sampler is not None:
-            self.engine.lib.lc.llama_sampler_free(self._sampler)
+            self._sampler.close()
             self._sampler = None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..native.engine import Engine, EngineOptions
+from ..native.generate import Forced, Greedy, StopRules, stream_generate
 
 # A run mixing the two kernels is of the order of the all-CPU run's difference but not strictly
 # below it: per-expert differences of opposite sign cancel in one sum and not in another, and
@@ -41,14 +42,14 @@ def logits(eng: Engine, prompt: list[int], fed: list[int] | None, n_decode: int)
     """Logits of every prompt token and of each decode step, and the tokens fed (greedy where fed
     is None)."""
     eng.reset()
-    rows = [eng.eval(prompt, logits="all")]
+    rows: list[np.ndarray] = []
     out: list[int] = []
-    last = rows[0][-1]
-    for i in range(n_decode):
-        t = fed[i] if fed is not None else int(np.argmax(last))
-        out.append(t)
-        last = eng.eval([t], logits="last")
-        rows.append(last[None, :])
+    for step in stream_generate(eng, prompt, sampler=Forced(fed) if fed is not None else Greedy(),
+                                max_tokens=n_decode, stop=StopRules(eog=False), prompt_logits="all",
+                                on_prompt=rows.append, keep_logits=True):
+        if step.token is not None:
+            out.append(step.token)
+            rows.append(step.logits[None, :])
     return np.concatenate(rows), out
 
 

@@ -98,16 +98,15 @@ def measure(engine, prompt: Sequence[int], n_decode: int = CALIB_DECODE) -> dict
     """Decode n_decode greedy tokens after `prompt` once per miss path and read the native
     counters: blocking upload time per uploaded miss, CPU time per CPU-computed miss. Leaves
     the engine on the cpu path with its KV cache and counters reset."""
-    import numpy as np
+    from ..native.generate import StopRules
 
     per_path: dict[str, dict] = {}
     for path in MISS_PATHS:
         engine.set_miss_path(path)
         engine.reset()
-        logits = engine.eval(list(prompt), logits="last")
-        engine.reset_stats()
-        for _ in range(n_decode):
-            logits = engine.eval([int(np.argmax(logits))], logits="last")
+        for _ in engine.stream_generate(list(prompt), max_tokens=n_decode, stop=StopRules(eog=False),
+                                        on_prompt=lambda _: engine.reset_stats()):
+            pass
         per_path[path] = engine.cache_stats()
     engine.reset()
     engine.reset_stats()
@@ -139,7 +138,7 @@ def resolve(engine, choice: str, fingerprint: str, home: Path) -> tuple[dict[int
         return picks, f"miss path {choice} on {len(layers)} cached layers"
     dev = engine.devices[0] if engine.devices else None
     device = f"{dev.name} {dev.description}" if dev else "CPU"
-    threads = engine.cpu_threads[0]  # calibration times decode steps
+    threads = engine.cpu_threads  # calibration times decode steps
     path = cache_file(home, device, fingerprint, threads)
     cal = load_cached(path, device, fingerprint, threads)
     source = "cached calibration"

@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import DeviceError, NativeError, SparkError, UsageError
 
 CAPTURE_MODES = ("auto", "native", "callback")
+TRACE_MAX: int | None = None  # native trace capacity in int32 values (None: the library's default)
 
 
 @dataclass
@@ -30,10 +31,17 @@ class Gathered:
     traces: list[Any] = field(default_factory=list)  # one RoutingTrace per chunk (when kept)
     interrupted: bool = False
     seconds: float = 0.0
+    trace_dropped_steps: int = 0  # steps the native trace was too small for (the counts have them)
 
     @property
     def tokens(self) -> int:
         return self.tokens_prefill + self.tokens_decode
+
+    def summary(self) -> dict:
+        """The run's figures for --json (counts and traces aside)."""
+        return {"chunks_done": self.chunks_done, "tokens_prefill": self.tokens_prefill,
+                "tokens_decode": self.tokens_decode, "seconds": self.seconds, "interrupted": self.interrupted,
+                "trace_dropped_steps": self.trace_dropped_steps}
 
 
 class _Capture:
@@ -51,7 +59,9 @@ class _Capture:
         out[:rows, :cols] = a[:rows, :cols]
         return out
 
-    def harvest(self) -> tuple[np.ndarray, np.ndarray, Any]:
+    def harvest(self) -> tuple[np.ndarray, np.ndarray, Any, int]:
+        """(prefill counts, decode counts, trace, trace steps dropped) since the last harvest;
+        native counts come from the counters, which a full trace does not stop."""
         from ..core.capture import records_to_counts, records_to_trace
         from ..core.trace import DECODE, PREFILL
 
@@ -60,14 +70,16 @@ class _Capture:
             pre = self._fit(e.routing_counts(PREFILL))
             dec = self._fit(e.routing_counts(DECODE))
             records = e.trace_records() if self.keep_trace else []
+            dropped = e.trace_dropped() if self.keep_trace else 0
         else:
+            dropped = 0
             records = list(e.records)
             pre, dec = (a.astype(np.float64) for a in records_to_counts(records, self.n_layer, self.n_expert))
         trace = records_to_trace(records, self.n_layer, self.n_expert, self.fingerprint) if self.keep_trace else None
         if trace is not None and self.decode_only:
             trace = trace.decode_steps()
         e.reset_stats()  # zeroes native counts and trace, and clears callback records
-        return pre, dec, trace
+        return pre, dec, trace, dropped
 
 
 class StopFlag:
@@ -135,18 +147,15 @@ def gather(engine, capture: _Capture, chunks: Sequence[Any], gen: int, stop: Sto
                 if stopped():
                     break
             if gen > 0 and not stopped():
-                start = last = engine.n_past
-                for _ in engine.generate([], gen):  # greedy; each yielded token is fed back
-                    advance(engine.n_past - last)
-                    last = engine.n_past
-                    if stopped():
-                        break
-                advance(engine.n_past - last)
-                made = engine.n_past - start
-                g.tokens_decode += made
+                # greedy after the chunk's last output row; an end-of-generation token ends it
+                for step in engine.stream_generate([], max_tokens=gen, should_stop=stopped):
+                    if step.token is not None:
+                        advance(1)
+                g.tokens_decode += step.generated_tokens
                 if not stopped():
-                    drop(gen - made)
-            pre, dec, trace = capture.harvest()
+                    drop(gen - step.generated_tokens)
+            pre, dec, trace, dropped = capture.harvest()
+            g.trace_dropped_steps += dropped
             g.prefill += pre
             g.decode += dec
             if trace is not None and trace.n_rows:
@@ -183,7 +192,8 @@ def open_engine(base, geometry, mode: str, keep_trace: bool, note: Callable[[str
     from ..native.engine import Engine
 
     opts = dataclasses.replace(base, count_experts=mode == "native", trace=mode == "native" and keep_trace,
-                               capture_topk=mode == "callback", cache_layers=[])
+                               capture_topk=mode == "callback", cache_layers=[],
+                               trace_max=TRACE_MAX if base.trace_max is None else base.trace_max)
     try:
         return Engine(opts)
     except (NativeError, UsageError, DeviceError):
@@ -217,3 +227,10 @@ def split_held_out(traces: Sequence[Any], frac: float) -> tuple[Any, Any]:
         test = concat([t for i, t in enumerate(traces) if i in test_idx])
         return train, test
     return concat(traces).split(1.0 - frac)
+
+
+def dropped_warning(g: Gathered) -> str | None:
+    """One line when the native trace dropped steps (the profile's counts are still complete)."""
+    n = g.trace_dropped_steps
+    return (f"native trace full: {n:,} steps dropped; counts are complete, the trace is not "
+            "(recent decode steps, --trace and --held-out miss them)") if n else None

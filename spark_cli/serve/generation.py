@@ -1,15 +1,16 @@
 """One request's generation on the server's engine, through `spark chat`'s answer loop.
 
 `RequestSession` is a `ChatSession` whose prompt is the request's own (every message, or a
-raw completion prompt) instead of the session history, so KV prefix reuse, the decode loop,
-cache figures and decode-count harvesting are the ones `spark chat` runs.
+raw completion prompt) instead of the session history, so KV prefix reuse, the generation loop
+(native/generate.py, which also cuts stop strings), cache figures and decode-count harvesting
+are the ones `spark chat` runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
+from ..native.generate import StopFilter  # noqa: F401 - the loop holds back stop strings
 from ..runs.chat_session import Answer, ChatSession, Sampling, _Learned
 from ..errors import SparkError
 
@@ -41,46 +42,11 @@ class RequestSession(ChatSession):
                                hint="shorten the messages or start spark serve with a larger -c")
         return list(self._prompt), 0
 
-    def run(self, on_text: Callable[[str], None], should_stop: Callable[[], bool]) -> Answer:
+    def run(self, on_text: Callable[[str], None], should_stop: Callable[[], bool], stops: Sequence[str] = ()) -> Answer:
+        """Generate; text that may begin a stop string is held back, and one ends the answer (stop)."""
         self.learned = _Learned()  # this request's decode counts only
-        return self.answer("", on_text=on_text, should_stop=should_stop)
+        return self.answer("", on_text=on_text, should_stop=should_stop, stops=stops)
 
     @property
     def kv(self) -> list[int]:
         return self._kv
-
-
-@dataclass
-class StopFilter:
-    """Holds back text that may begin a stop sequence; `hit` once one appears (it is cut)."""
-
-    stops: list[str]
-    pending: str = ""
-    hit: bool = False
-
-    def feed(self, piece: str) -> str:
-        if self.hit:
-            return ""
-        if not self.stops:
-            return piece
-        self.pending += piece
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.hit = True
-            out, self.pending = self.pending[:cut], ""
-            return out
-        keep = max(len(s) for s in self.stops) - 1
-        # NOTE: keep only a tail that is a prefix of some stop sequence
-        hold = 0
-        for n in range(min(keep, len(self.pending)), 0, -1):
-            tail = self.pending[-n:]
-            if any(s.startswith(tail) for s in self.stops):
-                hold = n
-                break
-        out = self.pending[:len(self.pending) - hold]
-        self.pending = self.pending[len(self.pending) - hold:]
-        return out
-
-    def flush(self) -> str:
-        out, self.pending = ("" if self.hit else self.pending), ""
-        return out

@@ -23,13 +23,13 @@ class _Collector:
             ("llamacpp:tokens_predicted_seconds", "Predict process time.", s.predicted_seconds),
             ("spark:requests", "Generations served (finished, stopped or cancelled).", s.requests),
             ("spark:requests_rejected", "Requests refused because the queue was full.", s.rejected),
-            ("spark:expert_cache_hits", "Routed experts found on the device (distinct per step).", s.hits),
-            ("spark:expert_cache_misses", "Routed experts not on the device (distinct per step).", s.misses),
+            ("spark:expert_cache_hits", "Routed experts found on the device (distinct per step).", s.cache.hits),
+            ("spark:expert_cache_misses", "Routed experts not on the device (distinct per step).", s.cache.misses),
             ("spark:expert_cache_uploads", "Expert uploads host to device, pinned ones at start included.",
-             s.uploads),
-            ("spark:expert_cache_uploaded_bytes", "Bytes of expert uploads host to device.", s.bytes_uploaded),
+             s.cache.uploads),
+            ("spark:expert_cache_uploaded_bytes", "Bytes of expert uploads host to device.", s.cache.bytes_uploaded),
             ("spark:expert_cache_cpu_experts", "Missed experts computed on the CPU (distinct per step).",
-             s.cpu_experts),
+             s.cache.cpu_experts),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

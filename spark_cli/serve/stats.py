@@ -4,11 +4,9 @@ cache's totals read from the engine after each request (never while it decodes).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 
 from ..native.expert_cache import CacheStats
-
-CACHE_FIELDS = ("hits", "misses", "uploads", "bytes_uploaded", "cpu_experts")
 
 
 @dataclass
@@ -21,18 +19,13 @@ class Snapshot:
     rejected: int = 0            # refused with a full queue
     processing: int = 0
     deferred: int = 0
-    hits: int = 0
-    misses: int = 0
-    uploads: int = 0
-    bytes_uploaded: int = 0
-    cpu_experts: int = 0
+    cache: CacheStats = field(default_factory=CacheStats)  # cached layers since the engine started
     device_bytes: int = 0        # held by the expert banks
     planned_bytes: int = 0       # the plan's device total
 
     @property
     def hit_ratio(self) -> float:
-        n = self.hits + self.misses
-        return self.hits / n if n else 0.0
+        return self.cache.hit_rate or 0.0
 
 
 @dataclass
@@ -44,7 +37,7 @@ class ServerStats:
 
     def snapshot(self) -> Snapshot:
         with self._lock:
-            return Snapshot(**{f.name: getattr(self._s, f.name) for f in fields(Snapshot)})
+            return replace(self._s)
 
     def add_request(self, fig) -> None:
         """Add one answer's figures (chat_session.AnswerFigures)."""
@@ -61,8 +54,7 @@ class ServerStats:
         tot = CacheStats.total(s for il, s in engine.cache_stats().items() if il in self.cached_layers)
         dev = engine.bank_bytes()
         with self._lock:
-            for f in CACHE_FIELDS:
-                setattr(self._s, f, getattr(tot, f))
+            self._s.cache = tot
             self._s.device_bytes = dev
             self._s.planned_bytes = self.planned_bytes
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from ..runs.chat_session import Sampling
 from ..errors import SparkError
-from .generation import ContextError, RequestSession, StopFilter
+from .generation import ContextError, RequestSession
 from .learn import Learner
 from .protocol import ApiError, Usage, unavailable
 from .stats import ServerStats
@@ -154,19 +154,10 @@ class Worker:
                 job.emit(Failed(ApiError(400, e.one_line())))
                 return
             job.emit(Started(n_prompt))
-            stop = StopFilter(job.stops)
-
-            def on_text(piece: str) -> None:
-                out = stop.feed(piece)
-                if out:
-                    job.emit(Text(out))
-
             self.stats.set_processing(1)
             self._session = sess
-            ans = sess.run(on_text, lambda: job.cancel.is_set() or stop.hit or bool(self.fatal))
-            tail = stop.flush()
-            if tail:
-                job.emit(Text(tail))
+            ans = sess.run(lambda piece: job.emit(Text(piece)), lambda: job.cancel.is_set() or bool(self.fatal),
+                           stops=job.stops)
         finally:
             self._session = None
             self.stats.set_processing(0)
@@ -182,8 +173,7 @@ class Worker:
             job.emit(Failed(unavailable(msg)))
             self._die(ans.error, 1)
             return
-        finish = "stop" if stop.hit else fig.stop
-        job.emit(Done(finish, usage))
+        job.emit(Done(fig.stop, usage))
 
     def _refuse_queued(self, err: ApiError) -> None:
         while True:
