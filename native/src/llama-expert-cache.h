@@ -2,6 +2,7 @@
 #pragma once
 
 #include "llama-expert-cache-api.h"
+#include "llama-expert-cache-policy.h"
 
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -24,6 +25,13 @@ struct llama_expert_cache_bank {
 };
 
 struct llama_expert_cache_layer;
+
+// Device bytes the banks need per buffer type, found while validating the layers.
+struct llama_expert_cache_bank_needs {
+    std::map<ggml_backend_buffer_type_t, size_t>             bytes;
+    std::map<ggml_backend_buffer_type_t, ggml_backend_dev_t> dev;
+    bool warned_pinned = false; // the unpinned host memory warning was logged
+};
 
 // Userdata of a host node, fixed when its graph is built (a reused graph keeps its own).
 struct llama_expert_cache_node {
@@ -59,23 +67,9 @@ struct llama_expert_cache_recipe_op {
     llama_expert_cache_recipe_src src[GGML_MAX_SRC];
 };
 
-enum llama_expert_cache_slot_state : uint8_t {
-    LLAMA_EXPERT_CACHE_SLOT_FREE    = 0,
-    LLAMA_EXPERT_CACHE_SLOT_READY   = 1,
-    LLAMA_EXPERT_CACHE_SLOT_PENDING = 2, // a background admission that has not landed: neither read nor evicted
-};
-
 struct llama_expert_cache_layer {
     llama_expert_cache * owner = nullptr;
     int32_t il        = -1;
-    int32_t n_slots   = 0; // 0: counting only
-    int32_t n_pinned  = 0;
-    int32_t miss_path = LLAMA_EXPERT_CACHE_MISS_UPLOAD;
-    int32_t max_admit = 0;
-    int32_t policy    = LLAMA_EXPERT_CACHE_POLICY_LRU;
-    int32_t age       = 0; // steps since the counts were last halved
-    int32_t protected_n   = 0; // SLRU: protected slots now
-    int32_t protected_cap = 0; // SLRU: protected slots at most
     int32_t cpu_ok    = -1; // the graph's expert ops can run on the CPU for misses: -1 unknown, 0 no, 1 yes
     bool    on_device = false;
     size_t  expert_bytes = 0; // host bytes of one expert across the layer's expert tensors
@@ -85,19 +79,10 @@ struct llama_expert_cache_layer {
 
     std::vector<llama_expert_cache_bank> banks;
 
-    std::vector<int32_t>  slot_expert; // [n_slots] expert in slot, -1 free
-    std::vector<uint8_t>  slot_state;  // [n_slots] llama_expert_cache_slot_state
-    std::vector<int32_t>  expert_slot; // [n_expert] slot of a READY expert, -1 otherwise
-    std::vector<uint64_t> slot_tick;   // [n_slots] last use, for LRU
-    std::vector<uint8_t>  slot_step;   // [n_slots] used by the current step
-    std::vector<uint8_t>  slot_seg;    // [n_slots] SLRU: 1 protected, 0 probation
-    std::vector<uint32_t> freq;        // [n_expert] LFU_AGED, TINYLFU: routed steps, aged
+    llama_expert_cache_slots slots; // the policy core: slot table, counts, decisions
+
     std::vector<ggml_backend_event_t> slot_event; // [n_slots] admission landed (null: no events)
-    std::vector<uint8_t>  seen;        // [n_expert] scratch: already listed in this step
-    std::vector<int32_t>  distinct;    // [n_expert] scratch: distinct experts of the step
-    std::vector<int32_t>  admit;       // [n_expert] scratch: (expert, slot) admissions of the step
     std::vector<uint8_t>  missed;      // [k * n_tokens] scratch: entries of the step the CPU computes
-    std::vector<uint8_t>  filler_wait; // [n_slots] scratch: a pending slot read as a filler this step
 
     std::vector<uint64_t> counts[2];   // [phase][n_expert] routed occurrences
     llama_expert_cache_node nodes[2][2]; // [phase][hybrid] host-node userdata
@@ -153,12 +138,41 @@ struct llama_expert_cache {
     void compute_partial(llama_expert_cache_node & n, ggml_tensor * dst);
     void compute_mask(llama_expert_cache_node & n, ggml_tensor * dst);
 
+    // parts of init
+    void    make_layers();
+    int32_t check_layer(const llama_expert_cache_layer_params & lp, std::string & err);
+    int32_t check_layer_tensors(const llama_expert_cache_layer_params & lp, llama_expert_cache_bank_needs & need,
+                                size_t & expert_bytes, std::string & err);
+    int32_t configure_layer(const llama_expert_cache_params & params, const llama_expert_cache_layer_params & lp,
+                            llama_expert_cache_bank_needs & need, std::string & err);
+    int32_t check_budget(const llama_expert_cache_params & params, llama_expert_cache_bank_needs & need, std::string & err);
+    int32_t alloc_banks(llama_expert_cache_bank_needs & need, std::string & err);
+    void    make_banks(llama_expert_cache_layer & L, ggml_context * c);
+    void    init_admissions(llama_expert_cache_layer & L, ggml_backend_dev_t dev);
+    void    init_cpu_backend();
+    void    upload_pinned(const llama_expert_cache_params & params);
+
+    // parts of build and analyse
+    static ggml_backend_t backend_of(ggml_backend_sched_t sched, ggml_backend_dev_t dev);
+    static bool bank_swaps(const llama_expert_cache_layer & L, ggml_tensor ** wts[4], ggml_tensor * swap[4]);
+    void build_cpu_nodes(llama_expert_cache_layer & L, ggml_context * ctx0, ggml_backend_sched_t sched, ggml_backend_t backend_cpu,
+                         int phase, ggml_tensor * node, ggml_tensor * cur, ggml_tensor * selected_experts, ggml_tensor * down_exps);
+    static bool recipe_order(const llama_expert_cache_layer & L, ggml_tensor * experts, ggml_tensor * sel, ggml_tensor * cur,
+                             std::vector<ggml_tensor *> & order);
+    bool recipe_src(const llama_expert_cache_layer & L, const std::vector<ggml_tensor *> & order, size_t i, int j,
+                    llama_expert_cache_recipe_src & rs);
+
+    // parts of step and compute_partial
+    void count_step(llama_expert_cache_layer & L, int phase, const llama_expert_cache_ids & ids);
+    void wait_admissions(llama_expert_cache_layer & L);
+    void upload_admissions(llama_expert_cache_layer & L, int32_t n_admit, bool background, bool any_wait);
+    ggml_tensor * build_recipe(const llama_expert_cache_layer & L, ggml_context * pctx, ggml_tensor * x, ggml_tensor * xi, int64_t n_miss);
+
     llama_expert_cache_layer * layer(int32_t il);
 
     const llama_model & model;
     int32_t n_expert = 0;
     int32_t n_threads = 1;
-    int32_t policy_window = 16;
     bool    failed = false; // a host node caught an exception (see the log)
 
     std::vector<std::unique_ptr<llama_expert_cache_layer>> layers; // [n_layer], null for dense layers
@@ -178,6 +192,5 @@ struct llama_expert_cache {
     int64_t trace_max = 0;
     int64_t trace_dropped = 0;
 
-    uint64_t tick = 0;
     mutable std::mutex mutex; // guards counters and slot tables against readers; never held across uploads
 };
