@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spark_cli.simulator import NATIVE_POLICY_IDS, POLICIES, LayerCache, PolicyParams
+from spark_cli.core.simulator import NATIVE_POLICY_IDS, POLICIES, LayerCache, PolicyParams
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = [REPO / "native" / "src" / "llama-expert-cache-policy.cpp", REPO / "native" / "tests" / "policy-shim.cpp"]
