@@ -73,7 +73,8 @@ extern "C" {
         size_t  device_margin; // bytes left free per device for compute buffers, pools and graphs (budget 0 only)
         bool    trace;         // record the routed ids of every step (llama_expert_cache_get_trace)
         int64_t trace_max;     // trace capacity in int32 values; recording stops when full (get_trace_dropped)
-        int32_t n_threads;     // CPU threads for the CPU miss path (<= 0: 1)
+        int32_t n_threads;     // CPU miss path workers (<= 0: 1): its host node runs on the graph's threads, and
+                               // each of the first n_threads computes whole experts (give the larger of -t, -tb)
         int32_t policy_window; // LFU_AGED, TINYLFU: halve every count each this many steps of a layer (0: never)
         int32_t slru_protected_num; // SLRU: protected slots at most (S - P) * num / den
         int32_t slru_protected_den;

@@ -60,11 +60,8 @@ void expert_cache_node_count(ggml_tensor * dst, int ith, int nth, void * userdat
 }
 
 void expert_cache_node_partial(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void) nth;
-    if (ith == 0) {
-        auto * n = (llama_expert_cache_node *) userdata;
-        guarded(n->layer->owner, "cpu miss path", [&] { n->layer->owner->compute_partial(*n, dst); });
-    }
+    auto * n = (llama_expert_cache_node *) userdata;
+    guarded(n->layer->owner, "cpu miss path", [&] { n->layer->owner->compute_partial(*n, dst, ith, nth); });
 }
 
 void expert_cache_node_mask(ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -146,11 +143,11 @@ llama_expert_cache::~llama_expert_cache() {
         (void) dev;
         ggml_backend_free(b);
     }
-    if (cpu_backend) {
-        ggml_backend_free(cpu_backend);
-    }
-    if (arena_ctx) {
-        ggml_free(arena_ctx);
+    for (auto & w : workers) {
+        ggml_backend_free(w.backend);
+        if (w.ctx) {
+            ggml_free(w.ctx);
+        }
     }
 }
 
@@ -195,7 +192,7 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
     if (rc != LLAMA_EXPERT_CACHE_OK) {
         return rc;
     }
-    init_cpu_backend();
+    init_workers();
     upload_pinned(params);
     if (trace_on) {
         trace.reserve((size_t) std::min<int64_t>(trace_max, (int64_t) 1 << 20));
@@ -412,14 +409,22 @@ void llama_expert_cache::init_admissions(llama_expert_cache_layer & L, ggml_back
 }
 
 // the CPU miss path's private backend (never the context's: its threads run the host nodes)
-void llama_expert_cache::init_cpu_backend() {
-    cpu_backend = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
-    if (cpu_backend) {
-        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(ggml_backend_get_device(cpu_backend));
+// The CPU miss path's workers: a private one-thread CPU backend each (a backend of more threads
+// would nest a thread team inside the graph's, which runs the host node).
+void llama_expert_cache::init_workers() {
+    for (int32_t i = 0; i < n_threads; ++i) {
+        ggml_backend_t b = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
+        if (!b) {
+            break;
+        }
+        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(ggml_backend_get_device(b));
         auto set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
         if (set_threads) {
-            set_threads(cpu_backend, n_threads);
+            set_threads(b, 1);
         }
+        workers.emplace_back();
+        workers.back().backend = b;
+        workers.back().expert_rows.assign(n_expert, 0);
     }
 }
 
@@ -478,7 +483,7 @@ ggml_tensor * llama_expert_cache::build(
     // layer was analysed, see finish) any ubatch is remapped: misses read filler slots and go to
     // the CPU. Without it, a step whose ids may not all fit the LRU slots takes the stock path.
     const bool fits   = n_tokens * k <= L->slots.n_slots - L->slots.n_pinned;
-    const bool hybrid = L->cpu_ok == 1 && !L->recipe.empty() && cur != nullptr && cpu_backend != nullptr &&
+    const bool hybrid = L->cpu_ok == 1 && !L->recipe.empty() && cur != nullptr && !workers.empty() &&
                         down_exps && *down_exps;
     ggml_tensor ** wts[4] = { up_exps, gate_exps, down_exps, gate_up_exps };
     ggml_tensor *  swap[4] = { nullptr, nullptr, nullptr, nullptr };
@@ -543,7 +548,7 @@ void llama_expert_cache::build_cpu_nodes(llama_expert_cache_layer & L, ggml_cont
     const int64_t n_tokens = selected_experts->ne[1];
     ggml_tensor * pargs[3] = { node, cur, selected_experts };
     L.building_partial = ggml_custom_4d(ctx0, GGML_TYPE_F32, down_exps->ne[1], k, n_tokens, 1, pargs, 3,
-            expert_cache_node_partial, 1, &L.nodes[phase][1]);
+            expert_cache_node_partial, GGML_N_TASKS_MAX, &L.nodes[phase][1]); // every thread of the graph
     ggml_format_name(L.building_partial, "spark_ec_cpu-%d", L.il);
     ggml_backend_sched_set_tensor_backend(sched, L.building_partial, backend_cpu);
     // NOTE: 1 for an entry the device computed, 0 for one the CPU computed: a missed entry
@@ -590,28 +595,39 @@ ggml_tensor * llama_expert_cache::finish(ggml_context * ctx0, int il, ggml_tenso
     if (!partial) {
         return experts;
     }
-    // one arena for every step of every layer: the graph, its tensors and each op's rows for k*T entries
-    const int64_t n_max = partial->ne[1] * partial->ne[2];
-    size_t need = ggml_graph_overhead_custom(RECIPE_MAX * 2, false) + ggml_tensor_overhead() * (RECIPE_MAX * 2 + 8) + 4096;
-    need += GGML_PAD(ggml_row_size(GGML_TYPE_F32, partial->src[1]->ne[0]) * n_max, 64) + GGML_PAD(sizeof(int32_t) * n_max, 64) + 128;
-    for (const auto & r : L->recipe) {
-        if (r.op != GGML_OP_VIEW) {
-            need += GGML_PAD(ggml_row_size(r.type, r.ne0) * n_max, 64) + 64;
-        }
-    }
-    if (arena.size() < need || !arena_ctx) {
-        // NOTE: at graph build; a step only resets this context (ggml_init allocates)
-        if (arena_ctx) {
-            ggml_free(arena_ctx);
-        }
-        arena.resize(std::max(arena.size(), need));
-        ggml_init_params ip = { /*.mem_size =*/ arena.size(), /*.mem_buffer =*/ arena.data(), /*.no_alloc =*/ false };
-        arena_ctx = ggml_init(ip);
-        GGML_ASSERT(arena_ctx);
-    }
+    size_workers(*L, partial->ne[1] * partial->ne[2], partial->ne[2], partial->src[1]->ne[0]);
     ggml_tensor * out = ggml_add(ctx0, ggml_mul(ctx0, experts, mask), partial);
     ggml_format_name(out, "spark_ec_join-%d", il);
     return out;
+}
+
+void llama_expert_cache::size_workers(const llama_expert_cache_layer & L, int64_t n_entries, int64_t n_tokens,
+                                      int64_t n_embd_in) {
+    // NOTE: at graph build; a step only resets these contexts (ggml_init allocates). A worker's pass
+    // holds its share of the entries plus one expert's (at most n_tokens), whole experts per pass.
+    const int64_t W = (int64_t) workers.size();
+    const int64_t rows = std::min(n_entries, (n_entries + W - 1) / W + n_tokens);
+    size_t need = ggml_graph_overhead_custom(RECIPE_MAX * 2, false) + ggml_tensor_overhead() * (RECIPE_MAX * 2 + 8) + 4096;
+    need += GGML_PAD(ggml_row_size(GGML_TYPE_F32, n_embd_in) * rows, 64) + GGML_PAD(sizeof(int32_t) * rows, 64) + 128;
+    for (const auto & r : L.recipe) {
+        if (r.op != GGML_OP_VIEW) {
+            need += GGML_PAD(ggml_row_size(r.type, r.ne0) * rows, 64) + 64;
+        }
+    }
+    for (auto & w : workers) {
+        if (w.arena.size() >= need && w.ctx) {
+            w.rows = std::max(w.rows, rows);
+            continue;
+        }
+        if (w.ctx) {
+            ggml_free(w.ctx);
+        }
+        w.arena.resize(std::max(w.arena.size(), need));
+        ggml_init_params ip = { /*.mem_size =*/ w.arena.size(), /*.mem_buffer =*/ w.arena.data(), /*.no_alloc =*/ false };
+        w.ctx = ggml_init(ip);
+        GGML_ASSERT(w.ctx);
+        w.rows = std::max(w.rows, rows);
+    }
 }
 
 bool llama_expert_cache::analyse(llama_expert_cache_layer & L, ggml_tensor * experts, ggml_tensor * sel, ggml_tensor * cur) {
@@ -865,68 +881,133 @@ void llama_expert_cache::upload_admissions(llama_expert_cache_layer & L, int32_t
     }
 }
 
-void llama_expert_cache::compute_partial(llama_expert_cache_node & n, ggml_tensor * dst) {
+void llama_expert_cache::compute_partial(llama_expert_cache_node & n, ggml_tensor * dst, int ith, int nth) {
     llama_expert_cache_layer & L = *n.layer;
     const ggml_tensor * slots = dst->src[0]; // [k, n_tokens] contiguous, from the remap node
-    const ggml_tensor * cur   = dst->src[1]; // [n_embd, n_tokens]
     const ggml_tensor * sel   = dst->src[2]; // [k, n_tokens], read by strides
-    const int64_t k = slots->ne[0];
-    const int64_t T = slots->ne[1];
+    const int64_t k  = slots->ne[0];
+    const int64_t kT = k * slots->ne[1];
     const int64_t n_embd_out = dst->ne[0];
-
-    memset(dst->data, 0, ggml_nbytes(dst));
     const uint8_t * missed = L.missed.data(); // written by the remap node of this step
-    GGML_ASSERT((int64_t) L.missed.size() >= k * T);
+    GGML_ASSERT((int64_t) L.missed.size() >= kT);
+    int64_t zero = 0;
+    cpu_t0.compare_exchange_strong(zero, ggml_time_us());
+    const bool cpu = !L.recipe.empty() && !workers.empty();
     int64_t n_miss = 0;
-    for (int64_t i = 0; i < k * T; ++i) {
+    for (int64_t i = 0; i < kT; ++i) {
         n_miss += missed[i];
     }
-    if (n_miss == 0 || L.recipe.empty() || !cpu_backend) {
-        return;
-    }
-    const int64_t t0 = ggml_time_us();
-
-    GGML_ASSERT(arena_ctx);
-    ggml_context * pctx = arena_ctx;
-    ggml_reset(pctx);
-
-    // the missed entries, one row each: their input row and their expert id
-    const int64_t n_embd_in = cur->ne[0];
-    ggml_tensor * x  = ggml_new_tensor_3d(pctx, GGML_TYPE_F32, n_embd_in, n_miss, 1);
-    ggml_tensor * xi = ggml_new_tensor_2d(pctx, GGML_TYPE_I32, n_miss, 1);
-    int64_t m = 0;
-    for (int64_t t = 0; t < T; ++t) {
-        for (int64_t j = 0; j < k; ++j) {
-            if (!missed[t * k + j]) {
-                continue;
+    // the node's last thread to finish (also on an exception) adds the wall time from the first start
+    struct last_out {
+        llama_expert_cache & ec; llama_expert_cache_layer & L; int nth; bool timed;
+        ~last_out() {
+            if (ec.cpu_done.fetch_add(1) + 1 == nth) {
+                const int64_t us = ggml_time_us() - ec.cpu_t0.exchange(0);
+                ec.cpu_done.store(0);
+                if (timed) {
+                    std::lock_guard<std::mutex> lock(ec.mutex);
+                    L.stats.cpu_us += us;
+                }
             }
-            memcpy((char *) x->data + m * x->nb[1], (const char *) cur->data + t * cur->nb[1], n_embd_in * sizeof(float));
-            ((int32_t *) xi->data)[m] = *(const int32_t *) ((const char *) sel->data + t * sel->nb[1] + j * sel->nb[0]);
-            m++;
+        }
+    } out_guard{*this, L, nth, cpu && n_miss > 0};
+
+    // each thread zeroes its range of the device's entries; a missed entry is written by its expert's worker
+    for (int64_t i = kT * ith / nth; i < kT * (ith + 1) / nth; ++i) {
+        if (!missed[i] || !cpu) {
+            memset((char *) dst->data + (i / k) * dst->nb[2] + (i % k) * dst->nb[1], 0, n_embd_out * sizeof(float));
         }
     }
-
-    ggml_tensor * res = build_recipe(L, pctx, x, xi, n_miss); // [n_embd, n_miss, 1]
-    GGML_ASSERT(res->ne[0] == n_embd_out);
-    ggml_cgraph * gf = ggml_new_graph_custom(pctx, RECIPE_MAX * 2, false);
-    ggml_build_forward_expand(gf, res);
-    const ggml_status st = ggml_backend_graph_compute(cpu_backend, gf);
-    GGML_ASSERT(st == GGML_STATUS_SUCCESS);
-
-    // each missed entry's output goes where the device wrote zero
-    m = 0;
-    for (int64_t t = 0; t < T; ++t) {
-        for (int64_t j = 0; j < k; ++j) {
-            if (!missed[t * k + j]) {
+    const int64_t W = std::min<int64_t>(nth, (int64_t) workers.size());
+    if (cpu && n_miss > 0 && ith < W) {
+        // whole experts per worker, in id order, split by their entries: every thread derives the same split
+        auto & w = workers[ith];
+        std::fill(w.expert_rows.begin(), w.expert_rows.end(), 0);
+        for (int64_t i = 0; i < kT; ++i) {
+            if (missed[i]) {
+                w.expert_rows[*(const int32_t *) ((const char *) sel->data + (i / k) * sel->nb[1] + (i % k) * sel->nb[0])]++;
+            }
+        }
+        int64_t before = 0, e_begin = -1, e_end = -1;
+        for (int64_t e = 0; e < n_expert; ++e) {
+            if (w.expert_rows[e] == 0) {
                 continue;
             }
-            memcpy((char *) dst->data + t * dst->nb[2] + j * dst->nb[1], (const char *) res->data + m * res->nb[1],
-                    n_embd_out * sizeof(float));
-            m++;
+            const int64_t owner = std::min(W - 1, before * W / n_miss);
+            if (owner == ith) {
+                e_begin = e_begin < 0 ? e : e_begin;
+                e_end = e + 1;
+            }
+            before += w.expert_rows[e];
+        }
+        if (e_begin >= 0) {
+            compute_experts(w, L, dst, e_begin, e_end);
         }
     }
-    std::lock_guard<std::mutex> lock(mutex);
-    L.stats.cpu_us += ggml_time_us() - t0;
+}
+
+// Experts [e_begin, e_end) of this step's missed entries on one worker, in passes of whole experts
+// that fit its arena; each expert gets all of its entries in one pass (the kernel sees the same rows).
+void llama_expert_cache::compute_experts(llama_expert_cache_worker & w, llama_expert_cache_layer & L, ggml_tensor * dst,
+                                         int64_t e_begin, int64_t e_end) {
+    const ggml_tensor * cur = dst->src[1]; // [n_embd, n_tokens]
+    const ggml_tensor * sel = dst->src[2];
+    const int64_t k  = dst->src[0]->ne[0];
+    const int64_t T  = dst->src[0]->ne[1];
+    const int64_t n_embd_in  = cur->ne[0];
+    const int64_t n_embd_out = dst->ne[0];
+    const uint8_t * missed = L.missed.data();
+    auto id_of = [&](int64_t t, int64_t j) {
+        return *(const int32_t *) ((const char *) sel->data + t * sel->nb[1] + j * sel->nb[0]);
+    };
+    for (int64_t p0 = e_begin; p0 < e_end;) {
+        int64_t p1 = p0, rows = 0;
+        while (p1 < e_end && rows + w.expert_rows[p1] <= w.rows) {
+            rows += w.expert_rows[p1++];
+        }
+        GGML_ASSERT(p1 > p0); // an expert has at most n_tokens entries, and a pass holds more
+        if (rows == 0) {
+            p0 = p1;
+            continue;
+        }
+        ggml_context * pctx = w.ctx;
+        ggml_reset(pctx);
+
+        // the pass's entries, one row each, in (token, slot) order: their input row and their expert id
+        ggml_tensor * x  = ggml_new_tensor_3d(pctx, GGML_TYPE_F32, n_embd_in, rows, 1);
+        ggml_tensor * xi = ggml_new_tensor_2d(pctx, GGML_TYPE_I32, rows, 1);
+        int64_t m = 0;
+        for (int64_t t = 0; t < T; ++t) {
+            for (int64_t j = 0; j < k; ++j) {
+                const int32_t e = id_of(t, j);
+                if (!missed[t * k + j] || e < p0 || e >= p1) {
+                    continue;
+                }
+                memcpy((char *) x->data + m * x->nb[1], (const char *) cur->data + t * cur->nb[1], n_embd_in * sizeof(float));
+                ((int32_t *) xi->data)[m++] = e;
+            }
+        }
+        ggml_tensor * res = build_recipe(L, pctx, x, xi, rows); // [n_embd, rows, 1]
+        GGML_ASSERT(res->ne[0] == n_embd_out);
+        ggml_cgraph * gf = ggml_new_graph_custom(pctx, RECIPE_MAX * 2, false);
+        ggml_build_forward_expand(gf, res);
+        const ggml_status st = ggml_backend_graph_compute(w.backend, gf);
+        GGML_ASSERT(st == GGML_STATUS_SUCCESS);
+
+        // each entry's output goes where the device's is dropped
+        m = 0;
+        for (int64_t t = 0; t < T; ++t) {
+            for (int64_t j = 0; j < k; ++j) {
+                const int32_t e = id_of(t, j);
+                if (!missed[t * k + j] || e < p0 || e >= p1) {
+                    continue;
+                }
+                memcpy((char *) dst->data + t * dst->nb[2] + j * dst->nb[1], (const char *) res->data + m++ * res->nb[1],
+                       n_embd_out * sizeof(float));
+            }
+        }
+        p0 = p1;
+    }
 }
 
 // the recipe's ops on [.., n_miss, 1] instead of [.., k, n_tokens]: per entry the same arithmetic

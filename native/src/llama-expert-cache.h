@@ -9,6 +9,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -25,6 +26,16 @@ struct llama_expert_cache_bank {
 };
 
 struct llama_expert_cache_layer;
+
+// One CPU thread's share of the CPU miss path: the host node runs on every thread of the graph
+// (as stock CPU experts do), and each thread computes whole experts on its own one-thread backend.
+struct llama_expert_cache_worker {
+    ggml_backend_t       backend = nullptr; // owned; CPU, one thread
+    std::vector<uint8_t> arena;
+    ggml_context *       ctx  = nullptr; // owned; over the arena, made at graph build, reset per pass
+    int64_t              rows = 0;       // missed entries one pass holds
+    std::vector<int64_t> expert_rows;    // [n_expert] scratch: missed entries per expert this step
+};
 
 // Device bytes the banks need per buffer type, found while validating the layers.
 struct llama_expert_cache_bank_needs {
@@ -135,7 +146,7 @@ struct llama_expert_cache {
 
     // Run by the host nodes.
     void step(llama_expert_cache_node & n, const ggml_tensor * ids, ggml_tensor * dst, bool remap);
-    void compute_partial(llama_expert_cache_node & n, ggml_tensor * dst);
+    void compute_partial(llama_expert_cache_node & n, ggml_tensor * dst, int ith, int nth);
     void compute_mask(llama_expert_cache_node & n, ggml_tensor * dst);
 
     // parts of init
@@ -149,7 +160,7 @@ struct llama_expert_cache {
     int32_t alloc_banks(llama_expert_cache_bank_needs & need, std::string & err);
     void    make_banks(llama_expert_cache_layer & L, ggml_context * c);
     void    init_admissions(llama_expert_cache_layer & L, ggml_backend_dev_t dev);
-    void    init_cpu_backend();
+    void    init_workers();
     void    upload_pinned(const llama_expert_cache_params & params);
 
     // parts of build and analyse
@@ -166,6 +177,9 @@ struct llama_expert_cache {
     void count_step(llama_expert_cache_layer & L, int phase, const llama_expert_cache_ids & ids);
     void wait_admissions(llama_expert_cache_layer & L);
     void upload_admissions(llama_expert_cache_layer & L, int32_t n_admit, bool background, bool any_wait);
+    void compute_experts(llama_expert_cache_worker & w, llama_expert_cache_layer & L, ggml_tensor * dst,
+                         int64_t e_begin, int64_t e_end);
+    void size_workers(const llama_expert_cache_layer & L, int64_t n_entries, int64_t n_tokens, int64_t n_embd_in);
     ggml_tensor * build_recipe(const llama_expert_cache_layer & L, ggml_context * pctx, ggml_tensor * x, ggml_tensor * xi, int64_t n_miss);
 
     llama_expert_cache_layer * layer(int32_t il);
@@ -181,10 +195,10 @@ struct llama_expert_cache {
     std::map<ggml_backend_dev_t, ggml_backend_t> upload_backends; // owned
     size_t device_bytes = 0;
 
-    // CPU miss path: a private CPU backend and one arena reused by every step (steps run one at a time)
-    ggml_backend_t       cpu_backend = nullptr; // owned
-    std::vector<uint8_t> arena;
-    ggml_context *       arena_ctx = nullptr; // owned; over the arena, made at graph build, reset per step
+    // CPU miss path: one worker per thread of the graph (n_threads of them), reused by every step
+    std::vector<llama_expert_cache_worker> workers;
+    std::atomic<int64_t> cpu_t0{0};   // the step's first worker start (us)
+    std::atomic<int32_t> cpu_done{0}; // threads of the step's node that finished
     std::map<const ggml_tensor *, std::vector<uint8_t>> host_mirror; // small device weights (biases) copied once
 
     bool    trace_on = false;
