@@ -125,18 +125,23 @@ def decode_counts(engine: Engine) -> np.ndarray | None:
     return engine.routing_counts(DECODE).astype(np.float64)
 
 
+def decode_tokens(geometry: ModelGeometry, counts: np.ndarray) -> float:
+    """Tokens a [n_layer, n_expert] count array stands for: each routes k experts in every MoE layer."""
+    return float(counts.sum()) / (geometry.n_expert_used * max(1, len(geometry.moe_layers)))
+
+
 def fold_into_profile(model: Path, geometry: ModelGeometry, counts: np.ndarray | None, source: str,
                       path: Path | None = None, timeout: float | None = None,
                       on_wait: Callable[[str], None] | None = None) -> RoutingProfile | None:
-    """Add a run's decode counts to the model's profile (locked, atomic). Returns the new profile.
-
-    A failed save keeps the counts in a pending side file and raises SaveError naming it."""
+    """Add a run's decode counts to the model's profile (locked, atomic): chat, serve and bench
+    fold through here, `spark profile` (prefill and the step ring too) through profile_store.fold
+    directly. Returns the new profile; a failed save keeps the counts in a pending side file and
+    raises SaveError naming it."""
     if counts is None or counts.sum() <= 0:
         return None
     if counts.shape != (geometry.n_layer, geometry.n_expert):
         raise ProfileError(f"routing counts of shape {counts.shape} do not match the model")
-    n_moe = max(1, len(geometry.moe_layers))
-    tokens = float(counts.sum()) / (geometry.n_expert_used * n_moe)
+    tokens = decode_tokens(geometry, counts)
     d = profile_store.delta(geometry.identity(), None, counts, 0.0, tokens, source)
     return profile_store.fold(path or profile_path_for(model), geometry.identity(), d,
                               timeout=lock_timeout_default() if timeout is None else timeout,

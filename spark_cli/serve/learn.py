@@ -53,7 +53,7 @@ class Learner:
                 msg = e.one_line() if isinstance(e, SparkError) else str(e)
                 print(f"warning: routing counts not folded: {msg}", file=sys.stderr)
                 return 0.0
-            n = float(counts.sum()) / (self.geometry.n_expert_used * max(1, len(self.geometry.moe_layers)))
+            n = session.decode_tokens(self.geometry, counts)
             self.folded_tokens += n
             return n
 
