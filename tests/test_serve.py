@@ -22,7 +22,7 @@ from spark_cli.core.gguf_info import load_geometry
 from spark_cli.core.profile import RoutingProfile, profile_path_for
 from spark_cli.native.rpc import RpcServer, free_port
 from spark_cli.serve.app import ServerState, create_app
-from spark_cli.serve.generation import StopFilter
+from spark_cli.native.generate import StopFilter
 from spark_cli.serve.learn import Learner
 from spark_cli.serve.protocol import ApiError, ChatRequest, parse
 from spark_cli.serve.stats import ServerStats

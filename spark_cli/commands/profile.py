@@ -23,7 +23,7 @@ from typer.core import TyperGroup
 from ..errors import PlanError, ProfileError, SparkError, UsageError
 from ..core.options import LoadFlags
 from ..runs.profiling import (CAPTURE_MODES, Gathered, StopFlag, _Capture, dropped_warning, gather,  # noqa: F401
-                              open_engine, resolve_capture, split_held_out)
+                              profiling_options, resolve_capture, split_held_out)
 from .common import JSON_HELP, console, err_console, model_flags, model_or_demo
 
 DEFAULT_RESIDENCIES = "0.4,0.6,0.8"
@@ -183,42 +183,75 @@ def run_cmd(
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
     flags: LoadFlags = None,
 ) -> None:
-    from ..native import faults
-    from ..core import profile_store
-    from ..runs import session
-    from ..files.atomic import check_output, lock_timeout_default
-    from ..files.corpus import CorpusError, bundled_corpus, make_chunks, read_corpus
-    from ..core.gguf_info import load_geometry
-    from ..core.options import context_size
-    from ..core.profile import RESET_HINT, RoutingProfile, profile_path_for
-    from ..files.recovery import save_or_recover
-
     say = err_console if as_json else console
     residencies = _parse_floats(residency, "--residency", 0.0, 1.0)
     if capture not in CAPTURE_MODES:
         raise UsageError(f"--capture {capture}: expected one of {', '.join(CAPTURE_MODES)}")
+    from ..files.atomic import check_output
 
     for flag, out in (("--trace", trace), ("--plot", plot)):  # before the run, not after it
         if out is not None:
             check_output(out, flag)
-    model = model_or_demo(model)
+    job = _prepare(model_or_demo(model), corpus, gen, profile, reset, flags, say)
+    g, n_chunks, mode = _gather_corpus(job, flags, capture, gen, keep_trace=True, full_trace=trace is not None or held_out > 0,
+                                       say=say)
+    if g.tokens == 0:
+        say.print("interrupted before any routing was recorded: the profile is unchanged")
+        raise typer.Exit(130)
+    failures: list[SparkError] = []
+    saved = _save_profile(job, g, n_chunks, failures, say)
+    counts, what = _report_run(job, g, trace, held_out, residencies, failures, say)
+    if plot is not None:
+        _save_plot(job, counts, what, plot, failures, say)
+    if as_json:
+        typer.echo(json.dumps({"profile": str(job.prof_path), "saved": saved is not None, "capture": mode,
+                               "chunks": n_chunks, **g.summary(), "routing": what.split(" ")[0]}))
+    for e in failures[:-1]:
+        err_console.print(f"[bold red]error:[/] {escape(e.one_line())}", soft_wrap=True)
+    if failures:
+        raise failures[-1]
+    if g.interrupted:
+        raise typer.Exit(130)
+
+
+@dataclass
+class _ProfileJob:
+    """What a profiling run reads: the model, its profile, the corpus; fixed before the engine opens."""
+
+    model: Path
+    geometry: Any
+    ctx: int
+    max_len: int
+    prof_path: Path
+    old: Any  # the profile before the run, or None
+    corpus_path: Path
+    docs: Any
+
+
+def _prepare(model: Path, corpus: Path | None, gen: int, profile: Path | None, reset: bool, flags: LoadFlags,
+             say) -> _ProfileJob:
+    """Everything a run can refuse before it loads the model: context, profile, corpus."""
+    from ..core import profile_store
+    from ..core.gguf_info import load_geometry
+    from ..core.options import context_size
+    from ..core.profile import RESET_HINT, RoutingProfile, profile_path_for
+    from ..files.corpus import bundled_corpus, read_corpus
+
     geometry = load_geometry(model, require_moe=True)
     ctx = context_size(flags.ctx_size, geometry.context_length)
     max_len = ctx - gen
     if max_len < 16:
         raise UsageError(f"--ctx-size {ctx} leaves {max_len} tokens per chunk after --gen {gen}",
                          hint="raise -c or lower --gen")
-    ident = geometry.identity()
     prof_path = Path(profile) if profile else profile_path_for(model)
     if reset:
         aside = profile_store.reset(prof_path)
         if aside is not None:
             say.print(f"moved {prof_path} aside to {aside.name}: starting a fresh profile")
     try:  # refuse early
-        old = RoutingProfile.load(prof_path, expect=ident) if prof_path.exists() else None
+        old = RoutingProfile.load(prof_path, expect=geometry.identity()) if prof_path.exists() else None
     except ProfileError as e:
         raise ProfileError(e.message, hint=RESET_HINT.replace("MODEL", str(model))) from None
-
     corpus_path = Path(corpus) if corpus else bundled_corpus()
     docs = read_corpus(corpus_path)
     say.print(f"corpus {corpus_path}{' (bundled sample)' if corpus is None else ''}: {docs.summary()}")
@@ -226,104 +259,132 @@ def run_cmd(
         err_console.print(f"[yellow]warning:[/] cannot read {p}: {why}")
     if len(docs.unreadable) > 5:
         err_console.print(f"[yellow]warning:[/] ... and {len(docs.unreadable) - 5} more unreadable files")
+    return _ProfileJob(model, geometry, ctx, max_len, prof_path, old, corpus_path, docs)
 
+
+def _chunks(job: _ProfileJob, engine) -> list:
+    from ..files.corpus import CorpusError, make_chunks
+
+    prefix = engine.tokenize("", add_special=True)
+    chunks = list(make_chunks(
+        job.docs.documents, job.max_len,
+        tokenize=lambda text, special: engine.tokenize(text, add_special=False, parse_special=special),
+        render_chat=lambda msgs: engine.chat_prompt(msgs, add_generation_prompt=False),
+        prefix=prefix))
+    if not chunks:
+        raise CorpusError(f"--corpus {job.corpus_path}: no document gives two tokens or more")
+    return chunks
+
+
+def _keep_on_loss(job: _ProfileJob, g: Gathered):
+    """The device died: fold the chunks done so far (a faults keeper)."""
+    from ..core import profile_store
+
+    def keep() -> str | None:
+        if g.tokens == 0:
+            return None
+        d = profile_store.delta(job.geometry.identity(), g.prefill, g.decode, g.tokens_prefill, g.tokens_decode,
+                                f"profile {job.corpus_path.name} (device lost)")
+        try:
+            profile_store.fold(job.prof_path, job.geometry.identity(), d, timeout=5.0)
+        except SparkError as e:
+            return e.one_line()
+        return f"{g.tokens:,} tokens of {g.chunks_done} chunks folded into {job.prof_path}"
+    return keep
+
+
+def _gather_corpus(job: _ProfileJob, flags: LoadFlags, capture: str, gen: int, *, keep_trace: bool,
+                   full_trace: bool, say) -> tuple[Gathered, int, str]:
+    """The run sequence of profiling: open the engine, chunk the corpus, gather under the
+    device-loss keeper with a progress bar (Ctrl-C keeps what was gathered)."""
+    from ..runs import run, session
+
+    geometry = job.geometry
     mode = resolve_capture(capture)
-    full_trace = trace is not None or held_out > 0
-    keep_trace = True  # at least the decode steps: the profile keeps a ring of recent ones
     # NOTE: one ubatch per eval: every piece of a chunk is one prefill step
-    n_batch = min(session.ubatch_size(flags), ctx)
-    base = session.engine_options(model, geometry, None, flags, n_ctx=ctx, learn=False)
+    n_batch = min(session.ubatch_size(flags), job.ctx)
+    base = session.engine_options(job.model, geometry, None, flags, n_ctx=job.ctx, learn=False)
     base.n_batch = base.n_ubatch = n_batch
-    engine = open_engine(base, geometry, mode, keep_trace,
-                         note=lambda msg: say.print(f"[yellow]note:[/] {msg}"))
-    try:
-        prefix = engine.tokenize("", add_special=True)
-        chunks = list(make_chunks(
-            docs.documents, max_len,
-            tokenize=lambda text, special: engine.tokenize(text, add_special=False, parse_special=special),
-            render_chat=lambda msgs: engine.chat_prompt(msgs, add_generation_prompt=False),
-            prefix=prefix))
-        if not chunks:
-            raise CorpusError(f"--corpus {corpus_path}: no document gives two tokens or more")
-        n_docs_cut = _count_cut(chunks)
+    g = Gathered(np.zeros((geometry.n_layer, geometry.n_expert)), np.zeros((geometry.n_layer, geometry.n_expert)))
+    opts = profiling_options(base, mode, keep_trace)
+    with run.engine_run(opts, "cpu", geometry.fingerprint, keep=_keep_on_loss(job, g),
+                        host_layers=list(geometry.moe_layers),
+                        on_why=lambda msg: say.print(f"[yellow]note:[/] {msg}")) as engine:
+        chunks = _chunks(job, engine)
         where = ", ".join(d.name for d in engine.devices) or "CPU"
-        say.print(f"model {model.name}: {len(geometry.moe_layers)} MoE layers x {geometry.n_expert} experts, "
-                      f"top-{geometry.n_expert_used}; {geometry.arch} on {where}; capture: "
-                      + ("native counters" if mode == "native" else "eval callback")
-                      + ("" if mode == "native" or capture == "callback" else " (this build has no expert cache)"))
+        say.print(f"model {job.model.name}: {len(geometry.moe_layers)} MoE layers x {geometry.n_expert} experts, "
+                  f"top-{geometry.n_expert_used}; {geometry.arch} on {where}; capture: "
+                  + ("native counters" if mode == "native" else "eval callback")
+                  + ("" if mode == "native" or capture == "callback" else " (this build has no expert cache)"))
         total = sum(len(c.tokens) for c in chunks) + gen * len(chunks)
-        say.print(f"profiling {len(chunks)} chunks of up to {max_len} tokens"
-                      + (f" ({n_docs_cut} documents longer than the context were cut)" if n_docs_cut else "")
-                      + (f", {gen} decoded tokens after each" if gen else "")
-                      + ": Ctrl-C stops and keeps what was gathered")
+        n_docs_cut = _count_cut(chunks)
+        say.print(f"profiling {len(chunks)} chunks of up to {job.max_len} tokens"
+                  + (f" ({n_docs_cut} documents longer than the context were cut)" if n_docs_cut else "")
+                  + (f", {gen} decoded tokens after each" if gen else "")
+                  + ": Ctrl-C stops and keeps what was gathered")
         cap = _Capture(engine, mode, geometry.n_layer, geometry.n_expert, geometry.fingerprint, keep_trace)
         cap.decode_only = not full_trace
         progress = Progress(TextColumn("{task.description}"), BarColumn(),
                             TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"), _RateColumn(),
                             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                             console=say)
-        g = Gathered(np.zeros((geometry.n_layer, geometry.n_expert)), np.zeros((geometry.n_layer, geometry.n_expert)))
-
-        def keep_on_loss() -> str | None:  # the device died: fold the chunks done so far
-            if g.tokens == 0:
-                return None
-            d = profile_store.delta(ident, g.prefill, g.decode, g.tokens_prefill, g.tokens_decode,
-                                    f"profile {corpus_path.name} (device lost)")
-            try:
-                profile_store.fold(prof_path, ident, d, timeout=5.0)
-            except SparkError as e:
-                return e.one_line()
-            return f"{g.tokens:,} tokens of {g.chunks_done} chunks folded into {prof_path}"
-
-        with StopFlag() as stop, progress, faults.keeper(keep_on_loss):
+        with StopFlag() as stop, progress:
             task = progress.add_task("profiling", total=total)
             gather(engine, cap, chunks, gen, stop,
                    advance=lambda n: progress.advance(task, n),
                    drop=lambda n: progress.update(task, total=progress.tasks[0].total - n),
                    n_batch=n_batch, into=g)
-    finally:
-        engine.close()
+    return g, len(chunks), mode
 
-    if g.tokens == 0:
-        say.print("interrupted before any routing was recorded: the profile is unchanged")
-        raise typer.Exit(130)
-    source = f"profile {corpus_path.name}" + (" (interrupted)" if g.interrupted else "")
-    failures: list[SparkError] = []
+
+def _save_profile(job: _ProfileJob, g: Gathered, n_chunks: int, failures: list, say):
+    """Fold the run (counts and its recent decode steps) into the profile; a failure is kept for the end."""
+    from ..core import profile_store
+    from ..files.atomic import lock_timeout_default
+
+    ident = job.geometry.identity()
+    source = f"profile {job.corpus_path.name}" + (" (interrupted)" if g.interrupted else "")
     saved = None
     try:
         saved = profile_store.fold(
-            prof_path, ident, _with_recent(profile_store.delta(ident, g.prefill, g.decode, g.tokens_prefill,
-                                                               g.tokens_decode, source), g.traces),
+            job.prof_path, ident, _with_recent(profile_store.delta(ident, g.prefill, g.decode, g.tokens_prefill,
+                                                                   g.tokens_decode, source), g.traces),
             timeout=lock_timeout_default(),
             on_wait=lambda msg: err_console.print(f"[yellow]{escape(msg)}[/]")).profile
     except SparkError as e:  # the counts went to a pending file; trace and plot are still written
         failures.append(e)
     rate = g.tokens / g.seconds if g.seconds > 0 else 0.0
     say.print(f"{'[yellow]interrupted:[/] kept ' if g.interrupted else 'profiled '}"
-                  f"{g.tokens:,} tokens ({g.tokens_prefill:,} prefill + {g.tokens_decode:,} decode) from "
-                  f"{g.chunks_done}/{len(chunks)} chunks in {g.seconds:.1f} s: {rate:,.1f} tok/s")
+              f"{g.tokens:,} tokens ({g.tokens_prefill:,} prefill + {g.tokens_decode:,} decode) from "
+              f"{g.chunks_done}/{n_chunks} chunks in {g.seconds:.1f} s: {rate:,.1f} tok/s")
     if saved is not None:
-        say.print(f"{'updated' if old else 'new'} profile {prof_path}: {saved.tokens_prefill:,.0f} prefill + "
-                      f"{saved.tokens_decode:,.0f} decode tokens")
-
+        say.print(f"{'updated' if job.old else 'new'} profile {job.prof_path}: {saved.tokens_prefill:,.0f} prefill + "
+                  f"{saved.tokens_decode:,.0f} decode tokens")
     if saved is not None and saved.recent is not None:
         say.print(f"recent decode steps kept in the profile: {len(saved.recent):,} "
-                      f"(at most {saved.recent_capacity(len(saved.recent_layers), saved.recent.shape[2]):,})")
-    if g.traces and full_trace:
+                  f"(at most {saved.recent_capacity(len(saved.recent_layers), saved.recent.shape[2]):,})")
+    return saved
+
+
+def _report_run(job: _ProfileJob, g: Gathered, trace: Path | None, held_out: float, residencies, failures: list,
+                say):
+    """The trace file, dropped steps, the run's skew and the held-out check; returns the counts shown."""
+    from ..files.recovery import save_or_recover
+
+    if g.traces and (trace is not None or held_out > 0):
         from ..core.trace import concat
 
         full = concat(g.traces)
         if trace is not None:
             try:
-                save_or_recover(lambda p: full.save(p, "--trace"), trace, beside=model.parent)
+                save_or_recover(lambda p: full.save(p, "--trace"), trace, beside=job.model.parent)
                 say.print(f"trace {trace}: {full.n_rows:,} token rows")
             except SparkError as e:
                 failures.append(e)
-
     dropped = dropped_warning(g)
     if dropped:
         err_console.print(f"[yellow]warning:[/] {escape(dropped)}", soft_wrap=True)
-    counts, what = _print_skew(g.prefill, g.decode, geometry.n_expert_used, "this run's ", to=say)
+    counts, what = _print_skew(g.prefill, g.decode, job.geometry.n_expert_used, "this run's ", to=say)
     if held_out > 0:
         if not g.traces:
             say.print("[yellow]held-out:[/] no trace was gathered")
@@ -331,27 +392,22 @@ def run_cmd(
             train, test = split_held_out(g.traces, held_out)
             if test.n_decode == 0 or train.n_rows == 0:
                 say.print("[yellow]held-out:[/] the held-out part has no decode tokens; "
-                              "use --gen N and a corpus of several chunks")
+                          "use --gen N and a corpus of several chunks")
             else:
-                say.print(held_out_report(train, test, geometry, residencies))
-    if plot is not None:
-        from ..core.report import heatmap_png
+                say.print(held_out_report(train, test, job.geometry, residencies))
+    return counts, what
 
-        try:
-            save_or_recover(lambda p: heatmap_png(counts, p, f"{model.name}: {what.split(' ')[0]} routing share",
-                                                  "--plot"), plot, beside=model.parent)
-            say.print(f"heatmap {plot}")
-        except SparkError as e:
-            failures.append(e)
-    if as_json:
-        typer.echo(json.dumps({"profile": str(prof_path), "saved": saved is not None, "capture": mode,
-                               "chunks": len(chunks), **g.summary(), "routing": what.split(" ")[0]}))
-    for e in failures[:-1]:
-        err_console.print(f"[bold red]error:[/] {escape(e.one_line())}", soft_wrap=True)
-    if failures:
-        raise failures[-1]
-    if g.interrupted:
-        raise typer.Exit(130)
+
+def _save_plot(job: _ProfileJob, counts, what: str, plot: Path, failures: list, say) -> None:
+    from ..core.report import heatmap_png
+    from ..files.recovery import save_or_recover
+
+    try:
+        save_or_recover(lambda p: heatmap_png(counts, p, f"{job.model.name}: {what.split(' ')[0]} routing share",
+                                              "--plot"), plot, beside=job.model.parent)
+        say.print(f"heatmap {plot}")
+    except SparkError as e:
+        failures.append(e)
 
 
 def _count_cut(chunks: Sequence[Any]) -> int:

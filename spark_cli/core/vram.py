@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..errors import UsageError
 from .gguf_info import ModelGeometry
-from .units import GiB, MiB
+from .units import MiB
 
 # CUDA context, cuBLAS workspace and allocator slack that nvidia-smi shows before any tensor.
 DEVICE_OVERHEAD_BYTES = 300 * MiB

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import DeviceError, NativeError, SparkError, UsageError
+from ..errors import NativeError, SparkError
 
 CAPTURE_MODES = ("auto", "native", "callback")
 TRACE_MAX: int | None = None  # native trace capacity in int32 values (None: the library's default)
@@ -184,29 +184,22 @@ def resolve_capture(requested: str) -> str:
     return requested
 
 
-def open_engine(base, geometry, mode: str, keep_trace: bool, note: Callable[[str], None] = lambda msg: None):
-    """An engine with `base`'s options (EngineOptions) that reports routing by `mode`; experts
-    fall back to host RAM if the whole model does not load on the device."""
+def profiling_options(base, mode: str, keep_trace: bool):
+    """`base`'s options (EngineOptions) reporting routing by `mode`, without a cache."""
     import dataclasses
 
-    from ..native.engine import Engine
-
-    opts = dataclasses.replace(base, count_experts=mode == "native", trace=mode == "native" and keep_trace,
+    return dataclasses.replace(base, count_experts=mode == "native", trace=mode == "native" and keep_trace,
                                capture_topk=mode == "callback", cache_layers=[],
                                trace_max=TRACE_MAX if base.trace_max is None else base.trace_max)
-    try:
-        return Engine(opts)
-    except (NativeError, UsageError, DeviceError):
-        raise
-    except SparkError:
-        from ..native import devices
 
-        if not devices.select(devices.parse(opts.device, opts.rpc)):
-            raise
-        opts.host_layers = list(geometry.moe_layers)
-        engine = Engine(opts)
-        note("the model does not fit the device whole: expert weights stay in host RAM")
-        return engine
+
+def open_engine(base, geometry, mode: str, keep_trace: bool, note: Callable[[str], None] = lambda msg: None):
+    """An engine for profiling (run.open_engine): experts fall back to host RAM if the whole
+    model does not load on the device."""
+    from .run import open_engine as open_run
+
+    return open_run(profiling_options(base, mode, keep_trace), "cpu", geometry.fingerprint,
+                    host_layers=list(geometry.moe_layers), on_why=note)
 
 
 def _held_out_indices(n: int, frac: float) -> set[int]:

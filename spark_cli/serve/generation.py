@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ..native.generate import StopFilter  # noqa: F401 - the loop holds back stop strings
 from ..runs.chat_session import Answer, ChatSession, Sampling, _Learned
 from ..errors import SparkError
 
