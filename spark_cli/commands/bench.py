@@ -243,7 +243,8 @@ def register(app: typer.Typer) -> None:
                 notes.append("device: a local RPC stand-in GPU (--rpc auto): its speed is the CPU's; "
                              "compare the cold-hit and upload figures")
             report = bench.Report(path, g, budget, source, ctx, n_prompt, n_gen, reps,
-                                  devs[0].name if devs else "CPU", str(corpus_path or "bundled corpus"), notes=notes)
+                                  devs[0].name if devs else "CPU", str(corpus_path or "bundled corpus"), notes=notes,
+                                  cpu_threads=(base.threads, base.threads_batch))
             if any(n.startswith("spark") for n in names):
                 info = session.load_profile(path, g)
                 if info.warning():

@@ -77,6 +77,16 @@ class EngineOptions:
     use_mlock: bool = False
     repack: bool = True                # allow CPU weight repacking where no cache needs plain layout
 
+    @property
+    def threads(self) -> int:
+        """CPU threads of decode steps (-t): llama.cpp's and the CPU miss path's."""
+        return self.n_threads or os.cpu_count() or 1
+
+    @property
+    def threads_batch(self) -> int:
+        """CPU threads of multi-token steps (-tb; default -t)."""
+        return self.n_threads_batch or self.threads
+
 
 
 
@@ -445,13 +455,11 @@ class Engine:
 
     @property
     def cpu_threads(self) -> int:
-        """CPU threads of decode steps (-t): llama.cpp's and the CPU miss path's."""
-        return self.opts.n_threads or os.cpu_count() or 1
+        return self.opts.threads
 
     @property
     def cpu_threads_batch(self) -> int:
-        """CPU threads of multi-token steps (-tb; default -t)."""
-        return self.opts.n_threads_batch or self.cpu_threads
+        return self.opts.threads_batch
 
     @property
     def cache_enabled(self) -> bool:

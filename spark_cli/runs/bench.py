@@ -328,7 +328,7 @@ def accounting(r: Result, g: ModelGeometry) -> dict[str, float | str | None]:
     background, and host expert bytes the CPU computed with. Stock layers on the CPU stop the
     device once each (it hands the routed ids and activations over) and read k experts each."""
     keys = ("syncs_per_token", "blocking_upload_bytes_per_token", "async_upload_bytes_per_token",
-            "cpu_expert_bytes_per_token")
+            "cpu_expert_bytes_per_token", "cpu_us_per_expert")
     if not r.runs:
         return {"miss_path": r.miss_path or None, **{k: None for k in keys}}
     k = g.n_expert_used
@@ -337,12 +337,15 @@ def accounting(r: Result, g: ModelGeometry) -> dict[str, float | str | None]:
         cpu_bytes = sum(k * l.expert_bytes / max(g.n_expert, 1) for l in g.layers if l.index in host)
         syncs = 0.0 if r.config.kind == "cpu" else float(len(host) + 1)
         return {"miss_path": None, "syncs_per_token": syncs, "blocking_upload_bytes_per_token": 0.0,
-                "async_upload_bytes_per_token": 0.0, "cpu_expert_bytes_per_token": cpu_bytes}
+                "async_upload_bytes_per_token": 0.0, "cpu_expert_bytes_per_token": cpu_bytes,
+                "cpu_us_per_expert": None}
     n, c = max(r.decode_tokens, 1), r.cache
     return {"miss_path": r.miss_path or None, "syncs_per_token": c.syncs / n + 1,
             "blocking_upload_bytes_per_token": c.blocking_upload_bytes / n,
             "async_upload_bytes_per_token": c.async_upload_bytes / n,
-            "cpu_expert_bytes_per_token": c.cpu_expert_bytes / n}
+            "cpu_expert_bytes_per_token": c.cpu_expert_bytes / n,
+            # wall time of the CPU miss path per CPU-computed expert (decode steps, at cpu_threads)
+            "cpu_us_per_expert": c.cpu_us / c.cpu_experts if c.cpu_experts else None}
 
 
 def describe_paths(picks: dict[int, str]) -> str:
@@ -552,6 +555,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     interrupted: bool = False
     baseline: str | None = None  # best stock configuration by generation median
+    cpu_threads: tuple[int, int] | None = None  # (-t, -tb) of every configuration's engine
     ceiling: str | None = None
 
     def result(self, name: str) -> Result | None:
@@ -613,6 +617,8 @@ class Report:
             "device": self.device, "budget_bytes": self.budget_bytes, "budget_source": self.budget_source,
             "n_ctx": self.n_ctx, "n_prompt": self.n_prompt, "n_gen": self.n_gen,
             "repetitions": self.repetitions, "corpus": self.corpus,
+            "cpu_threads": self.cpu_threads[0] if self.cpu_threads else None,
+            "cpu_threads_batch": self.cpu_threads[1] if self.cpu_threads else None,
             "baseline": self.baseline, "ceiling": self.ceiling,
             "targets": self.targets(), "notes": list(self.notes), "interrupted": self.interrupted,
             "configs": configs,
@@ -671,6 +677,12 @@ def rows(report: Report) -> list[dict[str, str]]:
 def footnotes(report: Report) -> list[str]:
     """Why a configuration did not run, was cut short, or repeats another."""
     out = []
+    threads = report.cpu_threads
+    for r in report.results:
+        per = accounting(r, report.geometry).get("cpu_us_per_expert")
+        if per is not None and threads:
+            out.append(f"{r.config.label}: CPU miss path {per:.0f} us per expert on {threads[0]} "
+                       f"thread{'s' if threads[0] != 1 else ''} (-t; -tb {threads[1]})")
     for r in report.results:
         why = r.reason or r.config.note
         if r.same_as:
