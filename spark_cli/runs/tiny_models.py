@@ -9,6 +9,7 @@ rebuilt bit-identically from its name and seed.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from pathlib import Path
 from typing import Any, Callable
@@ -149,6 +150,8 @@ def _moe_kvs(m: _Tiny, n_expert: int, k: int, n_ff: int, n_head_kv: int, head: i
     m.kv("expert_used_count", k)
 
 
+# ---------------------------------------------------------------- the first five families
+
 def _qwen3moe(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
     # Qwen3-30B-A3B layout: q/k norms, head_dim * n_head != n_embd, no shared expert
     head, n_kv, n_expert, k, n_ff = 32, 2, 16, 4, 32
@@ -257,6 +260,192 @@ def _gpt_oss(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
     m.kv("attention.sliding_window", 16)
 
 
+# ---------------------------------------------------------------- hybrid gated-delta-net families
+
+# Gated delta net geometry (llama.cpp's names): head_k_dim = head_v_dim = ssm.state_size,
+# ssm.group_count K heads, ssm.time_step_rank V heads, ssm.inner_size = head_v_dim * V heads.
+_GDN = dict(d_conv=4, state=16, k_heads=2, v_heads=4)
+
+
+def _gdn_kvs(m: _Tiny) -> None:
+    g = _GDN
+    m.kv("ssm.conv_kernel", g["d_conv"])
+    m.kv("ssm.state_size", g["state"])
+    m.kv("ssm.group_count", g["k_heads"])
+    m.kv("ssm.time_step_rank", g["v_heads"])
+    m.kv("ssm.inner_size", g["state"] * g["v_heads"])
+
+
+def _gdn_layer(m: _Tiny, il: int, n_embd: int, legacy: bool) -> None:
+    """A linear-attention (gated delta net) layer: Qwen3.5's split projections (attn_qkv,
+    attn_gate, ssm_beta, ssm_alpha) or Qwen3-Next's legacy fused ones (ssm_in, ssm_ba)."""
+    g = _GDN
+    key_dim, value_dim = g["state"] * g["k_heads"], g["state"] * g["v_heads"]
+    conv_dim = 2 * key_dim + value_dim
+    if legacy:
+        m.add(f"blk.{il}.ssm_in.weight", (n_embd, 2 * key_dim + 2 * value_dim))
+        m.add(f"blk.{il}.ssm_ba.weight", (n_embd, 2 * g["v_heads"]))
+    else:
+        m.add(f"blk.{il}.attn_qkv.weight", (n_embd, conv_dim))
+        m.add(f"blk.{il}.attn_gate.weight", (n_embd, value_dim))
+        m.add(f"blk.{il}.ssm_beta.weight", (n_embd, g["v_heads"]))
+        m.add(f"blk.{il}.ssm_alpha.weight", (n_embd, g["v_heads"]))
+    m.add(f"blk.{il}.ssm_conv1d.weight", (g["d_conv"], conv_dim))
+    m.add(f"blk.{il}.ssm_dt.bias", (g["v_heads"],), "bias")
+    m.add(f"blk.{il}.ssm_a", (g["v_heads"],), "decay")
+    m.add(f"blk.{il}.ssm_norm.weight", (g["state"],), "norm")
+    m.add(f"blk.{il}.ssm_out.weight", (value_dim, n_embd))
+
+
+def _gated_attn(m: _Tiny, il: int, n_embd: int, n_head: int, n_kv: int, head: int) -> None:
+    """Qwen3-Next / Qwen3.5 full attention: q carries a sigmoid output gate (2 x rows), q/k norms."""
+    _gqa(m, il, n_embd, n_head, n_kv, head, bias=False, q_rows=2 * n_head * head)
+    m.add(f"blk.{il}.attn_q_norm.weight", (head,), "norm")
+    m.add(f"blk.{il}.attn_k_norm.weight", (head,), "norm")
+
+
+def _gated_shexp(m: _Tiny, il: int, n_embd: int, n_ff_sh: int) -> None:
+    m.add(f"blk.{il}.ffn_gate_inp_shexp.weight", (n_embd,))
+    m.dense_ffn(il, n_embd, n_ff_sh, "_shexp")
+
+
+def _qwen35moe(m: _Tiny, n_embd: int, n_head: int, n_layer: int, fused: bool = True, mtp: bool = False,
+               qtype: QT = QT.Q8_0) -> int:
+    # Qwen3.6-35B-A3B layout: 3 of 4 layers gated delta net (recurrent state), every 4th full
+    # attention with an output gate and interleaved M-RoPE over a quarter of the head; routed
+    # experts with fused or separate gate/up, one sigmoid-gated shared expert; optionally one
+    # MTP block after the trunk (nextn_predict_layers = 1; llama.cpp skips it unless asked)
+    head, n_kv, n_expert, k, n_ff, n_ff_sh, interval = 32, 2, 16, 4, 32, 32, 4
+    for il in range(n_layer + int(mtp)):
+        _attn_norms(m, il, n_embd)
+        m.add(f"blk.{il}.post_attention_norm.weight", (n_embd,), "norm")
+        if il >= n_layer or (il + 1) % interval == 0:
+            _gated_attn(m, il, n_embd, n_head, n_kv, head)
+        else:
+            _gdn_layer(m, il, n_embd, legacy=False)
+        m.experts(il, n_embd, n_ff, n_expert, qtype, fused=fused)
+        _gated_shexp(m, il, n_embd, n_ff_sh)
+        if il >= n_layer:
+            m.add(f"blk.{il}.nextn.eh_proj.weight", (2 * n_embd, n_embd))
+            m.add(f"blk.{il}.nextn.enorm.weight", (n_embd,), "norm")
+            m.add(f"blk.{il}.nextn.hnorm.weight", (n_embd,), "norm")
+            m.add(f"blk.{il}.nextn.shared_head_norm.weight", (n_embd,), "norm")
+    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=n_kv, head=head, n_ff_dense=n_ff * k)
+    m.kv("expert_shared_feed_forward_length", n_ff_sh)
+    m.kv("rope.freq_base", 10000000.0)
+    m.kv("rope.dimension_count", head // 2)
+    m.kv("rope.dimension_sections", [3, 3, 2, 0])  # t, h, w: sums to rope dims / 2
+    m.kv("full_attention_interval", interval)
+    _gdn_kvs(m)
+    if mtp:
+        m.kv("nextn_predict_layers", 1)
+    return n_layer + int(mtp)
+
+
+def _qwen3next(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
+    # Qwen3-Next-80B-A3B layout: hybrid like Qwen3.5 but with the legacy fused linear-attention
+    # projections (ssm_in = q|k|v|z per K head, ssm_ba), plain partial RoPE, separate gate/up.
+    # No full_attention_interval key: llama.cpp's default and models.toml's (4) apply.
+    head, n_kv, n_expert, k, n_ff, n_ff_sh, interval = 32, 2, 16, 4, 32, 64, 4
+    for il in range(n_layer):
+        _attn_norms(m, il, n_embd)
+        m.add(f"blk.{il}.post_attention_norm.weight", (n_embd,), "norm")
+        if (il + 1) % interval == 0:
+            _gated_attn(m, il, n_embd, n_head, n_kv, head)
+        else:
+            _gdn_layer(m, il, n_embd, legacy=True)
+        m.experts(il, n_embd, n_ff, n_expert, QT.Q8_0)
+        _gated_shexp(m, il, n_embd, n_ff_sh)
+    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=n_kv, head=head, n_ff_dense=n_ff * k)
+    m.kv("expert_shared_feed_forward_length", n_ff_sh)
+    m.kv("rope.freq_base", 10000000.0)
+    m.kv("rope.dimension_count", head // 2)
+    _gdn_kvs(m)
+
+
+# ---------------------------------------------------------------- other attention MoE families
+
+def _laguna(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
+    # Laguna XS.2 layout: one leading dense layer; full attention at layer % 4 == 0 (YaRN over
+    # part of the head), sliding-window layers with more heads (per-layer head counts) and
+    # plain RoPE; a per-head softplus output gate, q/k norms; sigmoid routing with
+    # exp_probs_b, one ungated shared expert
+    head, n_kv, n_expert, k, n_ff, n_ff_sh, n_ff_dense, n_dense = 32, 2, 16, 4, 32, 32, 128, 1
+    heads = [n_head if il % 4 == 0 else n_head + 2 for il in range(n_layer)]
+    for il, nh in enumerate(heads):
+        _attn_norms(m, il, n_embd)
+        _gqa(m, il, n_embd, nh, n_kv, head, bias=False)
+        m.add(f"blk.{il}.attn_q_norm.weight", (head,), "norm")
+        m.add(f"blk.{il}.attn_k_norm.weight", (head,), "norm")
+        m.add(f"blk.{il}.attn_gate.weight", (n_embd, nh))
+        m.add(f"blk.{il}.ffn_norm.weight", (n_embd,), "norm")
+        if il < n_dense:
+            m.dense_ffn(il, n_embd, n_ff_dense)
+            continue
+        m.experts(il, n_embd, n_ff, n_expert, QT.Q5_0)
+        m.add(f"blk.{il}.exp_probs_b.bias", (n_expert,), "bias")
+        m.dense_ffn(il, n_embd, n_ff_sh, "_shexp")
+    m.kv("attention.head_count", heads)
+    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=n_kv, head=head, n_ff_dense=n_ff_dense)
+    m.kv("expert_shared_feed_forward_length", n_ff_sh)
+    m.kv("leading_dense_block_count", n_dense)
+    m.kv("expert_gating_func", 2)  # sigmoid
+    m.kv("expert_weights_norm", True)
+    m.kv("expert_weights_scale", 2.5)
+    m.kv("attention.sliding_window", 16)  # no sliding_window_pattern: llama.cpp's and models.toml's period 4
+    m.kv("rope.freq_base", 500000.0)
+    m.kv("rope.dimension_count", head // 2)
+    m.kv("rope.scaling.type", "yarn")
+    m.kv("rope.scaling.factor", 4.0)
+    m.kv("rope.scaling.original_context_length", 512)
+    m.kv("rope.freq_base_swa", 10000.0)
+    m.kv("rope.dimension_count_swa", head)
+
+
+def _mixtral(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
+    # Mixtral 8x7B layout on the llama arch: GQA, 8 experts top-2, no shared expert
+    head, n_kv, n_expert, k, n_ff = n_embd // n_head, 2, 8, 2, 64
+    for il in range(n_layer):
+        _attn_norms(m, il, n_embd)
+        _gqa(m, il, n_embd, n_head, n_kv, head, bias=False)
+        m.add(f"blk.{il}.ffn_norm.weight", (n_embd,), "norm")
+        m.experts(il, n_embd, n_ff, n_expert, QT.Q4_0)
+    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=n_kv, head=head, n_ff_dense=n_ff)
+    m.kv("rope.freq_base", 1000000.0)
+    m.kv("rope.dimension_count", head)
+
+
+def _olmoe(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
+    # OLMoE-1B-7B layout: q/k norms over the whole projection (n_embd), no GQA, routing
+    # weights not renormalised, no shared expert
+    head, n_expert, k, n_ff = n_embd // n_head, 16, 4, 32
+    for il in range(n_layer):
+        _attn_norms(m, il, n_embd)
+        _gqa(m, il, n_embd, n_head, n_head, head, bias=False)
+        m.add(f"blk.{il}.attn_q_norm.weight", (n_embd,), "norm")
+        m.add(f"blk.{il}.attn_k_norm.weight", (n_embd,), "norm")
+        m.add(f"blk.{il}.ffn_norm.weight", (n_embd,), "norm")
+        m.experts(il, n_embd, n_ff, n_expert, QT.Q4_1)
+    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=n_head, head=head, n_ff_dense=n_ff)
+
+
+def _granitemoe(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
+    # Granite 3.x MoE layout (1B-A400M): GQA, embedding / residual / attention / logit scales,
+    # experts sized by feed_forward_length, no shared expert
+    head, n_kv, n_expert, k, n_ff = n_embd // n_head, 2, 8, 2, 32
+    for il in range(n_layer):
+        _attn_norms(m, il, n_embd)
+        _gqa(m, il, n_embd, n_head, n_kv, head, bias=False)
+        m.add(f"blk.{il}.ffn_norm.weight", (n_embd,), "norm")
+        m.experts(il, n_embd, n_ff, n_expert, QT.Q8_0)
+    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=n_kv, head=head, n_ff_dense=n_ff)
+    m.kv("rope.freq_base", 10000.0)
+    m.kv("embedding_scale", 12.0)
+    m.kv("residual_scale", 0.22)
+    m.kv("attention.scale", 1.0 / head)
+    m.kv("logit_scale", 6.0)
+
+
 # name -> (general.architecture, layout builder); a builder may return the block count (MTP blocks)
 _TINY: dict[str, tuple[str, Callable[..., int | None]]] = {
     "qwen3moe": ("qwen3moe", _qwen3moe),
@@ -264,6 +453,14 @@ _TINY: dict[str, tuple[str, Callable[..., int | None]]] = {
     "deepseek2": ("deepseek2", _deepseek2),
     "glm4moe": ("glm4moe", _glm4moe),
     "gpt-oss": ("gpt-oss", _gpt_oss),
+    "qwen35moe": ("qwen35moe", _qwen35moe),
+    "qwen35moe-split": ("qwen35moe", functools.partial(_qwen35moe, fused=False, qtype=QT.BF16)),
+    "qwen35moe-mtp": ("qwen35moe", functools.partial(_qwen35moe, mtp=True, qtype=QT.Q4_0)),
+    "qwen3next": ("qwen3next", _qwen3next),
+    "laguna": ("laguna", _laguna),
+    "llama": ("llama", _mixtral),
+    "olmoe": ("olmoe", _olmoe),
+    "granitemoe": ("granitemoe", _granitemoe),
 }
 TINY_MODELS: dict[str, str] = {name: arch for name, (arch, _) in _TINY.items()}
 TINY_ARCHES: tuple[str, ...] = tuple(TINY_MODELS)  # every name `--tiny` takes
