@@ -196,10 +196,11 @@ def test_demo_experts_are_distinct_rescaled_permutations(small_demo, smollm2):
 
 # ---------------------------------------------------------------- tiny models
 
-@pytest.mark.parametrize("arch", dm.TINY_ARCHES)
-def test_tiny_model_layout(tiny_models, arch):
-    r = _reader(tiny_models[arch])
+@pytest.mark.parametrize("name", dm.TINY_ARCHES)
+def test_tiny_model_layout(tiny_models, name):
+    r = _reader(tiny_models[name])
     f = r.fields
+    arch = dm.TINY_MODELS[name]  # a variant's name differs from its arch
     assert f["general.architecture"].contents() == arch
     n_expert = f[f"{arch}.expert_count"].contents()
     k = f[f"{arch}.expert_used_count"].contents()

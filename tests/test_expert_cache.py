@@ -100,7 +100,8 @@ def test_long_prefill_then_decode_is_exact(small_model, rpc_server):
     assert sum(s.blocking_upload_bytes for s in stats.values()) > 0  # decode misses: the upload path
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHES)
+# every tiny model on both miss paths with S = P + k: tests/test_families.py
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss"])
 def test_tiny_architectures_bit_exact(arch, tiny_models, rpc_server):
     _exactness(tiny_models[arch], rpc_server.endpoint, prompts=PROMPTS[:2])
 
@@ -280,9 +281,9 @@ def test_invalid_configurations_are_errors(case, match, small_model, rpc_server)
     assert "\n" not in e.value.one_line()
 
 
-@pytest.mark.parametrize("arch", ["deepseek2", "glm4moe"])
+@pytest.mark.parametrize("arch", ["deepseek2", "glm4moe", "laguna"])
 def test_a_dense_layer_is_not_moe(arch, tiny_models, rpc_server):
-    """A real dense layer (the leading dense block of deepseek2 and glm4moe) is refused: ERR_NOT_MOE."""
+    """A real dense layer (the leading dense block of deepseek2, glm4moe, laguna) is refused: ERR_NOT_MOE."""
     path = tiny_models[arch]
     g = load_geometry(path)
     dense = [l.index for l in g.layers if not l.is_moe and not l.is_nextn]

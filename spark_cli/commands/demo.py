@@ -18,20 +18,22 @@ def register(app: typer.Typer) -> None:
         n_expert: int = typer.Option(16, "--experts", "-E", help="experts per layer"),
         n_used: int = typer.Option(4, "--experts-used", "-k", help="experts used per token"),
         seed: int = typer.Option(0, "--seed", help="router seed"),
-        tiny: str = typer.Option(None, "--tiny", help="build a tiny random model of this architecture instead"),
+        tiny: str = typer.Option(None, "--tiny", help="build a tiny random model of this architecture (or variant, "
+                                 "e.g. qwen35moe-split) instead"),
         out_dir: Path = typer.Option(None, "--out-dir", help="folder (default: $SPARK_HOME/models)"),
     ) -> None:
         """Build (or reuse) the upcycled SmolLM2 MoE demo model; prints its path on the last line."""
         from ..files.atomic import check_folder
-        from ..runs.demo_model import TINY_ARCHES, build_demo_model, build_tiny_model
+        from ..runs.demo_model import build_demo_model
+        from ..runs.tiny_models import TINY_MODELS, build_tiny_model
 
         if seed < 0:
             raise UsageError(f"--seed {seed}: give 0 or more")
         if out_dir is not None:
             check_folder(out_dir, "--out-dir")
         if tiny is not None:
-            if tiny not in TINY_ARCHES:
-                raise UsageError(f"--tiny {tiny}: unknown architecture", hint="one of " + ", ".join(TINY_ARCHES))
+            if tiny not in TINY_MODELS:
+                raise UsageError(f"--tiny {tiny}: unknown architecture", hint="one of " + ", ".join(TINY_MODELS))
             with console.status(f"building tiny {tiny} model ..."):
                 path = build_tiny_model(tiny, seed=seed, out_dir=out_dir)
         else:

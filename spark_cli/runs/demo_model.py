@@ -4,9 +4,8 @@ The demo model keeps SmolLM2's Q4_1 weights: every expert is the dense FFN with 
 hidden neurons permuted in 32-row groups (same function, different bytes) and its down
 projection scaled a few percent, so each expert slice is distinct yet greedy output
 stays that of SmolLM2. A seeded router with uneven row norms skews expert popularity.
-The tiny models are random weights in the tensor layouts of other MoE families, with
-SmolLM2's tokenizer so that they tokenize text. Every file is cached and rebuilt
-bit-identically from its parameters.
+The tiny random models of every MoE family (tiny_models.py) share the GGUF writing here.
+Every file is cached and rebuilt bit-identically from its parameters.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -28,7 +26,6 @@ from typing import Any, Callable, Iterable
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
-from gguf.quants import quantize
 
 from ..files.atomic import atomic_write_with, file_lock, write_failure
 from ..errors import DownloadError, ModelFileError, SaveError
@@ -42,9 +39,6 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump when the bytes a build writes change, so stale cached files are not reused.
 DEMO_FORMAT_VERSION = 1
-TINY_FORMAT_VERSION = 1
-
-TINY_ARCHES = ("qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss")
 
 _Q4_1_BLOCK = 32  # values per Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles
 _Q4_1_BYTES = 20
@@ -309,236 +303,19 @@ def _stack_down(data: np.ndarray, perms: np.ndarray, scales: np.ndarray) -> np.n
     return out.reshape(len(perms), n_embd, nb)
 
 
-# ---------------------------------------------------------------- tiny random MoE models
-
-def tiny_model_name(arch: str, seed: int = 0) -> str:
-    return f"tiny-{arch}-s{seed}-v{TINY_FORMAT_VERSION}.gguf"
-
-
-def build_tiny_model(arch: str, seed: int = 0, out_dir: Path | str | None = None) -> Path:
-    """A few-MB random-weight MoE GGUF in the tensor layout of `arch` (one of TINY_ARCHES)."""
-    if arch not in TINY_ARCHES:
-        raise ValueError(f"arch: must be one of {', '.join(TINY_ARCHES)}, got {arch!r}")
-    out = Path(out_dir) if out_dir is not None else models_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / tiny_model_name(arch, seed)
-    return _cached_build(path, lambda p: _build_tiny(arch, seed, p))
-
-
-class _Tiny:
-    """Collects KVs and seeded random tensors for one tiny model."""
-
-    def __init__(self, arch: str, seed: int):
-        self.arch = arch
-        self.rng = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(arch.encode())]))
-        self.kvs: list[tuple[str, Any, GGUFValueType, Any]] = []
-        self.tensors: list[_Tensor] = []
-
-    def kv(self, key: str, val: Any) -> None:
-        vtype = {bool: GGUFValueType.BOOL, int: GGUFValueType.UINT32, float: GGUFValueType.FLOAT32,
-                 str: GGUFValueType.STRING}[type(val)]
-        self.kvs.append((f"{self.arch}.{key}", val, vtype, None))
-
-    def add(self, name: str, ggml_shape: tuple[int, ...], kind: str = "w", qtype: QT = QT.F32) -> None:
-        """Random tensor; kind: w (matrix, 1/sqrt(fan_in)), norm (~1), bias (small), embd (~1)."""
-        shape = tuple(reversed(ggml_shape))
-        x = self.rng.standard_normal(shape, dtype=np.float32)
-        if kind == "w":
-            x *= 1.0 / np.sqrt(ggml_shape[0])
-        elif kind == "norm":
-            x = 1.0 + 0.1 * x
-        elif kind == "bias":
-            x *= 0.05
-        if qtype == QT.F32:
-            self.tensors.append(_array_tensor(name, x))
-        elif qtype == QT.F16:
-            self.tensors.append(_array_tensor(name, x.astype(np.float16)))
-        else:
-            self.tensors.append(_array_tensor(name, quantize(x, qtype), qtype))
-
-    def router(self, name: str, n_embd: int, n_expert: int) -> None:
-        dirs = self.rng.standard_normal((n_expert, n_embd))
-        dirs /= np.linalg.norm(dirs, axis=1, keepdims=True)
-        gains = np.exp(0.6 * self.rng.standard_normal(n_expert))
-        self.tensors.append(_array_tensor(name, (dirs * 2.0 * gains[:, None]).astype(np.float32)))
-
-    def experts(self, il: int, n_embd: int, n_ff: int, n_expert: int, qtype: QT, bias: bool = False) -> None:
-        self.router(f"blk.{il}.ffn_gate_inp.weight", n_embd, n_expert)
-        for kind, shape in (("gate", (n_embd, n_ff, n_expert)), ("up", (n_embd, n_ff, n_expert)),
-                            ("down", (n_ff, n_embd, n_expert))):
-            self.add(f"blk.{il}.ffn_{kind}_exps.weight", shape, qtype=qtype)
-            if bias:
-                self.add(f"blk.{il}.ffn_{kind}_exps.bias", (shape[1], n_expert), "bias")
-
-    def dense_ffn(self, il: int, n_embd: int, n_ff: int, suffix: str = "") -> None:
-        self.add(f"blk.{il}.ffn_gate{suffix}.weight", (n_embd, n_ff))
-        self.add(f"blk.{il}.ffn_up{suffix}.weight", (n_embd, n_ff))
-        self.add(f"blk.{il}.ffn_down{suffix}.weight", (n_ff, n_embd))
-
-
 @functools.lru_cache(maxsize=2)
 def _source_reader(src: Path) -> GGUFReader:
     # parsing SmolLM2's 49k-token vocab takes seconds: once per process
     return _open_gguf(src)
 
 
-def _tokenizer_kvs(src: Path) -> tuple[list[tuple[str, Any, GGUFValueType, Any]], int]:
-    reader = _source_reader(src)
-    return _read_kvs(reader, lambda k: k.startswith("tokenizer.")), len(reader.fields["tokenizer.ggml.tokens"].data)
+# The tiny random models live in tiny_models.py; their names stay importable from here.
+_TINY_NAMES = ("TINY_FORMAT_VERSION", "TINY_ARCHES", "TINY_MODELS", "build_tiny_model", "tiny_model_name")
 
 
-def _build_tiny(arch: str, seed: int, path: Path) -> None:
-    tok_kvs, n_vocab = _tokenizer_kvs(fetch_smollm2())
-    m = _Tiny(arch, seed)
-    m.kvs.append(("general.name", f"spark tiny {arch}", GGUFValueType.STRING, None))
-    n_embd, n_head, n_layer = 64, 4, 4
-    m.add("token_embd.weight", (n_embd, n_vocab), "embd", QT.F16)
-    _TINY_LAYOUTS[arch](m, n_embd, n_head, n_layer)
-    m.add("output_norm.weight", (n_embd,), "norm")
-    m.add("output.weight", (n_embd, n_vocab), "w", QT.F16)
-    m.kv("context_length", 2048)
-    m.kv("embedding_length", n_embd)
-    m.kv("block_count", n_layer)
-    m.kv("attention.head_count", n_head)
-    m.kv("attention.layer_norm_rms_epsilon", 1e-6)
-    _write_gguf(path, arch, m.kvs + tok_kvs, m.tensors)
+def __getattr__(name: str) -> Any:
+    if name in _TINY_NAMES:
+        from . import tiny_models
 
-
-def _attn_norms(m: _Tiny, il: int, n_embd: int) -> None:
-    m.add(f"blk.{il}.attn_norm.weight", (n_embd,), "norm")
-
-
-def _gqa(m: _Tiny, il: int, n_embd: int, n_head: int, n_head_kv: int, head: int, bias: bool) -> None:
-    for proj, rows in (("q", n_head * head), ("k", n_head_kv * head), ("v", n_head_kv * head)):
-        m.add(f"blk.{il}.attn_{proj}.weight", (n_embd, rows))
-        if bias:
-            m.add(f"blk.{il}.attn_{proj}.bias", (rows,), "bias")
-    m.add(f"blk.{il}.attn_output.weight", (n_head * head, n_embd))
-
-
-def _qwen3moe(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
-    # Qwen3-30B-A3B layout: q/k norms, head_dim * n_head != n_embd, no shared expert
-    head, n_kv, n_expert, k, n_ff = 32, 2, 16, 4, 32
-    for il in range(n_layer):
-        _attn_norms(m, il, n_embd)
-        _gqa(m, il, n_embd, n_head, n_kv, head, bias=False)
-        m.add(f"blk.{il}.attn_q_norm.weight", (head,), "norm")
-        m.add(f"blk.{il}.attn_k_norm.weight", (head,), "norm")
-        m.add(f"blk.{il}.ffn_norm.weight", (n_embd,), "norm")
-        m.experts(il, n_embd, n_ff, n_expert, QT.F16)
-    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=n_kv, head=head, n_ff_dense=n_ff * k)
-    m.kv("rope.freq_base", 1000000.0)
-
-
-def _qwen2moe(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
-    # Qwen1.5-MoE layout: qkv biases, one sigmoid-gated shared expert
-    head, n_kv, n_expert, k, n_ff, n_ff_sh = n_embd // n_head, 2, 8, 2, 32, 64
-    for il in range(n_layer):
-        _attn_norms(m, il, n_embd)
-        _gqa(m, il, n_embd, n_head, n_kv, head, bias=True)
-        m.add(f"blk.{il}.ffn_norm.weight", (n_embd,), "norm")
-        m.experts(il, n_embd, n_ff, n_expert, QT.Q8_0)
-        m.add(f"blk.{il}.ffn_gate_inp_shexp.weight", (n_embd,))
-        m.dense_ffn(il, n_embd, n_ff_sh, "_shexp")
-    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=n_kv, head=head, n_ff_dense=n_ff * k)
-    m.kv("expert_shared_feed_forward_length", n_ff_sh)
-
-
-def _deepseek2(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
-    # DeepSeek-V3 layout: MLA attention (q/kv low rank, absorbed k_b/v_b), one dense
-    # leading layer, sigmoid gating with exp_probs_b, grouped routing, one shared expert
-    q_rank, kv_rank, nope, rope, v_head = 32, 32, 16, 16, 16
-    n_expert, k, n_ff, n_ff_dense, n_dense = 16, 4, 32, 128, 1
-    for il in range(n_layer):
-        _attn_norms(m, il, n_embd)
-        m.add(f"blk.{il}.attn_q_a_norm.weight", (q_rank,), "norm")
-        m.add(f"blk.{il}.attn_kv_a_norm.weight", (kv_rank,), "norm")
-        m.add(f"blk.{il}.attn_q_a.weight", (n_embd, q_rank))
-        m.add(f"blk.{il}.attn_q_b.weight", (q_rank, n_head * (nope + rope)))
-        m.add(f"blk.{il}.attn_kv_a_mqa.weight", (n_embd, kv_rank + rope))
-        m.add(f"blk.{il}.attn_k_b.weight", (nope, kv_rank, n_head))
-        m.add(f"blk.{il}.attn_v_b.weight", (kv_rank, v_head, n_head))
-        m.add(f"blk.{il}.attn_output.weight", (n_head * v_head, n_embd))
-        m.add(f"blk.{il}.ffn_norm.weight", (n_embd,), "norm")
-        if il < n_dense:
-            m.dense_ffn(il, n_embd, n_ff_dense)
-            continue
-        m.experts(il, n_embd, n_ff, n_expert, QT.F16)
-        m.add(f"blk.{il}.exp_probs_b.bias", (n_expert,), "bias")
-        m.dense_ffn(il, n_embd, n_ff, "_shexp")
-    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=1, head=kv_rank + rope, n_ff_dense=n_ff_dense)
-    m.kv("attention.value_length", kv_rank)
-    m.kv("attention.key_length_mla", nope + rope)
-    m.kv("attention.value_length_mla", v_head)
-    m.kv("attention.q_lora_rank", q_rank)
-    m.kv("attention.kv_lora_rank", kv_rank)
-    m.kv("rope.dimension_count", rope)
-    m.kv("leading_dense_block_count", n_dense)
-    m.kv("expert_shared_count", 1)
-    m.kv("expert_weights_scale", 2.5)
-    m.kv("expert_weights_norm", True)
-    m.kv("expert_gating_func", 2)  # sigmoid
-    m.kv("expert_group_count", 4)
-    m.kv("expert_group_used_count", 2)
-
-
-def _glm4moe(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
-    # GLM-4.5 layout: qkv biases, q/k norms, partial rope, post-attention norm instead of
-    # ffn_norm, one dense leading layer, sigmoid gating with exp_probs_b, shared expert
-    head, n_kv, n_expert, k, n_ff, n_ff_dense, n_dense = 32, 2, 8, 2, 32, 128, 1
-    for il in range(n_layer):
-        _attn_norms(m, il, n_embd)
-        _gqa(m, il, n_embd, n_head, n_kv, head, bias=True)
-        m.add(f"blk.{il}.attn_q_norm.weight", (head,), "norm")
-        m.add(f"blk.{il}.attn_k_norm.weight", (head,), "norm")
-        m.add(f"blk.{il}.post_attention_norm.weight", (n_embd,), "norm")
-        if il < n_dense:
-            m.dense_ffn(il, n_embd, n_ff_dense)
-            continue
-        m.experts(il, n_embd, n_ff, n_expert, QT.F32)
-        m.add(f"blk.{il}.exp_probs_b.bias", (n_expert,), "bias")
-        m.dense_ffn(il, n_embd, n_ff, "_shexp")
-    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=n_kv, head=head, n_ff_dense=n_ff_dense)
-    m.kv("rope.dimension_count", head // 2)
-    m.kv("leading_dense_block_count", n_dense)
-    m.kv("expert_shared_count", 1)
-    m.kv("expert_weights_scale", 2.5)
-    m.kv("expert_weights_norm", True)
-    m.kv("expert_gating_func", 2)  # sigmoid
-
-
-def _gpt_oss(m: _Tiny, n_embd: int, n_head: int, n_layer: int) -> None:
-    # gpt-oss layout: MXFP4 experts with biases, router bias, attention sinks, qkv/o
-    # biases, alternating sliding-window layers, post-attention norm
-    head, n_kv, n_expert, k, n_ff = 32, 2, 16, 4, 64
-    for il in range(n_layer):
-        _attn_norms(m, il, n_embd)
-        m.add(f"blk.{il}.post_attention_norm.weight", (n_embd,), "norm")
-        _gqa(m, il, n_embd, n_head, n_kv, head, bias=True)
-        m.add(f"blk.{il}.attn_output.bias", (n_embd,), "bias")
-        m.add(f"blk.{il}.attn_sinks.weight", (n_head,), "embd")
-        m.experts(il, n_embd, n_ff, n_expert, QT.MXFP4, bias=True)
-        m.add(f"blk.{il}.ffn_gate_inp.bias", (n_expert,), "bias")
-    _moe_kvs(m, n_expert, k, n_ff, n_head_kv=n_kv, head=head, n_ff_dense=n_ff)
-    m.kv("rope.freq_base", 150000.0)
-    m.kv("attention.sliding_window", 16)
-
-
-def _moe_kvs(m: _Tiny, n_expert: int, k: int, n_ff: int, n_head_kv: int, head: int, n_ff_dense: int) -> None:
-    m.kv("attention.head_count_kv", n_head_kv)
-    m.kv("attention.key_length", head)
-    if m.arch != "deepseek2":
-        m.kv("attention.value_length", head)
-    m.kv("feed_forward_length", n_ff_dense)
-    m.kv("expert_feed_forward_length", n_ff)
-    m.kv("expert_count", n_expert)
-    m.kv("expert_used_count", k)
-
-
-_TINY_LAYOUTS: dict[str, Callable[[_Tiny, int, int, int], None]] = {
-    "qwen3moe": _qwen3moe,
-    "qwen2moe": _qwen2moe,
-    "deepseek2": _deepseek2,
-    "glm4moe": _glm4moe,
-    "gpt-oss": _gpt_oss,
-}
+        return getattr(tiny_models, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
