@@ -351,11 +351,16 @@ class Engine:
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
         self.n_past = 0
 
-    def truncate(self, n_keep: int) -> None:
-        """Drop KV entries from position n_keep on."""
+    def truncate(self, n_keep: int) -> int:
+        """Drop KV entries from position n_keep on; returns the positions kept. A recurrent state
+        (qwen35moe, qwen3next) cannot be cut back: then the memory is cleared and 0 is kept."""
         lc = self.lib.lc
-        lc.llama_memory_seq_rm(lc.llama_get_memory(self.ctx), 0, n_keep, -1)
+        mem = lc.llama_get_memory(self.ctx)
+        if n_keep < self.n_past and not lc.llama_memory_seq_rm(mem, 0, n_keep, -1):
+            self.reset()
+            return 0
         self.n_past = min(self.n_past, n_keep)
+        return self.n_past
 
     def eval(self, tokens: Sequence[int], logits: str = "last") -> np.ndarray | None:
         """Feed tokens (in n_batch chunks). logits: 'last' -> [n_vocab], 'all' -> [n, n_vocab], 'none',

@@ -216,7 +216,7 @@ class ChatSession:
             self._generating = generated
 
         try:
-            eng.truncate(keep)
+            keep = eng.truncate(keep)
             self._kv = self._kv[:keep]
             fig.reused_tokens = keep
             fig.prompt_tokens = len(toks) - keep
