@@ -311,24 +311,52 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
     fixed = fixed_costs(g, n_ctx, type_k, type_v, n_ubatch)
     fixed_total = sum(fixed.values())
     moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
-    all_bias = sum(l.expert_bias_bytes for l in moe)
-    if fixed_total - all_bias > budget_bytes:  # not even stock --cpu-moe fits
+    _check_fixed_fits(fixed, budget_bytes, n_ctx, sum(l.expert_bias_bytes for l in moe))
+    counts = _checked_counts(g, profile_counts)
+    states = _layer_states(g, moe, counts, max_slots_per_layer, miss_fn, allow_pins)
+    host, need = _host_layers(moe, states, fixed_total, budget_bytes)
+    _spend(states, host, budget_bytes - need)
+    layers, cold, spent = _layer_plans(g, states, host)
+    breakdown = {"weights_global": fixed["weights_global"],
+                 "weights_layers_nonexpert": fixed["weights_layers_nonexpert"] - spent["host_bias"],
+                 "experts_resident": spent["resident"], "expert_banks": spent["banks"], "kv_cache": fixed["kv_cache"],
+                 "compute": fixed["compute"], "overhead": fixed["overhead"]}
+    breakdown["total"] = sum(breakdown.values())
+    assert breakdown["total"] <= budget_bytes, "planner overspent its budget"
+    return Plan(model=g.identity(), budget_bytes=budget_bytes, n_ctx=n_ctx, type_k=type_k, type_v=type_v,
+                n_ubatch=n_ubatch, layers=tuple(layers), breakdown=breakdown,
+                predicted_cold_hit=(sum(cold) / len(cold) if cold else 0.0) if counts is not None else None,
+                stock=stock_baseline(g, budget_bytes, fixed_total), policy=policy, miss_path=miss_path,
+                overrides=cached_expert_overrides(g, [l.index for l in layers if l.mode == "cached"])
+                + stock_overrides(l.index for l in layers if l.mode == "host"))
+
+
+def _check_fixed_fits(fixed: dict[str, int], budget_bytes: int, n_ctx: int, all_bias: int) -> None:
+    """PlanError when not even stock --cpu-moe fits: the model without experts is over the budget."""
+    need = sum(fixed.values()) - all_bias
+    if need > budget_bytes:
         parts = ", ".join(f"{k} {units.gib(v)}" for k, v in fixed.items())
-        need = fixed_total - all_bias
         raise PlanError(
             f"--vram {units.gib(budget_bytes)}: the model without experts needs {units.gib(need)} "
             f"({parts}; n_ctx {n_ctx}); over by {units.shortfall(need - budget_bytes)}",
             hint="lower --ctx-size, quantize the KV cache (-ctk q8_0) or raise --vram")
 
-    counts = None
-    if profile_counts is not None:
-        counts = np.asarray(profile_counts, dtype=np.float64)
-        if counts.shape != (g.n_layer, g.n_expert):
-            raise PlanError(f"profile: shape {counts.shape} does not match the model ({g.n_layer}, {g.n_expert})")
-        if (counts < 0).any() or not np.isfinite(counts).all():
-            raise PlanError("profile: routing counts must be finite and >= 0")
-        if counts.sum() <= 0:
-            counts = None
+
+def _checked_counts(g: ModelGeometry, profile_counts: np.ndarray | None) -> np.ndarray | None:
+    """The profile's counts as float64 [n_layer, n_expert], checked; None for none or all zero."""
+    if profile_counts is None:
+        return None
+    counts = np.asarray(profile_counts, dtype=np.float64)
+    if counts.shape != (g.n_layer, g.n_expert):
+        raise PlanError(f"profile: shape {counts.shape} does not match the model ({g.n_layer}, {g.n_expert})")
+    if (counts < 0).any() or not np.isfinite(counts).all():
+        raise PlanError("profile: routing counts must be finite and >= 0")
+    return counts if counts.sum() > 0 else None
+
+
+def _layer_states(g: ModelGeometry, moe: list, counts: np.ndarray | None, max_slots_per_layer: int | None,
+                  miss_fn: MissFn | None, allow_pins: bool) -> dict[int, "_Layer"]:
+    """Each MoE layer's greedy state; miss_fn's answers memoised per (layer, pins, slots)."""
     cache: dict[tuple[int, int, int], float] = {}
 
     def mf(layer: int) -> Callable[[int, int], float]:
@@ -338,17 +366,19 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
             return cache[(layer, pins, lru)]
         return f
 
-    k = g.n_expert_used
     states: dict[int, _Layer] = {}
     for l in moe:
         row = counts[l.index] if counts is not None else np.zeros(l.n_expert)
         freq = row / row.sum() if row.sum() > 0 else np.full(l.n_expert, 1.0 / l.n_expert)
-        states[l.index] = _Layer(l.index, l.n_expert, k, l.expert_bytes_per_expert, freq,
+        states[l.index] = _Layer(l.index, l.n_expert, g.n_expert_used, l.expert_bytes_per_expert, freq,
                                  1.0 / len(moe), max_slots_per_layer, mf(l.index) if miss_fn else None,
                                  allow_pins)
+    return states
 
-    # Below the cache floor: the lowest-numbered MoE layers keep their experts (and expert
-    # biases) in host RAM, as stock --n-cpu-moe does, until the rest fits.
+
+def _host_layers(moe: list, states: dict[int, "_Layer"], fixed_total: int, budget_bytes: int) -> tuple[set[int], int]:
+    """Below the cache floor: the lowest-numbered MoE layers keep their experts (and expert
+    biases) in host RAM, as stock --n-cpu-moe does, until the rest fits. (host layers, bytes needed)"""
     host: set[int] = set()
     need = fixed_total + sum(s.cost() for s in states.values())
     for l in moe:
@@ -357,9 +387,11 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
         need -= states[l.index].cost() + l.expert_bias_bytes
         host.add(l.index)
     assert need <= budget_bytes, "stock --cpu-moe fits, so the all-host plan fits"
+    return host, need
 
-    # Walk the budget-independent greedy sequence until the next action does not fit.
-    left = budget_bytes - need
+
+def _spend(states: dict[int, "_Layer"], host: set[int], left: int) -> None:
+    """Walk the budget-independent greedy sequence until the next action does not fit."""
     heap: list[tuple[float, int, int, int, str, int]] = []
 
     def push(s: _Layer) -> None:
@@ -382,8 +414,13 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
         left -= s.cost() - before
         push(s)
 
+
+def _layer_plans(g: ModelGeometry, states: dict[int, "_Layer"], host: set[int]
+                 ) -> tuple[list[LayerPlan], list[float], dict[str, int]]:
+    """Every layer's LayerPlan, the predicted cold share per MoE layer, and the bytes spent
+    (banks, resident experts, expert biases left on the host)."""
     layers: list[LayerPlan] = []
-    banks = resident = host_bias = 0
+    spent = {"banks": 0, "resident": 0, "host_bias": 0}
     cold: list[float] = []
     for l in g.layers:
         if l.is_nextn:
@@ -391,34 +428,22 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
         elif not l.is_moe:
             layers.append(LayerPlan(l.index, "dense", (), 0, l.nonexpert_bytes, 0))
         elif l.index in host:
-            host_bias += l.expert_bias_bytes
+            spent["host_bias"] += l.expert_bias_bytes
             cold.append(1.0)
             layers.append(LayerPlan(l.index, "host", (), 0, l.nonexpert_bytes - l.expert_bias_bytes,
                                     l.expert_bytes + l.expert_bias_bytes))
         elif states[l.index].resident:
             s = states[l.index]
-            resident += s.cost()
+            spent["resident"] += s.cost()
             cold.append(0.0)
             layers.append(LayerPlan(l.index, "resident", (), 0, l.nonexpert_bytes + s.cost(), 0))
         else:
             s = states[l.index]
-            banks += s.cost()
+            spent["banks"] += s.cost()
             cold.append(float(max(s.unpinned[s.pins], 0.0)))
             layers.append(LayerPlan(l.index, "cached", tuple(s.order[: s.pins]), s.pins + s.lru,
                                     l.nonexpert_bytes + s.cost(), l.expert_bytes))
-    breakdown = {"weights_global": fixed["weights_global"],
-                 "weights_layers_nonexpert": fixed["weights_layers_nonexpert"] - host_bias,
-                 "experts_resident": resident, "expert_banks": banks, "kv_cache": fixed["kv_cache"],
-                 "compute": fixed["compute"], "overhead": fixed["overhead"]}
-    breakdown["total"] = sum(breakdown.values())
-    assert breakdown["total"] <= budget_bytes, "planner overspent its budget"
-    return Plan(model=g.identity(), budget_bytes=budget_bytes, n_ctx=n_ctx, type_k=type_k, type_v=type_v,
-                n_ubatch=n_ubatch, layers=tuple(layers), breakdown=breakdown,
-                predicted_cold_hit=(sum(cold) / len(cold) if cold else 0.0) if counts is not None else None,
-                stock=stock_baseline(g, budget_bytes, fixed_total), policy=policy, miss_path=miss_path,
-                overrides=cached_expert_overrides(g, [l.index for l in layers if l.mode == "cached"])
-                + stock_overrides(l.index for l in layers if l.mode == "host"))
-
+    return layers, cold, spent
 
 
 # ---------------------------------------------------------------- the one entry point
