@@ -192,6 +192,7 @@ class _FakeEngine:
     def truncate(self, n):
         self.truncations.append(n)
         self.n_past = min(self.n_past, n)
+        return self.n_past
 
     def reset(self):
         self.n_past = 0

@@ -6,9 +6,8 @@ import pytest
 from _geometry import make_geometry
 
 from spark_cli.errors import PlanError, UsageError
-from spark_cli.core.vram import (COMPUTE_FLOOR_BYTES, DEVICE_OVERHEAD_BYTES, GiB, MiB, compute_buffer_bytes,
-                            kv_cache_bytes, row_bytes)
-from spark_cli.core.units import parse_size
+from spark_cli.core.units import GiB, MiB, parse_size
+from spark_cli.core.vram import COMPUTE_FLOOR_BYTES, DEVICE_OVERHEAD_BYTES, compute_buffer_bytes, kv_cache_bytes, row_bytes
 
 
 @pytest.mark.parametrize("t,n,expected", [

@@ -16,7 +16,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ModelFileError
 from .registry import GENERIC_EXPERT_PATTERN, GENERIC_SHARED_PATTERN, Family, family_for
@@ -313,26 +313,77 @@ def _geometry(path: Path, shards: list[_Shard], require_moe: bool) -> ModelGeome
     if n_layer <= 0:
         n_layer = 1 + max((int(m.group(1)) for _, t in tensors if (m := _BLK_RE.match(t.name))), default=-1)
     n_nextn = int(key("nextn_predict_layers") or 0)
+    scan = _scan_tensors(path, arch, fam, tensors, n_layer)
+    layers = tuple(
+        LayerGeometry(
+            index=i, is_moe=bool(scan.experts[i]), experts=tuple(scan.experts[i]),
+            expert_bytes_per_expert=sum(e.bytes_per_expert for e in scan.experts[i]),
+            shared_bytes=scan.shared[i], other_bytes=scan.other[i], expert_bias_bytes=scan.bias[i],
+            is_nextn=i >= n_layer - n_nextn,
+        )
+        for i in range(n_layer)
+    )
+    n_expert, n_used = _expert_counts(path, arch, key, layers, require_moe)
 
-    global_bytes = token_embd = 0
-    has_output = False
-    experts: list[list[ExpertTensor]] = [[] for _ in range(n_layer)]
-    shared = [0] * n_layer
-    other = [0] * n_layer
-    bias = [0] * n_layer
-    n_ff_exp = 0
-    vocab_from_embd = 0
-    layout = hashlib.sha256(arch.encode())
+    n_embd = int(key("embedding_length") or 0)
+    heads = _per_layer(key("attention.head_count"), n_layer, 0)
+    heads_kv = _per_layer(key("attention.head_count_kv"), n_layer, 0)
+    heads_kv = tuple(kv or h for kv, h in zip(heads_kv, heads))
+    n_head = max(heads, default=0)
+    head_dim = n_embd // n_head if n_head else 0
+    recurrent = _recurrent_layers(key, fam, n_layer)
+    kv_heads = tuple(0 if (recurrent[i] or layers[i].is_nextn) else heads_kv[i] for i in range(n_layer))
+    conv, inner, state, groups = (int(key(f"ssm.{k}") or 0)
+                                  for k in ("conv_kernel", "inner_size", "state_size", "group_count"))
+    per_rec = (max(conv - 1, 0) * (inner + 2 * groups * state) + state * inner) * 4
+    recurrent_state = per_rec * sum(1 for i in range(n_layer) if recurrent[i] and not layers[i].is_nextn)
+    n_swa = int(key("attention.sliding_window") or 0)
+    vocab = key("vocab_size") or shards[0].array_len.get("tokenizer.ggml.tokens") or scan.vocab_from_embd
+    tmpl = kv.get("tokenizer.chat_template")
+    return ModelGeometry(
+        path=str(path), arch=arch, n_layer=n_layer, n_expert=n_expert,
+        n_expert_used=n_used, n_embd=n_embd, n_head=n_head,
+        n_head_kv=max(heads_kv, default=0), key_length=int(key("attention.key_length") or head_dim),
+        value_length=int(key("attention.value_length") or head_dim),
+        context_length=int(key("context_length") or 0), layers=layers, global_bytes=scan.global_bytes,
+        file_size=sum(s.size for s in shards), fingerprint=_fingerprint(scan.layout, tensors),
+        tensor_layout_hash=scan.layout.hexdigest(), chat_template=tmpl if isinstance(tmpl, str) else None,
+        known_family=fam is not None, n_vocab=int(vocab or 0), n_ff_exp=scan.n_ff_exp,
+        token_embd_bytes=scan.token_embd, output_tied=not scan.has_output, kv_heads=kv_heads,
+        swa_layers=_swa_layers(key, fam, n_layer, n_swa), sliding_window=n_swa,
+        is_mla=bool(key("attention.key_length_mla")), recurrent_state_bytes=recurrent_state, n_layer_nextn=n_nextn,
+    )
+
+
+@dataclass
+class _Scan:
+    """What the tensor list says: bytes per layer by kind, the expert tensors, the layout hash."""
+
+    layout: Any
+    experts: list[list[ExpertTensor]]
+    shared: list[int]
+    other: list[int]
+    bias: list[int]
+    global_bytes: int = 0
+    token_embd: int = 0
+    has_output: bool = False
+    n_ff_exp: int = 0
+    vocab_from_embd: int = 0
+
+
+def _scan_tensors(path: Path, arch: str, fam: Family | None, tensors: list, n_layer: int) -> _Scan:
+    s = _Scan(hashlib.sha256(arch.encode()), [[] for _ in range(n_layer)], [0] * n_layer, [0] * n_layer,
+              [0] * n_layer)
     for _, t in tensors:
         name, ttype, nbytes, shape = t.name, t.ggml_type, t.n_bytes, list(t.shape)
-        layout.update(f"\n{name}:{shape}:{ttype}".encode())
+        s.layout.update(f"\n{name}:{shape}:{ttype}".encode())
         m = _BLK_RE.match(name)
         if not m:
-            global_bytes += nbytes
+            s.global_bytes += nbytes
             if name == "token_embd.weight":
-                token_embd = nbytes
-                vocab_from_embd = shape[-1]
-            has_output |= name == "output.weight"
+                s.token_embd = nbytes
+                s.vocab_from_embd = shape[-1]
+            s.has_output |= name == "output.weight"
             continue
         il = int(m.group(1))
         if il >= n_layer:
@@ -345,26 +396,22 @@ def _geometry(path: Path, shards: list[_Shard], require_moe: bool) -> ModelGeome
             n_exp = shape[2]
             if n_exp <= 0 or nbytes % n_exp:
                 raise ModelFileError(f"{path}: expert tensor {name}: {nbytes} bytes not divisible by {n_exp} experts")
-            experts[il].append(ExpertTensor(name, kind, ttype, nbytes, nbytes // n_exp, n_exp))
+            s.experts[il].append(ExpertTensor(name, kind, ttype, nbytes, nbytes // n_exp, n_exp))
             ff = shape[0] if kind == "down" else shape[1] // (2 if kind == "gate_up" else 1)
-            n_ff_exp = max(n_ff_exp, ff)
+            s.n_ff_exp = max(s.n_ff_exp, ff)
         elif _EXPERT_BIAS_RE.search(name):
-            other[il] += nbytes
-            bias[il] += nbytes
+            s.other[il] += nbytes
+            s.bias[il] += nbytes
         elif GENERIC_SHARED_PATTERN.search(name) or (fam is not None and fam.is_shared(name)):
-            shared[il] += nbytes
+            s.shared[il] += nbytes
         else:
-            other[il] += nbytes
+            s.other[il] += nbytes
+    return s
 
-    layers = tuple(
-        LayerGeometry(
-            index=i, is_moe=bool(experts[i]), experts=tuple(experts[i]),
-            expert_bytes_per_expert=sum(e.bytes_per_expert for e in experts[i]),
-            shared_bytes=shared[i], other_bytes=other[i], expert_bias_bytes=bias[i],
-            is_nextn=i >= n_layer - n_nextn,
-        )
-        for i in range(n_layer)
-    )
+
+def _expert_counts(path: Path, arch: str, key: Callable[[str], Any], layers: tuple, require_moe: bool
+                   ) -> tuple[int, int]:
+    """(n_expert, n_expert_used), checked against the expert tensors."""
     counts = {e.n_expert for l in layers for e in l.experts}
     if len(counts) > 1:
         raise ModelFileError(f"{path}: expert tensors disagree on the expert count {sorted(counts)}")
@@ -377,50 +424,36 @@ def _geometry(path: Path, shards: list[_Shard], require_moe: bool) -> ModelGeome
     n_used = int(key("expert_used_count") or 0)
     if any(l.is_moe for l in layers) and not 0 < n_used <= n_expert:
         raise ModelFileError(f"{path}: {arch}.expert_used_count = {n_used} with {n_expert} experts")
+    return n_expert, n_used
 
-    n_embd = int(key("embedding_length") or 0)
-    heads = _per_layer(key("attention.head_count"), n_layer, 0)
-    heads_kv = _per_layer(key("attention.head_count_kv"), n_layer, 0)
-    heads_kv = tuple(kv or h for kv, h in zip(heads_kv, heads))
-    n_head = max(heads, default=0)
-    head_dim = n_embd // n_head if n_head else 0
-    key_len = int(key("attention.key_length") or head_dim)
-    val_len = int(key("attention.value_length") or head_dim)
-    is_mla = bool(key("attention.key_length_mla"))
 
-    # Layers without a KV cache: recurrent layers of hybrid models, and MTP blocks.
-    recurrent = [False] * n_layer
+def _recurrent_layers(key: Callable[[str], Any], fam: Family | None, n_layer: int) -> list[bool]:
+    """Layers without a KV cache in hybrid models (a recurrent state instead)."""
     rec_arr = key("attention.recurrent_layers")
     interval = int(key("full_attention_interval") or (fam.full_attention_interval if fam else 0))
     if isinstance(rec_arr, list):
-        recurrent = [bool(x) for x in rec_arr][:n_layer] + [False] * max(0, n_layer - len(rec_arr))
-    elif interval > 0:
-        recurrent = [(i + 1) % interval != 0 for i in range(n_layer)]
-    kv_heads = tuple(0 if (recurrent[i] or layers[i].is_nextn) else heads_kv[i] for i in range(n_layer))
+        return [bool(x) for x in rec_arr][:n_layer] + [False] * max(0, n_layer - len(rec_arr))
+    if interval > 0:
+        return [(i + 1) % interval != 0 for i in range(n_layer)]
+    return [False] * n_layer
 
-    conv, inner, state, groups = (int(key(f"ssm.{k}") or 0)
-                                  for k in ("conv_kernel", "inner_size", "state_size", "group_count"))
-    per_rec = (max(conv - 1, 0) * (inner + 2 * groups * state) + state * inner) * 4
-    recurrent_state = per_rec * sum(1 for i in range(n_layer) if recurrent[i] and not layers[i].is_nextn)
 
-    n_swa = int(key("attention.sliding_window") or 0)
-    swa = [False] * n_layer
+def _swa_layers(key: Callable[[str], Any], fam: Family | None, n_layer: int, n_swa: int) -> tuple[bool, ...]:
+    """Sliding-window layers, as llama.cpp derives them (pattern key, else the family's period)."""
+    if n_swa <= 0:
+        return (False,) * n_layer
     pat = key("attention.sliding_window_pattern")
-    if n_swa > 0:
-        if isinstance(pat, list):
-            swa = [bool(x) for x in pat][:n_layer] + [False] * max(0, n_layer - len(pat))
-        else:
-            period = int(pat) if isinstance(pat, int) and pat > 0 else (fam.swa_period if fam else 0)
-            dense_first = fam.swa_dense_first if fam else False
-            if period > 0:
-                swa = [(i % period != 0) if dense_first else (i % period < period - 1) for i in range(n_layer)]
-            else:  # llama.cpp's set_swa_pattern(0): every layer sliding
-                swa = [True] * n_layer
+    if isinstance(pat, list):
+        return tuple([bool(x) for x in pat][:n_layer] + [False] * max(0, n_layer - len(pat)))
+    period = int(pat) if isinstance(pat, int) and pat > 0 else (fam.swa_period if fam else 0)
+    dense_first = fam.swa_dense_first if fam else False
+    if period > 0:
+        return tuple((i % period != 0) if dense_first else (i % period < period - 1) for i in range(n_layer))
+    return (True,) * n_layer  # llama.cpp's set_swa_pattern(0): every layer sliding
 
-    vocab = key("vocab_size")
-    if not vocab:
-        vocab = shards[0].array_len.get("tokenizer.ggml.tokens") or vocab_from_embd
 
+def _fingerprint(layout: Any, tensors: list) -> str:
+    """The layout hash plus a sample of the data of four tensors: a model's identity."""
     fp = hashlib.sha256(layout.digest())
     picks = sorted({0, len(tensors) // 3, 2 * len(tensors) // 3, len(tensors) - 1}) if tensors else []
     for i in picks:
@@ -428,17 +461,4 @@ def _geometry(path: Path, shards: list[_Shard], require_moe: bool) -> ModelGeome
         with open(shard.path, "rb") as f:
             f.seek(t.data_offset)
             fp.update(f.read(min(FINGERPRINT_SAMPLE, t.n_bytes)))
-
-    tmpl = kv.get("tokenizer.chat_template")
-    return ModelGeometry(
-        path=str(path), arch=arch, n_layer=n_layer, n_expert=n_expert,
-        n_expert_used=n_used, n_embd=n_embd, n_head=n_head,
-        n_head_kv=max(heads_kv, default=0), key_length=key_len, value_length=val_len,
-        context_length=int(key("context_length") or 0), layers=layers, global_bytes=global_bytes,
-        file_size=sum(s.size for s in shards), fingerprint=fp.hexdigest(),
-        tensor_layout_hash=layout.hexdigest(), chat_template=tmpl if isinstance(tmpl, str) else None,
-        known_family=fam is not None, n_vocab=int(vocab or 0), n_ff_exp=n_ff_exp,
-        token_embd_bytes=token_embd, output_tied=not has_output, kv_heads=kv_heads,
-        swa_layers=tuple(swa), sliding_window=n_swa, is_mla=is_mla,
-        recurrent_state_bytes=recurrent_state, n_layer_nextn=n_nextn,
-    )
+    return fp.hexdigest()
