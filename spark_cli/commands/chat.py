@@ -284,32 +284,11 @@ def register(app: typer.Typer) -> None:
         from ..runs import session
         from ..runs.chat_session import ChatSession, Sampling
         from ..runs.run import engine_run
-        from ..errors import SparkError, UsageError
-        from ..files.text_input import read_stream, replaced_note, utf8_text
 
-        if as_json and prompt is None:
-            raise UsageError("--json needs --prompt", hint="spark chat MODEL --prompt 'text' --json")
-        if n_predict < -1:
-            raise UsageError(f"--n-predict {n_predict}: give -1 (until done), 0 or more")
-        if miss_path_choice is not None:
-            from ..runs.miss_path import check_choice
-
-            try:
-                check_choice(miss_path_choice)
-            except SparkError as e:  # a flag value the command refuses: a usage error
-                raise UsageError(e.message, hint=e.hint) from None
+        _check_flags(as_json, prompt, n_predict, miss_path_choice)
         one_shot = prompt is not None
         say = err_console if one_shot else console
-        bad = {}
-        if prompt == "-":
-            prompt, bad["stdin"] = read_stream()
-        elif prompt is not None:
-            prompt, bad["--prompt"] = utf8_text(prompt)
-        if system is not None:
-            system, bad["--system-prompt"] = utf8_text(system)
-        for what, n in bad.items():
-            if n:
-                err_console.print(f"[yellow]warning:[/] {escape(replaced_note(what, n))}")
+        prompt, system = _texts(prompt, system)
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
         info = session.load_profile(path, geometry)
@@ -328,14 +307,7 @@ def register(app: typer.Typer) -> None:
         fold_error = None
 
         def keep_on_loss() -> str | None:  # the device died mid-session: fold what was learned
-            if not learn or chat is None:
-                return None
-            chat.harvest_now()
-            try:
-                n = _fold(path, geometry, chat, say, timeout=5.0)
-            except SparkError as e:
-                return e.one_line()
-            return f"{n} decode tokens of routing folded into {session.profile_path_for(path)}" if n else None
+            return _keep(path, geometry, chat, say) if learn and chat is not None else None
 
         choice = miss_path_choice or (plan.miss_path if plan is not None else "auto")  # each cached layer's
         with engine_run(opts, choice, geometry.fingerprint, keep=keep_on_loss,
@@ -358,14 +330,7 @@ def register(app: typer.Typer) -> None:
                     _interactive(chat, plan, path.name)
             finally:
                 try:
-                    if learn:
-                        try:
-                            n = _fold(path, geometry, chat, say)
-                            if n:
-                                say.print(f"[dim]learned: {n} decode tokens folded into "
-                                          f"{session.profile_path_for(path).name}[/]")
-                        except SparkError as e:  # the counts went to a pending side file it names
-                            fold_error = e
+                    fold_error = _fold_at_exit(path, geometry, chat, say) if learn else None
                 finally:
                     chat.close()
         if fold_error is not None:
@@ -373,6 +338,66 @@ def register(app: typer.Typer) -> None:
                 raise fold_error
             # NOTE: the unusable profile was announced at the start: its counts wait in a side file
             say.print(f"[yellow]warning:[/] {escape(fold_error.one_line())}", soft_wrap=True)
+
+
+def _check_flags(as_json: bool, prompt: str | None, n_predict: int, miss_path_choice: str | None) -> None:
+    from ..errors import SparkError, UsageError
+
+    if as_json and prompt is None:
+        raise UsageError("--json needs --prompt", hint="spark chat MODEL --prompt 'text' --json")
+    if n_predict < -1:
+        raise UsageError(f"--n-predict {n_predict}: give -1 (until done), 0 or more")
+    if miss_path_choice is not None:
+        from ..runs.miss_path import check_choice
+
+        try:
+            check_choice(miss_path_choice)
+        except SparkError as e:  # a flag value the command refuses: a usage error
+            raise UsageError(e.message, hint=e.hint) from None
+
+
+def _texts(prompt: str | None, system: str | None) -> tuple[str | None, str | None]:
+    """--prompt ('-': stdin) and --system-prompt as text; bytes that are not UTF-8 are replaced, with a warning."""
+    from ..files.text_input import read_stream, replaced_note, utf8_text
+
+    bad = {}
+    if prompt == "-":
+        prompt, bad["stdin"] = read_stream()
+    elif prompt is not None:
+        prompt, bad["--prompt"] = utf8_text(prompt)
+    if system is not None:
+        system, bad["--system-prompt"] = utf8_text(system)
+    for what, n in bad.items():
+        if n:
+            err_console.print(f"[yellow]warning:[/] {escape(replaced_note(what, n))}")
+    return prompt, system
+
+
+def _keep(path: Path, geometry, chat, say) -> str | None:
+    """The device died mid-session: fold what was learned (a faults keeper's line)."""
+    from ..errors import SparkError
+    from ..runs import session
+
+    chat.harvest_now()
+    try:
+        n = _fold(path, geometry, chat, say, timeout=5.0)
+    except SparkError as e:
+        return e.one_line()
+    return f"{n} decode tokens of routing folded into {session.profile_path_for(path)}" if n else None
+
+
+def _fold_at_exit(path: Path, geometry, chat, say):
+    """Fold the session's routing at exit; the SaveError (counts kept in a side file it names), or None."""
+    from ..errors import SparkError
+    from ..runs import session
+
+    try:
+        n = _fold(path, geometry, chat, say)
+    except SparkError as e:
+        return e
+    if n:
+        say.print(f"[dim]learned: {n} decode tokens folded into {session.profile_path_for(path).name}[/]")
+    return None
 
 
 def _fold(path: Path, geometry, chat, say, timeout: float | None = None) -> int:
