@@ -37,6 +37,50 @@ def held_out_line(c, policy: str) -> str:
             f"Belady {100 * c.belady:.1f}% (same slots)")
 
 
+def _routing(info, geometry, trace, trace_path: Path | None):
+    """Where the plan's routing counts come from, in one line (a trace stands in for a missing profile)."""
+    from ..core.profile import RoutingProfile
+    from ..runs import session
+
+    if info.profile is not None:
+        p = info.profile
+        return info, f"profile {info.path.name}: {p.tokens_decode:,.0f} decode + {p.tokens_prefill:,.0f} prefill tokens"
+    if trace is not None:
+        info = session.ProfileInfo(info.path, RoutingProfile.empty(geometry.identity()).add_trace(
+            trace, f"trace {trace_path.name}"))
+        return info, f"no profile at {info.path.name}: routing counts from the trace {trace_path.name}"
+    return info, (f"no profile at {info.path.name}: uniform prior "
+                  "(run `spark profile` to learn which experts are hot)")
+
+
+def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, replay_src: str, pol: str, req,
+                check_result) -> None:
+    from . import render_plan
+
+    plan = placed.plan
+    console.print(f"[bold]{path.name}[/]: {g.arch}, {g.n_layer} layers, {len(g.moe_layers)} MoE, "
+                  f"{g.n_expert} experts (top-{g.n_expert_used}), "
+                  f"{render_plan.fmt_bytes(g.total_expert_bytes)} of experts")
+    console.print(routing, soft_wrap=True)
+    console.print(render_plan.layer_table(plan))
+    console.print(render_plan.budget_table(plan, budget_source))
+    host = sum(l.host_bytes for l in plan.layers)
+    if host:
+        console.print(f"host RAM: {render_plan.fmt_bytes(host)} of experts of cached layers", soft_wrap=True)
+    console.print(render_plan.cold_hit_line(plan), soft_wrap=True)
+    if trace is not None:
+        console.print(trace_replay_line(trace, plan), soft_wrap=True)
+    if placed.candidates:
+        parts = ", ".join(f"{c.name} {100 * c.miss:.1f}%" for c in placed.candidates)
+        console.print(f"priced by replaying {placed.replay_steps:,} decode steps of {replay_src} through {pol}"
+                      f"{' (cpu miss path)' if req.replay_path == 'cpu' else ''}: experts not on the device "
+                      f"{parts}: [bold]{placed.chosen}[/] chosen", soft_wrap=True)
+    if check_result is not None:
+        console.print(held_out_line(check_result, pol), soft_wrap=True)
+    for line in render_plan.stock_lines(plan):
+        console.print(line, soft_wrap=True)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("plan")
     @model_flags
@@ -62,11 +106,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Place experts for a VRAM budget and show the bill (no GPU needed with --vram)."""
         from ..native import devices
-        from . import render_plan
         from ..runs import session
         from ..errors import UsageError
         from ..core.options import context_size
-        from ..core.profile import RoutingProfile
         from ..core.trace import RoutingTrace
 
         from ..files.atomic import check_output
@@ -99,17 +141,7 @@ def register(app: typer.Typer) -> None:
             say.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
         trace = RoutingTrace.load(trace_path, expect_fingerprint=geometry.fingerprint,
                                   expect_shape=(geometry.n_layer, geometry.n_expert)) if trace_path else None
-        if info.profile is not None:
-            p = info.profile
-            routing = (f"profile {info.path.name}: {p.tokens_decode:,.0f} decode + "
-                       f"{p.tokens_prefill:,.0f} prefill tokens")
-        elif trace is not None:
-            info = session.ProfileInfo(info.path, RoutingProfile.empty(geometry.identity()).add_trace(
-                trace, f"trace {trace_path.name}"))
-            routing = f"no profile at {info.path.name}: routing counts from the trace {trace_path.name}"
-        else:
-            routing = (f"no profile at {info.path.name}: uniform prior "
-                       "(run `spark profile` to learn which experts are hot)")
+        info, routing = _routing(info, geometry, trace, trace_path)
         # NOTE: the same request chat and serve make for --vram (session.resolve_placement)
         req = session.plan_request(info, budget.bytes, ctx, trace=trace, policy=pol, miss_path=miss_path,
                                    **session.kv_settings(flags))
@@ -126,27 +158,6 @@ def register(app: typer.Typer) -> None:
                 say.print(f"wrote {output}")
             return
 
-        g = geometry
-        console.print(f"[bold]{path.name}[/]: {g.arch}, {g.n_layer} layers, {len(g.moe_layers)} MoE, "
-                      f"{g.n_expert} experts (top-{g.n_expert_used}), "
-                      f"{render_plan.fmt_bytes(g.total_expert_bytes)} of experts")
-        console.print(routing, soft_wrap=True)
-        console.print(render_plan.layer_table(plan))
-        console.print(render_plan.budget_table(plan, budget.source))
-        host = sum(l.host_bytes for l in plan.layers)
-        if host:
-            console.print(f"host RAM: {render_plan.fmt_bytes(host)} of experts of cached layers", soft_wrap=True)
-        console.print(render_plan.cold_hit_line(plan), soft_wrap=True)
-        if trace is not None:
-            console.print(trace_replay_line(trace, plan), soft_wrap=True)
-        if placed.candidates:
-            parts = ", ".join(f"{c.name} {100 * c.miss:.1f}%" for c in placed.candidates)
-            console.print(f"priced by replaying {placed.replay_steps:,} decode steps of {replay_src} through {pol}"
-                          f"{' (cpu miss path)' if req.replay_path == 'cpu' else ''}: experts not on the device "
-                          f"{parts}: [bold]{placed.chosen}[/] chosen", soft_wrap=True)
-        if check_result is not None:
-            console.print(held_out_line(check_result, pol), soft_wrap=True)
-        for line in render_plan.stock_lines(plan):
-            console.print(line, soft_wrap=True)
+        _print_plan(path, geometry, routing, placed, budget.source, trace, replay_src, pol, req, check_result)
         if output is not None:
             console.print(f"wrote {output} (use it with --plan {output})")
