@@ -90,8 +90,20 @@ class StopRules:
     token_ids: frozenset[int] = frozenset()  # end at one of these tokens (not evaluated)
 
 
+class Rates:
+    """Prompt and generation tok/s of anything with prompt/generated tokens and their seconds."""
+
+    @property
+    def prompt_tps(self) -> float | None:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else None
+
+    @property
+    def gen_tps(self) -> float | None:
+        return self.generated_tokens / self.gen_seconds if self.gen_seconds > 0 else None
+
+
 @dataclass(frozen=True)
-class GenerationStep:
+class GenerationStep(Rates):
     """One evaluated token (token set), or the end (finish set, token None)."""
 
     token: int | None
@@ -104,14 +116,6 @@ class GenerationStep:
     logits: np.ndarray | None = None  # [n_vocab] after this token (keep_logits)
     prompt_cache: CacheStats | None = None  # the prompt's cache figures (last step)
     cache: CacheStats | None = None  # the decode steps' cache figures (last step)
-
-    @property
-    def prompt_tps(self) -> float | None:
-        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else None
-
-    @property
-    def gen_tps(self) -> float | None:
-        return self.generated_tokens / self.gen_seconds if self.gen_seconds > 0 else None
 
 
 class StopFilter:

@@ -18,7 +18,7 @@ import numpy as np
 from ..files.atomic import atomic_write_text
 from ..errors import SparkError
 from ..native.expert_cache import CacheStats
-from ..native.generate import StopRules, stream_generate
+from ..native.generate import Rates, StopRules, stream_generate
 from .session import decode_counts
 
 
@@ -41,7 +41,7 @@ PER_TOKEN_KEYS = ("syncs", "blocking_upload_bytes", "async_upload_bytes", "cpu_e
 
 
 @dataclass
-class AnswerFigures:
+class AnswerFigures(Rates):
     """What one answer cost; `cache` is the delta over this answer, cached layers only."""
 
     prompt_tokens: int = 0  # evaluated for this prompt
@@ -57,14 +57,6 @@ class AnswerFigures:
     vram_source: str = ""  # measured | planned | "" (no device)
     dropped_turns: int = 0
     stop: str = ""  # eog | stop | length | context | interrupted | error
-
-    @property
-    def prompt_tps(self) -> float | None:
-        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else None
-
-    @property
-    def gen_tps(self) -> float | None:
-        return self.generated_tokens / self.gen_seconds if self.gen_seconds > 0 else None
 
     @property
     def hit_rate(self) -> float | None:
