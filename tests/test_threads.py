@@ -68,3 +68,24 @@ def test_calibration_is_per_thread_count(small_model, rpc_server, tmp_path):
     assert "on 1 thread;" in lines[1] and "on 2 threads;" in lines[2]
     assert all("calibrated now" in line for line in lines.values())  # 2 threads did not reuse 1's figures
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_miss_path_exact_at_any_thread_count(small_model, rpc_server, threads):
+    """The miss path's experts are split across the graph's threads, each on its own one-thread
+    backend: logits equal the all-resident run's bit for bit whatever -t/-tb say (3 threads: more
+    workers than this machine's cores, and an uneven split of the experts)."""
+    from test_expert_cache import _assert_same
+
+    from spark_cli.runs.exactness import logits, reference
+
+    base = dict(n_ctx=512, n_batch=512, rpc=[rpc_server.endpoint])
+    ref = reference(EngineOptions(small_model, **base), 4, lengths=(1, 12, 40))
+    g = load_geometry(small_model)
+    layers = [CacheLayer(il, g.n_expert_used + 1, (0,), miss_path="cpu") for il in g.moe_layers]
+    with Engine(EngineOptions(small_model, cache_layers=layers, n_threads=threads, n_threads_batch=threads,
+                              **base)) as eng:
+        for p, rl, toks in zip(ref.prompts, ref.logits, ref.fed):
+            _assert_same((rl, toks), logits(eng, p, None, 4), f"{threads} threads, {len(p)} tokens")
+        stats = eng.cache_stats()
+    assert sum(s.cpu_experts for s in stats.values()) > 0 and sum(s.cpu_us for s in stats.values()) > 0
