@@ -55,12 +55,12 @@ def table(names: list[str], budgets: list[int], n_ctx: int, out_dir: Path | None
             label = f"{FIXTURES[name].title} ({fmt_bytes(g.file_size)})" if i == 0 else ""
             r = plan_row(g, budget, n_ctx)
             if "error" in r:
-                lines.append(f"| {label} | {budget / GiB:.0f} GiB | does not fit | - | - | - |")
+                lines.append(f"| {label} | {budget / GiB:.4g} GiB | does not fit | - | - | - |")
                 continue
             m, s = r["modes"], r["stock"]
             stock = (f"{s.n_cpu_moe} of {r['n_moe']} ({fmt_bytes(s.device_bytes)})" if s.fits else
                      f"does not fit even with --cpu-moe ({fmt_bytes(s.cpu_moe_device_bytes)})")
-            lines.append(f"| {label} | {budget / GiB:.0f} GiB | {100 * r['residency']:.0f}% "
+            lines.append(f"| {label} | {budget / GiB:.4g} GiB | {100 * r['residency']:.0f}% "
                          f"| {m['resident']} / {m['cached']} / {m['host']} | {fmt_bytes(r['bill'])} | {stock} |")
     return "\n".join(lines)
 
