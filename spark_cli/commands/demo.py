@@ -20,6 +20,9 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="router seed"),
         tiny: str = typer.Option(None, "--tiny", help="build a tiny random model of this architecture (or variant, "
                                  "e.g. qwen35moe-split) instead"),
+        fixture: str = typer.Option(None, "--fixture", help="build a real-sized geometry fixture without weights "
+                                    "(a sparse GGUF for `spark plan`), e.g. qwen3.6-35b-a3b-q4_k_m; `list` "
+                                    "lists them"),
         out_dir: Path = typer.Option(None, "--out-dir", help="folder (default: $SPARK_HOME/models)"),
     ) -> None:
         """Build (or reuse) the upcycled SmolLM2 MoE demo model; prints its path on the last line."""
@@ -31,6 +34,9 @@ def register(app: typer.Typer) -> None:
             raise UsageError(f"--seed {seed}: give 0 or more")
         if out_dir is not None:
             check_folder(out_dir, "--out-dir")
+        if fixture is not None:
+            _fixture(fixture, tiny, out_dir)
+            return
         if tiny is not None:
             if tiny not in TINY_MODELS:
                 raise UsageError(f"--tiny {tiny}: unknown architecture", hint="one of " + ", ".join(TINY_MODELS))
@@ -44,6 +50,26 @@ def register(app: typer.Typer) -> None:
                 path = build_demo_model(n_expert=n_expert, n_expert_used=n_used, seed=seed, out_dir=out_dir)
         console.print(f"{path.stat().st_size / 2**20:.0f} MiB", style="dim")
         print(path)
+
+
+def _fixture(name: str, tiny: str | None, out_dir: Path | None) -> None:
+    """`--fixture NAME`: build one geometry fixture and print its path; `--fixture list`: the names."""
+    from ..core.units import fmt_bytes
+    from ..runs.fixtures import FIXTURES, build_fixture, disk_bytes
+
+    if tiny is not None:
+        raise UsageError("--fixture and --tiny: give one of them")
+    if name == "list":
+        for spec in FIXTURES.values():
+            print(f"{spec.name}\t{spec.title} ({spec.arch})")
+        return
+    if name not in FIXTURES:
+        raise UsageError(f"--fixture {name}: unknown fixture", hint="one of " + ", ".join(FIXTURES) + " (or list)")
+    with console.status(f"writing the {name} fixture header ..."):
+        path = build_fixture(name, out_dir=out_dir)
+    console.print(f"{fmt_bytes(path.stat().st_size)} apparent, {fmt_bytes(disk_bytes(path))} on disk "
+                  "(no weights: plan it, do not run it)", style="dim")
+    print(path)
 
 
 def register_demo(app: typer.Typer) -> None:
