@@ -125,6 +125,21 @@ def load() -> SimpleNamespace:
     return ns
 
 
+def header_check(path: Path) -> str | None:
+    """llama.cpp's loader on a GGUF's header alone (`no_alloc`, load mode none: every tensor's shape
+    is checked against the hyperparameters, no weight is read or allocated); None when it loads."""
+    lc = load().lc
+    p = lc.llama_model_default_params()
+    p.n_gpu_layers = 0
+    p.no_alloc = True
+    p.load_mode = 0  # LLAMA_LOAD_MODE_NONE: no_alloc maps nothing
+    model = lc.llama_model_load_from_file(os.fsencode(path), p)
+    if not model:
+        return "llama_model_load_from_file returned NULL"
+    lc.llama_model_free(model)
+    return None
+
+
 def devices(memory: bool = False) -> list[Device]:
     """Registered ggml devices; with memory=True also their free/total bytes (asks RPC servers)."""
     lib = load()

@@ -452,17 +452,8 @@ def disk_bytes(path: Path) -> int:
 
 def check_with_llama(path: Path) -> str | None:
     """Load the header with llama.cpp (`no_alloc`: shapes checked against the hyperparameters, no
-    weights read or allocated); None when it loads, else why not. Needs llama_cpp importable."""
-    import llama_cpp
+    weights read or allocated); None when it loads, else why not. Needs the native build."""
+    from ..native import llama_lib
 
-    p = llama_cpp.llama_model_default_params()
-    p.n_gpu_layers = 0
-    p.no_alloc = True
-    p.load_mode = 0  # LLAMA_LOAD_MODE_NONE: no_alloc maps nothing
-    llama_cpp.llama_backend_init()
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), p)
-    if not model:
-        return "llama_model_load_from_file returned NULL"
-    llama_cpp.llama_model_free(model)
-    return None
+    return llama_lib.header_check(path)
 
