@@ -102,3 +102,13 @@ def model_or_demo(model: Path | None) -> Path:
 
     with console.status("building the demo model (first run only) ..."):
         return build_demo_model()
+
+
+def run_inputs(model: Path | None, *, profile: Path | None = None, plan: Path | None = None,
+               trace: Path | None = None, corpus: Path | None = None) -> list[tuple[str, Path | None]]:
+    """The files a run reads, for `check_output(..., inputs=)`: no output may replace one of them."""
+    from ..core.profile import profile_path_for
+
+    return [("model", model), ("profile", profile if profile is not None else
+                                (profile_path_for(model) if model is not None else None)),
+            ("plan", plan), ("trace", trace), ("corpus", corpus)]

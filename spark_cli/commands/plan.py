@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 
 from ..core.options import LoadFlags
-from .common import JSON_HELP, console, err_console, model_flags, model_or_demo
+from .common import JSON_HELP, console, err_console, model_flags, model_or_demo, run_inputs
 
 
 def _save(plan, output: Path) -> None:
@@ -76,7 +76,7 @@ def register(app: typer.Typer) -> None:
 
         say = err_console if as_json else console
         if output is not None:
-            check_output(output, "-o")
+            check_output(output, "-o", inputs=run_inputs(model, profile=profile_path, trace=trace_path))
         pol = canonical_policy(policy or DEFAULT_POLICY)
         if pol not in ONLINE_POLICIES:
             raise UsageError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")

@@ -24,7 +24,7 @@ from ..errors import PlanError, ProfileError, SparkError, UsageError
 from ..core.options import LoadFlags
 from ..runs.profiling import (CAPTURE_MODES, Gathered, StopFlag, _Capture, dropped_warning, gather,  # noqa: F401
                               open_engine, resolve_capture, split_held_out)
-from .common import JSON_HELP, console, err_console, model_flags, model_or_demo
+from .common import JSON_HELP, console, err_console, model_flags, model_or_demo, run_inputs
 
 DEFAULT_RESIDENCIES = "0.4,0.6,0.8"
 
@@ -198,9 +198,10 @@ def run_cmd(
     if capture not in CAPTURE_MODES:
         raise UsageError(f"--capture {capture}: expected one of {', '.join(CAPTURE_MODES)}")
 
+    inputs = run_inputs(model, profile=profile, corpus=corpus)
     for flag, out in (("--trace", trace), ("--plot", plot)):  # before the run, not after it
         if out is not None:
-            check_output(out, flag)
+            check_output(out, flag, inputs=inputs)
     model = model_or_demo(model)
     geometry = load_geometry(model, require_moe=True)
     ctx = context_size(flags.ctx_size, geometry.context_length)
@@ -280,7 +281,7 @@ def run_cmd(
             gather(engine, cap, chunks, gen, stop,
                    advance=lambda n: progress.advance(task, n),
                    drop=lambda n: progress.update(task, total=progress.tasks[0].total - n),
-                   n_batch=n_batch, into=g)
+                   n_batch=min(n_batch, engine.n_ubatch), into=g)
     finally:
         engine.close()
 
@@ -373,7 +374,7 @@ def merge_cmd(
     from ..core.profile import RoutingProfile, merge
     from ..files.recovery import save_or_recover
 
-    check_output(output, "-o")
+    check_output(output, "-o", inputs=[("profile", a), ("profile", b)])
     pa, pb = RoutingProfile.load(a), RoutingProfile.load(b)
     out = merge(pa, pb)
     save_or_recover(lambda p: out.save(p, "-o"), output)
@@ -477,7 +478,7 @@ def show_cmd(
     from ..core.profile import RESET_HINT, RoutingProfile, profile_path_for
 
     if plot is not None:
-        check_output(plot, "--plot")
+        check_output(plot, "--plot", inputs=run_inputs(model, profile=profile))
     model = model_or_demo(model)
     geometry = load_geometry(model, require_moe=True)
     path = Path(profile) if profile else profile_path_for(model)

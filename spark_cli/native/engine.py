@@ -211,8 +211,12 @@ class Engine:
             self.close()
             raise SparkError(f"{path}: could not create a context of {opts.n_ctx} tokens ({_logs.last_error()})",
                              hint="try a smaller --ctx-size")
+        # NOTE: llama.cpp rounds n_ctx up (to 256) and caps n_batch at the requested -c: feed and
+        # check prompts with the context's own figures, never the options'
         self.n_ctx = lc.llama_n_ctx(self.ctx)
-        self._batch = lc.llama_batch_init(opts.n_batch, 0, 1)
+        self.n_batch = max(1, min(lc.llama_n_batch(self.ctx), opts.n_batch))
+        self.n_ubatch = max(1, min(lc.llama_n_ubatch(self.ctx), self.n_batch))
+        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
         if self.lib.expert_cache is not None:
             self.cache = ExpertCache(self.lib.expert_cache, self.ctx)
 
@@ -357,7 +361,7 @@ class Engine:
                              hint="raise --ctx-size or shorten the prompt")
         rows = []
         b = self._batch
-        nb = self.opts.n_batch
+        nb = self.n_batch
         for start in range(0, len(tokens), nb):
             chunk = tokens[start:start + nb]
             last_chunk = start + nb >= len(tokens)

@@ -65,7 +65,7 @@ def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: f
 
     def keep_on_loss() -> str | None:
         # NOTE: called by faults' abort hook when the device or RPC server is gone; the process ends after it
-        worker.abort(faults.describe("").message)  # 503 to the running request and the queue
+        worker.abort((faults.last_error() or faults.describe("")).message)  # 503 to the running request and the queue
         worker.harvest_now()
         time.sleep(1.0)  # the HTTP thread sends the 503s meanwhile
         learner.close()
