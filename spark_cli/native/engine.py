@@ -187,7 +187,7 @@ class Engine:
 
     def _load(self, path: Path, mp, opts: EngineOptions, type_k: int, type_v: int) -> None:
         lc = self.lib.lc
-        self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
+        self.model = lc.llama_model_load_from_file(os.fsencode(path), mp)
         if not self.model:
             raise ModelFileError(f"{path}: llama.cpp could not load it ({_logs.last_error() or 'see SPARK_VERBOSE=1'})")
         self.vocab = lc.llama_model_get_vocab(self.model)
