@@ -212,3 +212,40 @@ def test_model_tier_plan_trace_and_path_cases(monkeypatch, capsys, tmp_path, sma
     os.symlink(small_model, odd)
     rc, out, err = run_chat(odd, "-dev", "none", "--no-learn", "-n", "1", "--prompt", "hi", "--json")
     assert rc == 0 and json.loads(out)["figures"]["prompt_tokens"] > 0, err
+
+
+# ---------------------------------------------------------------- 9. exit codes and messages
+
+
+@pytest.mark.parametrize("args,code,want", [
+    (["--vram", "2GiB", "--policy", "bogus"], 2, "--policy bogus"),
+    (["--vram", "0"], 2, "--vram: size must be positive"),
+    (["--vram", "lots"], 2, "--vram: cannot read"),
+    (["--vram", "2GiB", "-ngl", "99", "-o", "M"], 2, "-ngl 99 ignored: Spark places every layer itself"),
+])
+def test_flag_errors_exit_2(monkeypatch, capsys, tmp_path, args, code, want):
+    from spark_cli.commands import plan
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    args = [model if a == "M" else a for a in args]  # -o M: refused after -ngl's note, before any work
+    run = cli_runner(monkeypatch, capsys, "plan", plan.register)
+    rc, _, err = run(model, *args)
+    assert rc == code and want in err and "Traceback" not in err, err
+
+
+def test_dev_rpc_name_from_the_readme_implies_its_server():
+    from spark_cli.native import devices
+
+    sel = devices.parse("RPC0[127.0.0.1:50052]", None)
+    assert sel.names == ("RPC0[127.0.0.1:50052]",) and sel.rpc == ("127.0.0.1:50052",)
+    assert devices.parse("RPC0[127.0.0.1:50052]", "127.0.0.1:50052").rpc == ("127.0.0.1:50052",)
+
+
+@pytest.mark.model
+def test_quantized_v_without_flash_attention_names_the_flag(monkeypatch, capsys, small_model):
+    from spark_cli.commands import chat
+
+    run = cli_runner(monkeypatch, capsys, "chat", chat.register)
+    rc, _, err = run(small_model, "-dev", "none", "-ctv", "q8_0", "-fa", "off", "--no-learn", "--prompt", "hi")
+    assert rc == 2 and "-fa on" in err and "smaller --ctx-size" not in err, err

@@ -64,7 +64,7 @@ def register(app: typer.Typer) -> None:
         from ..native import devices
         from . import render_plan
         from ..runs import session
-        from ..errors import UsageError
+        from ..errors import SparkError, UsageError
         from ..core.options import context_size
         from ..core.profile import RoutingProfile
         from ..core.trace import RoutingTrace
@@ -77,10 +77,17 @@ def register(app: typer.Typer) -> None:
         say = err_console if as_json else console
         if output is not None:
             check_output(output, "-o", inputs=run_inputs(model, profile=profile_path, trace=trace_path))
-        pol = canonical_policy(policy or DEFAULT_POLICY)
+        try:
+            pol = canonical_policy(policy or DEFAULT_POLICY)
+        except SparkError as e:
+            raise UsageError(f"--policy {policy}: {e.message}") from None
         if pol not in ONLINE_POLICIES:
             raise UsageError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
         check_choice(miss_path)
+        if vram_text:
+            from ..core.units import parse_size
+
+            parse_size(vram_text, "--vram")  # a flag error before the model is read
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
         # NOTE: a dry run with --vram needs no device (and does not load llama.cpp)

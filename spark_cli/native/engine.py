@@ -209,7 +209,11 @@ class Engine:
         self.ctx = lc.llama_init_from_model(self.model, cp)
         if not self.ctx:
             self.close()
-            raise SparkError(f"{path}: could not create a context of {opts.n_ctx} tokens ({_logs.last_error()})",
+            why = _logs.last_error()
+            if opts.type_v not in (None, "f16", "f32", "bf16") and opts.flash_attn != "on":
+                raise UsageError(f"-ctv {opts.type_v}: a quantized V cache needs flash attention, which "
+                                 f"llama.cpp did not enable ({why})", hint="add -fa on, or use -ctv f16")
+            raise SparkError(f"{path}: could not create a context of {opts.n_ctx} tokens ({why})",
                              hint="try a smaller --ctx-size")
         # NOTE: llama.cpp rounds n_ctx up (to 256) and caps n_batch at the requested -c: feed and
         # check prompts with the context's own figures, never the options'
