@@ -63,18 +63,24 @@ def _say(line: str) -> None:
 
 
 class _Refusals:
-    """Say once that connections are being refused, not once per attempt (again after it clears)."""
+    """Say once that connections are being refused, not once per attempt (again only after
+    QUIET seconds without a refusal)."""
+
+    QUIET = 10.0
 
     def __init__(self) -> None:
         self.active = False
+        self.last = 0.0
 
     def refused(self, why: str) -> None:
+        self.last = time.monotonic()
         if not self.active:
             self.active = True
             _say(f"refusing new connections: {why} (said once until it clears)")
 
     def cleared(self) -> None:
-        self.active = False
+        if self.active and time.monotonic() - self.last > self.QUIET:
+            self.active = False
 
 
 class _AcceptErrors(logging.Filter):
