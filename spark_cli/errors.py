@@ -93,6 +93,12 @@ class DeviceLostError(SparkError):
     exit_code = 1
 
 
+class InternalError(SparkError):
+    """llama.cpp aborted on its own (an assertion), not because a device or server was lost."""
+
+    exit_code = 1
+
+
 EXIT_CODES: dict[str, int] = {c.__name__: c.exit_code for c in
                               (SparkError, UsageError, ModelFileError, PlanError, ProfileError, NativeError,
                                DeviceError, DownloadError)}

@@ -308,3 +308,14 @@ def test_bad_input_is_one_line(case, code, spark, small_model, rpc_server, tmp_p
             "rpc-and-none": "contradict", "kv-type": "--cache-type-v: unknown KV cache type",
             "expert-ot": "matches the expert tensor blk.3.ffn_up_exps.weight"}[case]
     assert want in lines[0]
+
+
+@pytest.mark.model
+def test_prompt_between_ctx_and_the_rounded_context_is_answered(small_model, tmp_path):
+    # llama.cpp rounds -c 64 up to 256 but caps n_batch at 64: a 100-word prompt fits the
+    # context and must be fed in chunks of 64 (it aborted on GGML_ASSERT(n_tokens_all <= n_batch))
+    prompt = " ".join(["word"] * 100)
+    r = _run(_model_copy(small_model, tmp_path), "-dev", "none", "-c", "64", "--no-learn", "--temp", "0",
+             "-n", "3", "--prompt", prompt, "--json", check_rc=None)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["figures"]["prompt_tokens"] > 64, r.stdout

@@ -206,7 +206,7 @@ def test_health_is_503_while_loading_then_serves():
     worker.start()
     chat = {"messages": [{"role": "user", "content": "hi there"}], "temperature": 0}
     try:
-        with TestClient(create_app(ServerState(worker, stats, "fake.gguf"))) as tc:
+        with TestClient(create_app(ServerState(worker, stats, "fake.gguf")), base_url="http://127.0.0.1") as tc:
             r = tc.get("/health")
             assert r.status_code == 503 and r.json()["error"] == {
                 "message": "Loading model", "type": "unavailable_error", "code": 503, "param": None}

@@ -94,11 +94,11 @@ def test_parse_size(text: str | int, expected: int) -> None:
 
 @pytest.mark.parametrize("text", ["", "abc", "-1G", "1.5", "16GiX", "0", "0G", "16 ib", "G", "1e9"])
 def test_parse_size_errors(text: str) -> None:
-    with pytest.raises(PlanError, match="^--vram: ") as e:
+    with pytest.raises(UsageError, match="^--vram: ") as e:
         parse_size(text)
     assert "\n" not in e.value.one_line()
 
 
 def test_parse_size_names_other_flags() -> None:
-    with pytest.raises(PlanError, match="^--host-ram: "):
+    with pytest.raises(UsageError, match="^--host-ram: "):
         parse_size("lots", flag="--host-ram")

@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 
 from ..core.options import LoadFlags
-from .common import console, err_console, model_flags, model_or_demo
+from .common import console, err_console, model_flags, model_or_demo, run_inputs
 
 
 def _budget(vram_text: str | None, residency: float | None, geometry, ctx: int, devs: list,
@@ -215,7 +215,9 @@ def register(app: typer.Typer) -> None:
                 raise SparkError("--plot: matplotlib is not installed", hint="pip install matplotlib, or drop --plot")
         for flag, out in (("-o", output), ("--plot", plot)):  # before the runs, not after them
             if out is not None:
-                check_output(out, flag)
+                check_output(out, flag, inputs=run_inputs(model, corpus=corpus_path))
+        if output is not None and plot is not None and Path(output).expanduser().resolve() == Path(plot).expanduser().resolve():
+            raise UsageError(f"-o {output} and --plot {plot}: the same file", hint="give two paths")
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
         ctx = context_size(flags.ctx_size, geometry.context_length)

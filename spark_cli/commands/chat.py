@@ -198,6 +198,10 @@ def _interactive(chat, plan, model_name: str) -> None:
                     console.print("[red]usage:[/] /save FILE")
                     continue
                 try:
+                    from ..files.atomic import check_output
+                    from .common import run_inputs
+
+                    check_output(arg, "/save", inputs=run_inputs(chat.engine.opts.model_path))
                     console.print(f"[dim]saved {escape(str(chat.save(arg, model_name)))}[/]")
                 except SparkError as e:
                     console.print(f"[bold red]error:[/] {escape(e.one_line())}")

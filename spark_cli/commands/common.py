@@ -54,6 +54,9 @@ MODEL_FLAGS: dict[str, tuple[Any, Any]] = {
                                    help="comma-separated devices to use (spark devices lists them), or none "
                                         "for the CPU only (default: the first GPU, or the --rpc servers)")),
     "rpc": (Optional[str], _opt(None, "--rpc", show_default=False, help=RPC_HELP)),
+    "n_gpu_layers": (Optional[str], _opt(None, "--n-gpu-layers", "-ngl", "--gpu-layers", show_default=False,
+                                         help="accepted for llama.cpp's command lines and ignored: Spark places "
+                                              "layers and experts itself (--vram, --plan)")),
     "override_tensor": (Optional[List[str]], _opt(None, "--override-tensor", "-ot", show_default=False,
                                                   help="PATTERN=BUFFER[,...]: put matching tensors in that "
                                                        "buffer type (e.g. CPU); experts are Spark's to place")),
@@ -85,6 +88,10 @@ def model_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kw: Any) -> Any:
         got = {name: kw.pop(name) for name in MODEL_FLAGS}
+        ngl = got.pop("n_gpu_layers")
+        if ngl is not None:
+            err_console.print(f"note: -ngl {ngl} ignored: Spark places every layer itself (non-expert weights on "
+                              "the device, experts by the plan: --vram or --plan)", soft_wrap=True, markup=False)
         return fn(*args, flags=LoadFlags.from_cli(**got), **kw)
 
     wrapper.__signature__ = sig.replace(parameters=[
@@ -102,3 +109,13 @@ def model_or_demo(model: Path | None) -> Path:
 
     with console.status("building the demo model (first run only) ..."):
         return build_demo_model()
+
+
+def run_inputs(model: Path | None, *, profile: Path | None = None, plan: Path | None = None,
+               trace: Path | None = None, corpus: Path | None = None) -> list[tuple[str, Path | None]]:
+    """The files a run reads, for `check_output(..., inputs=)`: no output may replace one of them."""
+    from ..core.profile import profile_path_for
+
+    return [("model", model), ("profile", profile if profile is not None else
+                                (profile_path_for(model) if model is not None else None)),
+            ("plan", plan), ("trace", trace), ("corpus", corpus)]

@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 
 from ..core.options import LoadFlags
-from .common import JSON_HELP, console, err_console, model_flags, model_or_demo
+from .common import JSON_HELP, console, err_console, model_flags, model_or_demo, run_inputs
 
 
 def _save(plan, output: Path) -> None:
@@ -107,7 +107,7 @@ def register(app: typer.Typer) -> None:
         """Place experts for a VRAM budget and show the bill (no GPU needed with --vram)."""
         from ..native import devices
         from ..runs import session
-        from ..errors import UsageError
+        from ..errors import SparkError, UsageError
         from ..core.options import context_size
         from ..core.trace import RoutingTrace
 
@@ -118,11 +118,18 @@ def register(app: typer.Typer) -> None:
 
         say = err_console if as_json else console
         if output is not None:
-            check_output(output, "-o")
-        pol = canonical_policy(policy or DEFAULT_POLICY)
+            check_output(output, "-o", inputs=run_inputs(model, profile=profile_path, trace=trace_path))
+        try:
+            pol = canonical_policy(policy or DEFAULT_POLICY)
+        except SparkError as e:
+            raise UsageError(f"--policy {policy}: {e.message}") from None
         if pol not in ONLINE_POLICIES:
             raise UsageError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
         check_choice(miss_path)
+        if vram_text:
+            from ..core.units import parse_size
+
+            parse_size(vram_text, "--vram")  # a flag error before the model is read
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
         # NOTE: a dry run with --vram needs no device (and does not load llama.cpp)

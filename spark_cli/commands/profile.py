@@ -24,7 +24,7 @@ from ..errors import PlanError, ProfileError, SparkError, UsageError
 from ..core.options import LoadFlags
 from ..runs.profiling import (CAPTURE_MODES, Gathered, StopFlag, _Capture, dropped_warning, gather,  # noqa: F401
                               profiling_options, resolve_capture, split_held_out)
-from .common import JSON_HELP, console, err_console, model_flags, model_or_demo
+from .common import JSON_HELP, console, err_console, model_flags, model_or_demo, run_inputs
 
 DEFAULT_RESIDENCIES = "0.4,0.6,0.8"
 
@@ -189,9 +189,10 @@ def run_cmd(
         raise UsageError(f"--capture {capture}: expected one of {', '.join(CAPTURE_MODES)}")
     from ..files.atomic import check_output
 
+    inputs = run_inputs(model, profile=profile, corpus=corpus)
     for flag, out in (("--trace", trace), ("--plot", plot)):  # before the run, not after it
         if out is not None:
-            check_output(out, flag)
+            check_output(out, flag, inputs=inputs)
     job = _prepare(model_or_demo(model), corpus, gen, profile, reset, flags, say)
     g, n_chunks, mode = _gather_corpus(job, flags, capture, gen, keep_trace=True, full_trace=trace is not None or held_out > 0,
                                        say=say)
@@ -333,7 +334,7 @@ def _gather_corpus(job: _ProfileJob, flags: LoadFlags, capture: str, gen: int, *
             gather(engine, cap, chunks, gen, stop,
                    advance=lambda n: progress.advance(task, n),
                    drop=lambda n: progress.update(task, total=progress.tasks[0].total - n),
-                   n_batch=n_batch, into=g)
+                   n_batch=min(n_batch, engine.n_ubatch), into=g)
     return g, len(chunks), mode
 
 
@@ -429,7 +430,7 @@ def merge_cmd(
     from ..core.profile import RoutingProfile, merge
     from ..files.recovery import save_or_recover
 
-    check_output(output, "-o")
+    check_output(output, "-o", inputs=[("profile", a), ("profile", b)])
     pa, pb = RoutingProfile.load(a), RoutingProfile.load(b)
     out = merge(pa, pb)
     save_or_recover(lambda p: out.save(p, "-o"), output)
@@ -533,7 +534,7 @@ def show_cmd(
     from ..core.profile import RESET_HINT, RoutingProfile, profile_path_for
 
     if plot is not None:
-        check_output(plot, "--plot")
+        check_output(plot, "--plot", inputs=run_inputs(model, profile=profile))
     model = model_or_demo(model)
     geometry = load_geometry(model, require_moe=True)
     path = Path(profile) if profile else profile_path_for(model)

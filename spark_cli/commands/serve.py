@@ -36,6 +36,15 @@ def register(app: typer.Typer) -> None:
                                       "else auto", show_default=False),
         api_key: str = typer.Option(None, "--api-key", envvar="SPARK_API_KEY", show_envvar=True,
                                     help="require 'Authorization: Bearer KEY' on every endpoint but /health"),
+        allowed_hosts: str = typer.Option(None, "--allowed-hosts", help="comma-separated names a request's Host "
+                                          "header may give besides IP addresses, localhost and --host ('*': any); "
+                                          "others are refused (DNS rebinding)"),
+        cors: str = typer.Option(None, "--cors", help="comma-separated browser origins allowed to call the API "
+                                 "(e.g. http://localhost:3000; '*': any); other cross-origin requests are refused"),
+        read_timeout: float = typer.Option(30.0, "--read-timeout", min=0.1, help="seconds a client may take to send "
+                                           "a whole request (headers and body) before its connection is closed"),
+        max_connections: int = typer.Option(256, "--max-connections", min=1, help="open connections at most "
+                                            "(fewer under a low ulimit -n); more are answered 503 and closed"),
         max_queue: int = typer.Option(32, "--queue", min=1, help="requests waiting at most; more get 503"),
         learn_every: float = typer.Option(300.0, "--learn-every", min=0.0,
                                           help="seconds between folds of routing counts into the profile "
@@ -55,8 +64,22 @@ def register(app: typer.Typer) -> None:
         from ..serve.stats import ServerStats
         from ..serve.worker import Worker
 
+        import os
+
+        from ..errors import UsageError
+        from ..serve.guard import is_loopback
+
+        if api_key is not None and not api_key.strip() or api_key is None and os.environ.get("SPARK_API_KEY") == "":
+            where = "--api-key" if api_key is not None else "SPARK_API_KEY"
+            raise UsageError(f"{where}: the key is empty (an unset variable?); it would leave the server open",
+                             hint="give a key, or drop --api-key and unset SPARK_API_KEY to serve without one")
         if miss_path is not None:
             check_choice(miss_path)
+        hosts = tuple(h.strip() for h in (allowed_hosts or "").split(",") if h.strip())
+        origins = tuple(o.strip() for o in (cors or "").split(",") if o.strip())
+        if not api_key and not is_loopback(host):
+            err_console.print(f"[yellow]warning:[/] --host {host} is reachable from other machines and there is no "
+                              "--api-key: anyone who can reach it can use the model", soft_wrap=True)
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
         info = session.load_profile(path, geometry)
@@ -78,7 +101,8 @@ def register(app: typer.Typer) -> None:
         worker = Worker(lambda: open_engine(opts, miss_path, geometry.fingerprint,
                                             on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True)),
                         cached, stats, learner, max_queue=max_queue)
-        state = ServerState(worker, stats, path.name, api_key=api_key or None)
+        state = ServerState(worker, stats, path.name, api_key=api_key or None, host=host, allowed_hosts=hosts,
+                            cors=origins)
         where = f"{devices[0].name}" if devices else f"CPU ({cpu_reason})"
         placement = (f"{len(cached)} cached MoE layers, plan {budget_source}" if plan is not None
                      else "stock CPU path")
@@ -88,7 +112,7 @@ def register(app: typer.Typer) -> None:
             err_console.print(f"spark serve: {path.name} on http://{bound_host}:{bound_port}/v1 "
                               f"(queue {max_queue}; {'learning' if learn else 'not learning'}; Ctrl-C stops)", soft_wrap=True)
 
-        out = serve(state, learner, sock, on_ready=ready)
+        out = serve(state, learner, sock, on_ready=ready, read_timeout=read_timeout, max_connections=max_connections)
         if out.folded_tokens:
             err_console.print(f"[dim]learned: {out.folded_tokens:.0f} decode tokens folded into "
                               f"{session.profile_path_for(path).name}[/]", soft_wrap=True)

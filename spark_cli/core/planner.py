@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -69,6 +70,7 @@ import numpy as np
 
 from . import units, vram
 from ..files.atomic import atomic_write_text
+from ..files.regular import read_regular_text
 from ..errors import PlanError
 from .gguf_info import ModelGeometry
 from .options import DEFAULT_UBATCH
@@ -108,6 +110,101 @@ class StockBaseline:
     override_patterns: tuple[str, ...]  # what --n-cpu-moe N adds, each `=CPU`
     cpu_moe_device_bytes: int
     cpu_moe_fits: bool
+
+
+INT32_MAX = (1 << 31) - 1  # what the C API's int fields hold
+INT64_MAX = (1 << 63) - 1
+_MISSING = object()
+
+
+class _Fields:
+    """Typed reads of a hand-editable JSON object; PlanError `source: field: problem`."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def _get(self, d: Any, key: Any, where: str, default: Any) -> Any:
+        name = f"{where}.{key}" if where else str(key)
+        if not isinstance(d, (dict, list)):
+            raise PlanError(f"{self.source}: {where or 'plan'}: expected an object, got {type(d).__name__}")
+        try:
+            v = d[key]
+        except (KeyError, IndexError):
+            if default is not _MISSING:
+                return name, default
+            raise PlanError(f"{self.source}: {name}: missing", hint="make the plan again with `spark plan`") from None
+        return name, v
+
+    def _bad(self, name: str, v: Any, want: str) -> PlanError:
+        return PlanError(f"{self.source}: {name}: expected {want}, got {json.dumps(v)[:40]}")
+
+    def int(self, d: Any, key: Any, where: str, lo: int, hi: int) -> int:
+        name, v = self._get(d, key, where, _MISSING)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self._bad(name, v, "an integer")
+        if not lo <= v <= hi:
+            raise PlanError(f"{self.source}: {name}: {v} is outside [{lo}, {hi}]")
+        return v
+
+    def int_list(self, d: Any, key: Any, where: str, lo: int, hi: int) -> list[int]:
+        name, v = self._get(d, key, where, _MISSING)
+        if not isinstance(v, list):
+            raise self._bad(name, v, "a list of integers")
+        return [self.int(v, i, name, lo, hi) for i in range(len(v))]
+
+    def float(self, d: Any, key: Any, where: str, optional: bool = False, default: Any = _MISSING) -> float | None:
+        name, v = self._get(d, key, where, default)
+        if v is None and optional:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            raise self._bad(name, v, "a number")
+        return float(v)
+
+    def str(self, d: Any, key: Any, where: str, default: Any = _MISSING) -> str:
+        name, v = self._get(d, key, where, default)
+        if not isinstance(v, str):
+            raise self._bad(name, v, "a string")
+        return v
+
+    def bool(self, d: Any, key: Any, where: str) -> bool:
+        name, v = self._get(d, key, where, _MISSING)
+        if not isinstance(v, bool):
+            raise self._bad(name, v, "true or false")
+        return v
+
+    def list(self, d: Any, key: Any, where: str) -> list:
+        name, v = self._get(d, key, where, _MISSING)
+        if not isinstance(v, list):
+            raise self._bad(name, v, "a list")
+        return v
+
+    def dict(self, d: Any, key: Any, where: str) -> dict:
+        name, v = self._get(d, key, where, _MISSING)
+        if not isinstance(v, dict):
+            raise self._bad(name, v, "an object")
+        return v
+
+
+def check_plan(plan: "Plan", g: ModelGeometry, source: str = "plan") -> None:
+    """PlanError when a (hand-edited) plan does not fit the model: layers and expert ids out of
+    range, or tensor overrides that keep a resident layer's experts in host RAM."""
+    n_expert = max((l.n_expert for l in g.layers), default=0)
+    rxs = [(n, re.compile(o.pattern)) for n, o in enumerate(plan.overrides)]
+    for n, l in enumerate(plan.layers):
+        if l.index >= len(g.layers):
+            raise PlanError(f"{source}: layers[{n}].index: layer {l.index}, the model has {len(g.layers)}")
+        if l.pinned and max(l.pinned) >= n_expert:
+            raise PlanError(f"{source}: layers[{n}].pinned: expert {max(l.pinned)}, the model has {n_expert} per layer")
+        if l.mode == "cached" and l.slots > n_expert:
+            raise PlanError(f"{source}: layers[{n}].slots: {l.slots} slots, the layer has {n_expert} experts")
+        if l.mode == "resident":
+            for t in g.layers[l.index].experts:
+                hit = next((k for k, rx in rxs if rx.search(t.name)), None)
+                if hit is not None:
+                    raise PlanError(f"{source}: layers[{n}]: layer {l.index} is resident, but overrides[{hit}] "
+                                    f"keeps its expert tensor {t.name} in host RAM",
+                                    hint="make the plan again with `spark plan` (a layer's mode and the "
+                                         "overrides must agree)")
 
 
 @dataclass(frozen=True)
@@ -151,27 +248,45 @@ class Plan:
             got = d.get("version") if isinstance(d, dict) else None
             raise PlanError(f"{source}: version: expected {PLAN_VERSION}, got {got!r}",
                             hint="make the plan again with `spark plan`")
-        try:
-            layers = tuple(LayerPlan(index=int(l["index"]), mode=str(l["mode"]),
-                                     pinned=tuple(int(e) for e in l["pinned"]), slots=int(l["slots"]),
-                                     device_bytes=int(l["device_bytes"]), host_bytes=int(l["host_bytes"]))
-                           for l in d["layers"])
-            s = d["stock"]
-            stock = StockBaseline(int(s["n_cpu_moe"]), bool(s["fits"]), int(s["device_bytes"]),
-                                  tuple(str(p) for p in s["override_patterns"]),
-                                  int(s["cpu_moe_device_bytes"]), bool(s["cpu_moe_fits"]))
-            cold, miss = d["predicted_cold_hit"], d.get("predicted_miss")
-            plan = cls(model=dict(d["model"]), budget_bytes=int(d["budget_bytes"]), n_ctx=int(d["n_ctx"]),
-                       type_k=str(d["type_k"]), type_v=str(d["type_v"]), n_ubatch=int(d["n_ubatch"]),
-                       layers=layers, breakdown={k: int(d["breakdown"][k]) for k in BREAKDOWN_KEYS},
-                       predicted_cold_hit=None if cold is None else float(cold), stock=stock,
-                       policy=str(d.get("policy", DEFAULT_POLICY)),
-                       predicted_miss=None if miss is None else float(miss),
-                       miss_path=str(d.get("miss_path", "auto")),
-
-overrides=tuple(TensorOverride(str(o["pattern"]), str(o["target"])) for o in d["overrides"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise PlanError(f"{source}: {type(e).__name__}: {e} (missing or malformed field)") from None
+        f = _Fields(source)
+        layers = tuple(LayerPlan(index=f.int(l, "index", f"layers[{n}]", 0, INT32_MAX),
+                                 mode=f.str(l, "mode", f"layers[{n}]"),
+                                 pinned=tuple(f.int_list(l, "pinned", f"layers[{n}]", 0, INT32_MAX)),
+                                 slots=f.int(l, "slots", f"layers[{n}]", 0, INT32_MAX),
+                                 device_bytes=f.int(l, "device_bytes", f"layers[{n}]", 0, INT64_MAX),
+                                 host_bytes=f.int(l, "host_bytes", f"layers[{n}]", 0, INT64_MAX))
+                       for n, l in enumerate(f.list(d, "layers", "")))
+        s = f.dict(d, "stock", "")
+        stock = StockBaseline(f.int(s, "n_cpu_moe", "stock", 0, INT32_MAX), f.bool(s, "fits", "stock"),
+                              f.int(s, "device_bytes", "stock", 0, INT64_MAX),
+                              tuple(f.str(s["override_patterns"], i, "stock.override_patterns")
+                                    for i in range(len(f.list(s, "override_patterns", "stock")))),
+                              f.int(s, "cpu_moe_device_bytes", "stock", 0, INT64_MAX), f.bool(s, "cpu_moe_fits", "stock"))
+        bd = f.dict(d, "breakdown", "")
+        overrides = []
+        for n, o in enumerate(f.list(d, "overrides", "")):
+            pat = f.str(o, "pattern", f"overrides[{n}]")
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise PlanError(f"{source}: overrides[{n}].pattern: invalid regex {pat!r} ({e})",
+                                hint="make the plan again with `spark plan`") from None
+            overrides.append(TensorOverride(pat, f.str(o, "target", f"overrides[{n}]")))
+        plan = cls(model=dict(f.dict(d, "model", "")), budget_bytes=f.int(d, "budget_bytes", "", 0, INT64_MAX),
+                   n_ctx=f.int(d, "n_ctx", "", 1, INT32_MAX), type_k=f.str(d, "type_k", ""),
+                   type_v=f.str(d, "type_v", ""), n_ubatch=f.int(d, "n_ubatch", "", 1, INT32_MAX),
+                   layers=layers, breakdown={k: f.int(bd, k, "breakdown", 0, INT64_MAX) for k in BREAKDOWN_KEYS},
+                   predicted_cold_hit=f.float(d, "predicted_cold_hit", "", optional=True), stock=stock,
+                   policy=f.str(d, "policy", "", default=DEFAULT_POLICY),
+                   predicted_miss=f.float(d, "predicted_miss", "", optional=True, default=None),
+                   miss_path=f.str(d, "miss_path", "", default="auto"), overrides=tuple(overrides))
+        seen: set[int] = set()
+        for n, l in enumerate(plan.layers):
+            if l.index in seen:
+                raise PlanError(f"{source}: layers[{n}].index: layer {l.index} appears twice")
+            seen.add(l.index)
+            if len(l.pinned) > l.slots and l.mode == "cached":
+                raise PlanError(f"{source}: layers[{n}].pinned: {len(l.pinned)} pinned experts in {l.slots} slots")
         for l in plan.layers:
             if l.mode not in MODES:
                 raise PlanError(f"{source}: layers[{l.index}].mode: unknown mode {l.mode!r}")
@@ -189,7 +304,7 @@ overrides=tuple(TensorOverride(str(o["pattern"]), str(o["target"])) for o in d["
     def load(cls, path: str | Path, expect_identity: dict[str, Any] | None = None) -> "Plan":
         """Read a plan; refuse one made for another model (PlanError, one line)."""
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            text = read_regular_text(path)
         except OSError as e:
             raise PlanError(f"{path}: cannot read plan ({e.strerror})") from None
         except UnicodeDecodeError as e:

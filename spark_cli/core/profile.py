@@ -49,6 +49,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..files.atomic import atomic_write_text, check_output, file_lock, lock_timeout_default
+from ..files.regular import read_regular_text
 from ..errors import ProfileError
 
 FORMAT = "spark-routing-profile"
@@ -293,7 +294,7 @@ class RoutingProfile:
     def load(cls, path: Path | str, expect: Mapping[str, Any] | object | None = None) -> "RoutingProfile":
         path = Path(path)
         try:
-            text = path.read_text(encoding="utf-8")
+            text = read_regular_text(path)
         except FileNotFoundError:
             raise ProfileError(f"profile {path} not found") from None
         except (OSError, UnicodeDecodeError) as e:

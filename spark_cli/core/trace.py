@@ -36,6 +36,30 @@ def phase_code(phase: int | str) -> int:
         raise ProfileError(f"unknown phase {phase!r}: expected 'prefill' or 'decode'") from None
 
 
+def _integers(name: str, a: np.ndarray, lo: int, hi: int) -> str | None:
+    """A problem when `a` is not integers within [lo, hi] (checked before a cast could wrap them)."""
+    if not a.size:
+        return None
+    if a.dtype.kind not in "iubf" or a.dtype.kind == "f" and not np.all(np.isfinite(a) & (a == np.round(a))):
+        return f"{name}: dtype {a.dtype}, expected integers"
+    if a.size and (int(a.min()) < lo or int(a.max()) > hi):
+        return f"{name}: values outside [{lo}, {hi}] (min {int(a.min())}, max {int(a.max())})"
+    return None
+
+
+def _raw_problem(ids, phase, step, n_expert) -> str | None:
+    n = np.asarray(n_expert)
+    if n.ndim != 0 or n.dtype.kind not in "iu":
+        return f"n_expert: expected one integer, got {n.dtype} of shape {list(n.shape)}"
+    if not 1 <= int(n) <= np.iinfo(np.int16).max:
+        return f"n_expert: {int(n)} is outside [1, {np.iinfo(np.int16).max}]"
+    ids = np.asarray(ids)
+    if ids.ndim == 3 and ids.shape[2] == 0:
+        return "ids: k = 0 (a token routes to at least one expert)"
+    return (_integers("ids", ids, -1, int(n) - 1) or _integers("phase", np.asarray(phase), PREFILL, DECODE)
+            or _integers("step", np.asarray(step), np.iinfo(np.int32).min, np.iinfo(np.int32).max))
+
+
 @dataclass
 class RoutingTrace:
     ids: np.ndarray  # int16 [n_rows, n_layer, k], -1 where the layer is not MoE
@@ -45,6 +69,9 @@ class RoutingTrace:
     fingerprint: str
 
     def __post_init__(self) -> None:
+        problem = _raw_problem(self.ids, self.phase, self.step, self.n_expert)
+        if problem:
+            raise ProfileError(f"invalid routing trace: {problem}")
         self.ids = np.asarray(self.ids, dtype=np.int16)
         self.phase = np.asarray(self.phase, dtype=np.uint8)
         self.step = np.asarray(self.step, dtype=np.int32)
@@ -159,7 +186,7 @@ class RoutingTrace:
                     raise ProfileError(f"trace {path} has format version {int(z['version'])}; "
                                        f"this Spark reads version {TRACE_VERSION}")
                 ids, phase, step = z["ids"], z["phase"], z["step"]
-                n_expert, fingerprint = int(z["n_expert"]), str(z["fingerprint"])
+                n_expert, fingerprint = z["n_expert"], str(z["fingerprint"])
         except ProfileError:
             raise
         except (OSError, ValueError, zipfile.BadZipFile, EOFError, KeyError) as e:

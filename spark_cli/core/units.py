@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..errors import PlanError
+from ..errors import UsageError
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -26,14 +26,14 @@ def parse_size(text: str | int, flag: str = "--vram") -> int:
     else:
         m = _SIZE_RE.match(str(text))
         if not m or (m.group(3) and not m.group(2) and m.group(3).lower() != "b"):
-            raise PlanError(f"{flag}: cannot read {text!r} as a size",
+            raise UsageError(f"{flag}: cannot read {text!r} as a size",
                             hint="write e.g. 16GiB, 16G, 900MiB or a byte count")
         number, unit = m.group(1), m.group(2).lower()
         if not unit and "." in number:
-            raise PlanError(f"{flag}: {text!r} is a fraction of a byte", hint="add a unit, e.g. 1.5GiB")
+            raise UsageError(f"{flag}: {text!r} is a fraction of a byte", hint="add a unit, e.g. 1.5GiB")
         value = math.floor(float(number) * _UNIT[unit]) if "." in number else int(number) * _UNIT[unit]
     if value <= 0:
-        raise PlanError(f"{flag}: size must be positive, got {text!r}")
+        raise UsageError(f"{flag}: size must be positive, got {text!r}")
     return value
 
 

@@ -18,7 +18,7 @@ import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from ..errors import LockTimeout, OutputError, SaveError
 
@@ -44,11 +44,22 @@ def _kind(mode: int) -> str | None:
     return "not a regular file"
 
 
-def check_output(path: Path | str, flag: str | None = None, make_parent: bool = False) -> Path:
+def _same_file(a: os.stat_result, path: Path | str) -> bool:
+    try:
+        b = os.stat(path)
+    except (OSError, ValueError):
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def check_output(path: Path | str, flag: str | None = None, make_parent: bool = False,
+                 inputs: "Iterable[tuple[str, Path | str | None]]" = ()) -> Path:
     """The file a write to `path` will replace (a symlink's target), or OutputError in one line.
 
     Refuses a device, FIFO, socket or folder, a path under a file, a missing folder (unless
-    `make_parent`) and a folder this process cannot write. Call it before long work starts.
+    `make_parent`), a folder this process cannot write, and a file that is one of `inputs`
+    ((what, path) pairs: the model, the plan...; by device and inode, so a relative path,
+    a symlink or a hard link is caught too). Call it before long work starts.
     """
     path = Path(path).expanduser()
     label = _label(path, flag)
@@ -62,6 +73,11 @@ def check_output(path: Path | str, flag: str | None = None, make_parent: bool = 
     if st is not None and (kind := _kind(st.st_mode)) is not None:
         raise OutputError(f"{label}: is {kind}; Spark replaces only regular files",
                           hint="give a file path, e.g. a name ending in .json")
+    if st is not None:
+        for what, other in inputs:
+            if other is not None and _same_file(st, Path(other).expanduser()):
+                raise OutputError(f"{label}: is the {what} this run reads ({other}); Spark would overwrite it",
+                                  hint="write the output to another file")
     folder = target.parent
     existing = folder
     while not existing.exists() and existing != existing.parent:

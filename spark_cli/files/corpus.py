@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from .regular import read_regular
 from ..errors import ProfileError
 
 SUFFIXES = (".txt", ".md", ".jsonl")
+MAX_CORPUS_FILE = 64 << 20  # one corpus file at most (a link to /dev/zero never ends)
 MIN_CHUNK = 2  # a one-token ubatch would be routed as decode
 
 
@@ -121,7 +123,7 @@ def _read_jsonl(path: Path, name: str, text: str, corpus: Corpus) -> list[Docume
 
 def _read_file(path: Path, name: str, corpus: Corpus) -> None:
     try:
-        data = path.read_bytes()
+        data = read_regular(path, MAX_CORPUS_FILE)
     except OSError as e:
         corpus.unreadable.append((path, e.strerror or type(e).__name__))
         return

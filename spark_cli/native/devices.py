@@ -10,6 +10,7 @@ first selected device. Plan, chat, bench, profile and the engine all select thro
 from __future__ import annotations
 
 import ctypes
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -38,6 +39,9 @@ class Selection:
         return "--rpc " + ",".join(self.rpc) if self.rpc else "the first GPU"
 
 
+RPC_NAME = re.compile(r"RPC\d*\[(.+:\d+)\]")  # a device of an RPC server, as ggml names it
+
+
 def parse(device: str | None, rpc: str | Sequence[str] | None = None) -> Selection:
     """-dev and --rpc values as typed -> a Selection (DeviceError for contradictions)."""
     from .rpc import parse_endpoints
@@ -52,7 +56,9 @@ def parse(device: str | None, rpc: str | Sequence[str] | None = None) -> Selecti
         return Selection((), ())
     if not names:
         raise DeviceError(f"-dev {device!r}: no device name", hint="run `spark devices` to list them")
-    return Selection(names, endpoints)
+    # NOTE: -dev RPC0[HOST:PORT] (the name `spark devices` lists) implies --rpc HOST:PORT
+    implied = tuple(m.group(1) for n in names if (m := RPC_NAME.fullmatch(n)) and m.group(1) not in endpoints)
+    return Selection(names, endpoints + tuple(parse_endpoints(",".join(implied))) if implied else endpoints)
 
 
 def local_gpus() -> list:
@@ -72,6 +78,13 @@ def select(sel: Selection) -> list:
     if sel.names is None:
         return remote if sel.rpc else local_gpus()[:1]
     every = {d.name: d for d in llama_lib.devices()}
+    for n in sel.names:  # RPC1[h:p] where this process registered the server as RPC0[h:p]
+        m = RPC_NAME.fullmatch(n)
+        if m and n not in every:
+            hit = next((d for name, d in every.items() if name.startswith("RPC") and name.endswith(f"[{m.group(1)}]")),
+                       None)
+            if hit is not None:
+                every[n] = hit
     missing = [n for n in sel.names if n not in every]
     if missing:
         raise DeviceError(f"-dev {','.join(sel.names)}: no device named {missing[0]}",

@@ -197,7 +197,7 @@ class Engine:
 
     def _load(self, path: Path, mp, opts: EngineOptions, type_k: int, type_v: int) -> None:
         lc = self.lib.lc
-        self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
+        self.model = lc.llama_model_load_from_file(os.fsencode(path), mp)
         if not self.model:
             raise ModelFileError(f"{path}: llama.cpp could not load it ({_logs.last_error() or 'see SPARK_VERBOSE=1'})")
         self.vocab = lc.llama_model_get_vocab(self.model)
@@ -219,10 +219,18 @@ class Engine:
         self.ctx = lc.llama_init_from_model(self.model, cp)
         if not self.ctx:
             self.close()
-            raise SparkError(f"{path}: could not create a context of {opts.n_ctx} tokens ({_logs.last_error()})",
+            why = _logs.last_error()
+            if opts.type_v not in (None, "f16", "f32", "bf16") and opts.flash_attn != "on":
+                raise UsageError(f"-ctv {opts.type_v}: a quantized V cache needs flash attention, which "
+                                 f"llama.cpp did not enable ({why})", hint="add -fa on, or use -ctv f16")
+            raise SparkError(f"{path}: could not create a context of {opts.n_ctx} tokens ({why})",
                              hint="try a smaller --ctx-size")
+        # NOTE: llama.cpp rounds n_ctx up (to 256) and caps n_batch at the requested -c: feed and
+        # check prompts with the context's own figures, never the options'
         self.n_ctx = lc.llama_n_ctx(self.ctx)
-        self._batch = lc.llama_batch_init(opts.n_batch, 0, 1)
+        self.n_batch = max(1, min(lc.llama_n_batch(self.ctx), opts.n_batch))
+        self.n_ubatch = max(1, min(lc.llama_n_ubatch(self.ctx), self.n_batch))
+        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
         if self.lib.expert_cache is not None:
             self.cache = ExpertCache(self.lib.expert_cache, self.ctx)
 
@@ -372,7 +380,7 @@ class Engine:
                              hint="raise --ctx-size or shorten the prompt")
         rows = []
         b = self._batch
-        nb = self.opts.n_batch
+        nb = self.n_batch
         for start in range(0, len(tokens), nb):
             chunk = tokens[start:start + nb]
             last_chunk = start + nb >= len(tokens)

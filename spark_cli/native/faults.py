@@ -1,5 +1,8 @@
 """Device loss: ggml aborts the process when an RPC server dies mid-run; Spark reports it.
 
+An abort that is not a device loss (a GGML_ASSERT while the servers still answer and the
+message names no device error) is reported as llama.cpp's internal error, with its text.
+
 ggml calls its abort callback (`ggml_set_abort_callback`) with the message it would print,
 then `abort()`s. Spark's callback runs the *keepers* registered for the current run (chat
 folds its routing counts, bench writes its partial report), prints one red line naming the
@@ -23,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..errors import DeviceLostError, SparkError
+from ..errors import DeviceLostError, InternalError, SparkError
 
 RPC_CMD_HELLO = 14  # ggml-rpc.cpp: "RPC_CMD_HELLO must be always 14"
 RPC_PROTO_MAJOR = 7  # ggml-rpc.h RPC_PROTO_MAJOR_VERSION of the vendored ggml
@@ -151,17 +154,37 @@ def _alive(endpoint: str) -> bool:
         return False
 
 
-def describe(message: str) -> DeviceLostError:
-    """The one-line error for a ggml abort message."""
-    why = message.strip().splitlines()[0] if message.strip() else "ggml aborted"
-    why = why.split(": ", 1)[1] if why.count(":") >= 2 and ".c" in why.split(":", 1)[0] else why
-    if "RPC" in message or _endpoints:
-        dead = [ep for ep in _endpoints if not _alive(ep)] or list(_endpoints)
-        names = ", ".join(dead) or "the RPC server"
-        port = dead[0].rsplit(":", 1)[1] if dead else "PORT"
+# messages of a device's own failure (a CUDA/Vulkan/HIP error, a lost device, no memory)
+DEVICE_MARKERS = ("cuda error", "cublas", "vulkan", "vk::", "devicelost", "device lost", "hip error", "rocm",
+                  "sycl", "metal", "out of memory", "illegal memory", "ecc error")
+
+_last: SparkError | None = None
+
+
+def last_error() -> SparkError | None:
+    """The error of the abort in progress (for keepers that pass it on, e.g. serve's 503)."""
+    return _last
+
+
+def describe(message: str) -> SparkError:
+    """The one-line error for a ggml abort message: a lost RPC server or device, else (the
+    servers still answer, no device error in the message) llama.cpp's own internal abort."""
+    text = message.strip()
+    first = text.splitlines()[0] if text else "ggml aborted"
+    why = first.split(": ", 1)[1] if first.count(":") >= 2 and ".c" in first.split(":", 1)[0] else first
+    where = first.split(": ", 1)[0] if why != first else ""
+    dead = [ep for ep in _endpoints if not _alive(ep)]
+    if dead or "RPC" in why:
+        names = ", ".join(dead or _endpoints) or "the RPC server"
+        port = (dead or _endpoints)[0].rsplit(":", 1)[1] if (dead or _endpoints) else "PORT"
         return DeviceLostError(f"lost the RPC server {names} ({why})",
                                hint=f"check that it runs (spark rpc-server --port {port}), then run again")
-    return DeviceLostError(f"the device failed: {why}", hint="check the device (nvidia-smi), then run again")
+    if not text or any(m in message.lower() for m in DEVICE_MARKERS):
+        return DeviceLostError(f"the device failed: {why}", hint="check the device (nvidia-smi), then run again")
+    at = f" at {Path(where).name}" if where else ""
+    return InternalError(f"internal error: llama.cpp aborted: {why}{at}",
+                         hint="not a device fault (the device and RPC servers still answer); please report it "
+                              "with SPARK_DEBUG=1's output")
 
 
 def run_keepers() -> list[str]:
@@ -190,11 +213,12 @@ def set_printer(fn: Callable[[str], None]) -> None:
 
 
 def _on_abort(message: bytes | None) -> None:
+    global _last
     text = (message or b"").decode("utf-8", "replace")
     try:
-        err = describe(text)
+        err = _last = describe(text)
         notes = run_keepers()
-        line = DeviceLostError("; ".join([err.message, *notes]), hint=err.hint).one_line()
+        line = type(err)("; ".join([err.message, *notes]), hint=err.hint).one_line()
         if os.environ.get("SPARK_DEBUG"):
             print(text, file=sys.stderr)
         try:

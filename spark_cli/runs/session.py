@@ -192,7 +192,9 @@ class Placement:
 def load_plan_file(plan_path: Path, geometry: ModelGeometry) -> planner.Plan:
     if not Path(plan_path).is_file():
         raise PlanError(f"--plan {plan_path}: no such file", hint="write one with spark plan -o FILE")
-    return planner.Plan.load(plan_path, expect_identity=geometry.identity())
+    plan = planner.Plan.load(plan_path, expect_identity=geometry.identity())
+    planner.check_plan(plan, geometry, f"--plan {plan_path}")
+    return plan
 
 
 def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags, *,

@@ -11,12 +11,13 @@ from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..runs.chat_session import Sampling
 from . import metrics
+from .guard import Guard
 from .protocol import FINISH, ApiError, ChatRequest, CompletionRequest, Envelope, parse, sse, unavailable
 from .stats import ServerStats
 from .worker import Done, Event, Failed, Job, Started, Text, Worker
@@ -31,6 +32,9 @@ class ServerState:
     stats: ServerStats
     model_name: str  # the GGUF's file name, listed by /v1/models
     api_key: str | None = None
+    host: str = "127.0.0.1"  # the bound address: a Host header may name it
+    allowed_hosts: tuple[str, ...] = ()  # more names a Host header may give (--allowed-hosts)
+    cors: tuple[str, ...] = ()  # browser origins allowed (--cors)
     max_body: int = MAX_BODY_BYTES
     started: int = 0
 
@@ -43,31 +47,19 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-class ApiKeyMiddleware:
-    """Every path but /health needs `Authorization: Bearer KEY` (plain ASGI: streaming untouched)."""
-
-    def __init__(self, app, key: str):
-        self.app, self.expect = app, f"Bearer {key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(got, self.expect):
-                await _error(ApiError(401, "Invalid API Key", "authentication_error"))(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 async def _read_body(request: Request, limit: int) -> bytes:
     too_big = ApiError(413, f"the request body is over {limit} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_big
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_big
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+    except ClientDisconnect:  # gone, or closed by the read deadline: nobody to answer
+        raise _ClientGone from None
     return bytes(body)
 
 
@@ -103,13 +95,17 @@ class _Feed:
 
 
 def _sampling(req) -> Sampling:
-    seed = req.seed if req.seed is not None else secrets.randbelow(1 << 31)
+    seed = req.seed if req.seed is not None and req.seed >= 0 else secrets.randbelow(1 << 31)
     return Sampling(temp=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed, n_predict=req.limit)
 
 
 async def _generate(request: Request, chat: bool) -> Response:
     st: ServerState = request.app.state.spark
-    req = parse(ChatRequest if chat else CompletionRequest, await _read_body(request, st.max_body))
+    try:
+        raw = await _read_body(request, st.max_body)
+    except _ClientGone:
+        return Response(status_code=499)
+    req = parse(ChatRequest if chat else CompletionRequest, raw)
     feed = _Feed(request)
     job = Job(feed.emit, _sampling(req), messages=req.message_dicts() if chat else None,
               text=None if chat else req.prompt, stops=req.stops, cancel=feed.cancel)
@@ -223,4 +219,4 @@ def create_app(state: ServerState) -> Any:
     state.started = state.started or int(time.time())
     app.state.spark = state
     app.state.registry = metrics.registry_for(state.stats)
-    return ApiKeyMiddleware(app, state.api_key) if state.api_key else app
+    return Guard(app, key=state.api_key, host=state.host, allowed_hosts=state.allowed_hosts, cors=state.cors)

@@ -70,11 +70,11 @@ class StreamOptions(_Strict):
 
 class _Common(_Strict):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=(1 << 31) - 1)
     temperature: float = Field(0.8, ge=0.0, le=2.0)
     top_p: float = Field(0.95, gt=0.0, le=1.0)
-    top_k: int = Field(40, ge=0)
-    seed: int | None = None
+    top_k: int = Field(40, ge=0, le=(1 << 31) - 1)
+    seed: int | None = Field(None, ge=-1, le=(1 << 32) - 1)  # -1: random, as llama-server
     stop: Union[str, list[str], None] = None
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
@@ -107,7 +107,7 @@ class _Common(_Strict):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=(1 << 31) - 1)
 
     @property
     def limit(self) -> int:
@@ -120,7 +120,7 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=1, le=(1 << 31) - 1)  # OpenAI's default for completions
 
     @field_validator("prompt")
     @classmethod
@@ -139,14 +139,52 @@ def _is_type_tag(part: object) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
 
 
+MAX_DEPTH = 64  # JSON nesting a request may have (messages[i].content[j].text is 5)
+MAX_INT = (1 << 63) - 1
+
+
+def _check_values(data: Any) -> None:
+    """ApiError(400) for what json.loads accepts but nothing downstream can take: nesting past
+    MAX_DEPTH, integers past 64 bits, strings with lone surrogates (not UTF-8)."""
+    todo: list[tuple[Any, str, int]] = [(data, "body", 0)]
+    while todo:
+        v, where, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"the body is nested deeper than {MAX_DEPTH} levels")
+        if isinstance(v, dict):
+            todo.extend((x, f"{k}" if where == "body" else f"{where}.{k}", depth + 1) for k, x in v.items())
+            keys = v.keys()
+        elif isinstance(v, list):
+            todo.extend((x, f"{where}.{i}", depth + 1) for i, x in enumerate(v))
+            keys = ()
+        else:
+            keys = ()
+            if isinstance(v, int) and not isinstance(v, bool) and not -MAX_INT - 1 <= v <= MAX_INT:
+                raise ApiError(400, f"{where}: integer out of range", param=where)
+            if isinstance(v, str):
+                keys = (v,)
+        for text in keys:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(400, f"{where}: a lone surrogate (an unpaired \\ud800-\\udfff escape) is not text",
+                               param=where) from None
+
+
 def parse(model: type[BaseModel], raw: bytes) -> Any:
     """Validate a JSON body; ApiError(400) names the first problem as `field: problem`."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, f"the body is not valid JSON: nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise ApiError(400, "the body is not valid JSON: an integer of more digits than it can convert "
+                            f"({str(e).split(' for ', 1)[0]})") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
+    _check_values(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:

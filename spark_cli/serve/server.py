@@ -8,8 +8,12 @@ request, stop HTTP, fold, close the engine.
 
 from __future__ import annotations
 
+import json
+import logging
+import resource
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -49,8 +53,117 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+READ_TIMEOUT = 30.0  # seconds a connection may take to send a whole request (headers and body)
+MAX_CONNECTIONS = 256  # open connections at most (fewer under a low descriptor limit)
+FD_RESERVE = 32  # descriptors kept free for the engine, profile writes, logs
+
+
+def _say(line: str) -> None:
+    print(f"spark serve: {line}", file=sys.stderr, flush=True)
+
+
+class _Refusals:
+    """Say once that connections are being refused, not once per attempt (again only after
+    QUIET seconds without a refusal)."""
+
+    QUIET = 10.0
+
+    def __init__(self) -> None:
+        self.active = False
+        self.last = 0.0
+
+    def refused(self, why: str) -> None:
+        self.last = time.monotonic()
+        if not self.active:
+            self.active = True
+            _say(f"refusing new connections: {why} (said once until it clears)")
+
+    def cleared(self) -> None:
+        if self.active and time.monotonic() - self.last > self.QUIET:
+            self.active = False
+
+
+class _AcceptErrors(logging.Filter):
+    """asyncio logs a traceback for every failed accept() (EMFILE): keep only the first, as one line."""
+
+    def __init__(self, refusals: _Refusals):
+        super().__init__()
+        self.refusals = refusals
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "accept" not in str(record.msg):
+            return True
+        self.refusals.refused("out of file descriptors (raise ulimit -n)")
+        return False
+
+
+def fd_ceiling() -> int:
+    """The lowest descriptor number a new connection may have: RLIMIT_NOFILE less a reserve
+    (descriptors are handed out lowest first, so a connection's number says how many are in use)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 30 if soft == resource.RLIM_INFINITY else max(16, soft - FD_RESERVE)
+
+
+def protocol_class(read_timeout: float, max_connections: int, refusals: _Refusals):
+    """uvicorn's h11 protocol with a deadline to read each request and a cap on connections."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    ceiling = fd_ceiling()
+    busy = json.dumps({"error": {"message": "the server has too many open connections; try again",
+                                 "type": "unavailable_error", "code": 503, "param": None}}).encode()
+    busy = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(busy)).encode() + b"\r\n\r\n" + busy)
+
+    class GuardedH11(H11Protocol):
+        _read_timer = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            fd = sock.fileno() if sock is not None else 0
+            if len(self.connections) > max_connections or fd >= ceiling:
+                refusals.refused(f"{len(self.connections) - 1} connections are open" +
+                                 (" (the cap, --max-connections)" if fd < ceiling else
+                                  ", and the descriptor limit (ulimit -n) is near"))
+                transport.write(busy)
+                transport.close()
+                return
+            if len(self.connections) <= max_connections // 2 and fd < ceiling - FD_RESERVE:
+                refusals.cleared()
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._read_timer = self.loop.call_later(read_timeout, self._read_expired)
+
+        def _disarm(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def _read_expired(self) -> None:
+            self._read_timer = None
+            # NOTE: only while the request is still being read; a request in the queue or being answered has no deadline
+            if (not self.transport.is_closing() and self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE)
+                    and self.conn.their_state in (h11.IDLE, h11.SEND_BODY)):
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return GuardedH11
+
+
 def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: float = 10.0,
-          on_ready: Callable[[], None] | None = None) -> Outcome:
+          on_ready: Callable[[], None] | None = None, read_timeout: float = READ_TIMEOUT,
+          max_connections: int = MAX_CONNECTIONS) -> Outcome:
     import uvicorn
 
     worker: Worker = state.worker
@@ -65,15 +178,19 @@ def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: f
 
     def keep_on_loss() -> str | None:
         # NOTE: called by faults' abort hook when the device or RPC server is gone; the process ends after it
-        worker.abort(faults.describe("").message)  # 503 to the running request and the queue
+        worker.abort((faults.last_error() or faults.describe("")).message)  # 503 to the running request and the queue
         worker.harvest_now()
         time.sleep(1.0)  # the HTTP thread sends the 503s meanwhile
         learner.close()
         n = learner.folded_tokens
         return f"{n:.0f} decode tokens of routing folded into the profile while serving" if learner.enabled else None
 
+    refusals = _Refusals()
+    accept_errors = _AcceptErrors(refusals)
+    logging.getLogger("asyncio").addFilter(accept_errors)
     config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=int(grace) + 5)
+                            timeout_graceful_shutdown=int(grace) + 5, timeout_keep_alive=5,
+                            http=protocol_class(read_timeout, max_connections, refusals))
     http = uvicorn.Server(config)
     http_thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="spark-http", daemon=True)
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -95,6 +212,7 @@ def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: f
             http.should_exit = True
             http_thread.join(timeout=grace + 10)
     finally:
+        logging.getLogger("asyncio").removeFilter(accept_errors)
         for s, h in old.items():
             signal.signal(s, h)
         try:

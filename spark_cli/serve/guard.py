@@ -1,0 +1,122 @@
+"""Who may talk to the server, checked before any route (plain ASGI: streaming untouched):
+
+1. `Host` must name this server: an IP literal, `localhost`, the `--host` name or one of
+   `--allowed-hosts` (a DNS-rebinding page sends its own name);
+2. a browser's cross-origin request (`Origin` of another site) is refused unless `--cors`
+   allows that origin, whose preflight (OPTIONS) is answered here, before the key check;
+3. with a key, every path but /health needs `Authorization: Bearer KEY` (scheme in any case).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import secrets
+from typing import Iterable
+
+ALLOW_METHODS = "GET, POST, OPTIONS"
+ALLOW_HEADERS = "Authorization, Content-Type"
+
+
+def _error(status: int, message: str, kind: str, headers: Iterable[tuple[bytes, bytes]] = ()):
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status, "param": None}}).encode()
+
+    async def respond(send) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                *headers]})
+        await send({"type": "http.response.body", "body": body})
+    return respond
+
+
+def host_name(value: str) -> str:
+    """The host part of a Host header (no port; IPv6 without brackets), lower-case."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+def is_loopback(host: str) -> bool:
+    if host_name(host) == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host_name(host)).is_loopback
+    except ValueError:
+        return False
+
+
+class Guard:
+    def __init__(self, app, *, key: str | None = None, host: str = "127.0.0.1",
+                 allowed_hosts: Iterable[str] = (), cors: Iterable[str] = ()):
+        self.app = app
+        self.key = key.encode() if key else None
+        self.hosts = {"localhost", host_name(host), *(host_name(h) for h in allowed_hosts if h)}
+        self.any_host = "*" in self.hosts
+        self.cors = {o.strip().rstrip("/").lower() for o in cors if o.strip()}
+
+    def host_ok(self, value: str | None) -> bool:
+        if value is None:  # HTTP/1.0 without Host: not a browser
+            return True
+        name = host_name(value)
+        return self.any_host or name in self.hosts or _is_ip(name) or name.endswith(".localhost")
+
+    def origin_ok(self, origin: str, host: str | None) -> bool:
+        o = origin.strip().rstrip("/").lower()
+        if "*" in self.cors or o in self.cors:
+            return True
+        # NOTE: the same origin as the Host the browser sent is not cross-origin
+        return host is not None and o.split("://", 1)[-1] == host.strip().lower()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers: dict[bytes, bytes] = {}
+        for k, v in scope["headers"]:
+            headers.setdefault(k, v)
+        get = lambda k: headers[k].decode("latin-1") if k in headers else None  # noqa: E731
+        host, origin = get(b"host"), get(b"origin")
+        if not self.host_ok(host):
+            await _error(400, f"Host {host!r} is not this server's name (start spark serve with --allowed-hosts "
+                              f"{host_name(host or '')} to allow it)", "invalid_request_error")(send)
+            return
+        cors_headers: list[tuple[bytes, bytes]] = []
+        if origin is not None:
+            if not self.origin_ok(origin, host):
+                await _error(403, f"Origin {origin!r} is not allowed (start spark serve with --cors {origin} "
+                                  "to allow that site)", "permission_error")(send)
+                return
+            cors_headers = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+            if scope["method"] == "OPTIONS" and b"access-control-request-method" in headers:
+                await send({"type": "http.response.start", "status": 204, "headers": [
+                    *cors_headers, (b"access-control-allow-methods", ALLOW_METHODS.encode()),
+                    (b"access-control-allow-headers", headers.get(b"access-control-request-headers",
+                                                                  ALLOW_HEADERS.encode())),
+                    (b"access-control-max-age", b"600"), (b"content-length", b"0")]})
+                await send({"type": "http.response.body", "body": b""})
+                return
+        if self.key is not None and scope["path"] != "/health" and not self._key_ok(headers.get(b"authorization")):
+            await _error(401, "Invalid API Key", "authentication_error", cors_headers)(send)
+            return
+        if not cors_headers:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_cors(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *cors_headers]}
+            await send(message)
+        await self.app(scope, receive, send_with_cors)
+
+    def _key_ok(self, value: bytes | None) -> bool:
+        scheme, _, token = (value or b"").strip().partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key or b"")
