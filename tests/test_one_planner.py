@@ -88,6 +88,9 @@ class _Recorder:
                 super().__init__(opts)
 
         monkeypatch.setattr(engine, "Engine", Recording)
+        from spark_cli.runs import run
+
+        monkeypatch.setattr(run, "Engine", Recording)  # bound at import: patch where the run sequence opens it
 
     def placement(self, i: int = -1) -> dict:
         o = self.opts[i]
@@ -302,8 +305,11 @@ def _run_chat(model, budget, monkeypatch, capsys, tmp_path) -> None:
     from spark_cli.commands import chat as chat_cmd
     from spark_cli.native import engine
 
+    from spark_cli.runs import run
+
     _fake_device(monkeypatch)
-    monkeypatch.setattr(engine, "Engine", lambda opts: (_ for _ in ()).throw(_Stop("placed")))
+    for module in (engine, run):  # run binds Engine at import
+        monkeypatch.setattr(module, "Engine", lambda opts: (_ for _ in ()).throw(_Stop("placed")))
     rc, _, err = cli_runner(monkeypatch, capsys, "chat", chat_cmd.register)(
         model, "--vram", budget, "-c", 512, "-ctk", "q8_0", "-ub", 256, "--prompt", "hi", "--no-learn")
     assert rc == 1 and "placed" in err, err
