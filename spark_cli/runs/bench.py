@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..core import planner
+from ..core import planner, units
 from ..core.trace import DECODE
 from ..native.engine import CacheLayer, CacheStats, Engine, EngineOptions
 from ..native.generate import GenerationStep, Greedy, StopRules
@@ -127,10 +127,6 @@ def residency_budget(g: ModelGeometry, n_ctx: int, share: float, type_k: str = "
     return planner.fixed_bytes(g, n_ctx, type_k, type_v, n_ubatch) + int(share * g.total_expert_bytes)
 
 
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
-
-
 def make_configs(g: ModelGeometry, budget: int, n_ctx: int, names: Sequence[str],
                  plan_step: planner.Plan | PlanError | None, plan_cache: planner.Plan | PlanError | None,
                  ceiling: bool = False, *, type_k: str = "f16", type_v: str = "f16",
@@ -148,20 +144,20 @@ def make_configs(g: ModelGeometry, budget: int, n_ctx: int, names: Sequence[str]
             if need > budget:
                 if ceiling:
                     c.over_budget, c.label = True, "all resident (over budget)"
-                    c.note = f"reference beyond the budget: needs {_gib(need)} > {_gib(budget)}"
+                    c.note = f"reference beyond the budget: needs {units.gib(need)} > {units.gib(budget)}"
                 else:
-                    c.status, c.note = "does not fit", f"needs {_gib(need)} > budget {_gib(budget)}"
+                    c.status, c.note = "does not fit", f"needs {units.gib(need)} > budget {units.gib(budget)}"
         elif name == "cpu-moe":
             c = Config(name, "stock --cpu-moe", "stock", host_layers=tuple(moe),
                        planned_bytes=stock.cpu_moe_device_bytes)
             if not stock.cpu_moe_fits:
-                c.status, c.note = "does not fit", f"needs {_gib(stock.cpu_moe_device_bytes)} > budget {_gib(budget)}"
+                c.status, c.note = "does not fit", f"needs {units.gib(stock.cpu_moe_device_bytes)} > budget {units.gib(budget)}"
         elif name == "n-cpu-moe":
             n = stock.n_cpu_moe
             c = Config(name, f"stock --n-cpu-moe {n}", "stock",
                        host_layers=tuple(i for i in moe if i < n), planned_bytes=stock.device_bytes)
             if not stock.fits:
-                c.status, c.note = "does not fit", f"needs {_gib(stock.device_bytes)} > budget {_gib(budget)}"
+                c.status, c.note = "does not fit", f"needs {units.gib(stock.device_bytes)} > budget {units.gib(budget)}"
         elif name in ("spark-step", "spark"):
             plan = plan_step if name == "spark-step" else plan_cache
             label = "Spark, step slots" if name == "spark-step" else "Spark + cache"
@@ -498,7 +494,7 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
     cfgs = [cpu_config()] if list(names) == [CPU_CONFIG] else \
         make_configs(g, report.budget_bytes, ctx, names, plan_step, plan_cache, ceiling=ceiling, **kv)
     if not any(c.status == "ready" for c in cfgs):
-        raise PlanError(f"budget {report.budget_bytes / 2**30:.2f} GiB: no configuration fits ("
+        raise PlanError(f"budget {units.gib(report.budget_bytes)}: no configuration fits ("
                         + "; ".join(f"{c.name}: {c.note}" for c in cfgs) + ")",
                         hint="raise --vram or --residency, or lower --ctx-size")
     for c in cfgs:
@@ -653,7 +649,7 @@ def rows(report: Report) -> list[dict[str, str]]:
         acc = accounting(r, report.geometry)
         row = {
             "configuration": c.label,
-            "VRAM": _gib(c.planned_bytes) if c.planned_bytes else "-",
+            "VRAM": units.gib(c.planned_bytes) if c.planned_bytes else "-",
             "pp tok/s": fmt_rate(r.pp), "tg tok/s": fmt_rate(r.tg),
             "tg/stock": fmt_ratio(r.ratios.get("tg_vs_stock")),
             "tg/ceiling": fmt_ratio(r.ratios.get("tg_vs_ceiling")),
