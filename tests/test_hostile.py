@@ -243,6 +243,21 @@ def test_dev_rpc_name_from_the_readme_implies_its_server():
 
 
 @pytest.mark.model
+def test_dev_rpc_name_selects_the_live_stand_in(monkeypatch, capsys, small_model, rpc_server):
+    """`-dev RPC0[HOST:PORT]` alone, as `spark devices` prints it: the command reaches that server."""
+    import json
+
+    from spark_cli.commands import chat
+
+    run = cli_runner(monkeypatch, capsys, "chat", chat.register)
+    rc, out, err = run(small_model, "-dev", f"RPC0[{rpc_server.endpoint}]", "--vram", "700MiB", "-c", 256,
+                       "--temp", "0", "-n", "2", "--no-learn", "--prompt", "hi", "--json")
+    assert rc == 0, err
+    figures = json.loads(out)["figures"]
+    assert figures["cached_layers"] > 0 and figures["hits"] + figures["misses"] > 0, figures
+
+
+@pytest.mark.model
 def test_quantized_v_without_flash_attention_names_the_flag(monkeypatch, capsys, small_model):
     from spark_cli.commands import chat
 

@@ -78,11 +78,12 @@ def select(sel: Selection) -> list:
     if sel.names is None:
         return remote if sel.rpc else local_gpus()[:1]
     every = {d.name: d for d in llama_lib.devices()}
-    for n in sel.names:  # RPC1[h:p] where this process registered the server as RPC0[h:p]
+    for n in sel.names:  # RPC0[h:p]: the RPC device of that server, whatever ggml numbered it
         m = RPC_NAME.fullmatch(n)
         if m and n not in every:
-            hit = next((d for name, d in every.items() if name.startswith("RPC") and name.endswith(f"[{m.group(1)}]")),
-                       None)
+            ep = m.group(1)
+            hit = next((d for name, d in every.items() if name.startswith("RPC")
+                        and (name.endswith(f"[{ep}]") or d.description == ep)), None)
             if hit is not None:
                 every[n] = hit
     missing = [n for n in sel.names if n not in every]
