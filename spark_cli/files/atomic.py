@@ -29,7 +29,7 @@ def _label(path: Path, flag: str | None) -> str:
     return f"{flag} {path}" if flag else str(path)
 
 
-def _kind(mode: int) -> str | None:
+def kind_of(mode: int) -> str | None:
     """What a non-regular file is, for messages; None for a regular file."""
     if stat.S_ISREG(mode):
         return None
@@ -70,7 +70,7 @@ def check_output(path: Path | str, flag: str | None = None, make_parent: bool = 
         st = None
     except OSError as e:
         raise OutputError(f"{label}: {e.strerror or e}", hint="give a plain file path") from None
-    if st is not None and (kind := _kind(st.st_mode)) is not None:
+    if st is not None and (kind := kind_of(st.st_mode)) is not None:
         raise OutputError(f"{label}: is {kind}; Spark replaces only regular files",
                           hint="give a file path, e.g. a name ending in .json")
     if st is not None:

@@ -11,19 +11,9 @@ import os
 import stat
 from pathlib import Path
 
+from .atomic import kind_of
+
 MAX_INPUT_BYTES = 1 << 30  # a corpus file, a profile or a plan larger than this is refused
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "not a regular file"
 
 
 def read_regular(path: Path | str, limit: int = MAX_INPUT_BYTES) -> bytes:
@@ -33,7 +23,7 @@ def read_regular(path: Path | str, limit: int = MAX_INPUT_BYTES) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"is {_kind(st.st_mode)}, not a regular file (skipped)")
+            raise OSError(errno.EINVAL, f"is {kind_of(st.st_mode)}, not a regular file (skipped)")
         if st.st_size > limit:
             raise OSError(errno.EFBIG, f"is {st.st_size} bytes, over the {limit}-byte limit (skipped)")
         os.set_blocking(fd, True)

@@ -21,7 +21,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -123,12 +123,31 @@ def _array_tensor(name: str, arr: np.ndarray, raw_dtype: QT | None = None) -> _T
     return _Tensor(name, tuple(arr.shape), arr.dtype, raw_dtype, lambda: arr)
 
 
-def _write_gguf(path: Path, arch: str, kvs: Iterable[tuple[str, Any, GGUFValueType, Any]],
-                tensors: list[_Tensor]) -> None:
-    """Stream a GGUF to a temp file beside `path`, one tensor in memory at a time, then rename."""
+@contextlib.contextmanager
+def staged_file(path: Path, what: str) -> Iterator[str]:
+    """A temp file beside `path` to write; then umask modes and a rename over `path`. On failure
+    the temp file is removed and an OSError becomes a SaveError naming `what`."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o644 & ~umask)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise SaveError(f"{path}: cannot write the {what} ({write_failure(e)})",
+                            hint="free some disk space or use another --out-dir") from None
+        raise
+
+
+def _write_gguf(path: Path, arch: str, kvs: Iterable[tuple[str, Any, GGUFValueType, Any]],
+                tensors: list[_Tensor]) -> None:
+    """Stream a GGUF to a temp file beside `path`, one tensor in memory at a time, then rename."""
+    with staged_file(path, "model") as tmp:
         w = GGUFWriter(tmp, arch)
         for key, val, vtype, sub in kvs:
             w.add_key_value(key, val, vtype, sub)
@@ -145,17 +164,6 @@ def _write_gguf(path: Path, arch: str, kvs: Iterable[tuple[str, Any, GGUFValueTy
         w.close()
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o644 & ~umask)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise SaveError(f"{path}: cannot write the model ({write_failure(e)})",
-                            hint="free some disk space or use another --out-dir") from None
-        raise
 
 
 def _cached_build(path: Path, build: Callable[[Path], None]) -> Path:

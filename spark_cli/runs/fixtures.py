@@ -24,9 +24,7 @@ so llama.cpp's loader accepts the header (`check_with_llama` loads it with `no_a
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +33,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFValueType, GGUFWriter
 from gguf import GGMLQuantizationType as QT
 
-from ..errors import SaveError
-from ..files.atomic import write_failure
 from ..files.paths import models_dir
-from .demo_model import _cached_build
+from .demo_model import _cached_build, staged_file
 
 # Bump when the header a fixture name writes changes, so stale cached files are not reused.
 FIXTURE_FORMAT_VERSION = 1
@@ -411,9 +407,7 @@ def _tokenizer_kvs(n_vocab: int) -> list[tuple[str, Any, GGUFValueType, Any]]:
 def _write_sparse(path: Path, s: FixtureSpec) -> None:
     """Header and tensor infos through GGUFWriter, then truncate to the full size: no data bytes."""
     tensors = _tensors(s)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with staged_file(path, "fixture") as tmp:
         w = GGUFWriter(tmp, s.arch)
         for key, val, vtype, sub in _kvs(s):
             if key == "general.alignment":
@@ -432,17 +426,6 @@ def _write_sparse(path: Path, s: FixtureSpec) -> None:
         header = os.path.getsize(tmp)
         data_start = -(-header // ALIGNMENT) * ALIGNMENT
         os.truncate(tmp, data_start + -(-end // ALIGNMENT) * ALIGNMENT)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o644 & ~umask)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise SaveError(f"{path}: cannot write the fixture ({write_failure(e)})",
-                            hint="free some disk space or use another --out-dir") from None
-        raise
 
 
 def disk_bytes(path: Path) -> int:
