@@ -163,8 +163,11 @@ def test_family_exact_through_the_cache(name, miss_path, rpc, references):
 
 
 HYBRID = [n for n, (*_, recurrent, _swa, _nextn) in LAYOUTS.items() if recurrent]
+SWA = [n for n, (*_, swa, _nextn) in LAYOUTS.items() if swa]
+
+
 @pytest.mark.model
-@pytest.mark.parametrize("name", ["qwen3moe", "qwen35moe", "qwen3next"])
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen35moe", "qwen3next", "gpt-oss", "laguna"])
 def test_prefix_reuse_after_truncate(name) -> None:
     """What chat and serve do between turns: keep a common prefix of the KV cache, evaluate the rest;
     the logits must be those of evaluating the whole prompt afresh. A recurrent state cannot be cut
@@ -180,3 +183,66 @@ def test_prefix_reuse_after_truncate(name) -> None:
         again = eng.eval(toks[kept:30], logits="last")
     assert kept == (0 if name in HYBRID else 20)
     assert np.array_equal(again, fresh)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", SWA)
+@pytest.mark.parametrize("gap", [2, 20, 400])
+def test_prefix_reuse_with_a_sliding_window(name, gap) -> None:
+    """A sliding-window cache keeps the window plus one ubatch: after a request that went `gap`
+    tokens past a shared prefix, the cells the prefix's window needs may be gone. truncate keeps
+    the prefix only while they are there; the logits equal a fresh evaluation either way.
+    (A previous request of several ubatches puts the new tokens in other cells, which changes
+    the attention's rounding, as in llama-server: those gaps are not compared bit for bit.)"""
+    from spark_cli.core import vram
+
+    path = build_tiny_model(name)
+    g = load_geometry(path)
+    opts = EngineOptions(path, n_ctx=1024, n_batch=64, n_ubatch=64, device="cpu", repack=False, n_threads=1)
+    cells = vram.kv_cells(g, opts.n_ctx, g.swa_layers.index(True), opts.n_ubatch)  # the window's ring
+    assert cells < opts.n_ctx
+    with Engine(opts) as eng:
+        window = eng.lib.lc.llama_model_n_swa(eng.model)
+        assert 0 < window < 40
+        toks = eng.tokenize("The quick brown fox jumps over the lazy dog. " * 60)
+        prefix, rest = toks[:40], toks[40:48]
+        fresh = eng.eval(prefix + rest, logits="last")
+        eng.reset()
+        eng.eval(prefix + toks[100:100 + gap], logits="last")
+        kept = eng.truncate(len(prefix))
+        again = eng.eval((prefix + rest)[kept:], logits="last")
+    assert kept in (0, len(prefix))
+    if len(prefix) + gap > cells:  # the ring went round: the prefix's window is gone, nothing to keep
+        assert kept == 0
+    if len(prefix) + gap <= opts.n_ubatch:
+        assert kept == len(prefix)
+    assert np.array_equal(again, fresh)
+
+
+# llama.cpp prints each buffer in MiB with two decimals: up to 0.005 MiB off per line
+LOG_ROUNDING = 5243
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("n_ctx, n_ubatch", [(512, 512), (4096, 512), (4096, 128)])
+@pytest.mark.parametrize("name", list(TINY_MODELS))
+def test_planned_kv_and_state_bytes_equal_llama_cpp(name, n_ctx, n_ubatch) -> None:
+    """The planner's KV cache and recurrent state (vram.kv_cache_bytes: full-attention layers at
+    n_ctx, sliding-window layers at window + ubatch, recurrent layers' f32 state, MLA's latent, MTP
+    blocks' own KV) against the KV and RS buffers llama.cpp allocates for the tiny model."""
+    from spark_cli.core import vram
+
+    path = build_tiny_model(name)
+    g = load_geometry(path)
+    opts = EngineOptions(path, n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch, device="cpu", repack=False,
+                         n_threads=1)
+    with Engine(opts) as eng:
+        bufs = eng.allocated_bytes()
+    kv = {k: v for k, v in bufs.items() if k.split()[0] in ("KV", "RS")}
+    assert kv, f"{name}: llama.cpp logged no KV or RS buffer ({sorted(bufs)})"
+    if g.recurrent_state_bytes:
+        assert any(k.startswith("RS ") for k in kv), f"{name}: a hybrid model without a recurrent state buffer"
+    planned = vram.kv_cache_bytes(g, n_ctx, n_ubatch=n_ubatch)
+    allocated = sum(kv.values())
+    assert abs(planned - allocated) <= LOG_ROUNDING * len(kv), \
+        f"{name} -c {n_ctx} -ub {n_ubatch}: planned {planned} B of KV and state, llama.cpp allocated {allocated} ({kv})"

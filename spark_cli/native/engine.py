@@ -212,6 +212,9 @@ class Engine:
         cp.no_perf = False
         cp.type_k, cp.type_v = type_k, type_v
         cp.flash_attn_type = FLASH_ATTN[opts.flash_attn]
+        # NOTE: llama-server's default, and the planner's bill: sliding-window layers keep the window
+        # plus one ubatch, not n_ctx (the C default, swa_full, allocates n_ctx cells for them too)
+        cp.swa_full = False
         if opts.capture_topk:
             self._cb = lc.ggml_backend_sched_eval_callback(self._on_eval)
             cp.cb_eval = self._cb
@@ -361,13 +364,21 @@ class Engine:
 
     def truncate(self, n_keep: int) -> int:
         """Drop KV entries from position n_keep on; returns the positions kept. A recurrent state
-        (qwen35moe, qwen3next) cannot be cut back: then the memory is cleared and 0 is kept."""
+        (qwen35moe, qwen3next) cannot be cut back, and a sliding-window cache (gpt-oss, laguna) may
+        have dropped the window before n_keep: then the memory is cleared and 0 is kept."""
         lc = self.lib.lc
         mem = lc.llama_get_memory(self.ctx)
         if n_keep < self.n_past and not lc.llama_memory_seq_rm(mem, 0, n_keep, -1):
             self.reset()
             return 0
         self.n_past = min(self.n_past, n_keep)
+        n_swa = lc.llama_model_n_swa(self.model)
+        if self.n_past > 0 and n_swa > 0:
+            # llama-server's test: the window the next token attends to must still be cached
+            pos_min = lc.llama_memory_seq_pos_min(mem, 0)
+            if pos_min < 0 or pos_min > max(0, self.n_past - n_swa):
+                self.reset()
+                return 0
         return self.n_past
 
     def eval(self, tokens: Sequence[int], logits: str = "last") -> np.ndarray | None:
