@@ -12,7 +12,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import metrics
+from . import anthropic, metrics
+from .anthropic_routes import ROUTES as ANTHROPIC_ROUTES
 from .chat import ClientGone, Run, open_run, read_body
 from .guard import Guard
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse, sse, unavailable
@@ -35,7 +36,10 @@ class ServerState:
     started: int = 0
 
 
-def _error(e: ApiError) -> JSONResponse:
+def _error(e: ApiError, path: str = "") -> JSONResponse:
+    """OpenAI's error shape, or Anthropic's under /v1/messages."""
+    if anthropic.is_messages_path(path):
+        return JSONResponse(anthropic.error_body(e.status, e.message), status_code=anthropic.error_status(e.status))
     return JSONResponse(e.body(), status_code=e.status)
 
 
@@ -100,17 +104,17 @@ async def metrics_page(request: Request) -> Response:
 
 async def _on_api_error(request: Request, e: Exception) -> Response:
     assert isinstance(e, ApiError)
-    return _error(e)
+    return _error(e, request.url.path)
 
 
 async def _on_http_error(request: Request, e: Exception) -> Response:
     assert isinstance(e, HTTPException)
     kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
-    return _error(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind))
+    return _error(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind), request.url.path)
 
 
 async def _on_crash(request: Request, e: Exception) -> Response:
-    return _error(ApiError(500, f"internal error: {type(e).__name__}", "server_error"))
+    return _error(ApiError(500, f"internal error: {type(e).__name__}", "server_error"), request.url.path)
 
 
 def create_app(state: ServerState) -> Any:
@@ -123,6 +127,7 @@ def create_app(state: ServerState) -> Any:
         Route("/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/completions", completions, methods=["POST"]),
+        *ANTHROPIC_ROUTES,
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error,
                                                        Exception: _on_crash})
