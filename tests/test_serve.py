@@ -155,16 +155,17 @@ def server(model, rpc, references, tmp_path_factory):
 # ---------------------------------------------------------------- without a model
 
 
-@pytest.mark.parametrize("pieces,stops,want,hit", [
-    (["Hello", " wor", "ld"], [], "Hello world", False),
-    (["Hello", " wor", "ld", "!"], ["world"], "Hello ", True),
-    (["a", "b", "<", "/", "x", ">", "c"], ["</x>"], "ab", True),
-    (["a<", "b", "<", "/y"], ["</x>"], "a<b</y", False),  # a held-back prefix that did not complete
+@pytest.mark.parametrize("pieces,stops,want,matched", [
+    (["Hello", " wor", "ld"], [], "Hello world", None),
+    (["Hello", " wor", "ld", "!"], ["world"], "Hello ", "world"),
+    (["a", "b", "<", "/", "x", ">", "c"], ["</x>"], "ab", "</x>"),
+    (["a<", "b", "<", "/y"], ["</x>"], "a<b</y", None),  # a held-back prefix that did not complete
+    (["one two", " three"], ["three", "two"], "one ", "two"),  # the earliest in the text, not in the list
 ])
-def test_stop_filter(pieces, stops, want, hit):
+def test_stop_filter(pieces, stops, want, matched):
     f = StopFilter(stops)
     out = "".join(f.feed(p) for p in pieces) + f.flush()
-    assert out == want and f.hit is hit
+    assert out == want and f.matched == matched and f.hit is (matched is not None)
 
 
 @pytest.mark.parametrize("body,where", [

@@ -116,15 +116,20 @@ class GenerationStep(Rates):
     logits: np.ndarray | None = None  # [n_vocab] after this token (keep_logits)
     prompt_cache: CacheStats | None = None  # the prompt's cache figures (last step)
     cache: CacheStats | None = None  # the decode steps' cache figures (last step)
+    stop_word: str | None = None  # the stop string that ended it (last step, finish "stop")
 
 
 class StopFilter:
-    """Holds back text that may begin a stop sequence; `hit` once one appears (it is cut)."""
+    """Holds back text that may begin a stop sequence; `matched` is the one that appeared (it is cut)."""
 
     def __init__(self, stops: Sequence[str]):
         self.stops = list(stops)
         self.pending = ""
-        self.hit = False
+        self.matched: str | None = None
+
+    @property
+    def hit(self) -> bool:
+        return self.matched is not None
 
     def feed(self, piece: str) -> str:
         if self.hit:
@@ -132,9 +137,9 @@ class StopFilter:
         if not self.stops:
             return piece
         self.pending += piece
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.hit = True
+        found = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: f[0])
             out, self.pending = self.pending[:cut], ""
             return out
         keep = max(len(s) for s in self.stops) - 1
@@ -210,4 +215,4 @@ def stream_generate(engine, prompt: Sequence[int], *, sampler: Sampler | None = 
     gen_seconds = time.perf_counter() - t1
     s3 = _cache_total(engine, cache_layers)
     yield GenerationStep(None, tail, n_prompt, prompt_seconds, n, gen_seconds, finish,
-                         prompt_cache=s1 - s0, cache=s3 - s2)
+                         prompt_cache=s1 - s0, cache=s3 - s2, stop_word=filt.matched)

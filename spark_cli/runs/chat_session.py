@@ -88,6 +88,7 @@ class Answer:
     text: str
     figures: AnswerFigures
     error: str | None = None
+    stop_word: str | None = None  # the stop string that ended it
 
 
 @dataclass
@@ -197,7 +198,7 @@ class ChatSession:
         keep = min(keep, len(toks) - 1)  # evaluate at least one token to get fresh logits
         text_parts: list[str] = []
         generated: list[int] = []
-        error = None
+        error = stop_word = None
         decoding = False
 
         def prompt_done(_logits) -> None:
@@ -224,7 +225,7 @@ class ChatSession:
                     if on_text:
                         on_text(step.text)
                 if step.finish:
-                    fig.stop, fig.cache = step.finish, step.prompt_cache + step.cache
+                    fig.stop, fig.cache, stop_word = step.finish, step.prompt_cache + step.cache, step.stop_word
         except SparkError as e:
             error, fig.stop = e.one_line(), "error"
         except Exception as e:  # noqa: BLE001 - one failed answer must not end the session
@@ -249,7 +250,7 @@ class ChatSession:
             self.turns.append((u, a))
         self.transcript += [u, {**a, "stop": fig.stop, "figures": fig.to_dict()}]
         self.answers.append(fig)
-        return Answer(text, fig, error)
+        return Answer(text, fig, error, stop_word)
 
     # -- learning --------------------------------------------------------------------------
 

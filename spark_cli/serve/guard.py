@@ -4,7 +4,10 @@
    `--allowed-hosts` (a DNS-rebinding page sends its own name);
 2. a browser's cross-origin request (`Origin` of another site) is refused unless `--cors`
    allows that origin, whose preflight (OPTIONS) is answered here, before the key check;
-3. with a key, every path but /health needs `Authorization: Bearer KEY` (scheme in any case).
+3. with a key, every path but /health needs `Authorization: Bearer KEY` (scheme in any case)
+   or `x-api-key: KEY` (Anthropic's header).
+
+Under /v1/messages the refusals are in Anthropic's error shape.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ import json
 import secrets
 from typing import Iterable
 
+from . import anthropic
+
 ALLOW_METHODS = "GET, POST, OPTIONS"
-ALLOW_HEADERS = "Authorization, Content-Type"
+ALLOW_HEADERS = "Authorization, Content-Type, X-Api-Key, Anthropic-Version"
 
 
-def _error(status: int, message: str, kind: str, headers: Iterable[tuple[bytes, bytes]] = ()):
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status, "param": None}}).encode()
+def _error(path: str, status: int, message: str, kind: str, headers: Iterable[tuple[bytes, bytes]] = ()):
+    body = json.dumps(anthropic.error_body(status, message) if anthropic.is_messages_path(path) else
+                      {"error": {"message": message, "type": kind, "code": status, "param": None}}).encode()
 
     async def respond(send) -> None:
         await send({"type": "http.response.start", "status": status,
@@ -86,13 +92,13 @@ class Guard:
         get = lambda k: headers[k].decode("latin-1") if k in headers else None  # noqa: E731
         host, origin = get(b"host"), get(b"origin")
         if not self.host_ok(host):
-            await _error(400, f"Host {host!r} is not this server's name (start spark serve with --allowed-hosts "
+            await _error(scope["path"], 400, f"Host {host!r} is not this server's name (start spark serve with --allowed-hosts "
                               f"{host_name(host or '')} to allow it)", "invalid_request_error")(send)
             return
         cors_headers: list[tuple[bytes, bytes]] = []
         if origin is not None:
             if not self.origin_ok(origin, host):
-                await _error(403, f"Origin {origin!r} is not allowed (start spark serve with --cors {origin} "
+                await _error(scope["path"], 403, f"Origin {origin!r} is not allowed (start spark serve with --cors {origin} "
                                   "to allow that site)", "permission_error")(send)
                 return
             cors_headers = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
@@ -104,8 +110,8 @@ class Guard:
                     (b"access-control-max-age", b"600"), (b"content-length", b"0")]})
                 await send({"type": "http.response.body", "body": b""})
                 return
-        if self.key is not None and scope["path"] != "/health" and not self._key_ok(headers.get(b"authorization")):
-            await _error(401, "Invalid API Key", "authentication_error", cors_headers)(send)
+        if self.key is not None and scope["path"] != "/health" and not self._key_ok(headers):
+            await _error(scope["path"], 401, "Invalid API Key", "authentication_error", cors_headers)(send)
             return
         if not cors_headers:
             await self.app(scope, receive, send)
@@ -117,6 +123,9 @@ class Guard:
             await send(message)
         await self.app(scope, receive, send_with_cors)
 
-    def _key_ok(self, value: bytes | None) -> bool:
-        scheme, _, token = (value or b"").strip().partition(b" ")
-        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key or b"")
+    def _key_ok(self, headers: dict[bytes, bytes]) -> bool:
+        key = self.key or b""
+        if b"x-api-key" in headers and secrets.compare_digest(headers[b"x-api-key"].strip(), key):
+            return True
+        scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), key)

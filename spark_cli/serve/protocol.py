@@ -188,8 +188,10 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        loc = ".".join(str(p) for p in err["loc"] if not _is_type_tag(p)) or "body"
+        # NOTE: a union reports every member it tried: the deepest error is the one that names the problem
+        where = [[str(p) for p in err["loc"] if not _is_type_tag(p)] for err in e.errors(include_url=False)]
+        i = max(range(len(where)), key=lambda k: len(where[k]))
+        err, loc = e.errors(include_url=False)[i], ".".join(where[i]) or "body"
         msg = err["msg"].removeprefix("Value error, ")
         raise ApiError(400, f"{loc}: {msg}", param=loc) from None
 

@@ -35,6 +35,7 @@ class Text:
 class Done:
     finish: str  # eog | stop | length | context | interrupted
     usage: Usage
+    stop_word: str | None = None  # the stop string that ended it (finish "stop")
 
 
 @dataclass
@@ -47,13 +48,15 @@ Event = Started | Text | Done | Failed
 
 @dataclass
 class Job:
-    """One request: a chat (messages) or a completion (text), and where its events go."""
+    """One request: a chat (messages) or a completion (text), and where its events go;
+    `count_only`: Started with the prompt's tokens, then Done, nothing generated."""
 
     emit: Callable[[Event], None]
     sampling: Sampling
     messages: list[dict[str, str]] | None = None
     text: str | None = None
     stops: list[str] = field(default_factory=list)
+    count_only: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -146,6 +149,10 @@ class Worker:
         try:
             try:
                 n_prompt = sess.set_messages(job.messages) if job.messages is not None else sess.set_text(job.text or "")
+                if job.count_only:
+                    job.emit(Started(n_prompt))
+                    job.emit(Done("length", Usage(n_prompt)))
+                    return
                 sess.check_fits("")
             except ContextError as e:
                 job.emit(Failed(ApiError(400, e.message, "exceed_context_size_error")))
@@ -173,7 +180,7 @@ class Worker:
             job.emit(Failed(unavailable(msg)))
             self._die(ans.error, 1)
             return
-        job.emit(Done(fig.stop, usage))
+        job.emit(Done(fig.stop, usage, ans.stop_word))
 
     def _refuse_queued(self, err: ApiError) -> None:
         while True:

@@ -1,0 +1,75 @@
+"""`POST /v1/messages` and `/v1/messages/count_tokens`: Anthropic's bodies in, translated to the
+OpenAI chat request (anthropic.to_chat), run through the one boundary (chat.open_run: the same
+queue, cancellation, metrics and learning as /v1/chat/completions), and the OpenAI-shaped
+result or chunks translated back (anthropic.to_message, anthropic.EventStream)."""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .anthropic import (MESSAGES_PATH, CountRequest, EventStream, MessagesRequest, error_body, event_sse,
+                        matched_stop, to_chat, to_message)
+from .chat import ClientGone, Run, open_run, read_body
+from .protocol import ApiError, ChatRequest, parse
+
+
+async def _open(request: Request, model: type[CountRequest]) -> tuple[CountRequest, Run]:
+    st = request.app.state.spark
+    req = parse(model, await read_body(request, st.max_body))
+    chat = parse(ChatRequest, json.dumps(to_chat(req)).encode())
+    return req, await open_run(request, chat, st.worker, st.model_name, count_only=model is CountRequest)
+
+
+async def messages(request: Request) -> Response:
+    try:
+        req, run = await _open(request, MessagesRequest)
+    except ClientGone:
+        return Response(status_code=499)
+    assert isinstance(req, MessagesRequest)
+    if req.stream:
+        return StreamingResponse(_events(run, req), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        return JSONResponse(to_message(await run.result(), matched_stop(run.stop_word, req)))
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        run.close()  # NOTE: a no-op once the job is done; stops it if this handler ends early
+
+
+async def _events(run: Run, req: MessagesRequest) -> AsyncIterator[bytes]:
+    stream = EventStream(run.env.model, run.prompt_tokens)
+    try:
+        for ev in stream.start():
+            yield event_sse(ev)
+        async for chunk in run.chunks(include_usage=True):
+            for ev in stream.feed(chunk):
+                yield event_sse(ev)
+        for ev in stream.end(matched_stop(run.stop_word, req)):
+            yield event_sse(ev)
+    except ApiError as e:
+        yield event_sse(error_body(e.status, e.message))
+    except ClientGone:
+        return
+    finally:
+        run.close()  # NOTE: a no-op once the job is done; stops it when the client went away
+
+
+async def count_tokens(request: Request) -> Response:
+    try:
+        _, run = await _open(request, CountRequest)
+        await run.result()  # the worker rendered and counted the prompt, and generated nothing
+    except ClientGone:
+        return Response(status_code=499)
+    return JSONResponse({"input_tokens": run.prompt_tokens})
+
+
+ROUTES = [
+    Route(MESSAGES_PATH, messages, methods=["POST"]),
+    Route(MESSAGES_PATH + "/count_tokens", count_tokens, methods=["POST"]),
+]
