@@ -5,8 +5,12 @@ Steps: download the sdist with pip and check its sha256; unpack it; copy native/
 files into vendor/llama.cpp and apply native/patches/*.patch (a hunk that does not apply
 stops the build, naming the patch and hunk); build a wheel with CMake (always
 -DGGML_RPC=ON; CUDA when nvcc and a GPU are present or SPARK_CUDA=1; Vulkan when a Vulkan
-SDK and GPU are present or SPARK_VULKAN=1) and install it into the given virtualenv. Wheels are cached under $SPARK_HOME/native, keyed by the sdist
-hash, the content of native/ and the CMake flags, so an unchanged rebuild takes seconds.
+SDK and GPU are present or SPARK_VULKAN=1) and install it into the given virtualenv. Wheels are
+cached under $SPARK_HOME/native, keyed by the sdist hash, the content of native/, the CMake flags
+and RECIPE, so an unchanged rebuild takes seconds. llama.cpp's common library, which
+llama-cpp-python builds but never installs, is left out. The patched, stock and Vulkan variants
+share one source tree and build folder (per CPU or CUDA flavour), so the second and third build
+recompile only what differs; a lock keeps two builds out of one folder.
 
 Usage: python scripts/build_native.py [--venv .venv] [--force] [--stock]
 Environment: SPARK_HOME (cache root), SPARK_CUDA=0|1, SPARK_CUDA_ARCH=90, SPARK_VULKAN=0|1,
@@ -20,6 +24,8 @@ scripts/setup_vulkan.py (Debian 12, no root).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import os
 import re
@@ -80,6 +86,7 @@ def fetch_sdist() -> Path:
 
 
 VULKAN_PATCHES = NATIVE / "patches" / "vulkan"
+RECIPE = "no-common"  # what this script changes beyond the flags and native/: part of the cache key
 
 
 def native_files(vulkan: bool = False) -> list[Path]:
@@ -159,10 +166,13 @@ def cmake_flags(cuda: bool, arch: str | None, vulkan: bool = False) -> list[str]
         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF",
         "-DLLAMA_BUILD_SERVER=OFF", "-DLLAVA_BUILD=OFF",
     ]
+    # NOTE: every variant of one device flavour shares a build folder (see build()), and CMake keeps
+    # options between runs: each backend is switched on or off explicitly
     if cuda:
         flags += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch}", "-DGGML_CUDA_NO_VMM=ON"]
-    if vulkan:
-        flags += ["-DGGML_VULKAN=ON"]
+    else:
+        flags += ["-DGGML_CUDA=OFF"]
+    flags += ["-DGGML_VULKAN=ON" if vulkan else "-DGGML_VULKAN=OFF"]
     return flags
 
 
@@ -183,6 +193,23 @@ def apply_native(vendor: Path, vulkan: bool = False) -> None:
             raise BuildError(f"{patch.relative_to(REPO)} does not apply: {describe_failure(r.stdout + r.stderr)}")
         subprocess.run(["patch", "-p1", "--forward", "--batch", "--quiet", "-i", str(patch)],
                        cwd=vendor, check=True)
+
+
+# NOTE: llama-cpp-python forces llama.cpp's common library on (arg parsing, chat parsers, JSON
+# schemas, downloads), but neither installs nor loads it: a third of the compile steps and most of
+# their time. Nothing else in this build needs it (tools, examples, server and mtmd are off).
+COMMON_ON = 'set(LLAMA_BUILD_COMMON ON CACHE BOOL "Build llama.cpp common library" FORCE)'
+COMMON_OFF = 'set(LLAMA_BUILD_COMMON OFF CACHE BOOL "Build llama.cpp common library" FORCE)'
+
+
+def skip_common(tree: Path) -> None:
+    """Turn off llama.cpp's common library in llama-cpp-python's CMakeLists.txt (stock builds too)."""
+    cmake = tree / "CMakeLists.txt"
+    text = cmake.read_text()
+    if text.count(COMMON_ON) != 1:
+        raise BuildError(f"{SDIST_NAME}: CMakeLists.txt no longer forces LLAMA_BUILD_COMMON on in one place; "
+                         "update skip_common() in scripts/build_native.py")
+    cmake.write_text(text.replace(COMMON_ON, COMMON_OFF))
 
 
 def describe_failure(out: str) -> str:
@@ -256,30 +283,69 @@ def build(venv: Path, force: bool = False, stock: bool = False) -> dict:
     cuda, arch = detect_cuda()
     vulkan, vulkan_env = (False, None) if stock else detect_vulkan()  # the reference stays CPU/CUDA
     flags = cmake_flags(cuda, arch, vulkan)
-    key_src = f"{SDIST_SHA256}\n{'stock' if stock else native_hash(vulkan)}\n{' '.join(flags)}\n"
+    key_src = f"{SDIST_SHA256}\n{'stock' if stock else native_hash(vulkan)}\n{' '.join(flags)}\n{RECIPE}\n"
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
-    flavour = (f"cuda{arch}" if cuda else "cpu") + ("-vulkan" if vulkan else "") + ("-stock" if stock else "")
+    base = f"cuda{arch}" if cuda else "cpu"
+    flavour = base + ("-vulkan" if vulkan else "") + ("-stock" if stock else "")
     info = {"key": key, "backends": ["CPU", "RPC"] + (["CUDA"] if cuda else []) + (["Vulkan"] if vulkan else []),
             "cuda_arch": arch, "cache_hit": False}
 
     wheel_dir = home() / "native" / "wheels" / key
-    wheels = sorted(wheel_dir.glob("*.whl")) if wheel_dir.exists() else []
-    if wheels and not force:
+    if not force and _install_cached(py, wheel_dir, key):
         info["cache_hit"] = True
-        if installed_key(py) != key:
-            install_wheel(py, wheels[0], key)
         info["seconds"] = round(time.time() - t0, 1)
         return info
 
-    # build: unpack + patch in a scratch dir, sync into a stable tree for incremental builds
+    # build: unpack + patch in a scratch dir, sync into a stable tree for incremental builds. The
+    # patched, stock and Vulkan variants of one device flavour share the tree and the build folder:
+    # sync_tree rewrites only the files that differ, so switching variants recompiles the patched
+    # llama.cpp sources (and ggml-vulkan), not ggml's CPU backend. One build at a time per folder.
     (home() / "native").mkdir(parents=True, exist_ok=True)
+    with build_lock(home() / "native" / f".build-{base}.lock"):
+        if not force and _install_cached(py, wheel_dir, key):  # built meanwhile by the build we waited for
+            info["cache_hit"] = True
+        else:
+            _compile(py, sdist, stock, vulkan, vulkan_env, flags, key, base, flavour, wheel_dir)
+    info["seconds"] = round(time.time() - t0, 1)
+    return info
+
+
+def _install_cached(py: Path, wheel_dir: Path, key: str) -> bool:
+    """Install the cached wheel of `key` unless the venv has it already; False: none cached."""
+    wheels = sorted(wheel_dir.glob("*.whl")) if wheel_dir.exists() else []
+    if not wheels:
+        return False
+    if installed_key(py) != key:
+        install_wheel(py, wheels[0], key)
+    return True
+
+
+@contextlib.contextmanager
+def build_lock(path: Path):
+    """An exclusive lock on the shared build folder (a second build waits, saying so)."""
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another native build ({path}) ...", flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compile(py: Path, sdist: Path, stock: bool, vulkan: bool, vulkan_env: dict[str, str] | None,
+             flags: list[str], key: str, base: str, flavour: str, wheel_dir: Path) -> None:
+    """Unpack, patch, sync into the shared tree, build the wheel, cache it and install it."""
     with tempfile.TemporaryDirectory(dir=home() / "native", prefix=".unpack-") as tmp:
         with tarfile.open(sdist) as tf:
             tf.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)
         tree = Path(tmp) / SDIST_NAME.removesuffix(".tar.gz")
+        skip_common(tree)
         if not stock:
             apply_native(tree / "vendor" / "llama.cpp", vulkan)
-        stable = home() / "native" / "src" / flavour
+        stable = home() / "native" / "src" / base
         changed = sync_tree(tree, stable)
     print(f"patched tree ready ({changed} files changed); building ({flavour}) ...", flush=True)
 
@@ -287,7 +353,7 @@ def build(venv: Path, force: bool = False, stock: bool = False) -> dict:
     env = dict(vulkan_env or os.environ)
     env["CMAKE_ARGS"] = " ".join(flags)
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", os.environ.get("SPARK_BUILD_JOBS", str(os.cpu_count() or 2)))
-    build_dir = home() / "native" / "build" / flavour
+    build_dir = home() / "native" / "build" / base
     out_tmp = Path(tempfile.mkdtemp(dir=home() / "native", prefix=".wheel-"))
     log = home() / "native" / f"build-{flavour}.log"
     try:
@@ -308,8 +374,6 @@ def build(venv: Path, force: bool = False, stock: bool = False) -> dict:
     finally:
         shutil.rmtree(out_tmp, ignore_errors=True)
     install_wheel(py, sorted(wheel_dir.glob("*.whl"))[0], key)
-    info["seconds"] = round(time.time() - t0, 1)
-    return info
 
 
 def main() -> int:
