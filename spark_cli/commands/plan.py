@@ -54,7 +54,7 @@ def _routing(info, geometry, trace, trace_path: Path | None):
 
 
 def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, replay_src: str, pol: str, req,
-                check_result) -> None:
+                check_result, host) -> None:
     from . import render_plan
 
     plan = placed.plan
@@ -64,9 +64,8 @@ def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, 
     console.print(routing, soft_wrap=True)
     console.print(render_plan.layer_table(plan))
     console.print(render_plan.budget_table(plan, budget_source))
-    host = sum(l.host_bytes for l in plan.layers)
-    if host:
-        console.print(f"host RAM: {render_plan.fmt_bytes(host)} of experts of cached layers", soft_wrap=True)
+    console.print(render_plan.measured_line(plan), soft_wrap=True)
+    console.print(host.line(), soft_wrap=True)
     console.print(render_plan.cold_hit_line(plan), soft_wrap=True)
     if trace is not None:
         console.print(trace_replay_line(trace, plan), soft_wrap=True)
@@ -79,6 +78,22 @@ def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, 
         console.print(held_out_line(check_result, pol), soft_wrap=True)
     for line in render_plan.stock_lines(plan):
         console.print(line, soft_wrap=True)
+
+
+def _devices(flags: LoadFlags, vram_text: str | None, measure: bool) -> list:
+    """The devices to plan for: -dev/--rpc or the local GPU; with --vram and no -dev/--rpc, none when
+    llama.cpp cannot be loaded (the estimate alone) or --no-measure."""
+    from ..errors import NativeError
+    from ..native import devices
+
+    if vram_text and not measure:
+        return []
+    if vram_text and not (flags.device or flags.rpc):
+        try:
+            return devices.select(devices.parse(None, None))
+        except NativeError:
+            return []
+    return devices.select(devices.parse(flags.device, flags.rpc))
 
 
 def register(app: typer.Typer) -> None:
@@ -98,6 +113,9 @@ def register(app: typer.Typer) -> None:
         miss_path: str = typer.Option("auto", "--miss-path", help="the miss path the plan is priced for and "
                                       "records: auto (chosen per layer when it runs; priced as upload), cpu, "
                                       "upload; chat and serve's --miss-path overrides it"),
+        measure: bool = typer.Option(True, "--measure/--no-measure", help="measure the bill with a dry run "
+                                     "(llama.cpp no_alloc) on the device and fit the plan to it; needs a device "
+                                     "(-dev, --rpc or a local GPU)"),
         check: bool = typer.Option(True, "--check/--no-check", help="print the held-out check (plan on 70%% "
                                    "of the replayed steps, predict the rest)"),
         output: Path = typer.Option(None, "--output", "-o", help="write the plan JSON here (for --plan)"),
@@ -132,8 +150,8 @@ def register(app: typer.Typer) -> None:
             parse_size(vram_text, "--vram")  # a flag error before the model is read
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
-        # NOTE: a dry run with --vram needs no device (and does not load llama.cpp)
-        devs = [] if vram_text else devices.select(devices.parse(flags.device, flags.rpc))
+        # NOTE: --vram needs no device; a device (when there is one) measures the bill
+        devs = _devices(flags, vram_text, measure)
         budget = session.resolve_budget(vram_text, devs)
         ctx = context_size(flags.ctx_size, geometry.context_length)
         if not geometry.known_family:
@@ -153,8 +171,13 @@ def register(app: typer.Typer) -> None:
         req = session.plan_request(info, budget.bytes, ctx, trace=trace, policy=pol, miss_path=miss_path,
                                    **session.kv_settings(flags))
         replay_src = f"the trace {trace_path.name}" if trace_path else "the profile's recent decode steps"
-        placed = plan_for(geometry, req)
+        from ..runs import dry_run, host_ram
+
+        placed = plan_for(geometry, req, dry_run.measurer(path, geometry, flags, ctx) if devs and measure else None)
         plan = placed.plan
+        ram_warning = host_ram.check(plan, flags)
+        if ram_warning:
+            say.print(f"[yellow]warning:[/] {ram_warning}", soft_wrap=True)
         check_result = held_out_check(geometry, req) if check and placed.replay_steps and not as_json else None
 
         if output is not None:
@@ -165,6 +188,7 @@ def register(app: typer.Typer) -> None:
                 say.print(f"wrote {output}")
             return
 
-        _print_plan(path, geometry, routing, placed, budget.source, trace, replay_src, pol, req, check_result)
+        _print_plan(path, geometry, routing, placed, budget.source, trace, replay_src, pol, req, check_result,
+                    host_ram.host_ram(plan))
         if output is not None:
             console.print(f"wrote {output} (use it with --plan {output})")
