@@ -698,8 +698,8 @@ def _fit(geometry: ModelGeometry, request: PlanRequest, measure: Measure) -> Pla
         spend, compute = nxt
     if best is None:
         name = (bill.device_names() or ["the device"])[0]
-        raise PlanError(f"--vram {units.gib(request.budget_bytes)}: the smallest plan measures "
-                        f"{units.gib(used)} on {name}, plus {units.fmt_bytes(unmeasured_overhead())} overhead: "
+        raise PlanError(f"--vram {units.gib(request.budget_bytes)}: measured by a dry run, the placement needs "
+                        f"{units.gib(used)} on {name} plus {units.fmt_bytes(unmeasured_overhead())} overhead: "
                         f"over by {units.shortfall(used - target)}",
                         hint="lower --ctx-size or -ub, quantize the KV cache (-ctk q8_0) or raise --vram")
     res, bill, rnd = best
