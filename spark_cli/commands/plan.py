@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -28,6 +29,15 @@ def trace_replay_line(trace, plan) -> str:
     miss = replayed_miss(plan, trace, "cpu" if plan.miss_path == "cpu" else "upload")
     return (f"on the trace ({trace.n_decode} decode rows, in-sample): cold-hit {100 * cold:.1f}%, "
             f"with the {plan.policy} slots {100 * miss:.1f}% of experts are not on the device")
+
+
+def policy_line(plan) -> str:
+    """--policy auto's choice: each policy's replayed share of routed experts on the device."""
+    if not plan.policy_replay:
+        return (f"policy auto: no decode steps to replay: {plan.policy} (the default, the best on the demo "
+                "model's profiled traces)")
+    parts = ", ".join(f"{p} {100 * h:.1f}%" for p, h in plan.policy_replay.items())
+    return f"policy auto: {parts} of routed experts on the device: [bold]{plan.policy}[/]"
 
 
 def held_out_line(c, policy: str) -> str:
@@ -108,8 +118,9 @@ def register(app: typer.Typer) -> None:
                                           "the model; a uniform prior when there is none)"),
         trace_path: Path = typer.Option(None, "--trace", help="routing trace .npz to replay (default: the "
                                         "profile's ring of recent decode steps)"),
-        policy: str = typer.Option(None, "--policy", help="cache policy the plan is priced for and records: "
-                                   "lru, lfu-aged, slru, tinylfu (default: the default policy)"),
+        policy: str = typer.Option("auto", "--policy", help="cache policy the plan is priced for and records: "
+                                   "lru, lfu-aged, slru, tinylfu, or auto (replay the trace through each with "
+                                   "the plan's slots and keep the best)"),
         miss_path: str = typer.Option("auto", "--miss-path", help="the miss path the plan is priced for and "
                                       "records: auto (chosen per layer when it runs; priced as upload), cpu, "
                                       "upload; chat and serve's --miss-path overrides it"),
@@ -130,7 +141,7 @@ def register(app: typer.Typer) -> None:
         from ..core.trace import RoutingTrace
 
         from ..files.atomic import check_output
-        from ..core.planner import held_out_check, plan_for
+        from ..core.planner import AUTO_POLICY, held_out_check, plan_for
         from ..core.simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy
         from ..runs.miss_path import check_choice
 
@@ -138,10 +149,10 @@ def register(app: typer.Typer) -> None:
         if output is not None:
             check_output(output, "-o", inputs=run_inputs(model, profile=profile_path, trace=trace_path))
         try:
-            pol = canonical_policy(policy or DEFAULT_POLICY)
+            pol = AUTO_POLICY if policy in (None, AUTO_POLICY) else canonical_policy(policy)
         except SparkError as e:
             raise UsageError(f"--policy {policy}: {e.message}") from None
-        if pol not in ONLINE_POLICIES:
+        if pol not in ONLINE_POLICIES + (AUTO_POLICY,):
             raise UsageError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
         check_choice(miss_path)
         if vram_text:
@@ -178,7 +189,11 @@ def register(app: typer.Typer) -> None:
         ram_warning = host_ram.check(plan, flags)
         if ram_warning:
             say.print(f"[yellow]warning:[/] {ram_warning}", soft_wrap=True)
-        check_result = held_out_check(geometry, req) if check and placed.replay_steps and not as_json else None
+        priced = DEFAULT_POLICY if pol == AUTO_POLICY else pol  # auto prices with the default, then picks
+        check_result = held_out_check(geometry, replace(req, policy=plan.policy)) \
+            if check and placed.replay_steps and not as_json else None
+        if pol == AUTO_POLICY:
+            say.print(policy_line(plan), soft_wrap=True)
 
         if output is not None:
             _save(plan, output)
@@ -188,7 +203,7 @@ def register(app: typer.Typer) -> None:
                 say.print(f"wrote {output}")
             return
 
-        _print_plan(path, geometry, routing, placed, budget.source, trace, replay_src, pol, req, check_result,
+        _print_plan(path, geometry, routing, placed, budget.source, trace, replay_src, priced, req, check_result,
                     host_ram.host_ram(plan))
         if output is not None:
             console.print(f"wrote {output} (use it with --plan {output})")

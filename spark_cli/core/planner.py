@@ -331,20 +331,24 @@ class Plan:
 
 
 def _measured_fields(f: "_Fields", d: dict) -> dict[str, Any]:
-    """The optional dry-run fields of a plan file, checked."""
-    measured = d.get("measured")
-    if measured is None:
-        return {}
+    """The optional fields of a plan file that issue 26 added (the dry run's bill, --policy auto's
+    figures), checked."""
+    out: dict[str, Any] = {}
+    replay = d.get("policy_replay")
+    if replay is not None:
+        if not (isinstance(replay, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 for v in replay.values())):
+            raise PlanError(f"{f.source}: policy_replay: expected an object of numbers")
+        out["policy_replay"] = {str(k): float(v) for k, v in replay.items()}
+    if d.get("measured") is None:
+        return out
     try:
-        bill = MeasuredBill.from_dict(measured)
+        bill = MeasuredBill.from_dict(d["measured"])
     except (KeyError, TypeError, ValueError, AttributeError):
         raise PlanError(f"{f.source}: measured: not a measured bill",
                         hint="make the plan again with `spark plan`") from None
-    replay = d.get("policy_replay")
-    if replay is not None and not (isinstance(replay, dict) and all(isinstance(v, (int, float)) for v in replay.values())):
-        raise PlanError(f"{f.source}: policy_replay: expected an object of numbers")
-    return {"measured": bill.to_dict(), "measured_device_bytes": bill.device_bytes(),
-            "fit_rounds": f.int(d, "fit_rounds", "", 0, INT32_MAX), "policy_replay": replay}
+    return {**out, "measured": bill.to_dict(), "measured_device_bytes": bill.device_bytes(),
+            "fit_rounds": f.int(d, "fit_rounds", "", 0, INT32_MAX)}
 
 
 def unmeasured_overhead() -> int:
@@ -660,9 +664,27 @@ def plan_for(geometry: ModelGeometry, request: PlanRequest, measure: Measure | N
     it buys more), until the measured bill plus the unmeasured overhead fits the budget and the
     rest is less than one expert, or MAX_FIT_ROUNDS. The plan kept is the fullest that fit,
     with its measured bill; PlanError when none fits."""
-    if measure is None:
-        return _plan_once(geometry, request)
-    return _fit(geometry, request, measure)
+    auto = request.policy == AUTO_POLICY
+    r = replace(request, policy=DEFAULT_POLICY) if auto else request
+    res = _plan_once(geometry, r) if measure is None else _fit(geometry, r, measure)
+    return _choose_policy(res, r) if auto else res
+
+
+AUTO_POLICY = "auto"  # --policy auto: the native policy that replays best with the plan's slots
+
+
+def _choose_policy(res: PlanResult, request: PlanRequest) -> PlanResult:
+    """--policy auto: replay the request's trace (the profile's ring, or --trace) through each
+    native policy with the plan's pins, slots and miss path; keep the one that finds the most
+    routed experts on the device (ties: the default policy, then ONLINE_POLICIES order). No
+    decode steps to replay, or no cached layer: simulator.DEFAULT_POLICY, with no figures."""
+    plan, trace = res.plan, request.trace
+    if trace is None or not trace.n_decode or not any(l.mode == "cached" for l in plan.layers):
+        return res
+    hit = {p: 1.0 - replayed_miss(replace(plan, policy=p), trace, request.replay_path, request.max_admit)
+           for p in ONLINE_POLICIES}
+    best = max(ONLINE_POLICIES, key=lambda p: (hit[p], p == DEFAULT_POLICY, -ONLINE_POLICIES.index(p)))
+    return replace(res, plan=replace(plan, policy=best, policy_replay=hit, predicted_miss=1.0 - hit[best]))
 
 
 def _fit(geometry: ModelGeometry, request: PlanRequest, measure: Measure) -> PlanResult:
@@ -715,7 +737,7 @@ def _first_device(bill: MeasuredBill) -> dict[str, int]:
 
 def _plan_once(geometry: ModelGeometry, request: PlanRequest) -> PlanResult:
     r = request
-    policy = canonical_policy(r.policy)
+    policy = canonical_policy(r.policy)  # NOTE: plan_for resolved "auto"
     if policy not in ONLINE_POLICIES:
         raise PlanError(f"policy {r.policy!r}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
     if r.miss_path not in MISS_PATHS:

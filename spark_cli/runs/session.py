@@ -95,7 +95,7 @@ def plan_request(info: ProfileInfo, budget: int, n_ctx: int, *, type_k: str = "f
     if trace is None and info.profile is not None:
         trace = info.profile.recent_trace()
     return planner.PlanRequest(budget, n_ctx, type_k, type_v, n_ubatch, profile_counts(info), trace,
-                               policy or planner.DEFAULT_POLICY, miss_path or "auto")
+                               policy or planner.AUTO_POLICY, miss_path or "auto")
 
 
 def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | None, flags: LoadFlags, *,
