@@ -22,6 +22,7 @@ from spark_cli.core.profile import RoutingProfile, profile_path_for
 from spark_cli.core.simulator import DEFAULT_POLICY
 from spark_cli.core.trace import RoutingTrace
 from spark_cli.errors import SparkError
+from spark_cli.runs import dry_run
 
 PKG = Path(__file__).resolve().parent.parent / "spark_cli"
 QUESTION = "What is the capital of France?"
@@ -201,7 +202,7 @@ def test_one_default_policy(name, get) -> None:
 def fake_bench(monkeypatch, tmp_path):
     """bench's engine-side steps stubbed: a fake device, a calibration trace, no measurement."""
     from spark_cli.native import devices
-    from spark_cli.runs import bench
+    from spark_cli.runs import bench, dry_run
 
     class NoEngine:
         def __init__(self, opts):
@@ -215,6 +216,7 @@ def fake_bench(monkeypatch, tmp_path):
 
     monkeypatch.setattr(devices, "select", lambda sel: [SimpleNamespace(name="FAKE0")])
     monkeypatch.setattr(devices, "free_memory", lambda dev: (8 * GiB, 16 * GiB))
+    monkeypatch.setattr(dry_run, "measure", _planned_bill)  # a fake device has no dry run: the plan's own sums
     monkeypatch.setattr(bench, "Engine", NoEngine)
     monkeypatch.setattr(bench, "make_workload", lambda eng, docs, n: bench.Workload([1] * 8, [1] * 4, [[1] * 4]))
     monkeypatch.setattr(bench, "calibrate", lambda eng, g, prompts, progress=None: _drifting_trace(g, 80, seed=3))
@@ -274,9 +276,9 @@ def plan_for_calls(monkeypatch):
     """planner.plan_for, spied: (the calling module, the request) of every call."""
     real, calls = planner.plan_for, []
 
-    def spy(geometry, request):
+    def spy(geometry, request, measure=None):
         calls.append((sys._getframe(1).f_globals["__name__"], request))
-        return real(geometry, request)
+        return real(geometry, request, measure)
 
     monkeypatch.setattr(planner, "plan_for", spy)
     return calls
@@ -286,11 +288,21 @@ class _Stop(SparkError):
     """Raised where a command would start an engine or a server: the placement is made."""
 
 
+def _planned_bill(model, geometry, plan, flags, n_ctx):
+    """A dry run's bill on FAKE0 that equals the plan's own sums."""
+    from spark_cli.core.bill import BufferBill, MeasuredBill
+
+    b = plan.breakdown
+    return MeasuredBill((BufferBill("FAKE0", "FAKE0", False, b["weights_global"] + b["weights_layers_nonexpert"]
+                                    + b["experts_resident"], b["kv_cache"], b["compute"], b["expert_banks"]),))
+
+
 def _fake_device(monkeypatch) -> None:
     from spark_cli.native import devices
 
     monkeypatch.setattr(devices, "select", lambda sel: [SimpleNamespace(name="FAKE0")])
     monkeypatch.setattr(devices, "free_memory", lambda dev: (8 * GiB, 16 * GiB))
+    monkeypatch.setattr(dry_run, "measure", _planned_bill)
 
 
 def _run_plan(model, budget, monkeypatch, capsys, tmp_path) -> None:
@@ -387,7 +399,7 @@ def test_every_placing_command_reaches_plan_for(command, run, caller, kv, small_
     req = outer[0][1]
     assert (req.type_k, req.type_v, req.n_ubatch) == kv and req.n_ctx in (512, 2048)
     assert req.trace is not None and req.trace.n_decode > 0  # replay pricing: the ring (or demo's trace)
-    assert req.policy == DEFAULT_POLICY
+    assert req.policy == planner.AUTO_POLICY  # issue 26: every command asks for --policy auto
     if command != "demo":
         assert req.budget_bytes == budget
 

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 // NOTE: bump when a struct or a function below changes; bindings check it at load
-#define LLAMA_EXPERT_CACHE_API_VERSION 3
+#define LLAMA_EXPERT_CACHE_API_VERSION 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -98,6 +98,17 @@ extern "C" {
         uint64_t admit_skipped;         // CPU-path misses not admitted (bound reached or no evictable slot)
     };
 
+    // Memory of one buffer type (llama_expert_cache_memory_breakdown).
+    struct llama_expert_cache_mem_entry {
+        char     buft[64];   // buffer type name (ggml_backend_buft_name), truncated
+        char     device[64]; // its device's name (ggml_backend_dev_name); "" when it has none
+        int32_t  is_host;    // 1: host memory (the CPU's, or a device's pinned host memory)
+        uint64_t model;      // weights
+        uint64_t context;    // KV cache and recurrent state
+        uint64_t compute;    // compute buffers of the graph in effect
+        uint64_t banks;      // the expert cache's banks
+    };
+
     // LLAMA_EXPERT_CACHE_API_VERSION of the library.
     LLAMA_API int32_t llama_expert_cache_api_version(void);
 
@@ -105,6 +116,9 @@ extern "C" {
 
     // Attach a cache (replacing any previous one) to ctx. Returns a llama_expert_cache_status;
     // on error a one-line reason is written to err (if err_len > 0) and ctx is unchanged.
+    // On a model loaded with llama_model_params.no_alloc (a dry run) nothing is allocated or
+    // uploaded and the device budget is not checked: the banks are sized, the graph is the cached
+    // one, and llama_expert_cache_memory_breakdown reports what a real load would allocate.
     LLAMA_API int32_t llama_expert_cache_init(
             struct llama_context                   * ctx,
             const struct llama_expert_cache_params * params,
@@ -163,8 +177,19 @@ extern "C" {
     // Zero the counters, the routing counts and the trace; the slots keep their experts.
     LLAMA_API void llama_expert_cache_reset_stats(struct llama_context * ctx);
 
-    // Bytes of device memory held by the banks.
+    // Bytes of device memory held by the banks (a dry run: the bytes they would hold).
     LLAMA_API size_t llama_expert_cache_device_bytes(const struct llama_context * ctx);
+
+    // llama.cpp's memory breakdown of ctx per buffer type (weights, context, compute) plus the
+    // banks of its cache. Reserves the graph first if it changed (a cache attached since the
+    // last decode), so the compute bytes are those of the graph in effect. With a no_alloc model
+    // nothing is allocated and reading no tensor data: the bytes a real load would allocate.
+    // Copies at most n_max entries into out (may be null when n_max is 0); returns the number of
+    // buffer types, or a status.
+    LLAMA_API int32_t llama_expert_cache_memory_breakdown(
+            struct llama_context                * ctx,
+            struct llama_expert_cache_mem_entry * out,
+            int32_t                               n_max);
 
 #ifdef __cplusplus
 }

@@ -163,6 +163,7 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
     trace_on  = params.trace;
     trace_max = params.trace_max > 0 ? params.trace_max : 0;
     n_threads = params.n_threads > 0 ? params.n_threads : 1;
+    dry       = model.hparams.no_alloc;
     if (params.slru_protected_num < 0 || params.slru_protected_den <= 0 || params.slru_protected_num > params.slru_protected_den) {
         err = "invalid parameters: slru_protected_num / slru_protected_den must be a share in [0, 1]";
         return LLAMA_EXPERT_CACHE_ERR_ARG;
@@ -185,7 +186,7 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
             return rc;
         }
     }
-    int32_t rc = check_budget(params, need, err);
+    int32_t rc = dry ? LLAMA_EXPERT_CACHE_OK : check_budget(params, need, err); // NOTE: a dry run measures, never refuses
     if (rc == LLAMA_EXPERT_CACHE_OK) {
         rc = alloc_banks(need, err);
     }
@@ -360,6 +361,14 @@ int32_t llama_expert_cache::alloc_banks(llama_expert_cache_bank_needs & need, st
         init_admissions(*Lp, dev);
     }
     for (const auto & [buft, c] : bctx) {
+        if (dry) {
+            size_t bytes = 0;
+            ggml_backend_buffer_t buf = dry_buffer(c, buft, bytes);
+            bank_bytes[buft] += bytes;
+            device_bytes     += bytes;
+            bufs.emplace_back(buf);
+            continue;
+        }
         ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(c, buft);
         if (!buf) {
             err = fmt("could not allocate %.3f GiB of expert banks on %s", need.bytes[buft] / 1073741824.0, ggml_backend_buft_name(buft));
@@ -368,10 +377,23 @@ int32_t llama_expert_cache::alloc_banks(llama_expert_cache_bank_needs & need, st
         // NOTE: weights usage, so the scheduler keeps the expert matmuls on the bank's device
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         ggml_backend_buffer_clear(buf, 0); // zeroed guard slices (and empty slots)
-        device_bytes += ggml_backend_buffer_get_size(buf);
+        bank_bytes[buft] += ggml_backend_buffer_get_size(buf);
+        device_bytes     += ggml_backend_buffer_get_size(buf);
         bufs.emplace_back(buf);
     }
     return LLAMA_EXPERT_CACHE_OK;
+}
+
+// a dry run's banks: the size a real allocation would take, and a zero-size buffer that marks the
+// tensors allocated (as llama.cpp's no_alloc weights), so the scheduler plans the cached graph
+ggml_backend_buffer_t llama_expert_cache::dry_buffer(ggml_context * c, ggml_backend_buffer_type_t buft, size_t & bytes) {
+    bytes = ggml_backend_alloc_ctx_tensors_from_buft_size(c, buft);
+    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, 0);
+    for (ggml_tensor * t = ggml_get_first_tensor(c); t != nullptr; t = ggml_get_next_tensor(c, t)) {
+        t->buffer = buf;
+    }
+    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    return buf;
 }
 
 void llama_expert_cache::make_banks(llama_expert_cache_layer & L, ggml_context * c) {
@@ -435,6 +457,10 @@ void llama_expert_cache::upload_pinned(const llama_expert_cache_params & params)
         auto & L = *layer(lp.il);
         for (int32_t j = 0; j < lp.n_pinned; ++j) {
             const int32_t e = lp.pinned[j];
+            if (dry) { // NOTE: no weights to read: the slot only records its expert
+                L.slots.pin(j, e);
+                continue;
+            }
             const int64_t t0 = ggml_time_us();
             for (auto & b : L.banks) {
                 const size_t nb = b.src->nb[2];
@@ -735,7 +761,9 @@ bool llama_expert_cache::recipe_src(const llama_expert_cache_layer & L, const st
         // NOTE: small device weights (per-expert biases) are read from a host copy made once
         auto & m = host_mirror[s];
         m.resize(ggml_nbytes(s));
-        ggml_backend_tensor_get(s, m.data(), 0, m.size());
+        if (!dry) { // a dry run has no weights to copy (its graph is never computed)
+            ggml_backend_tensor_get(s, m.data(), 0, m.size());
+        }
         rs.kind   = LLAMA_EXPERT_CACHE_SRC_MIRROR;
         rs.tensor = s;
     } else {
@@ -1258,4 +1286,65 @@ int64_t llama_expert_cache_get_trace_dropped(const llama_context * ctx) {
     }
     std::lock_guard<std::mutex> lock(ec->mutex);
     return ec->trace_dropped;
+}
+
+namespace {
+
+void copy_name(char * dst, size_t n, const char * src) {
+    snprintf(dst, n, "%s", src ? src : "");
+}
+
+// one entry per buffer type: llama.cpp's breakdown plus the banks
+std::map<ggml_backend_buffer_type_t, llama_expert_cache_mem_entry> memory_entries(llama_context * ctx) {
+    std::map<ggml_backend_buffer_type_t, llama_expert_cache_mem_entry> ret;
+    auto entry = [&](ggml_backend_buffer_type_t buft) -> llama_expert_cache_mem_entry & {
+        auto it = ret.find(buft);
+        if (it == ret.end()) {
+            llama_expert_cache_mem_entry e = {};
+            copy_name(e.buft, sizeof(e.buft), ggml_backend_buft_name(buft));
+            ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+            copy_name(e.device, sizeof(e.device), dev ? ggml_backend_dev_name(dev) : "");
+            e.is_host = ggml_backend_buft_is_host(buft) ? 1 : 0;
+            it = ret.emplace(buft, e).first;
+        }
+        return it->second;
+    };
+    for (const auto & [buft, mb] : ctx->memory_breakdown()) {
+        auto & e = entry(buft);
+        e.model   += mb.model;
+        e.context += mb.context;
+        e.compute += mb.compute;
+    }
+    if (const llama_expert_cache * ec = ctx->get_expert_cache()) {
+        for (const auto & [buft, bytes] : ec->bank_bytes) {
+            entry(buft).banks += bytes;
+        }
+    }
+    return ret;
+}
+
+} // namespace
+
+int32_t llama_expert_cache_memory_breakdown(llama_context * ctx, llama_expert_cache_mem_entry * out, int32_t n_max) {
+    if (!ctx || n_max < 0 || (n_max > 0 && !out)) {
+        return LLAMA_EXPERT_CACHE_ERR_ARG;
+    }
+    try {
+        ctx->sched_reserve(); // NOTE: no-op unless the graph changed since it was last reserved
+        const auto entries = memory_entries(ctx);
+        int32_t i = 0;
+        for (const auto & [buft, e] : entries) {
+            (void) buft;
+            if (i < n_max) {
+                out[i] = e;
+            }
+            ++i;
+        }
+        return i;
+    } catch (const std::exception & e) {
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, e.what());
+    } catch (...) {
+        LLAMA_LOG_ERROR("%s: unknown exception\n", __func__);
+    }
+    return LLAMA_EXPERT_CACHE_ERR_INTERNAL;
 }

@@ -159,6 +159,7 @@ struct llama_expert_cache {
     int32_t check_budget(const llama_expert_cache_params & params, llama_expert_cache_bank_needs & need, std::string & err);
     int32_t alloc_banks(llama_expert_cache_bank_needs & need, std::string & err);
     void    make_banks(llama_expert_cache_layer & L, ggml_context * c);
+    static ggml_backend_buffer_t dry_buffer(ggml_context * c, ggml_backend_buffer_type_t buft, size_t & bytes);
     void    init_admissions(llama_expert_cache_layer & L, ggml_backend_dev_t dev);
     void    init_workers();
     void    upload_pinned(const llama_expert_cache_params & params);
@@ -194,6 +195,8 @@ struct llama_expert_cache {
     std::vector<ggml_backend_buffer_ptr> bufs;
     std::map<ggml_backend_dev_t, ggml_backend_t> upload_backends; // owned
     size_t device_bytes = 0;
+    std::map<ggml_backend_buffer_type_t, size_t> bank_bytes; // per device buffer type (a dry run's: what it would hold)
+    bool   dry = false; // the model was loaded with no_alloc: banks are sized, never allocated or filled
 
     // CPU miss path: one worker per thread of the graph (n_threads of them), reused by every step
     std::vector<llama_expert_cache_worker> workers;

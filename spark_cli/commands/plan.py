@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -30,6 +31,15 @@ def trace_replay_line(trace, plan) -> str:
             f"with the {plan.policy} slots {100 * miss:.1f}% of experts are not on the device")
 
 
+def policy_line(plan) -> str:
+    """--policy auto's choice: each policy's replayed share of routed experts on the device."""
+    if not plan.policy_replay:
+        return (f"policy auto: no decode steps to replay: {plan.policy} (the default, the best on the demo "
+                "model's profiled traces)")
+    parts = ", ".join(f"{p} {100 * h:.1f}%" for p, h in plan.policy_replay.items())
+    return f"policy auto: {parts} of routed experts on the device: [bold]{plan.policy}[/]"
+
+
 def held_out_line(c, policy: str) -> str:
     return (f"held-out check: planned on the first {c.train_steps:,} decode steps, predicted "
             f"{100 * c.predicted:.1f}% of experts off the device; on the next {c.test_steps:,}: "
@@ -54,7 +64,7 @@ def _routing(info, geometry, trace, trace_path: Path | None):
 
 
 def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, replay_src: str, pol: str, req,
-                check_result) -> None:
+                check_result, host) -> None:
     from . import render_plan
 
     plan = placed.plan
@@ -64,9 +74,8 @@ def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, 
     console.print(routing, soft_wrap=True)
     console.print(render_plan.layer_table(plan))
     console.print(render_plan.budget_table(plan, budget_source))
-    host = sum(l.host_bytes for l in plan.layers)
-    if host:
-        console.print(f"host RAM: {render_plan.fmt_bytes(host)} of experts of cached layers", soft_wrap=True)
+    console.print(render_plan.measured_line(plan), soft_wrap=True)
+    console.print(host.line(), soft_wrap=True)
     console.print(render_plan.cold_hit_line(plan), soft_wrap=True)
     if trace is not None:
         console.print(trace_replay_line(trace, plan), soft_wrap=True)
@@ -81,6 +90,22 @@ def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, 
         console.print(line, soft_wrap=True)
 
 
+def _devices(flags: LoadFlags, vram_text: str | None, measure: bool) -> list:
+    """The devices to plan for: -dev/--rpc or the local GPU; with --vram and no -dev/--rpc, none when
+    llama.cpp cannot be loaded (the estimate alone) or --no-measure."""
+    from ..errors import NativeError
+    from ..native import devices
+
+    if vram_text and not measure:
+        return []
+    if vram_text and not (flags.device or flags.rpc):
+        try:
+            return devices.select(devices.parse(None, None))
+        except NativeError:
+            return []
+    return devices.select(devices.parse(flags.device, flags.rpc))
+
+
 def register(app: typer.Typer) -> None:
     @app.command("plan")
     @model_flags
@@ -93,11 +118,15 @@ def register(app: typer.Typer) -> None:
                                           "the model; a uniform prior when there is none)"),
         trace_path: Path = typer.Option(None, "--trace", help="routing trace .npz to replay (default: the "
                                         "profile's ring of recent decode steps)"),
-        policy: str = typer.Option(None, "--policy", help="cache policy the plan is priced for and records: "
-                                   "lru, lfu-aged, slru, tinylfu (default: the default policy)"),
+        policy: str = typer.Option("auto", "--policy", help="cache policy the plan is priced for and records: "
+                                   "lru, lfu-aged, slru, tinylfu, or auto (replay the trace through each with "
+                                   "the plan's slots and keep the best)"),
         miss_path: str = typer.Option("auto", "--miss-path", help="the miss path the plan is priced for and "
                                       "records: auto (chosen per layer when it runs; priced as upload), cpu, "
                                       "upload; chat and serve's --miss-path overrides it"),
+        measure: bool = typer.Option(True, "--measure/--no-measure", help="measure the bill with a dry run "
+                                     "(llama.cpp no_alloc) on the device and fit the plan to it; needs a device "
+                                     "(-dev, --rpc or a local GPU)"),
         check: bool = typer.Option(True, "--check/--no-check", help="print the held-out check (plan on 70%% "
                                    "of the replayed steps, predict the rest)"),
         output: Path = typer.Option(None, "--output", "-o", help="write the plan JSON here (for --plan)"),
@@ -112,7 +141,7 @@ def register(app: typer.Typer) -> None:
         from ..core.trace import RoutingTrace
 
         from ..files.atomic import check_output
-        from ..core.planner import held_out_check, plan_for
+        from ..core.planner import AUTO_POLICY, held_out_check, plan_for
         from ..core.simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy
         from ..runs.miss_path import check_choice
 
@@ -120,10 +149,10 @@ def register(app: typer.Typer) -> None:
         if output is not None:
             check_output(output, "-o", inputs=run_inputs(model, profile=profile_path, trace=trace_path))
         try:
-            pol = canonical_policy(policy or DEFAULT_POLICY)
+            pol = AUTO_POLICY if policy in (None, AUTO_POLICY) else canonical_policy(policy)
         except SparkError as e:
             raise UsageError(f"--policy {policy}: {e.message}") from None
-        if pol not in ONLINE_POLICIES:
+        if pol not in ONLINE_POLICIES + (AUTO_POLICY,):
             raise UsageError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
         check_choice(miss_path)
         if vram_text:
@@ -132,8 +161,8 @@ def register(app: typer.Typer) -> None:
             parse_size(vram_text, "--vram")  # a flag error before the model is read
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
-        # NOTE: a dry run with --vram needs no device (and does not load llama.cpp)
-        devs = [] if vram_text else devices.select(devices.parse(flags.device, flags.rpc))
+        # NOTE: --vram needs no device; a device (when there is one) measures the bill
+        devs = _devices(flags, vram_text, measure)
         budget = session.resolve_budget(vram_text, devs)
         ctx = context_size(flags.ctx_size, geometry.context_length)
         if not geometry.known_family:
@@ -153,9 +182,18 @@ def register(app: typer.Typer) -> None:
         req = session.plan_request(info, budget.bytes, ctx, trace=trace, policy=pol, miss_path=miss_path,
                                    **session.kv_settings(flags))
         replay_src = f"the trace {trace_path.name}" if trace_path else "the profile's recent decode steps"
-        placed = plan_for(geometry, req)
+        from ..runs import dry_run, host_ram
+
+        placed = plan_for(geometry, req, dry_run.measurer(path, geometry, flags, ctx) if devs and measure else None)
         plan = placed.plan
-        check_result = held_out_check(geometry, req) if check and placed.replay_steps and not as_json else None
+        ram_warning = host_ram.check(plan, flags)
+        if ram_warning:
+            say.print(f"[yellow]warning:[/] {ram_warning}", soft_wrap=True)
+        priced = DEFAULT_POLICY if pol == AUTO_POLICY else pol  # auto prices with the default, then picks
+        check_result = held_out_check(geometry, replace(req, policy=plan.policy)) \
+            if check and placed.replay_steps and not as_json else None
+        if pol == AUTO_POLICY:
+            say.print(policy_line(plan), soft_wrap=True)
 
         if output is not None:
             _save(plan, output)
@@ -165,6 +203,7 @@ def register(app: typer.Typer) -> None:
                 say.print(f"wrote {output}")
             return
 
-        _print_plan(path, geometry, routing, placed, budget.source, trace, replay_src, pol, req, check_result)
+        _print_plan(path, geometry, routing, placed, budget.source, trace, replay_src, priced, req, check_result,
+                    host_ram.host_ram(plan))
         if output is not None:
             console.print(f"wrote {output} (use it with --plan {output})")

@@ -88,35 +88,62 @@ def layer_table(plan: Plan, compress_over: int = COMPRESS_OVER) -> Table:
 
 
 def budget_table(plan: Plan, budget_source: str) -> Table:
-    """The VRAM bill: every component of the breakdown against the budget."""
+    """The VRAM bill: every component of the breakdown against the budget, and beside it what
+    the dry run measured on the device (llama.cpp's breakdown) when the plan was measured."""
     b, budget = plan.breakdown, plan.budget_bytes
+    bill = plan.measured_bill()
+    dev = bill.device(bill.device_names()[0]) if bill is not None and bill.device_names() else None
     resident = [l for l in plan.layers if l.mode == "resident"]
     cached = [l for l in plan.layers if l.mode == "cached"]
     slots = sum(l.slots for l in cached)
     pins = sum(len(l.pinned) for l in cached)
-    t = Table(title="VRAM bill", title_justify="left")
+    title = "VRAM bill" + (f" ({bill.device_names()[0]}: planned and measured)" if dev else "")
+    t = Table(title=title, title_justify="left")
     t.add_column("component")
-    t.add_column("device", justify="right")
+    t.add_column("planned", justify="right")
+    if dev:
+        t.add_column("measured", justify="right")
     t.add_column("of budget", justify="right")
     t.add_column("detail")
     weights = b["weights_global"] + b["weights_layers_nonexpert"]
+    measured_compute = plan.fit_rounds > 0
     rows = [
-        ("weights", weights, f"global {fmt_bytes(b['weights_global'])} + per-layer non-expert "
-                             f"{fmt_bytes(b['weights_layers_nonexpert'])}"),
-        ("resident experts", b["experts_resident"], f"{len(resident)} layers, all experts"),
-        ("expert banks", b["expert_banks"],
+        ("weights", weights, None, f"global {fmt_bytes(b['weights_global'])} + per-layer non-expert "
+                                   f"{fmt_bytes(b['weights_layers_nonexpert'])}"),
+        ("resident experts", b["experts_resident"], None, f"{len(resident)} layers, all experts"),
+        ("expert banks", b["expert_banks"], dev and dev["banks"],
          f"{len(cached)} cached layers: {pins} pinned + {slots - pins} LRU slots + {len(cached)} guard"),
-        ("KV cache", b["kv_cache"], f"K {plan.type_k} / V {plan.type_v}, n_ctx {plan.n_ctx}"),
-        ("compute buffer", b["compute"], f"estimate, n_ubatch {plan.n_ubatch}"),
-        ("overhead", b["overhead"], "CUDA context, cuBLAS, allocator (estimate)"),
+        ("KV cache", b["kv_cache"], dev and dev["context"], f"K {plan.type_k} / V {plan.type_v}, n_ctx {plan.n_ctx}"),
+        ("compute buffer", b["compute"], dev and dev["compute"],
+         f"{'measured' if measured_compute else 'estimate'}, n_ubatch {plan.n_ubatch}"),
+        ("overhead", b["overhead"], None, "CUDA context, cuBLAS, allocator (estimate, not measurable)"),
     ]
-    for name, n, detail in rows:
-        t.add_row(name, fmt_bytes(n), _pct(n, budget), detail)
+    for name, n, m, detail in rows:
+        if dev and name == "weights":
+            m = dev["model"]  # llama.cpp counts weights and resident experts as one
+            detail += " + resident experts"
+        cells = [name, fmt_bytes(n)] + ([fmt_bytes(m) if m is not None else ""] if dev else [])
+        t.add_row(*cells, _pct(n, budget), detail)
     t.add_section()
-    t.add_row("[bold]total[/]", f"[bold]{fmt_bytes(b['total'])}[/]", _pct(b["total"], budget), "")
-    t.add_row("free", fmt_bytes(budget - b["total"]), _pct(budget - b["total"], budget), "left unspent")
-    t.add_row("budget", fmt_bytes(budget), "100.0%", budget_source)
+    total_m = [f"[bold]{fmt_bytes(dev['total'] + b['overhead'])}[/]"] if dev else []
+    t.add_row("[bold]total[/]", f"[bold]{fmt_bytes(b['total'])}[/]", *total_m, _pct(b["total"], budget), "")
+    free_m = [fmt_bytes(budget - dev["total"] - b["overhead"])] if dev else []
+    t.add_row("free", fmt_bytes(budget - b["total"]), *free_m, _pct(budget - b["total"], budget), "left unspent")
+    t.add_row("budget", fmt_bytes(budget), *([""] if dev else []), "100.0%", budget_source)
     return t
+
+
+def measured_line(plan: Plan) -> str:
+    """How the bill was measured, or why it was not."""
+    bill = plan.measured_bill()
+    if bill is None:
+        return ("not measured (no device for a dry run: pass --rpc or -dev): the compute buffer "
+                "and overhead are estimates")
+    parts = [f"{n} {fmt_bytes(bill.device(n)['total'])}" for n in bill.device_names()]
+    planned = plan.breakdown["total"] - plan.breakdown["overhead"]
+    return (f"measured by a dry run (llama.cpp no_alloc, {plan.fit_rounds} round{'s' * (plan.fit_rounds != 1)}): "
+            f"{', '.join(parts)} on the device, planned {fmt_bytes(planned)}, "
+            f"host {fmt_bytes(bill.host()['total'])}")
 
 
 def uniform_cold_hit(plan: Plan) -> float:

@@ -72,6 +72,7 @@ from . import units, vram
 from ..files.atomic import atomic_write_text
 from ..files.regular import read_regular_text
 from ..errors import PlanError
+from .bill import MeasuredBill
 from .gguf_info import ModelGeometry
 from .options import DEFAULT_UBATCH
 from .placement import TensorOverride, cached_expert_overrides, stock_overrides, stock_patterns
@@ -223,6 +224,13 @@ class Plan:
     predicted_miss: float | None = None  # replayed miss share on the planning trace
     miss_path: str = "auto"  # auto | cpu | upload (miss_path.py); --miss-path overrides it
     overrides: tuple[TensorOverride, ...] = ()  # expert weights of cached layers -> host RAM (placement.py)
+    measured: dict[str, Any] | None = None  # the dry run's bill (bill.MeasuredBill.to_dict); None: not measured
+    measured_device_bytes: int | None = None  # its total on the first device (banks included)
+    fit_rounds: int = 0  # dry runs the fit loop took (0: not measured)
+    policy_replay: dict[str, float] | None = None  # --policy auto: each policy's share of experts on the device
+
+    def measured_bill(self) -> MeasuredBill | None:
+        return MeasuredBill.from_dict(self.measured) if self.measured is not None else None
 
     def hot_set(self) -> dict[int, frozenset[int]]:
         """Experts on the device without an upload: pinned, or all of a resident layer."""
@@ -279,7 +287,8 @@ class Plan:
                    predicted_cold_hit=f.float(d, "predicted_cold_hit", "", optional=True), stock=stock,
                    policy=f.str(d, "policy", "", default=DEFAULT_POLICY),
                    predicted_miss=f.float(d, "predicted_miss", "", optional=True, default=None),
-                   miss_path=f.str(d, "miss_path", "", default="auto"), overrides=tuple(overrides))
+                   miss_path=f.str(d, "miss_path", "", default="auto"), overrides=tuple(overrides),
+                   **_measured_fields(f, d))
         seen: set[int] = set()
         for n, l in enumerate(plan.layers):
             if l.index in seen:
@@ -321,14 +330,41 @@ class Plan:
         return plan
 
 
+def _measured_fields(f: "_Fields", d: dict) -> dict[str, Any]:
+    """The optional fields of a plan file that issue 26 added (the dry run's bill, --policy auto's
+    figures), checked."""
+    out: dict[str, Any] = {}
+    replay = d.get("policy_replay")
+    if replay is not None:
+        if not (isinstance(replay, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 for v in replay.values())):
+            raise PlanError(f"{f.source}: policy_replay: expected an object of numbers")
+        out["policy_replay"] = {str(k): float(v) for k, v in replay.items()}
+    if d.get("measured") is None:
+        return out
+    try:
+        bill = MeasuredBill.from_dict(d["measured"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise PlanError(f"{f.source}: measured: not a measured bill",
+                        hint="make the plan again with `spark plan`") from None
+    return {**out, "measured": bill.to_dict(), "measured_device_bytes": bill.device_bytes(),
+            "fit_rounds": f.int(d, "fit_rounds", "", 0, INT32_MAX)}
+
+
+def unmeasured_overhead() -> int:
+    """Device bytes a dry run cannot see (CUDA context, cuBLAS workspace, pools): the estimate's."""
+    return vram.DEVICE_OVERHEAD_BYTES
+
+
 def fixed_costs(g: ModelGeometry, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
-                n_ubatch: int = DEFAULT_UBATCH) -> dict[str, int]:
-    """The device bill of everything but the routed experts, by item: the plan's and bench's."""
+                n_ubatch: int = DEFAULT_UBATCH, compute: int | None = None) -> dict[str, int]:
+    """The device bill of everything but the routed experts, by item: the plan's and bench's.
+    `compute`: the measured compute buffers (a dry run's), else vram's estimate."""
     return {
         "weights_global": g.device_global_bytes,
         "weights_layers_nonexpert": sum(l.nonexpert_bytes for l in g.layers if not l.is_nextn),
         "kv_cache": vram.kv_cache_bytes(g, n_ctx, type_k, type_v, n_ubatch),
-        "compute": vram.compute_buffer_bytes(g, n_ctx, n_ubatch),
+        "compute": vram.compute_buffer_bytes(g, n_ctx, n_ubatch) if compute is None else compute,
         "overhead": vram.DEVICE_OVERHEAD_BYTES,
     }
 
@@ -414,7 +450,7 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
                profile_counts: np.ndarray | None = None, type_k: str = "f16", type_v: str = "f16",
                max_slots_per_layer: int | None = None, n_ubatch: int = DEFAULT_UBATCH, *,
                miss_fn: MissFn | None = None, allow_pins: bool = True, policy: str = DEFAULT_POLICY,
-               miss_path: str = "auto") -> Plan:
+               miss_path: str = "auto", compute_bytes: int | None = None) -> Plan:
     """The greedy for `budget_bytes` of device memory (see the module docstring); plan_for's.
 
     profile_counts: [n_layer, n_expert] decode routing counts; None = uniform prior.
@@ -423,7 +459,7 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
     `policy` and `miss_path` are recorded in the plan.
     """
     g = geometry
-    fixed = fixed_costs(g, n_ctx, type_k, type_v, n_ubatch)
+    fixed = fixed_costs(g, n_ctx, type_k, type_v, n_ubatch, compute_bytes)
     fixed_total = sum(fixed.values())
     moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
     _check_fixed_fits(fixed, budget_bytes, n_ctx, sum(l.expert_bias_bytes for l in moe))
@@ -578,6 +614,7 @@ class PlanRequest:
     policy: str = DEFAULT_POLICY  # simulator.ONLINE_POLICIES
     miss_path: str = "auto"  # recorded in the plan; "cpu" replays the cpu path, the others the upload path
     max_admit: int | None = None  # cpu path admissions per decode step (None: k)
+    compute_bytes: int | None = None  # measured compute buffers of the device (the fit loop's); None: estimate
 
     @property
     def replay_path(self) -> str:
@@ -612,17 +649,101 @@ class PlanResult:
         raise KeyError(name)
 
 
-def plan_for(geometry: ModelGeometry, request: PlanRequest) -> PlanResult:
+Measure = Callable[[Plan], MeasuredBill]  # a dry run of a plan (runs/dry_run.measurer)
+MAX_FIT_ROUNDS = 5
+
+
+def plan_for(geometry: ModelGeometry, request: PlanRequest, measure: Measure | None = None) -> PlanResult:
     """The placement for `request`: replay pricing when its trace has decode steps, else the
     profile's counts alone (pins and k policy slots per layer). PlanError when the budget
-    cannot hold even stock --cpu-moe, or for a policy or miss path a cache cannot run."""
+    cannot hold even stock --cpu-moe, or for a policy or miss path a cache cannot run.
+
+    With `measure` (a dry run), the fit loop: the estimate (vram.py) places the first guess;
+    each round measures it and moves the budget the greedy spends by what the measurement found
+    over or under (over: it gives up the last slots and pins it bought, layer by layer; under:
+    it buys more), until the measured bill plus the unmeasured overhead fits the budget and the
+    rest is less than one expert, or MAX_FIT_ROUNDS. The plan kept is the fullest that fit,
+    with its measured bill; PlanError when none fits."""
+    auto = request.policy == AUTO_POLICY
+    r = replace(request, policy=DEFAULT_POLICY) if auto else request
+    res = _plan_once(geometry, r) if measure is None else _fit(geometry, r, measure)
+    return _choose_policy(res, r) if auto else res
+
+
+AUTO_POLICY = "auto"  # --policy auto: the native policy that replays best with the plan's slots
+
+
+def _choose_policy(res: PlanResult, request: PlanRequest) -> PlanResult:
+    """--policy auto: replay the request's trace (the profile's ring, or --trace) through each
+    native policy with the plan's pins, slots and miss path; keep the one that finds the most
+    routed experts on the device (ties: the default policy, then ONLINE_POLICIES order). No
+    decode steps to replay, or no cached layer: simulator.DEFAULT_POLICY, with no figures."""
+    plan, trace = res.plan, request.trace
+    if trace is None or not trace.n_decode or not any(l.mode == "cached" for l in plan.layers):
+        return res
+    hit = {p: 1.0 - replayed_miss(replace(plan, policy=p), trace, request.replay_path, request.max_admit)
+           for p in ONLINE_POLICIES}
+    best = max(ONLINE_POLICIES, key=lambda p: (hit[p], p == DEFAULT_POLICY, -ONLINE_POLICIES.index(p)))
+    return replace(res, plan=replace(plan, policy=best, policy_replay=hit, predicted_miss=1.0 - hit[best]))
+
+
+def _fit(geometry: ModelGeometry, request: PlanRequest, measure: Measure) -> PlanResult:
+    target = request.budget_bytes - unmeasured_overhead()  # what the measured bill may take
+    step = min((l.expert_bytes_per_expert for l in geometry.layers if l.is_moe and l.expert_bytes_per_expert),
+               default=1)
+    spend, compute, margin, best, seen = request.budget_bytes, None, 0, None, {}
+    for rnd in range(1, MAX_FIT_ROUNDS + 1):
+        try:
+            res = _plan_once(geometry, replace(request, budget_bytes=spend, compute_bytes=compute))
+        except PlanError:
+            if best is None and rnd == 1:
+                raise
+            break  # the correction asked for less than the model without experts
+        key = (res.plan.layers, compute)
+        bill = seen[key] if key in seen else measure(res.plan)
+        seen[key] = bill
+        used, measured = bill.device_bytes(), _first_device(bill)
+        if compute is not None:  # planned with measured compute buffers: the plan's sums are the bill
+            if used <= target and (best is None or used > best[1].device_bytes()):
+                best = (res, bill, rnd)
+            elif used > target:
+                margin += used - target  # the compute buffers grew with the placement: give up more
+        if best is not None and best[2] == rnd and target - used < step:
+            break
+        # NOTE: the next round plans with the measured compute buffers, and takes what the rest of the
+        # bill measured over (or under) the plan's own sums off (or onto) the budget it spends
+        planned = res.plan.breakdown
+        rest = (used - measured["compute"]) - (planned["total"] - planned["overhead"] - planned["compute"])
+        nxt = (request.budget_bytes - rest - margin, measured["compute"])
+        if nxt == (spend, compute):
+            break
+        spend, compute = nxt
+    if best is None:
+        name = (bill.device_names() or ["the device"])[0]
+        raise PlanError(f"--vram {units.gib(request.budget_bytes)}: measured by a dry run, the placement needs "
+                        f"{units.gib(used)} on {name} plus {units.fmt_bytes(unmeasured_overhead())} overhead: "
+                        f"over by {units.shortfall(used - target)}",
+                        hint="lower --ctx-size or -ub, quantize the KV cache (-ctk q8_0) or raise --vram")
+    res, bill, rnd = best
+    plan = replace(res.plan, budget_bytes=request.budget_bytes, measured=bill.to_dict(),
+                   measured_device_bytes=bill.device_bytes(), fit_rounds=rnd)
+    return replace(res, plan=plan)
+
+
+def _first_device(bill: MeasuredBill) -> dict[str, int]:
+    names = bill.device_names()
+    return bill.device(names[0]) if names else {"model": 0, "context": 0, "compute": 0, "banks": 0, "total": 0}
+
+
+def _plan_once(geometry: ModelGeometry, request: PlanRequest) -> PlanResult:
     r = request
-    policy = canonical_policy(r.policy)
+    policy = canonical_policy(r.policy)  # NOTE: plan_for resolved "auto"
     if policy not in ONLINE_POLICIES:
         raise PlanError(f"policy {r.policy!r}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
     if r.miss_path not in MISS_PATHS:
         raise PlanError(f"miss path {r.miss_path!r}: unknown", hint="use auto, cpu or upload")
-    kw = dict(type_k=r.type_k, type_v=r.type_v, n_ubatch=r.n_ubatch, policy=policy, miss_path=r.miss_path)
+    kw = dict(type_k=r.type_k, type_v=r.type_v, n_ubatch=r.n_ubatch, policy=policy, miss_path=r.miss_path,
+              compute_bytes=r.compute_bytes)
     trace = r.trace if r.trace is not None and r.trace.n_decode else None
     if trace is None:
         return PlanResult(_make_plan(geometry, r.budget_bytes, r.n_ctx, r.profile_counts, **kw))
@@ -691,7 +812,8 @@ class _LayerReplay:
 def _plan_by_replay(geometry: ModelGeometry, budget_bytes: int, n_ctx: int, trace: Any,
                     profile_counts: np.ndarray | None = None, policy: str = DEFAULT_POLICY, type_k: str = "f16",
                     type_v: str = "f16", n_ubatch: int = DEFAULT_UBATCH, replay_path: str = "upload",
-                    max_admit: int | None = None, miss_path: str = "auto") -> tuple[Plan, list[Candidate]]:
+                    max_admit: int | None = None, miss_path: str = "auto",
+                    compute_bytes: int | None = None) -> tuple[Plan, list[Candidate]]:
     """Price pins against policy slots per layer by replaying `trace` (decode steps)
     through the policy that will run, and keep the best of three plans for the budget:
 
@@ -711,7 +833,7 @@ def _plan_by_replay(geometry: ModelGeometry, budget_bytes: int, n_ctx: int, trac
     rp = _LayerReplay(trace, None if counts is None else np.asarray(counts, dtype=np.float64), policy,
                       replay_path, max_admit)
     common = dict(profile_counts=counts, type_k=type_k, type_v=type_v, n_ubatch=n_ubatch, policy=policy,
-                  miss_path=miss_path)
+                  miss_path=miss_path, compute_bytes=compute_bytes)
     plans = [
         ("replay", _make_plan(geometry, budget_bytes, n_ctx, miss_fn=rp.miss, **common)),
         ("pins+k", _make_plan(geometry, budget_bytes, n_ctx, **common)),

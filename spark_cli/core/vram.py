@@ -1,4 +1,11 @@
-"""Device memory that is not weights: KV cache, compute buffer, CUDA overhead; --vram sizes."""
+"""Device memory that is not weights: KV cache, compute buffer, CUDA overhead; --vram sizes.
+
+The compute buffer here is an estimate: the planner's fit loop uses it only as its first guess,
+then plans with llama.cpp's own figure from a dry run (runs/dry_run.py, core/bill.py). It stays
+the bill where no dry run is possible (no device, `spark plan --no-measure`, bench's baselines).
+DEVICE_OVERHEAD_BYTES is what no dry run can see (CUDA context, cuBLAS workspace, pools): it is
+kept on top of the measured bill too (planner.unmeasured_overhead).
+"""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from . import devices as devices_mod
 from . import faults, llama_lib
 from ..core import vram
 from ..errors import DeviceError, ModelFileError, NativeError, SparkError, UsageError
+from ..core.bill import MeasuredBill
 from ..core.capture import TopkRecord
 from ..core.trace import DECODE, PREFILL
 from .generate import GenerationStep, NativeSampler, stream_generate
@@ -76,6 +77,7 @@ class EngineOptions:
     use_mmap: bool = True
     use_mlock: bool = False
     repack: bool = True                # allow CPU weight repacking where no cache needs plain layout
+    dry_run: bool = False              # llama.cpp's no_alloc: metadata only, nothing allocated or read (memory_breakdown)
 
     @property
     def threads(self) -> int:
@@ -184,6 +186,8 @@ class Engine:
         if opts.use_mlock or not opts.use_mmap:  # else llama.cpp's default (auto: mmap)
             mp.load_mode = ((LOAD_MODE_MMAP_MLOCK if opts.use_mmap else LOAD_MODE_MLOCK) if opts.use_mlock
                             else LOAD_MODE_NONE)
+        if opts.dry_run:  # NOTE: no_alloc maps nothing: llama.cpp asserts on mmap (common/fit.cpp does the same)
+            mp.no_alloc, mp.load_mode = True, LOAD_MODE_NONE
         _logs.capture = self._load_log
         _logs.reserve = self._reserve_log
         try:
@@ -484,6 +488,13 @@ class Engine:
     @property
     def cpu_threads_batch(self) -> int:
         return self.opts.threads_batch
+
+    def memory_breakdown(self) -> MeasuredBill:
+        """What this engine allocated (a dry run: would allocate) per buffer type, banks included."""
+        if self.cache is None:
+            raise NativeError("this llama.cpp build has no memory breakdown (native/ patch missing)",
+                              hint="rebuild with scripts/bootstrap.sh")
+        return self.cache.memory_breakdown()
 
     @property
     def cache_enabled(self) -> bool:

@@ -16,10 +16,11 @@ from typing import Sequence
 import numpy as np
 
 from ..core import simulator, trace
+from ..core.bill import BufferBill, MeasuredBill
 from ..core.simulator import DEFAULT_POLICY
 from ..errors import NativeError
 
-API_VERSION = 3  # LLAMA_EXPERT_CACHE_API_VERSION this binding matches
+API_VERSION = 4  # LLAMA_EXPERT_CACHE_API_VERSION this binding matches
 REBUILD_HINT = "rerun scripts/bootstrap.sh to install the native build of this checkout"
 
 
@@ -104,6 +105,24 @@ class Stats(ctypes.Structure):
         "hits", "misses", "uploads", "bytes_uploaded", "upload_us", "steps_cached", "steps_stock",
         "syncs", "blocking_upload_bytes", "async_uploads", "async_upload_bytes", "cpu_experts",
         "cpu_expert_bytes", "cpu_us", "admit_skipped")]
+
+
+class MemEntry(ctypes.Structure):
+    """struct llama_expert_cache_mem_entry."""
+
+    _fields_ = [
+        ("buft", ctypes.c_char * 64),
+        ("device", ctypes.c_char * 64),
+        ("is_host", ctypes.c_int32),
+        ("model", ctypes.c_uint64),
+        ("context", ctypes.c_uint64),
+        ("compute", ctypes.c_uint64),
+        ("banks", ctypes.c_uint64),
+    ]
+
+    def bill(self) -> BufferBill:
+        return BufferBill(self.buft.decode(errors="replace"), self.device.decode(errors="replace"),
+                          bool(self.is_host), int(self.model), int(self.context), int(self.compute), int(self.banks))
 
 
 @dataclass(frozen=True)
@@ -192,6 +211,7 @@ class ExpertCacheAPI:
         self.get_trace_dropped = fn("get_trace_dropped", i64, [vp])
         self.reset_stats = fn("reset_stats", None, [vp])
         self.device_bytes = fn("device_bytes", sz, [vp])
+        self.memory_breakdown = fn("memory_breakdown", i32, [vp, ctypes.POINTER(MemEntry), i32])
 
     @classmethod
     def bind(cls, lib: ctypes.CDLL) -> "ExpertCacheAPI | None":
@@ -323,6 +343,20 @@ class ExpertCache:
 
     def device_bytes(self) -> int:
         return int(self.api.device_bytes(self.ctx))
+
+    def memory_breakdown(self) -> MeasuredBill:
+        """llama.cpp's memory per buffer type, with the banks (reserves a changed graph first)."""
+        n = 16
+        while True:
+            buf = (MemEntry * n)()
+            got = int(self.api.memory_breakdown(self.ctx, buf, n))
+            if got < 0:
+                status = _status(got)
+                raise NativeError(f"expert cache: memory breakdown failed ({status.name if status else got})",
+                                  hint=HINTS.get(status) if status else None)
+            if got <= n:
+                return MeasuredBill(tuple(buf[i].bill() for i in range(got)))
+            n = got
 
 
 def _status(rc: int) -> Status | None:

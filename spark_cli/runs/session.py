@@ -6,6 +6,7 @@ run's decode routing counts into the model's profile when it ends.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 from typing import Callable
 
 from ..native import devices
+from . import dry_run, host_ram
 from ..core import planner, profile_store, units
 from ..files.atomic import lock_timeout_default
 from ..core.trace import DECODE
@@ -93,7 +95,7 @@ def plan_request(info: ProfileInfo, budget: int, n_ctx: int, *, type_k: str = "f
     if trace is None and info.profile is not None:
         trace = info.profile.recent_trace()
     return planner.PlanRequest(budget, n_ctx, type_k, type_v, n_ubatch, profile_counts(info), trace,
-                               policy or planner.DEFAULT_POLICY, miss_path or "auto")
+                               policy or planner.AUTO_POLICY, miss_path or "auto")
 
 
 def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | None, flags: LoadFlags, *,
@@ -215,18 +217,22 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
         if out.n_ctx > file_plan.n_ctx:
             out.warnings.append(f"--ctx-size {out.n_ctx} is above the plan's {file_plan.n_ctx}: "
                                 "the KV cache takes more VRAM than planned")
-        free, total = devices.free_memory(devs[0])
-        if total and file_plan.budget_bytes > free:
-            out.warnings.append(f"the plan's budget {units.fmt_bytes(file_plan.budget_bytes)} is above the "
-                                f"device's free {units.fmt_bytes(free)}")
+        # NOTE: measured now, with this run's flags and context: a stale plan (another context size,
+        # another device, less free memory) is refused here, before anything loads
+        bill = dry_run.measure(model, geometry, file_plan, flags, out.n_ctx)
+        dry_run.check_fits(bill, devs, f"--plan {plan_path}")
+        out.plan = dataclasses.replace(file_plan, measured=bill.to_dict(), measured_device_bytes=bill.device_bytes())
     else:
         n_ctx = context_size(flags.ctx_size, geometry.context_length)
         budget = resolve_budget(vram_text, devs)
         req = plan_request(info, budget.bytes, n_ctx, miss_path=miss_path, **kv_settings(flags))
-        plan = planner.plan_for(geometry, req).plan
+        plan = planner.plan_for(geometry, req, dry_run.measurer(model, geometry, flags, n_ctx)).plan
         out = Placement(devs, plan, n_ctx, budget.source)
     if not any(l.mode in ("resident", "cached", "host") for l in out.plan.layers):
         raise PlanError("the plan places no MoE layer", hint="write it again with spark plan")
+    ram_warning = host_ram.check(out.plan, flags)
+    if ram_warning:
+        out.warnings.append(ram_warning)
     return out
 
 
