@@ -320,8 +320,12 @@ def test_policy_invariants(policy, miss_path, steps, slots, n_pin, max_admit):
 @settings(max_examples=300, deadline=None)
 @given(steps=step_lists(7, 2, max_tokens=2, max_steps=30), slots=st.integers(2, 6), max_admit=st.integers(2, 3))
 def test_belady_never_worse_than_online_policies(miss_path, steps, slots, max_admit):
-    # NOTE: in the cpu path with max_admit < k, bypass-Belady is a heuristic, not a bound
-    # (choosing which misses to admit under the bound is a scheduling problem)
+    # NOTE: in the cpu path, a step that misses more distinct experts than max_admit must choose which
+    # to admit, and bypass-Belady is then a heuristic, not a bound (a scheduling problem; hypothesis
+    # found a 9-step counterexample with max_admit = k = 2): the bound is checked on steps that can
+    # admit every miss
+    if miss_path == "cpu":
+        steps = [s for s in steps if len({e for r in s for e in r}) <= max_admit] or [[[0]]]
     t = make_trace(steps, n_expert=7)
     kw = dict(phases=BOTH, miss_path=miss_path, max_admit=max_admit, params=PARAMS)
     b = simulate(t, "belady", slots, **kw).layers[0]
