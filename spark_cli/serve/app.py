@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -17,6 +18,7 @@ from starlette.routing import Route
 
 from ..runs.chat_session import Sampling
 from . import metrics
+from .chat import ChatConfig, ChatRun, prepare
 from .guard import Guard
 from .protocol import FINISH, ApiError, ChatRequest, CompletionRequest, Envelope, parse, sse, unavailable
 from .stats import ServerStats
@@ -37,6 +39,7 @@ class ServerState:
     cors: tuple[str, ...] = ()  # browser origins allowed (--cors)
     max_body: int = MAX_BODY_BYTES
     started: int = 0
+    chat: ChatConfig = field(default_factory=ChatConfig)  # the model's tool-call format, --reasoning-format
 
 
 class _ClientGone(Exception):
@@ -99,28 +102,102 @@ def _sampling(req) -> Sampling:
     return Sampling(temp=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed, n_predict=req.limit)
 
 
-async def _generate(request: Request, chat: bool) -> Response:
-    st: ServerState = request.app.state.spark
-    try:
-        raw = await _read_body(request, st.max_body)
-    except _ClientGone:
-        return Response(status_code=499)
-    req = parse(ChatRequest if chat else CompletionRequest, raw)
+async def _queue(request: Request, job_for: Callable[[_Feed], Job]) -> tuple[_Feed, Started]:
+    """Submit a job; its Started event (or its failure, raised as ApiError)."""
     feed = _Feed(request)
-    job = Job(feed.emit, _sampling(req), messages=req.message_dicts() if chat else None,
-              text=None if chat else req.prompt, stops=req.stops, cancel=feed.cancel)
-    st.worker.submit(job)
-    env = Envelope(chat, req.model or st.model_name)
-    streaming = False
+    request.app.state.spark.worker.submit(job_for(feed))
     try:
         first = await feed.next()
-        if isinstance(first, Failed):
-            raise first.error
-        assert isinstance(first, Started)
-        if req.stream:
-            streaming = True
-            return StreamingResponse(_stream(feed, env, chat, req.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    except BaseException:
+        feed.cancel.set()
+        raise
+    if isinstance(first, Failed):
+        raise first.error
+    assert isinstance(first, Started)
+    return feed, first
+
+
+async def open_chat(request: Request, req: ChatRequest) -> tuple[ChatRun, _Feed]:
+    """Queue a chat (serve/chat.py) and wait until its prompt is rendered and fits. Set
+    `feed.cancel` when done with it (a no-op once the job ended; stops it if the client left)."""
+    st: ServerState = request.app.state.spark
+    prepared = prepare(req, st.chat)
+    sampling = dataclasses.replace(_sampling(req), grammar=prepared.grammar)
+    feed, started = await _queue(request, lambda f: Job(f.emit, sampling, chat=prepared, stops=req.stops,
+                                                       cancel=f.cancel))
+    return ChatRun(prepared, started.prompt, feed.next), feed
+
+
+async def chat_completions(request: Request) -> Response:
+    st: ServerState = request.app.state.spark
+    try:
+        req = parse(ChatRequest, await _read_body(request, st.max_body))
+        run, feed = await open_chat(request, req)
+    except _ClientGone:
+        return Response(status_code=499)
+    env = Envelope(True, req.model or st.model_name)
+    if req.stream:
+        return StreamingResponse(_chat_stream(run, feed, env, req.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        async for _ in run.deltas():
+            pass
+    except _ClientGone:
+        return Response(status_code=499)
+    finally:
+        feed.cancel.set()
+    out = run.output
+    return JSONResponse(env.message(out.content, out.reasoning_content, [c.to_openai() for c in out.tool_calls],
+                                    run.finish_reason or "stop", run.usage))
+
+
+async def _chat_stream(run: ChatRun, feed: _Feed, env: Envelope, include_usage: bool) -> AsyncIterator[bytes]:
+    try:
+        yield sse(env.chunk(text="", role=True))
+        try:
+            async for d in run.deltas():
+                yield sse(env.delta(d.content, d.reasoning_content,
+                                    d.tool_call.to_openai() if d.tool_call is not None else None))
+        except ApiError as e:
+            yield sse(e.body())
+            return
+        yield sse(env.chunk(finish=run.finish_reason))
+        if include_usage:
+            yield sse(env.usage_chunk(run.usage))
+        yield sse("[DONE]")
+    except _ClientGone:
+        return
+    finally:
+        feed.cancel.set()
+
+
+async def apply_template(request: Request) -> Response:
+    """llama-server's POST /apply-template: the prompt a chat body renders to."""
+    st: ServerState = request.app.state.spark
+    try:
+        req = parse(ChatRequest, await _read_body(request, st.max_body))
+        prepared = prepare(req, st.chat)
+        feed, started = await _queue(request, lambda f: Job(f.emit, _sampling(req), chat=prepared,
+                                                           render_only=True, cancel=f.cancel))
+    except _ClientGone:
+        return Response(status_code=499)
+    feed.cancel.set()
+    return JSONResponse({"prompt": started.prompt})
+
+
+async def completions(request: Request) -> Response:
+    st: ServerState = request.app.state.spark
+    try:
+        req = parse(CompletionRequest, await _read_body(request, st.max_body))
+        feed, _ = await _queue(request, lambda f: Job(f.emit, _sampling(req), text=req.prompt, stops=req.stops,
+                                                     cancel=f.cancel))
+    except _ClientGone:
+        return Response(status_code=499)
+    env = Envelope(False, req.model or st.model_name)
+    if req.stream:
+        return StreamingResponse(_stream(feed, env, req.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
         parts: list[str] = []
         while True:
             ev = await feed.next()
@@ -133,15 +210,11 @@ async def _generate(request: Request, chat: bool) -> Response:
     except _ClientGone:
         return Response(status_code=499)
     finally:
-        if not streaming:
-            feed.cancel.set()  # NOTE: a no-op once the job is done; stops it if this handler ends early
+        feed.cancel.set()  # NOTE: a no-op once the job is done; stops it if this handler ends early
 
 
-async def _stream(feed: _Feed, env: Envelope, chat: bool,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(feed: _Feed, env: Envelope, include_usage: bool) -> AsyncIterator[bytes]:
     try:
-        if chat:
-            yield sse(env.chunk(text="", role=True))
         while True:
             ev = await feed.next()
             if isinstance(ev, Text):
@@ -159,14 +232,6 @@ async def _stream(feed: _Feed, env: Envelope, chat: bool,
         return
     finally:
         feed.cancel.set()  # NOTE: a no-op once the job is done; stops it when the client went away
-
-
-async def chat_completions(request: Request) -> Response:
-    return await _generate(request, chat=True)
-
-
-async def completions(request: Request) -> Response:
-    return await _generate(request, chat=False)
 
 
 async def models(request: Request) -> Response:
@@ -213,6 +278,7 @@ def create_app(state: ServerState) -> Any:
         Route("/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/completions", completions, methods=["POST"]),
+        Route("/apply-template", apply_template, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error,
                                                        Exception: _on_crash})

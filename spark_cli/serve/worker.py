@@ -24,6 +24,7 @@ from .stats import ServerStats
 @dataclass
 class Started:
     prompt_tokens: int
+    prompt: str = ""  # a chat's rendered prompt text
 
 
 @dataclass
@@ -47,12 +48,14 @@ Event = Started | Text | Done | Failed
 
 @dataclass
 class Job:
-    """One request: a chat (messages) or a completion (text), and where its events go."""
+    """One request: a chat (serve/chat.PreparedChat) or a completion (text), and where its events go;
+    render_only: a chat's prompt text only (Started, then Done), nothing evaluated."""
 
     emit: Callable[[Event], None]
     sampling: Sampling
-    messages: list[dict[str, str]] | None = None
+    chat: Any = None
     text: str | None = None
+    render_only: bool = False
     stops: list[str] = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
@@ -143,9 +146,18 @@ class Worker:
     def _serve(self, job: Job) -> None:
         eng = self.engine
         sess = RequestSession(eng, job.sampling, self._kv, self.cached_layers)
+        chat = job.chat
         try:
             try:
-                n_prompt = sess.set_messages(job.messages) if job.messages is not None else sess.set_text(job.text or "")
+                if chat is not None:
+                    prompt = sess.set_chat(chat.messages, chat.tools, chat.extras)
+                else:
+                    prompt = ""
+                    sess.set_text(job.text or "")
+                if job.render_only:
+                    job.emit(Started(0, prompt))
+                    job.emit(Done("stop", Usage()))
+                    return
                 sess.check_fits("")
             except ContextError as e:
                 job.emit(Failed(ApiError(400, e.message, "exceed_context_size_error")))
@@ -153,11 +165,12 @@ class Worker:
             except SparkError as e:
                 job.emit(Failed(ApiError(400, e.one_line())))
                 return
-            job.emit(Started(n_prompt))
+            n_prompt = sess.prompt_tokens
+            job.emit(Started(n_prompt, prompt))
             self.stats.set_processing(1)
             self._session = sess
             ans = sess.run(lambda piece: job.emit(Text(piece)), lambda: job.cancel.is_set() or bool(self.fatal),
-                           stops=job.stops)
+                           stops=job.stops, special=chat is not None and chat.fmt.special)
         finally:
             self._session = None
             self.stats.set_processing(0)
