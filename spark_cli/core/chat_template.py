@@ -80,8 +80,8 @@ class ChatTemplate:
                add_generation_prompt: bool = True, extras: Mapping[str, Any] | None = None) -> str:
         """The prompt text; TemplateError names this template and what it raised."""
         msgs = [dict(m) for m in messages]
-        if tools and not self.knows_tools:
-            msgs, tools = hermes_polyfill(msgs, tools), None
+        if not self.knows_tools:
+            msgs, tools = hermes_polyfill(msgs, tools or ()), None
         ctx = {"messages": msgs, "tools": list(tools) if tools else None,
                "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token,
                "eos_token": self.eos_token, **dict(extras or {})}
@@ -146,23 +146,25 @@ def from_file(path: Path | str, flag: str = "--chat-template-file") -> TemplateS
 
 
 def hermes_polyfill(messages: list[dict], tools: Sequence[Mapping[str, Any]]) -> list[dict]:
-    """Tools for a template that has no tool syntax: a system paragraph listing them, assistant
-    calls as `<tool_call>` JSON text, tool results as user-visible `tool` messages."""
-    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    intro = ("You may call one or more functions. The function signatures are within <tools></tools>:\n"
-             f"<tools>\n{listing}\n</tools>\nFor each call, return a JSON object with the function name and "
-             'arguments within <tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, '
-             '"arguments": <args-json-object>}\n</tool_call>')
+    """Tools for a template that has no tool syntax: a system paragraph listing them (if any),
+    assistant calls as `<tool_call>` JSON text; tool results stay `tool` messages."""
     out = [dict(m) for m in messages]
-    if out and out[0].get("role") == "system":
-        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{intro}".lstrip()
-    else:
-        out.insert(0, {"role": "system", "content": intro})
     for m in out:
         calls = m.pop("tool_calls", None)
         if calls:
             text = "".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
                                                           "arguments": c["function"]["arguments"]},
                                                          ensure_ascii=False) + "\n</tool_call>" for c in calls)
-            m["content"] = ((m.get("content") or "") + text)
+            m["content"] = (m.get("content") or "") + text
+    if not tools:
+        return out
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    intro = ("You may call one or more functions. The function signatures are within <tools></tools>:\n"
+             f"<tools>\n{listing}\n</tools>\nFor each call, return a JSON object with the function name and "
+             'arguments within <tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, '
+             '"arguments": <args-json-object>}\n</tool_call>')
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{intro}".lstrip()
+    else:
+        out.insert(0, {"role": "system", "content": intro})
     return out

@@ -88,4 +88,4 @@ def tool_call_gbnf(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]]) -> str:
                         else _visit(conv, ps, f"p{i}-{j}", f"{where}.properties.{p}"))
                 per_param.append((p, rule))
         alts.append(fmt.gbnf_call(fn["name"], args, per_param))
-    return conv.format_grammar() + "root ::= " + " | ".join(f"( {a} )" for a in alts) + "\n"
+    return conv.format_grammar().rstrip("\n") + "\nroot ::= " + " | ".join(f"( {a} )" for a in alts) + "\n"
