@@ -221,11 +221,11 @@ class _RaisingTemplate(_FakeEngine):
 def test_a_template_that_raises_is_a_400():
     from starlette.testclient import TestClient
 
-    worker = Worker(lambda: _RaisingTemplate(), set(), ServerStats(), Learner(Path("none.gguf"), None, enabled=False))
+    worker = Worker(lambda: _RaisingTemplate(n_ctx=64), set(), ServerStats(), Learner(Path("none.gguf"), None, enabled=False))
     worker.start()
     assert worker.ready.wait(30)
     try:
-        with TestClient(create_app(ServerState(worker, ServerStats(), "m"))) as tc:
+        with TestClient(create_app(ServerState(worker, ServerStats(), "m")), base_url="http://127.0.0.1") as tc:
             for path in ("/v1/chat/completions", "/apply-template"):
                 r = tc.post(path, json={"messages": ASK})
                 assert r.status_code == 400, r.text
