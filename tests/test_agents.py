@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from test_chat import _FakeEngine
-from test_serve import KEY, _start, _stop
+
+from test_serve import KEY, _SlowLoadingEngine, _start, _stop
 
 from spark_cli.core.chat_template import TemplateError
 from spark_cli.native.rpc import RpcServer
@@ -213,7 +213,7 @@ def test_bad_agent_input_is_a_400(server, case, body, where):
         assert h.get("/health").status_code == 200  # and it keeps serving
 
 
-class _RaisingTemplate(_FakeEngine):
+class _RaisingTemplate(_SlowLoadingEngine):
     def chat_prompt(self, messages, add_generation_prompt=True, tools=None, extras=None):
         raise TemplateError("chat template tokenizer.chat_template: UndefinedError: 'foo' is undefined")
 
