@@ -26,6 +26,7 @@ from ..files.regular import read_regular
 DEFAULT_NAME = "tokenizer.chat_template"
 TOOL_USE_NAME = "tokenizer.chat_template.tool_use"
 MAX_TEMPLATE_BYTES = 1 << 20
+BUNDLED_DIR = Path(__file__).resolve().parent.parent / "data" / "templates"  # vendors' templates, written out
 
 
 class TemplateError(SparkError):
@@ -125,6 +126,11 @@ class BoundTemplates:
     def pick(self, with_tools: bool) -> ChatTemplate | None:
         t = self.set.pick(with_tools)
         return replace(t, bos_token=self.bos_token, eos_token=self.eos_token) if t else None
+
+
+def bundled(name: str) -> str:
+    """A template Spark carries (spark_cli/data/templates/NAME.jinja): the tiny models' and the tests'."""
+    return (BUNDLED_DIR / f"{name}.jinja").read_text(encoding="utf-8")
 
 
 def from_file(path: Path | str, flag: str = "--chat-template-file") -> TemplateSet:
