@@ -167,7 +167,7 @@ class _FakeEngine:
     def tokenize(self, text, add_special=True, parse_special=True):
         return [self._id(w) for w in text.split()]
 
-    def chat_prompt(self, messages, add_generation_prompt=True):
+    def chat_prompt(self, messages, add_generation_prompt=True, tools=None, extras=None):
         return "".join(f"<{m['role']}> {m['content']} " for m in messages) + "<assistant>"
 
     def make_sampler(self, *a):
