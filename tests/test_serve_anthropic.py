@@ -223,6 +223,10 @@ def test_any_tool_choice_calls_one_of_the_tools(server):
                                         tool_choice={"type": "any"}, extra_body=GREEDY)
     assert m.stop_reason == "tool_use" and [b.name for b in m.content if b.type == "tool_use"][0] in (
         "get_weather", "get_time")
+    odd = {"name": "f", "input_schema": {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}}
+    with pytest.raises(anthropic.BadRequestError, match="multipleOf") as e:  # the grammar cannot honour it
+        _client(server).messages.create(model="x", max_tokens=4, messages=ASK, tools=[odd], tool_choice={"type": "any"})
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
 
 
 def test_tool_result_round_trip(server):
