@@ -89,7 +89,8 @@ def test_system_blocks_tool_use_tool_result_and_thinking():
     assert c["tool_choice"] == "required" and c["parallel_tool_calls"] is False
     assert c["chat_template_kwargs"] == {"enable_thinking": True}
     text = parse(ChatRequest, json.dumps(c).encode()).message_dicts()
-    assert text[0]["content"] == "You are a tool user." and text[4] == {"role": "tool", "content": "Error: no station"}
+    assert text[0]["content"] == "You are a tool user." and text[4] == {"role": "tool", "tool_call_id": "toolu_02",
+                                                                      "content": "Error: no station"}
 
 
 def test_an_assistant_turn_of_tool_calls_only_has_no_content():

@@ -21,7 +21,7 @@ from spark_cli.core.gguf_info import load_geometry
 from spark_cli.core.profile import RoutingProfile, profile_path_for
 
 SPARK = str(Path(sys.executable).parent / "spark")
-QUESTION = "What is the capital of France?"
+QUESTION = "What is the capital of Japan?"  # NOTE: far from a greedy tie under the Jinja template
 
 
 def _model_copy(src: Path, tmp_path: Path) -> Path:
@@ -77,7 +77,7 @@ def test_terminal_session(small_model, rpc_server, tmp_path):
         child.expect("no profile yet")
         child.expect(r"\n> ")
         child.sendline(QUESTION)
-        child.expect("Paris")  # streamed before the figures line
+        child.expect("Tokyo")  # streamed before the figures line
         child.expect(r"tok/s.*cache hit [\d.]+%.*uploads.*VRAM")
         child.expect(r"\n> ")
         child.sendline("/stats")
@@ -102,7 +102,7 @@ def test_terminal_session(small_model, rpc_server, tmp_path):
     saved = json.loads((tmp_path / "chat.json").read_text())
     roles = [m["role"] for m in saved["messages"]]
     assert roles == ["user", "assistant", "user", "assistant"]
-    assert "Paris" in saved["messages"][1]["content"]
+    assert "Tokyo" in saved["messages"][1]["content"]
     assert saved["messages"][3]["stop"] == "interrupted"
     prof = RoutingProfile.load(profile_path_for(model))
     assert prof.tokens_decode > 0 and prof.sources == ["spark chat"]
@@ -125,7 +125,7 @@ def test_one_shot_cache_matches_resident_and_learns(small_model, rpc_server, tmp
              "--prompt", QUESTION, "--json")
     got = json.loads(r.stdout)
     fig = got["figures"]
-    assert "Paris" in got["answer"]
+    assert "Tokyo" in got["answer"]
     assert fig["cached_layers"] == len(g.moe_layers) and fig["misses"] > 0 and fig["uploads"] > 0
     n_gen = fig["generated_tokens"]
     assert 0 < n_gen <= 12
@@ -167,7 +167,7 @@ class _FakeEngine:
     def tokenize(self, text, add_special=True, parse_special=True):
         return [self._id(w) for w in text.split()]
 
-    def chat_prompt(self, messages, add_generation_prompt=True):
+    def chat_prompt(self, messages, add_generation_prompt=True, tools=None, extras=None):
         return "".join(f"<{m['role']}> {m['content']} " for m in messages) + "<assistant>"
 
     def make_sampler(self, *a):

@@ -13,7 +13,7 @@ from spark_cli.core.registry import load_registry
 from spark_cli.core.trace import DECODE, PREFILL
 from spark_cli.native.engine import CacheLayer, Engine, EngineOptions
 from spark_cli.runs.exactness import Reference, logits, reference
-from spark_cli.runs.tiny_models import TINY_MODELS, build_tiny_model
+from spark_cli.runs.tiny_models import TINY_MODELS, build_tiny_model, tiny_model_name
 
 N_DECODE = 10
 # NOTE: the stand-in on one thread: on a shared 2-core machine, spinning thread pools of 2 on both
@@ -87,7 +87,7 @@ def test_demo_model_tiny_builds_a_variant(monkeypatch, capsys, tmp_path) -> None
     rc, out, err = run("--tiny", "qwen35moe-split", "--out-dir", tmp_path)
     assert rc == 0, err
     path = out.strip().splitlines()[-1]
-    assert path == str(tmp_path / "tiny-qwen35moe-split-s0-v1.gguf")
+    assert path == str(tmp_path / tiny_model_name("qwen35moe-split"))
     assert load_geometry(path).arch == "qwen35moe"
     rc, _, err = run("--tiny", "qwen36moe", "--out-dir", tmp_path)
     assert rc == 2 and "unknown architecture" in err and "qwen35moe-mtp" in err

@@ -1,19 +1,24 @@
 """`spark serve`'s Anthropic Messages API driven by the official `anthropic` client, on the RPC
 stand-in: answers equal the OpenAI endpoint's (greedy), the event sequence, count_tokens, keys,
-bad requests, one queue shared with OpenAI clients, cancellation, and the counts folded on exit."""
+bad requests, one queue shared with OpenAI clients, cancellation, tool use (forced by a grammar,
+streamed, a tool_result round trip), thinking blocks, and the counts folded on exit."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from test_agents import WEATHER_SCHEMA, validate
 from test_serve import KEY, N_PREDICT, PROMPTS, _start, _stop, model, rpc  # noqa: F401 - fixtures
 
 from spark_cli.core.gguf_info import load_geometry
 from spark_cli.core.profile import RoutingProfile, profile_path_for
+from spark_cli.native.rpc import RpcServer
 
 anthropic = pytest.importorskip("anthropic")
 httpx = pytest.importorskip("httpx")
@@ -22,6 +27,12 @@ pytestmark = pytest.mark.model
 
 GREEDY = {"temperature": 0}  # NOTE: anthropic 2.x has no temperature argument; the server takes it
 COUNT_UP = "Count from 1 to 100: 1, 2, 3, 4, 5,"  # the demo model keeps counting: a long answer
+WEATHER = {"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER_SCHEMA}
+CLOCK = {"name": "get_time", "input_schema": {"type": "object", "properties": {"zone": {"type": "string"}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+FORCED = {"type": "tool", "name": "get_weather"}
+N_TOOL = 80  # tokens at most for a forced call (the grammar ends it sooner)
+TEMPLATES = Path(__file__).resolve().parents[1] / "spark_cli" / "data" / "templates"
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +87,9 @@ def test_message_stream_and_count_tokens(server):
     counted = ac.messages.count_tokens(model="claude-test", messages=_user(PROMPTS[1]), system=system)
     s = ac.messages.create(model="claude-test", max_tokens=2, messages=_user(PROMPTS[1]), system=system,
                            extra_body=GREEDY)
+    # NOTE: not against no system at all: the demo model's template then writes a longer default one
     assert counted.input_tokens == s.usage.input_tokens > ac.messages.count_tokens(
-        model="claude-test", messages=_user(PROMPTS[1])).input_tokens
+        model="claude-test", messages=_user(PROMPTS[1]), system="Answer.").input_tokens
 
 
 def test_stop_sequence_cuts_and_is_named(server):
@@ -176,6 +188,91 @@ def test_disconnect_cancels_then_next_is_served(server):
     assert m.usage.output_tokens == 3 and m.stop_reason == "max_tokens"
     cancelled = server.metrics()["llamacpp:tokens_predicted_total"] - before - 3
     assert 2 <= cancelled < 75, cancelled  # stopped soon after the client left, far from 150
+
+
+def _tool_use(m) -> "anthropic.types.ToolUseBlock":
+    assert m.stop_reason == "tool_use", m
+    calls = [b for b in m.content if b.type == "tool_use"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].id.startswith("toolu_"), m.content
+    assert validate(calls[0].input, WEATHER_SCHEMA) == [], calls[0].input
+    return calls[0]
+
+
+def test_forced_tool_use_streamed_and_not(server):
+    ac = _client(server)
+    kw = dict(model="x", max_tokens=N_TOOL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=FORCED,
+              extra_body=GREEDY)
+    call = _tool_use(ac.messages.create(**kw))
+    events = list(ac.messages.create(**kw, stream=True))
+    starts = [e for e in events if e.type == "content_block_start" and e.content_block.type == "tool_use"]
+    assert len(starts) == 1 and starts[0].content_block.name == "get_weather"
+    joined = "".join(e.delta.partial_json for e in events
+                     if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+    assert json.loads(joined) == call.input
+    assert [e.delta.stop_reason for e in events if e.type == "message_delta"] == ["tool_use"]
+    with ac.messages.stream(**kw) as s:
+        assert _tool_use(s.get_final_message()).input == call.input
+    # the counted prompt is the generated one: tools rendered into both
+    counted = ac.messages.count_tokens(model="x", messages=ASK, tools=[WEATHER, CLOCK], tool_choice=FORCED)
+    assert counted.input_tokens == ac.messages.create(**kw).usage.input_tokens
+    assert counted.input_tokens > ac.messages.count_tokens(model="x", messages=ASK).input_tokens
+
+
+def test_any_tool_choice_calls_one_of_the_tools(server):
+    m = _client(server).messages.create(model="x", max_tokens=N_TOOL, messages=ASK, tools=[WEATHER, CLOCK],
+                                        tool_choice={"type": "any"}, extra_body=GREEDY)
+    assert m.stop_reason == "tool_use" and [b.name for b in m.content if b.type == "tool_use"][0] in (
+        "get_weather", "get_time")
+    odd = {"name": "f", "input_schema": {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}}
+    with pytest.raises(anthropic.BadRequestError, match="multipleOf") as e:  # the grammar cannot honour it
+        _client(server).messages.create(model="x", max_tokens=4, messages=ASK, tools=[odd], tool_choice={"type": "any"})
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_tool_result_round_trip(server):
+    ac = _client(server)
+    t0 = time.perf_counter()
+    first = ac.messages.create(model="x", max_tokens=N_TOOL, messages=ASK, tools=[WEATHER], tool_choice=FORCED,
+                               extra_body=GREEDY)
+    call = _tool_use(first)
+    t1 = time.perf_counter()
+    history = ASK + [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                   "content": "18 degrees and sunny"}]}]
+    second = ac.messages.create(model="x", max_tokens=8, messages=history, tools=[WEATHER],
+                                tool_choice={"type": "none"}, extra_body=GREEDY)
+    t2 = time.perf_counter()
+    assert second.stop_reason in ("end_turn", "max_tokens") and second.content[0].type == "text"
+    assert second.content[0].text and not [b for b in second.content if b.type == "tool_use"]
+    counted = ac.messages.count_tokens(model="x", messages=history, tools=[WEATHER], tool_choice={"type": "none"})
+    assert counted.input_tokens == second.usage.input_tokens  # tool_choice none: rendered without the tools
+    print(f"\nforced tool use: {first.usage.output_tokens} tokens in {t1 - t0:.1f} s; the answer to its "
+          f"tool_result: {second.usage.output_tokens} tokens in {t2 - t1:.1f} s; round trip {t2 - t0:.1f} s")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(model, tmp_path_factory):  # noqa: F811 - test_serve's fixture
+    """The demo model with a thinking template (Qwen3.6's: the answer starts inside <think>)."""
+    srv_rpc = RpcServer(threads=1).start()
+    srv = _start(model, srv_rpc, tmp_path_factory.mktemp("thinking"), "--api-key", KEY, "--learn-every", "0",
+                 "--no-learn", "--chat-template-file", str(TEMPLATES / "qwen3.6.jinja"))
+    yield srv
+    _stop(srv)
+    srv_rpc.stop()
+
+
+def test_thinking_blocks(thinking_server):
+    ac = _client(thinking_server)
+    kw = dict(model="x", max_tokens=N_PREDICT, messages=_user(PROMPTS[0]), extra_body=GREEDY)
+    m = ac.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert m.content[0].type == "thinking" and m.content[0].thinking, m.content
+    events = list(ac.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 1024}, stream=True))
+    assert [e.content_block.type for e in events if e.type == "content_block_start"][0] == "thinking"
+    streamed = "".join(e.delta.thinking for e in events
+                       if e.type == "content_block_delta" and e.delta.type == "thinking_delta")
+    assert streamed == m.content[0].thinking
+    off = ac.messages.create(**kw, thinking={"type": "disabled"})  # the template closes <think> itself
+    assert [b.type for b in off.content] == ["text"], off.content
 
 
 def test_sigterm_folds_the_counts_of_anthropic_requests(server):

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..core.options import LoadFlags
-from .common import console, err_console, model_flags, model_or_demo
+from .common import JINJA_HELP, TEMPLATE_FILE_HELP, chat_templates, console, err_console, model_flags, model_or_demo
 
 HELP = ("/stats  per-layer cache table    /reset  forget the conversation    /system TEXT  set the system prompt\n"
         "/save FILE  conversation as JSON    /exit  leave (or Ctrl-D)    Ctrl-C stops an answer")
@@ -282,6 +282,8 @@ def register(app: typer.Typer) -> None:
         miss_path_choice: str = typer.Option(None, "--miss-path", help="where a cached layer computes an expert "
                                              "that is not on the device: auto (measured per layer, cached), cpu, "
                                              "or upload (default: the plan's, else auto)"),
+        template_file: Path = typer.Option(None, "--chat-template-file", help=TEMPLATE_FILE_HELP),
+        jinja: bool = typer.Option(True, "--jinja/--no-jinja", help=JINJA_HELP),
         flags: LoadFlags = None,
     ) -> None:
         """Chat with a model on the planned placement; --prompt answers once (for scripts)."""
@@ -290,6 +292,7 @@ def register(app: typer.Typer) -> None:
         from ..runs.run import engine_run
 
         _check_flags(as_json, prompt, n_predict, miss_path_choice)
+        templates = chat_templates(template_file, jinja)
         one_shot = prompt is not None
         say = err_console if one_shot else console
         prompt, system = _texts(prompt, system)
@@ -304,6 +307,7 @@ def register(app: typer.Typer) -> None:
             say.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
         devices, plan = where.devices, where.plan
         opts = session.engine_options(path, geometry, plan, flags, n_ctx=where.n_ctx, learn=learn)
+        opts.chat_templates = templates
         meter = _VramMeter(devices[0] if devices else None, plan)
         sampling = Sampling(temp, top_k, top_p, seed if seed >= 0 else secrets.randbelow(1 << 31), n_predict,
                             min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n)

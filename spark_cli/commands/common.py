@@ -119,3 +119,16 @@ def run_inputs(model: Path | None, *, profile: Path | None = None, plan: Path | 
     return [("model", model), ("profile", profile if profile is not None else
                                 (profile_path_for(model) if model is not None else None)),
             ("plan", plan), ("trace", trace), ("corpus", corpus)]
+
+
+TEMPLATE_FILE_HELP = "Jinja chat template file to use instead of the GGUF's (llama-server's flag)"
+JINJA_HELP = "render the GGUF's Jinja chat template (the default when it has one); --no-jinja: llama.cpp's built-in"
+
+
+def chat_templates(template_file: Path | None, jinja: bool):
+    """--chat-template-file / --jinja as the engine's TemplateSet (None: the GGUF's own)."""
+    from ..core.chat_template import TemplateSet, from_file
+
+    if template_file is not None:
+        return from_file(template_file)
+    return None if jinja else TemplateSet({})

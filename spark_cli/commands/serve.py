@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from ..core.options import LoadFlags
-from .common import err_console, model_flags, model_or_demo
+from .common import JINJA_HELP, TEMPLATE_FILE_HELP, chat_templates, err_console, model_flags, model_or_demo
 
 def _engine_options(path: Path, geometry, plan, flags, n_ctx: int, learn: bool, miss_path: str):
     from ..runs import session
@@ -51,6 +51,10 @@ def register(app: typer.Typer) -> None:
                                                "(0: only at exit)"),
         learn: bool = typer.Option(True, "--learn/--no-learn", help="fold the served routing into the model's "
                                    "profile while serving and on exit"),
+        template_file: Path = typer.Option(None, "--chat-template-file", help=TEMPLATE_FILE_HELP),
+        jinja: bool = typer.Option(True, "--jinja/--no-jinja", help=JINJA_HELP),
+        reasoning_format: str = typer.Option("auto", "--reasoning-format", help="auto or deepseek: <think> text "
+                                             "(and gpt-oss analysis) goes to reasoning_content; none: left inline"),
         flags: LoadFlags = None,
     ) -> None:
         """Serve the model over HTTP with OpenAI's API, as llama-server does."""
@@ -58,7 +62,10 @@ def register(app: typer.Typer) -> None:
         from ..errors import SparkError
         from ..runs.miss_path import check_choice
         from ..runs.run import open_engine
+        from ..core.chat_output import REASONING_FORMATS
+        from ..core.chat_template import TemplateSet
         from ..serve.app import ServerState
+        from ..serve.chat import ChatConfig
         from ..serve.learn import Learner
         from ..serve.server import bind, serve
         from ..serve.stats import ServerStats
@@ -75,6 +82,9 @@ def register(app: typer.Typer) -> None:
                              hint="give a key, or drop --api-key and unset SPARK_API_KEY to serve without one")
         if miss_path is not None:
             check_choice(miss_path)
+        if reasoning_format not in REASONING_FORMATS:
+            raise UsageError(f"--reasoning-format {reasoning_format}: expected one of {', '.join(REASONING_FORMATS)}")
+        templates = chat_templates(template_file, jinja)
         hosts = tuple(h.strip() for h in (allowed_hosts or "").split(",") if h.strip())
         origins = tuple(o.strip() for o in (cors or "").split(",") if o.strip())
         if not api_key and not is_loopback(host):
@@ -93,6 +103,7 @@ def register(app: typer.Typer) -> None:
         budget_source, cpu_reason = where.budget_source, where.cpu_reason
         miss_path = miss_path or (plan.miss_path if plan is not None else "auto")
         opts = _engine_options(path, geometry, plan, flags, n_ctx, learn, miss_path)
+        opts.chat_templates = templates
         cached = {c.il for c in opts.cache_layers}
         sock = bind(host, port)
         bound_host, bound_port = sock.getsockname()[:2]
@@ -101,8 +112,10 @@ def register(app: typer.Typer) -> None:
         worker = Worker(lambda: open_engine(opts, miss_path, geometry.fingerprint,
                                             on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True)),
                         cached, stats, learner, max_queue=max_queue)
+        chat = ChatConfig.for_model(templates if templates is not None else TemplateSet(dict(geometry.chat_templates)),
+                                    geometry.arch, reasoning_format)
         state = ServerState(worker, stats, path.name, api_key=api_key or None, host=host, allowed_hosts=hosts,
-                            cors=origins)
+                            cors=origins, chat=chat)
         where = f"{devices[0].name}" if devices else f"CPU ({cpu_reason})"
         placement = (f"{len(cached)} cached MoE layers, plan {budget_source}" if plan is not None
                      else "stock CPU path")

@@ -27,6 +27,7 @@ from ..core.capture import TopkRecord
 from ..core.trace import DECODE, PREFILL
 from .generate import GenerationStep, NativeSampler, stream_generate
 from .expert_cache import MISS_PATHS, CacheLayer, CacheStats, ExpertCache, Phase
+from ..core.chat_template import BoundTemplates, ChatTemplate, TemplateSet
 from ..core.gguf_info import ModelGeometry, load_geometry
 from ..core.placement import CPU, HOST, TensorOverride, cached_expert_overrides, stock_overrides
 
@@ -78,6 +79,7 @@ class EngineOptions:
     use_mlock: bool = False
     repack: bool = True                # allow CPU weight repacking where no cache needs plain layout
     dry_run: bool = False              # llama.cpp's no_alloc: metadata only, nothing allocated or read (memory_breakdown)
+    chat_templates: TemplateSet | None = None  # None: the GGUF's own; empty: llama.cpp's built-in matcher
 
     @property
     def threads(self) -> int:
@@ -168,6 +170,7 @@ class Engine:
             if f.read(4) != b"GGUF":
                 raise ModelFileError(f"{path}: not a GGUF file")
         self._geometry: ModelGeometry | None = None
+        self._templates: BoundTemplates | None = None
         # checked before anything is loaded
         type_k = vram.kv_type(opts.type_k, "--cache-type-k").ggml_id
         type_v = vram.kv_type(opts.type_v, "--cache-type-v").ggml_id
@@ -332,10 +335,40 @@ class Engine:
     def is_eog(self, token: int) -> bool:
         return bool(self.lib.lc.llama_vocab_is_eog(self.vocab, token))
 
-    def chat_prompt(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """Format messages with the GGUF's chat template (llama.cpp's built-in templates)."""
+    @property
+    def templates(self) -> BoundTemplates:
+        """The chat templates this engine renders with: --chat-template-file's, else the GGUF's."""
+        if self._templates is None:
+            tset = self.opts.chat_templates
+            if tset is None:
+                tset = TemplateSet(dict(self.geometry.chat_templates))
+            self._templates = tset.with_tokens(self._special_text(self.bos_token), self._special_text(self.eos_token))
+        return self._templates
+
+    def _special_text(self, token: int) -> str:
+        return self.piece(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""
+
+    @property
+    def eos_token(self) -> int:
+        return int(self.lib.lc.llama_vocab_eos(self.vocab))
+
+    def chat_template(self, with_tools: bool = False) -> ChatTemplate | None:
+        """The Jinja template a prompt (with tools or without) is rendered with; None: the built-in matcher."""
+        return self.templates.pick(with_tools)
+
+    def chat_prompt(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None, extras: dict | None = None) -> str:
+        """Format messages: the model's Jinja template (core/chat_template.py), else llama.cpp's
+        built-in templates (a GGUF without a template, or --no-jinja)."""
+        tmpl = self.chat_template(bool(tools))
+        if tmpl is not None:
+            return tmpl.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, extras=extras)
+        return self._builtin_prompt(messages, add_generation_prompt)
+
+    def _builtin_prompt(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
         lc = self.lib.lc
         tmpl = lc.llama_model_chat_template(self.model, None)
+        messages = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
         if not tmpl:
             # NOTE: a model without a template gets a plain transcript
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
@@ -428,11 +461,18 @@ class Engine:
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
     def make_sampler(self, temp: float = 0.0, top_k: int = 40, top_p: float = 0.95, seed: int = 0,
-                     min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64):
-        """llama-cli's chain: penalties, top-k, top-p, min-p, temperature, dist (temp <= 0: greedy
-        after the penalties). Close it when done (or let it go)."""
+                     min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+                     grammar: str | None = None):
+        """llama-cli's chain: a GBNF grammar (native/grammar.py), penalties, top-k, top-p, min-p,
+        temperature, dist (temp <= 0: greedy after the penalties). Close it when done (or let it go)."""
         lc = self.lib.lc
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if grammar:
+            g = lc.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
+            if not g:
+                lc.llama_sampler_free(chain)
+                raise SparkError(f"llama.cpp refused the grammar ({_logs.last_error() or 'see SPARK_VERBOSE=1'})")
+            lc.llama_sampler_chain_add(chain, g)
         if repeat_penalty != 1.0 and repeat_last_n != 0:
             last_n = self.n_ctx if repeat_last_n < 0 else repeat_last_n
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(last_n, repeat_penalty, 0.0, 0.0))

@@ -168,12 +168,14 @@ def _cache_total(engine, layers: set[int] | None) -> CacheStats:
 def stream_generate(engine, prompt: Sequence[int], *, sampler: Sampler | None = None, max_tokens: int = -1,
                     stop: StopRules = StopRules(), should_stop: Callable[[], bool] | None = None,
                     prompt_logits: str = "last", on_prompt: Callable[[np.ndarray | None], None] | None = None,
-                    keep_logits: bool = False, cache_layers: set[int] | None = None) -> Iterator[GenerationStep]:
+                    keep_logits: bool = False, cache_layers: set[int] | None = None,
+                    special: bool = False) -> Iterator[GenerationStep]:
     """Evaluate `prompt` (n_batch chunks; empty: continue from the context's last output), then
     sample, evaluate and yield tokens until a stop rule, `max_tokens` (-1: none), a full context or
     `should_stop()` ends it. `prompt_logits` 'all' hands every prompt row to `on_prompt` (called once
     the prompt is evaluated, before any decode step); greedy when `sampler` is None. The last step
-    carries the cache figures of `cache_layers` (None: every layer) for the prompt and the decode."""
+    carries the cache figures of `cache_layers` (None: every layer) for the prompt and the decode.
+    `special`: control tokens are text too (tool-call formats whose markers are control tokens)."""
     sampler = sampler or Greedy()
     filt = StopFilter(stop.strings)
     dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -206,7 +208,7 @@ def stream_generate(engine, prompt: Sequence[int], *, sampler: Sampler | None = 
             else:
                 last = engine.eval([tok], logits="last")
                 n += 1
-                text = filt.feed(dec.decode(engine.piece(tok)))
+                text = filt.feed(dec.decode(engine.piece(tok, special=True) if special else engine.piece(tok)))
                 if filt.hit:
                     finish = "stop"
                 yield GenerationStep(tok, text, n_prompt, prompt_seconds, n, time.perf_counter() - t1,

@@ -33,6 +33,7 @@ class Sampling:
     min_p: float = 0.05
     repeat_penalty: float = 1.0  # 1.0: off
     repeat_last_n: int = 64
+    grammar: str | None = None  # GBNF that every answer must match (native/grammar.py)
 
 
 CACHE_KEYS = ("hits", "misses", "uploads", "bytes_uploaded", "syncs", "blocking_upload_bytes",
@@ -124,8 +125,9 @@ class ChatSession:
         self.learned = _Learned()
         self._generating: list[int] | None = None  # tokens of the answer being decoded, for harvest_now
         self._kv: list[int] = []  # tokens whose KV entries are in the context, in order
+        extra = {"grammar": sampling.grammar} if sampling.grammar else {}
         self._sampler = engine.make_sampler(sampling.temp, sampling.top_k, sampling.top_p, sampling.seed,
-                                            sampling.min_p, sampling.repeat_penalty, sampling.repeat_last_n)
+                                            sampling.min_p, sampling.repeat_penalty, sampling.repeat_last_n, **extra)
 
     # -- conversation state ----------------------------------------------------------------
 
@@ -152,8 +154,11 @@ class ChatSession:
         self._kv = []
 
     def _tokens(self, messages: list[dict]) -> list[int]:
+        return self._prompt_tokens(self.engine.chat_prompt(messages))
+
+    def _prompt_tokens(self, text: str) -> list[int]:
         eng = self.engine
-        toks = eng.tokenize(eng.chat_prompt(messages), add_special=True, parse_special=True)
+        toks = eng.tokenize(text, add_special=True, parse_special=True)
         # NOTE: templates that write their own BOS would otherwise get two
         if len(toks) > 1 and toks[0] == toks[1] and toks[0] == eng.bos_token:
             toks = toks[1:]
@@ -182,7 +187,8 @@ class ChatSession:
 
     def answer(self, user: str, on_text: Callable[[str], None] | None = None,
                should_stop: Callable[[], bool] | None = None,
-               on_notice: Callable[[str], None] | None = None, stops: Sequence[str] = ()) -> Answer:
+               on_notice: Callable[[str], None] | None = None, stops: Sequence[str] = (),
+               special: bool = False) -> Answer:
         """Generate the reply to `user`; stream pieces to on_text (text that may begin one of
         `stops` is held back; a stop string ends the answer, cut). Raises SparkError before
         anything is evaluated when the prompt cannot fit; later failures come back in
@@ -215,7 +221,8 @@ class ChatSession:
             fig.prompt_tokens = len(toks) - keep
             for step in stream_generate(eng, toks[keep:], sampler=self._sampler, max_tokens=self.sampling.n_predict,
                                         stop=StopRules(strings=tuple(stops)), should_stop=should_stop,
-                                        on_prompt=prompt_done, cache_layers=self.cached_layers):
+                                        on_prompt=prompt_done, cache_layers=self.cached_layers,
+                                        special=special):
                 fig.prompt_seconds, fig.gen_seconds = step.prompt_seconds, step.gen_seconds
                 if step.token is not None:
                     generated.append(step.token)

@@ -19,11 +19,12 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType
 from gguf.quants import quantize
 
+from ..core.chat_template import bundled
 from ..files.paths import models_dir
 from .demo_model import _array_tensor, _cached_build, _read_kvs, _source_reader, _Tensor, _write_gguf, fetch_smollm2
 
 # Bump when the bytes a build of an existing name writes change, so stale cached files are not reused.
-TINY_FORMAT_VERSION = 1
+TINY_FORMAT_VERSION = 2  # 2: the families' own chat templates
 
 
 def tiny_model_name(name: str, seed: int = 0) -> str:
@@ -111,6 +112,9 @@ def _tokenizer_kvs(src: Path) -> tuple[list[tuple[str, Any, GGUFValueType, Any]]
 
 def _build_tiny(name: str, seed: int, path: Path) -> None:
     tok_kvs, n_vocab = _tokenizer_kvs(fetch_smollm2())
+    if name in TINY_TEMPLATES:  # the family's own template instead of SmolLM2's
+        tok_kvs = [kv for kv in tok_kvs if kv[0] != "tokenizer.chat_template"]
+        tok_kvs.append(("tokenizer.chat_template", bundled(TINY_TEMPLATES[name]), GGUFValueType.STRING, None))
     arch, layout = TINY_MODELS[name], _TINY_LAYOUTS[name]
     m = _Tiny(arch, seed, name)
     m.kvs.append(("general.name", f"spark tiny {name}", GGUFValueType.STRING, None))
@@ -463,5 +467,9 @@ _TINY: dict[str, tuple[str, Callable[..., int | None]]] = {
     "granitemoe": ("granitemoe", _granitemoe),
 }
 TINY_MODELS: dict[str, str] = {name: arch for name, (arch, _) in _TINY.items()}
+# name -> spark_cli/data/templates/NAME.jinja (the rest keep SmolLM2's ChatML)
+TINY_TEMPLATES: dict[str, str] = {"qwen3moe": "qwen3", "qwen35moe": "qwen3.6", "qwen35moe-split": "qwen3.6",
+                                  "qwen35moe-mtp": "qwen3.6", "qwen3next": "qwen3.6", "deepseek2": "deepseek",
+                                  "glm4moe": "glm45", "gpt-oss": "gpt-oss", "llama": "mistral"}
 TINY_ARCHES: tuple[str, ...] = tuple(TINY_MODELS)  # every name `--tiny` takes
 _TINY_LAYOUTS = {name: build for name, (_, build) in _TINY.items()}

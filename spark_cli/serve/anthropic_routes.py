@@ -22,7 +22,7 @@ async def _open(request: Request, model: type[CountRequest]) -> tuple[CountReque
     st = request.app.state.spark
     req = parse(model, await read_body(request, st.max_body))
     chat = parse(ChatRequest, json.dumps(to_chat(req)).encode())
-    return req, await open_run(request, chat, st.worker, st.model_name, count_only=model is CountRequest)
+    return req, await open_run(request, chat, st.worker, st.model_name, st.chat, count_only=model is CountRequest)
 
 
 async def messages(request: Request) -> Response:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from . import anthropic, metrics
 from .anthropic_routes import ROUTES as ANTHROPIC_ROUTES
-from .chat import ClientGone, Run, open_run, read_body
+from .chat import ChatConfig, ClientGone, Run, open_run, read_body
 from .guard import Guard
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse, sse, unavailable
 from .stats import ServerStats
@@ -34,6 +34,7 @@ class ServerState:
     cors: tuple[str, ...] = ()  # browser origins allowed (--cors)
     max_body: int = MAX_BODY_BYTES
     started: int = 0
+    chat: ChatConfig = field(default_factory=ChatConfig)  # the model's tool-call format, --reasoning-format
 
 
 def _error(e: ApiError, path: str = "") -> JSONResponse:
@@ -48,7 +49,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     try:
         raw = await read_body(request, st.max_body)
         req = parse(ChatRequest if chat else CompletionRequest, raw)
-        run = await open_run(request, req, st.worker, st.model_name)
+        run = await open_run(request, req, st.worker, st.model_name, st.chat)
     except ClientGone:
         return Response(status_code=499)
     if req.stream:
@@ -81,6 +82,18 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     return await _generate(request, chat=False)
+
+
+async def apply_template(request: Request) -> Response:
+    """llama-server's POST /apply-template: the prompt a chat body renders to."""
+    st: ServerState = request.app.state.spark
+    try:
+        req = parse(ChatRequest, await read_body(request, st.max_body))
+        run = await open_run(request, req, st.worker, st.model_name, st.chat, count_only=True)
+    except ClientGone:
+        return Response(status_code=499)
+    run.close()
+    return JSONResponse({"prompt": run.prompt})
 
 
 async def models(request: Request) -> Response:
@@ -127,6 +140,7 @@ def create_app(state: ServerState) -> Any:
         Route("/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/completions", completions, methods=["POST"]),
+        Route("/apply-template", apply_template, methods=["POST"]),
         *ANTHROPIC_ROUTES,
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error,

@@ -1,13 +1,28 @@
 """One request through the engine's queue, as OpenAI-shaped bodies: the boundary every API calls.
 
-`open_run(request, req, worker, model)` submits a validated `ChatRequest` (or
-`CompletionRequest`) to the worker and waits until it starts (ApiError when it cannot:
-queue full, over the context); then either `await run.result()` is the OpenAI body
-(`chat.completion` / `text_completion`) or `run.chunks()` yields the OpenAI chunks (the
-role chunk, content chunks, the finish chunk, and the usage chunk when asked). Both raise
-ApiError when the engine fails meanwhile and `ClientGone` when the client left (the job is
-cancelled). The OpenAI routes (app.py) and the Anthropic adapter (anthropic_routes.py) are
-two renderings of these; there is no other way to the engine.
+In: a validated `protocol.ChatRequest` (OpenAI-shaped: messages with assistant `tool_calls`
+and `role: "tool"`, `tools`, `tool_choice`, `response_format`, `reasoning_format`,
+`chat_template_kwargs`) or a `CompletionRequest`.
+
+1. `prepare(req, config) -> PreparedChat` checks what the template cannot (a schema the grammar
+   converter cannot honour: ApiError 400) and decides the template inputs (tool_choice none:
+   rendered without tools, never parsed), the GBNF grammar (`required` or a named function:
+   one call in the model's format; `response_format`: JSON valid against the schema) and the
+   output parser (core/chat_output.py: the model's tool-call format, `--reasoning-format`).
+2. `open_run(request, req, worker, model, config)` prepares a chat, submits it to the worker
+   (which renders the prompt with the model's template, tools included, and counts it) and
+   waits until it starts (ApiError when it cannot: queue full, over the context, a template
+   that raises). `count_only`: render and count the prompt, generate nothing (`run.prompt` is
+   the text: /apply-template; `run.prompt_tokens`: Anthropic's count_tokens).
+3. Either `await run.result()` is the OpenAI body (`chat.completion`: message.content,
+   .reasoning_content, .tool_calls, finish_reason `tool_calls` when it called; or
+   `text_completion`) or `run.chunks()` yields the OpenAI chunks (the role chunk, deltas of
+   content / reasoning_content / tool_calls (a call whole, with its index, once complete), the
+   finish chunk, and the usage chunk when asked). Both raise ApiError when the engine fails
+   meanwhile and `ClientGone` when the client left (the job is cancelled).
+
+The OpenAI routes (app.py) and the Anthropic adapter (anthropic_routes.py) are two renderings
+of these; there is no other way to the engine.
 """
 
 from __future__ import annotations
@@ -16,11 +31,15 @@ import asyncio
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from starlette.requests import ClientDisconnect, Request
 
+from ..core.chat_output import THINK_OPEN, ChatDelta, OutputParser
+from ..core.chat_template import TemplateSet
+from ..core.tool_calls import HERMES, ToolFormat, format_for, param_types
+from ..native.grammar import GrammarError, json_schema_gbnf, tool_call_gbnf
 from ..runs.chat_session import Sampling
 from .protocol import FINISH, ApiError, ChatRequest, CompletionRequest, Envelope, Usage
 from .worker import Done, Event, Failed, Job, Started, Text, Worker
@@ -46,6 +65,58 @@ async def read_body(request: Request, limit: int) -> bytes:
     except ClientDisconnect:  # gone, or closed by the read deadline: nobody to answer
         raise ClientGone from None
     return bytes(body)
+
+
+# ---------------------------------------------------------------- preparation
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    """What a server knows before any request: the model's tool-call format, --reasoning-format."""
+
+    fmt: ToolFormat = HERMES
+    reasoning: str = "auto"
+
+    @classmethod
+    def for_model(cls, templates: TemplateSet, arch: str, reasoning: str = "auto") -> "ChatConfig":
+        tmpl = templates.pick(with_tools=True)
+        return cls(format_for(tmpl.source if tmpl else "", arch), reasoning)
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    messages: list[dict[str, Any]]  # as templates read them
+    tools: list[dict[str, Any]] | None  # what the template renders (None: no tools, or tool_choice none)
+    extras: dict[str, Any]  # chat_template_kwargs (enable_thinking, reasoning_effort, ...)
+    grammar: str | None
+    fmt: ToolFormat
+    parse_tools: bool
+    reasoning: str
+    types: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def parser(self, prompt: str) -> OutputParser:
+        """A prompt that ends by opening <think> (Qwen3 thinking) starts the answer inside reasoning."""
+        return OutputParser(self.fmt, self.parse_tools, self.reasoning, prompt.rstrip().endswith(THINK_OPEN),
+                            self.types)
+
+
+def prepare(req: ChatRequest, config: ChatConfig) -> PreparedChat:
+    choice, tools = req.choice, req.tool_dicts()
+    grammar = None
+    try:
+        if tools and choice not in ("auto", "none"):
+            forced = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
+            grammar = tool_call_gbnf(config.fmt, forced)
+        elif req.response_format is not None and req.response_format.schema() is not None:
+            grammar = json_schema_gbnf(req.response_format.schema())
+    except GrammarError as e:
+        raise ApiError(400, e.message, param=e.message.split(":", 1)[0]) from None
+    on = bool(tools) and choice != "none"
+    return PreparedChat(req.message_dicts(), tools if on else None, dict(req.chat_template_kwargs or {}), grammar,
+                        config.fmt, on, req.reasoning_format or config.reasoning, param_types(tools) if on else {})
+
+
+# ---------------------------------------------------------------- the run
 
 
 class Feed:
@@ -79,20 +150,30 @@ class Feed:
                 pass
 
 
-def _sampling(req: ChatRequest | CompletionRequest) -> Sampling:
+def _sampling(req: ChatRequest | CompletionRequest, grammar: str | None = None) -> Sampling:
     seed = req.seed if req.seed is not None and req.seed >= 0 else secrets.randbelow(1 << 31)
-    return Sampling(temp=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed, n_predict=req.limit)
+    return Sampling(temp=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed, n_predict=req.limit,
+                    grammar=grammar)
+
+
+def _delta_chunk(env: Envelope, d: ChatDelta) -> dict[str, Any]:
+    return env.delta(d.content, d.reasoning_content, d.tool_call.to_openai() if d.tool_call is not None else None)
 
 
 @dataclass
 class Run:
-    """A started request; `usage` and `stop_word` (the stop sequence that ended it) once done."""
+    """A started request. `prompt` is a chat's rendered prompt text; `parser` splits a chat's
+    output into content, reasoning and tool calls (None: a completion). Once done: `usage`,
+    `stop_word` (the stop sequence that ended it) and `finish_reason` (OpenAI's)."""
 
     feed: Feed
     env: Envelope
     prompt_tokens: int
+    prompt: str = ""
+    parser: OutputParser | None = None
     usage: Usage | None = None
     stop_word: str | None = None
+    finish_reason: str | None = None
 
     async def _events(self) -> AsyncIterator[Text | Done]:
         while True:
@@ -100,29 +181,53 @@ class Run:
             if isinstance(ev, Failed):
                 raise ev.error
             if isinstance(ev, Done):
-                self.usage, self.stop_word = ev.usage, ev.stop_word
+                self.usage, self.stop_word, self.finish_reason = ev.usage, ev.stop_word, FINISH[ev.finish]
             if isinstance(ev, (Text, Done)):
                 yield ev
             if isinstance(ev, Done):
                 return
 
-    async def result(self) -> dict[str, Any]:
-        parts: list[str] = []
+    async def _deltas(self) -> AsyncIterator[ChatDelta | Done]:
+        """A chat's parsed deltas, then its Done (finish_reason `tool_calls` when it called)."""
+        assert self.parser is not None
         async for ev in self._events():
             if isinstance(ev, Text):
-                parts.append(ev.text)
+                for d in self.parser.feed(ev.text):
+                    yield d
             else:
-                return self.env.full("".join(parts), FINISH[ev.finish], ev.usage)
+                for d in self.parser.finish():
+                    yield d
+                if self.parser.result().tool_calls:
+                    self.finish_reason = "tool_calls"
+                yield ev
+
+    async def result(self) -> dict[str, Any]:
+        if self.parser is None:
+            parts: list[str] = []
+            async for ev in self._events():
+                if isinstance(ev, Text):
+                    parts.append(ev.text)
+                else:
+                    return self.env.full("".join(parts), self.finish_reason or "stop", ev.usage)
+            raise AssertionError("the job ended without Done")
+        async for ev in self._deltas():
+            if isinstance(ev, Done):
+                out = self.parser.result()
+                return self.env.message(out.content, out.reasoning_content, [c.to_openai() for c in out.tool_calls],
+                                        self.finish_reason or "stop", ev.usage)
         raise AssertionError("the job ended without Done")
 
     async def chunks(self, include_usage: bool = False) -> AsyncIterator[dict[str, Any]]:
-        if self.env.chat:
+        events = self._events() if self.parser is None else self._deltas()
+        if self.parser is not None:
             yield self.env.chunk(text="", role=True)
-        async for ev in self._events():
+        async for ev in events:
             if isinstance(ev, Text):
                 yield self.env.chunk(text=ev.text)
+            elif isinstance(ev, ChatDelta):
+                yield _delta_chunk(self.env, ev)
             else:
-                yield self.env.chunk(finish=FINISH[ev.finish])
+                yield self.env.chunk(finish=self.finish_reason)
                 if include_usage:
                     yield self.env.usage_chunk(ev.usage)
 
@@ -132,12 +237,12 @@ class Run:
 
 
 async def open_run(request: Request, req: ChatRequest | CompletionRequest, worker: Worker, model: str,
-                   count_only: bool = False) -> Run:
+                   config: ChatConfig = ChatConfig(), count_only: bool = False) -> Run:
     """Queue `req` and wait for it to start; `count_only`: render and count the prompt, generate nothing."""
-    chat = isinstance(req, ChatRequest)
+    prepared = prepare(req, config) if isinstance(req, ChatRequest) else None
     feed = Feed(request)
-    job = Job(feed.emit, _sampling(req), messages=req.message_dicts() if chat else None,
-              text=None if chat else req.prompt, stops=req.stops, cancel=feed.cancel, count_only=count_only)
+    job = Job(feed.emit, _sampling(req, prepared.grammar if prepared else None), chat=prepared,
+              text=None if prepared else req.prompt, stops=req.stops, cancel=feed.cancel, count_only=count_only)
     worker.submit(job)
     try:
         first = await feed.next()
@@ -147,4 +252,5 @@ async def open_run(request: Request, req: ChatRequest | CompletionRequest, worke
     if isinstance(first, Failed):
         raise first.error
     assert isinstance(first, Started)
-    return Run(feed, Envelope(chat, req.model or model), first.prompt_tokens)
+    return Run(feed, Envelope(prepared is not None, req.model or model), first.prompt_tokens, first.prompt,
+               prepared.parser(first.prompt) if prepared else None)

@@ -26,13 +26,18 @@ class RequestSession(ChatSession):
         self._kv = list(kv)
         self._prompt: list[int] = []
 
-    def set_messages(self, messages: list[dict[str, str]]) -> int:
-        self._prompt = self._tokens(messages)
+    def set_chat(self, messages: list[dict], tools: list[dict] | None = None, extras: dict | None = None) -> str:
+        """Render the messages with the model's template (tools included); the prompt text."""
+        text = self.engine.chat_prompt(messages, tools=tools, extras=extras)
+        self._prompt = self._prompt_tokens(text)
+        return text
+
+    @property
+    def prompt_tokens(self) -> int:
         return len(self._prompt)
 
-    def set_text(self, text: str) -> int:
+    def set_text(self, text: str) -> None:
         self._prompt = self.engine.tokenize(text, add_special=True, parse_special=True)
-        return len(self._prompt)
 
     def _fit(self, user: str) -> tuple[list[int], int]:
         n_ctx = self.engine.n_ctx
@@ -41,10 +46,11 @@ class RequestSession(ChatSession):
                                hint="shorten the messages or start spark serve with a larger -c")
         return list(self._prompt), 0
 
-    def run(self, on_text: Callable[[str], None], should_stop: Callable[[], bool], stops: Sequence[str] = ()) -> Answer:
+    def run(self, on_text: Callable[[str], None], should_stop: Callable[[], bool], stops: Sequence[str] = (),
+            special: bool = False) -> Answer:
         """Generate; text that may begin a stop string is held back, and one ends the answer (stop)."""
         self.learned = _Learned()  # this request's decode counts only
-        return self.answer("", on_text=on_text, should_stop=should_stop, stops=stops)
+        return self.answer("", on_text=on_text, should_stop=should_stop, stops=stops, special=special)
 
     @property
     def kv(self) -> list[int]:

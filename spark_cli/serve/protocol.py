@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 MAX_STOP = 4
 FINISH = {"eog": "stop", "stop": "stop", "length": "length", "context": "length", "interrupted": "stop"}
@@ -52,9 +52,37 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: Union[str, dict] = "{}"
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v: Union[str, dict]) -> dict:
+        if isinstance(v, dict):
+            return v
+        try:
+            obj = json.loads(v or "{}")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise ValueError("must be a JSON object")
+        return obj
+
+
+class ToolCallIn(_Strict):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -62,6 +90,68 @@ class Message(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """As chat templates read a message: text content, call arguments as objects."""
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for k in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                               for c in self.tool_calls]
+        return d
+
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _object_schema(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            raise ValueError(f"must be a JSON Schema object, got {type(v).__name__}")
+        if v.get("type", "object") != "object":
+            raise ValueError(f"must be a JSON Schema of type object (the arguments are an object), got {v['type']!r}")
+        return v
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = "response"
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+    schema_: dict | None = Field(None, alias="schema")  # llama-server also takes the schema here
+
+    @model_validator(mode="after")
+    def _needs_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None and self.schema_ is None:
+            raise ValueError("json_schema is required when type is json_schema")
+        return self
+
+    def schema(self) -> dict | None:
+        if self.type == "json_object":
+            return self.schema_ or {"type": "object"}
+        if self.type == "json_schema":
+            return self.json_schema.schema_ if self.json_schema is not None else self.schema_
+        return None
+
+
+TOOL_CHOICES = ("auto", "none", "required")
+REASONING = ("auto", "deepseek", "none")
 
 
 class StreamOptions(_Strict):
@@ -108,14 +198,56 @@ class _Common(_Strict):
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=(1 << 31) - 1)
+    tools: list[Tool] | None = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    reasoning_format: str | None = None
+    chat_template_kwargs: dict | None = None
+
+    @field_validator("reasoning_format")
+    @classmethod
+    def _reasoning(cls, v: str | None) -> str | None:
+        if v is not None and v not in REASONING:
+            raise ValueError(f"must be one of {', '.join(REASONING)}, got {v!r}")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, c: Union[str, dict, None], info: ValidationInfo) -> Union[str, dict, None]:
+        """auto | none | required | {"type": "function", "function": {"name": NAME}}, of the tools given."""
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if isinstance(c, str) and c not in TOOL_CHOICES:
+            raise ValueError(f"must be one of {', '.join(TOOL_CHOICES)} or a named function, got {c!r}")
+        if isinstance(c, dict):
+            fn = c.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if c.get("type") != "function" or not isinstance(name, str):
+                raise ValueError('a named choice is {"type": "function", "function": {"name": NAME}}')
+            if name not in names:
+                raise ValueError(f"no tool named {name!r} in tools" + (f" (tools: {', '.join(names)})" if names else ""))
+        if c == "required" and not names:
+            raise ValueError("required needs tools")
+        return c
+
+    @property
+    def choice(self) -> str:
+        """auto | none | required | the forced function's name."""
+        c = self.tool_choice
+        if isinstance(c, dict):
+            return c["function"]["name"]
+        return c or "auto"
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
     @property
     def limit(self) -> int:
         n = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return n if n is not None else -1
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
 
 
 class CompletionRequest(_Common):
@@ -228,12 +360,32 @@ class Envelope:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def full(self, text: str, finish: str, usage: Usage) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                      "logprobs": None}
-            return {**self._base("chat.completion"), "choices": [choice], "usage": usage.to_dict()}
+        """A whole completion (a chat's is `message`)."""
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         return {**self._base("text_completion"), "choices": [choice], "usage": usage.to_dict()}
+
+    def message(self, content: str, reasoning: str, tool_calls: list[dict[str, Any]], finish: str,
+                usage: Usage) -> dict[str, Any]:
+        """A whole chat answer: content (null when only calls), reasoning_content, tool_calls."""
+        msg: dict[str, Any] = {"role": "assistant", "content": content if content or not tool_calls else None}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}
+        return {**self._base("chat.completion"), "choices": [choice], "usage": usage.to_dict()}
+
+    def delta(self, content: str = "", reasoning: str = "", tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One chat stream chunk of content, reasoning_content or a tool_calls fragment."""
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if tool_call is not None:
+            delta["tool_calls"] = [tool_call]
+        choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+        return {**self._base("chat.completion.chunk"), "choices": [choice], "usage": None}
 
     def chunk(self, text: str | None = None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
         if self.chat:

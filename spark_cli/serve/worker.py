@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..runs.chat_session import Sampling
 from ..errors import SparkError
@@ -20,10 +20,14 @@ from .learn import Learner
 from .protocol import ApiError, Usage, unavailable
 from .stats import ServerStats
 
+if TYPE_CHECKING:
+    from .chat import PreparedChat
+
 
 @dataclass
 class Started:
     prompt_tokens: int
+    prompt: str = ""  # a chat's rendered prompt text
 
 
 @dataclass
@@ -48,12 +52,13 @@ Event = Started | Text | Done | Failed
 
 @dataclass
 class Job:
-    """One request: a chat (messages) or a completion (text), and where its events go;
-    `count_only`: Started with the prompt's tokens, then Done, nothing generated."""
+    """One request: a chat (serve/chat.PreparedChat: rendered with the model's template, tools
+    included) or a completion (text), and where its events go; `count_only`: Started with the
+    prompt's tokens and text, then Done, nothing generated."""
 
     emit: Callable[[Event], None]
     sampling: Sampling
-    messages: list[dict[str, str]] | None = None
+    chat: PreparedChat | None = None
     text: str | None = None
     stops: list[str] = field(default_factory=list)
     count_only: bool = False
@@ -146,12 +151,17 @@ class Worker:
     def _serve(self, job: Job) -> None:
         eng = self.engine
         sess = RequestSession(eng, job.sampling, self._kv, self.cached_layers)
+        chat = job.chat
         try:
             try:
-                n_prompt = sess.set_messages(job.messages) if job.messages is not None else sess.set_text(job.text or "")
+                if chat is not None:
+                    prompt = sess.set_chat(chat.messages, chat.tools, chat.extras)
+                else:
+                    prompt = ""
+                    sess.set_text(job.text or "")
                 if job.count_only:
-                    job.emit(Started(n_prompt))
-                    job.emit(Done("length", Usage(n_prompt)))
+                    job.emit(Started(sess.prompt_tokens, prompt))
+                    job.emit(Done("length", Usage(sess.prompt_tokens)))
                     return
                 sess.check_fits("")
             except ContextError as e:
@@ -160,11 +170,12 @@ class Worker:
             except SparkError as e:
                 job.emit(Failed(ApiError(400, e.one_line())))
                 return
-            job.emit(Started(n_prompt))
+            n_prompt = sess.prompt_tokens
+            job.emit(Started(n_prompt, prompt))
             self.stats.set_processing(1)
             self._session = sess
             ans = sess.run(lambda piece: job.emit(Text(piece)), lambda: job.cancel.is_set() or bool(self.fatal),
-                           stops=job.stops)
+                           stops=job.stops, special=chat is not None and chat.fmt.special)
         finally:
             self._session = None
             self.stats.set_processing(0)

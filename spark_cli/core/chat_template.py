@@ -1,0 +1,176 @@
+"""The one place chat messages become prompt text: the GGUF's own Jinja chat template.
+
+Rendered as Hugging Face and llama-server (`--jinja`) do: a sandboxed Jinja environment
+(jinja2's `ImmutableSandboxedEnvironment`, trim_blocks, lstrip_blocks, loop controls) with
+`messages`, `tools`, `add_generation_prompt`, `bos_token`, `eos_token`, the helpers HF templates
+call (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII) and extras such as
+`enable_thinking` or gpt-oss's `reasoning_effort`. A GGUF may carry named templates
+(`tokenizer.chat_template.tool_use`); a request with tools takes that one when present.
+
+Templates that never mention tools get them as Hermes-style text (a system paragraph, calls
+written as `<tool_call>` JSON), so any template can carry a tool round trip.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ..errors import SparkError, UsageError
+from ..files.regular import read_regular
+
+DEFAULT_NAME = "tokenizer.chat_template"
+TOOL_USE_NAME = "tokenizer.chat_template.tool_use"
+MAX_TEMPLATE_BYTES = 1 << 20
+BUNDLED_DIR = Path(__file__).resolve().parent.parent / "data" / "templates"  # vendors' templates, written out
+
+
+class TemplateError(SparkError):
+    """A chat template that does not compile or raised while rendering."""
+
+    exit_code = 2
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(str(message))
+
+
+def _strftime_now(fmt: str) -> str:
+    return _dt.datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
+            ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, separators=tuple(separators) if separators else None,
+                      sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(source: str):
+    from jinja2 import TemplateError as JinjaError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
+    try:
+        return env.from_string(source)
+    except JinjaError as e:
+        raise TemplateError(f"does not compile: {e}") from None
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """One Jinja chat template (`name`: the GGUF key or the file it came from)."""
+
+    source: str
+    name: str = DEFAULT_NAME
+    bos_token: str = ""
+    eos_token: str = ""
+
+    @property
+    def knows_tools(self) -> bool:
+        return "tools" in self.source or "tool_calls" in self.source
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+               add_generation_prompt: bool = True, extras: Mapping[str, Any] | None = None) -> str:
+        """The prompt text; TemplateError names this template and what it raised."""
+        msgs = [dict(m) for m in messages]
+        if not self.knows_tools:
+            msgs, tools = hermes_polyfill(msgs, tools or ()), None
+        ctx = {"messages": msgs, "tools": list(tools) if tools else None,
+               "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token,
+               "eos_token": self.eos_token, **dict(extras or {})}
+        try:
+            return _compile(self.source).render(**ctx)
+        except TemplateError as e:
+            raise TemplateError(f"chat template {self.name}: {e.message}",
+                                hint="fix the template or pass another with --chat-template-file") from None
+        except Exception as e:  # noqa: BLE001 - a template is user data: any failure is its message
+            raise TemplateError(f"chat template {self.name}: {type(e).__name__}: {e}",
+                                hint="fix the template or pass another with --chat-template-file") from None
+
+
+@dataclass(frozen=True)
+class TemplateSet:
+    """The GGUF's templates by name (or one from --chat-template-file, which replaces them)."""
+
+    templates: Mapping[str, str] = field(default_factory=dict)
+
+    def pick(self, with_tools: bool) -> ChatTemplate | None:
+        name = TOOL_USE_NAME if with_tools and TOOL_USE_NAME in self.templates else DEFAULT_NAME
+        src = self.templates.get(name)
+        return ChatTemplate(src, name) if src else None
+
+    def with_tokens(self, bos: str, eos: str) -> "BoundTemplates":
+        return BoundTemplates(self, bos, eos)
+
+    @property
+    def default_source(self) -> str:
+        return self.templates.get(DEFAULT_NAME, "")
+
+
+@dataclass(frozen=True)
+class BoundTemplates:
+    """A TemplateSet with the model's BOS and EOS text: what an engine renders with."""
+
+    set: TemplateSet
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def pick(self, with_tools: bool) -> ChatTemplate | None:
+        t = self.set.pick(with_tools)
+        return replace(t, bos_token=self.bos_token, eos_token=self.eos_token) if t else None
+
+
+def bundled(name: str) -> str:
+    """A template Spark carries (spark_cli/data/templates/NAME.jinja): the tiny models' and the tests'."""
+    return (BUNDLED_DIR / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def from_file(path: Path | str, flag: str = "--chat-template-file") -> TemplateSet:
+    """A template file replaces every template of the GGUF."""
+    p = Path(path).expanduser()
+    try:
+        text = read_regular(p, MAX_TEMPLATE_BYTES).decode("utf-8")
+    except OSError as e:
+        raise UsageError(f"{flag} {p}: {e.strerror or e}", hint="pass a Jinja chat template file") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{flag} {p}: not UTF-8 text", hint="pass a Jinja chat template file") from None
+    if not text.strip():
+        raise UsageError(f"{flag} {p}: the file is empty", hint="pass a Jinja chat template file")
+    try:
+        _compile(text)
+    except TemplateError as e:
+        raise UsageError(f"{flag} {p}: {e.message}", hint="fix the template") from None
+    return TemplateSet({DEFAULT_NAME: text})
+
+
+def hermes_polyfill(messages: list[dict], tools: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """Tools for a template that has no tool syntax: a system paragraph listing them (if any),
+    assistant calls as `<tool_call>` JSON text; tool results stay `tool` messages."""
+    out = [dict(m) for m in messages]
+    for m in out:
+        calls = m.pop("tool_calls", None)
+        if calls:
+            text = "".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                          "arguments": c["function"]["arguments"]},
+                                                         ensure_ascii=False) + "\n</tool_call>" for c in calls)
+            m["content"] = (m.get("content") or "") + text
+    if not tools:
+        return out
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    intro = ("You may call one or more functions. The function signatures are within <tools></tools>:\n"
+             f"<tools>\n{listing}\n</tools>\nFor each call, return a JSON object with the function name and "
+             'arguments within <tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, '
+             '"arguments": <args-json-object>}\n</tool_call>')
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{intro}".lstrip()
+    else:
+        out.insert(0, {"role": "system", "content": intro})
+    return out
