@@ -18,36 +18,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spark_cli.core import routing_stats as rs  # noqa: E402
-from spark_cli.core.capture import records_to_trace  # noqa: E402
 from spark_cli.core.gguf_info import load_geometry  # noqa: E402
-from spark_cli.files.corpus import make_chunks, read_corpus  # noqa: E402
-from spark_cli.native.engine import Engine, EngineOptions  # noqa: E402
 from spark_cli.runs.demo_model import build_demo_model  # noqa: E402
-from spark_cli.runs.demo_router import router_eval_corpus  # noqa: E402
+from spark_cli.runs.demo_router import eval_traces  # noqa: E402
 
 
-def traces(model: Path, threads: int) -> dict[str, object]:
-    """Routing trace of each eval file (all its chunks, prefill rows)."""
+def measure(model: Path) -> dict:
     geo = load_geometry(model, require_moe=True)
-    out = {}
-    opts = EngineOptions(model, n_ctx=512, n_batch=512, n_ubatch=512, device="none", capture_topk=True,
-                         n_threads=threads, n_threads_batch=threads, repack=False)
-    with Engine(opts) as eng:
-        for f in sorted(router_eval_corpus().iterdir()):
-            docs = read_corpus(f).documents
-            eng.records.clear()
-            for c in make_chunks(docs, 512, tokenize=lambda t, s: eng.tokenize(t, add_special=False, parse_special=s),
-                                 render_chat=lambda m: eng.chat_prompt(m, add_generation_prompt=False),
-                                 prefix=eng.tokenize("", add_special=True)):
-                eng.reset()
-                eng.eval(c.tokens, logits="outputs")
-            out[f.stem] = records_to_trace(eng.records, geo.n_layer, geo.n_expert, geo.fingerprint)
-    return out
-
-
-def measure(model: Path, threads: int) -> dict:
-    geo = load_geometry(model, require_moe=True)
-    tr = traces(model, threads)
+    tr = eval_traces(model)
     bpe = {l.index: l.expert_bytes_per_expert for l in geo.layers if l.is_moe}
     prof = tr["prose_a"].counts()
     sk = rs.skew(prof, geo.n_expert_used)
@@ -66,10 +44,9 @@ def main() -> None:
     ap.add_argument("--router", default="fit")
     ap.add_argument("-E", type=int, default=16)
     ap.add_argument("-k", type=int, default=4)
-    ap.add_argument("-t", type=int, default=1, help="CPU threads")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    r = measure(build_demo_model(a.E, a.k, router=a.router), a.t)
+    r = measure(build_demo_model(a.E, a.k, router=a.router))
     if a.json:
         print(json.dumps(r))
         return

@@ -14,7 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.capture import records_to_trace
+from ..core.gguf_info import load_geometry
 from ..core.router_fit import fit_router
+from ..core.trace import RoutingTrace
 from ..errors import ModelFileError
 from ..files.corpus import make_chunks, read_corpus
 
@@ -57,22 +60,46 @@ def fit_routers(src: Path, n_layer: int, n_expert: int, k: int, rng: np.random.G
     return {il: fit_router(states[il], n_expert, k, rng).rows for il in range(n_layer)}
 
 
+def _chunks(eng, docs) -> list:
+    """Documents -> token pieces of one ubatch each (chats through the model's template)."""
+    return list(make_chunks(docs, CAPTURE_CTX,
+                            tokenize=lambda text, special: eng.tokenize(text, add_special=False, parse_special=special),
+                            render_chat=lambda msgs: eng.chat_prompt(msgs, add_generation_prompt=False),
+                            prefix=eng.tokenize("", add_special=True)))
+
+
+def _capture_options(model: Path, **capture) -> "EngineOptions":
+    from ..native.engine import EngineOptions
+
+    return EngineOptions(model, n_ctx=CAPTURE_CTX, n_batch=CAPTURE_CTX, n_ubatch=CAPTURE_CTX, device="none",
+                         n_threads=CAPTURE_THREADS, n_threads_batch=CAPTURE_THREADS, repack=False, **capture)
+
+
+def eval_traces(model: Path, corpus: Path | None = None) -> dict[str, RoutingTrace]:
+    """The routing trace (prefill rows, every token an output) of each file of the held-out eval text."""
+    from ..native.engine import Engine
+
+    geo = load_geometry(model, require_moe=True)
+    out = {}
+    with Engine(_capture_options(model, capture_topk=True)) as eng:
+        for f in sorted((corpus or router_eval_corpus()).iterdir()):
+            eng.records.clear()
+            for c in _chunks(eng, read_corpus(f).documents):
+                eng.reset()
+                eng.eval(c.tokens, logits="outputs")
+            out[f.stem] = records_to_trace(eng.records, geo.n_layer, geo.n_expert, geo.fingerprint)
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def ffn_inputs(src: Path, n_layer: int) -> tuple[np.ndarray, ...]:
     """Each layer's FFN input [N, n_embd] (float32) on the router training text; once per process."""
-    from ..native.engine import Engine, EngineOptions
+    from ..native.engine import Engine
 
     docs = read_corpus(router_train_corpus()).documents
-    opts = EngineOptions(src, n_ctx=CAPTURE_CTX, n_batch=CAPTURE_CTX, n_ubatch=CAPTURE_CTX, device="none",
-                         n_threads=CAPTURE_THREADS, n_threads_batch=CAPTURE_THREADS, capture_hidden="ffn_norm",
-                         repack=False)
     per_layer: list[list[np.ndarray]] = [[] for _ in range(n_layer)]
-    with Engine(opts) as eng:
-        chunks = make_chunks(docs, CAPTURE_CTX,
-                             tokenize=lambda text, special: eng.tokenize(text, add_special=False, parse_special=special),
-                             render_chat=lambda msgs: eng.chat_prompt(msgs, add_generation_prompt=False),
-                             prefix=eng.tokenize("", add_special=True))
-        for c in chunks:
+    with Engine(_capture_options(src, capture_hidden="ffn_norm")) as eng:
+        for c in _chunks(eng, docs):
             eng.reset()
             eng.hidden.clear()
             eng.eval(c.tokens, logits="outputs")  # every token an output: the last layer sees all of them
