@@ -154,7 +154,8 @@ def test_fit_router_build_is_deterministic(smollm2, tmp_path):
     assert _sha256(a) == _sha256(b)
     c = dm.build_demo_model(2, 1, seed=4, out_dir=tmp_path / "a")
     routers = [{t.name: t.data.tobytes() for t in GGUFReader(p).tensors if "ffn_gate_inp" in t.name} for p in (a, c)]
-    assert routers[0].keys() == routers[1].keys() and all(routers[0][n] != routers[1][n] for n in routers[0])
+    # k-means from another seed may settle on the same groups in a layer (E=2), not in all of them
+    assert routers[0].keys() == routers[1].keys() and any(routers[0][n] != routers[1][n] for n in routers[0])
     for p in (a, b, c):
         p.unlink()  # 100 MB each
 
