@@ -108,6 +108,7 @@ def test_rpc_server_command_refuses_before_serving(monkeypatch, capsys):
     (("--seed", "-1"), "--seed -1: give 0 or more"),
     (("-E", "1", "-k", "1"), "2 <= E <= 256"),
     (("--tiny", ""), "unknown architecture"),
+    (("--router", "learned"), "--router learned: expected one of fit, random"),
 ])
 def test_demo_model_bad_options(monkeypatch, capsys, tmp_path, args, want):
     from spark_cli.commands import demo

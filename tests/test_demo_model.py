@@ -42,7 +42,7 @@ def smollm2() -> Path:
 
 @pytest.fixture(scope="session")
 def small_demo(smollm2) -> Path:
-    return dm.build_demo_model(n_expert=8, n_expert_used=2)
+    return dm.build_demo_model(n_expert=8, n_expert_used=2)  # the fit router, as the tests' small_model
 
 
 @pytest.fixture(scope="session")
@@ -118,26 +118,66 @@ def test_interrupted_extract_leaves_no_final_file(empty_home, tmp_path, monkeypa
 # ---------------------------------------------------------------- demo model
 
 def test_demo_name_keys_every_parameter():
-    names = {dm.demo_model_name(e, k, s) for e, k, s in [(16, 4, 0), (8, 4, 0), (16, 2, 0), (16, 4, 1)]}
-    assert len(names) == 4
-    assert dm.demo_model_name() == f"smollm2-moe-e16-k4-s0-v{dm.DEMO_FORMAT_VERSION}.gguf"
+    names = {dm.demo_model_name(e, k, s, r) for e, k, s, r in
+             [(16, 4, 0, "fit"), (8, 4, 0, "fit"), (16, 2, 0, "fit"), (16, 4, 1, "fit"), (16, 4, 0, "random")]}
+    assert len(names) == 5
+    assert dm.demo_model_name() == f"smollm2-moe-e16-k4-s0-fit-v{dm.DEMO_FORMAT_VERSION}.gguf"
 
 
-@pytest.mark.parametrize("e,k", [(1, 1), (4, 0), (4, 5)])
-def test_demo_rejects_bad_parameters(e, k):
+@pytest.mark.parametrize("e,k,router", [(1, 1, "fit"), (4, 0, "fit"), (4, 5, "fit"), (4, 2, "learned")])
+def test_demo_rejects_bad_parameters(e, k, router):
     with pytest.raises(ValueError):
-        dm.build_demo_model(e, k)
+        dm.build_demo_model(e, k, router=router)
 
 
 def test_demo_build_is_cached_and_deterministic(smollm2, tmp_path):
-    a = dm.build_demo_model(2, 1, seed=3, out_dir=tmp_path / "a")
-    b = dm.build_demo_model(2, 1, seed=3, out_dir=tmp_path / "b")
-    assert a.name == b.name == dm.demo_model_name(2, 1, 3)
+    a = dm.build_demo_model(2, 1, seed=3, out_dir=tmp_path / "a", router="random")
+    b = dm.build_demo_model(2, 1, seed=3, out_dir=tmp_path / "b", router="random")
+    assert a.name == b.name == dm.demo_model_name(2, 1, 3, "random")
     assert _sha256(a) == _sha256(b)
     mtime = a.stat().st_mtime_ns
-    assert dm.build_demo_model(2, 1, seed=3, out_dir=tmp_path / "a") == a
+    assert dm.build_demo_model(2, 1, seed=3, out_dir=tmp_path / "a", router="random") == a
     assert a.stat().st_mtime_ns == mtime
     assert [p.name for p in (tmp_path / "a").iterdir() if not p.name.startswith(".")] == [a.name]
+
+
+@pytest.mark.model
+def test_fit_router_build_is_deterministic(smollm2, tmp_path):
+    """Same seed, same bytes, the hidden states captured afresh each time; another seed, another router."""
+    from spark_cli.runs import demo_router
+
+    demo_router.ffn_inputs.cache_clear()
+    a = dm.build_demo_model(2, 1, seed=3, out_dir=tmp_path / "a")
+    demo_router.ffn_inputs.cache_clear()
+    b = dm.build_demo_model(2, 1, seed=3, out_dir=tmp_path / "b")
+    assert a.name == b.name == dm.demo_model_name(2, 1, 3, "fit")
+    assert _sha256(a) == _sha256(b)
+    c = dm.build_demo_model(2, 1, seed=4, out_dir=tmp_path / "a")
+    routers = [{t.name: t.data.tobytes() for t in GGUFReader(p).tensors if "ffn_gate_inp" in t.name} for p in (a, c)]
+    # k-means from another seed may settle on the same groups in a layer (E=2), not in all of them
+    assert routers[0].keys() == routers[1].keys() and any(routers[0][n] != routers[1][n] for n in routers[0])
+    for p in (a, b, c):
+        p.unlink()  # 100 MB each
+
+
+# Total-variation distance between the routing histograms of held-out code and prose (mean over
+# layers). The fit router groups tokens by content; the random one routes by direction alone.
+CODE_PROSE_DISTANCE = 0.4
+
+
+@pytest.mark.model
+def test_fit_router_routes_code_apart_from_prose(small_model):
+    from spark_cli.core.routing_stats import routing_distance
+    from spark_cli.runs.demo_router import eval_traces
+
+    random_model = dm.build_demo_model(n_expert=8, n_expert_used=2, router="random")
+    dist = {}
+    for name, model in (("fit", small_model), ("random", random_model)):
+        tr = eval_traces(model)
+        dist[name] = routing_distance(tr["code"].counts(), tr["prose_a"].counts())
+        dist[name + " prose"] = routing_distance(tr["prose_b"].counts(), tr["prose_a"].counts())
+    assert dist["fit"] > CODE_PROSE_DISTANCE > dist["random"], dist
+    assert dist["fit prose"] < CODE_PROSE_DISTANCE / 2, dist  # prose stays with prose
 
 
 def test_demo_layout(small_demo, smollm2):

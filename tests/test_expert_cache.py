@@ -80,8 +80,9 @@ def _exactness(path, endpoint, n_ubatch: int = 512, extra: int = 1, pinned: int 
     return stats
 
 
-def test_demo_model_bit_exact_with_evictions(small_model, rpc_server):
-    stats = _exactness(small_model, rpc_server.endpoint)
+@pytest.mark.parametrize("model", ["small_model", "small_random_model"])
+def test_demo_model_bit_exact_with_evictions(model, request, rpc_server):
+    stats = _exactness(request.getfixturevalue(model), rpc_server.endpoint)
     # slots far below the expert count: decode steps must have evicted experts
     assert sum(s.uploads for s in stats.values()) > sum(s.steps_cached for s in stats.values()) * 0.05
 

@@ -205,6 +205,22 @@ def test_show_reports_the_saved_profile(run):
     assert "sources: profile corpus" in out and "top-2 share" in out
 
 
+def test_show_says_how_real_the_routing_is(run):
+    rc, out, _ = spark("profile", "show", run["model"], "--held-out", run["trace"], "--residency", "0.5")
+    assert rc == 0 and "how real the routing looks" in out and "top 20% (2) experts" in out
+    assert "cold-hit at 50% on t.npz" in out
+    rc, out, err = spark("profile", "show", run["model"], "--held-out", run["trace"], "--residency", "0.5", "--json")
+    assert rc == 0 and "how real" in err
+    d = json.loads(out)
+    assert len(d["entropy_norm"]) == len(d["top_share"]) == 30 and d["top_experts"] == 2
+    assert all(0.0 <= v <= 1.0 for v in d["entropy_norm"] + d["top_share"])
+    assert d["overlap_8"] is None or 0.0 <= d["overlap_8"] <= 1.0
+    (pl,) = d["placement"].values()
+    assert pl["residency"] == 0.5 and pl["uniform"] == pytest.approx(1 - pl["resident_experts"] / (30 * 8))
+    assert pl["oracle"] <= pl["profile"] <= pl["uniform"]  # the profile saw this text; the oracle is its own
+    assert d["published"]["cold_hit_profile"] == 0.066
+
+
 def test_profile_of_another_model_is_refused(run, small_model, tmp_path):
     other = RoutingProfile.empty({"arch": "qwen3moe", "n_layer": 4, "n_expert": 8, "n_expert_used": 2,
                                   "fingerprint": "ab" * 32})

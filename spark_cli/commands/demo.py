@@ -18,6 +18,9 @@ def register(app: typer.Typer) -> None:
         n_expert: int = typer.Option(16, "--experts", "-E", help="experts per layer"),
         n_used: int = typer.Option(4, "--experts-used", "-k", help="experts used per token"),
         seed: int = typer.Option(0, "--seed", help="router seed"),
+        router: str = typer.Option("fit", "--router", help="fit (fit to SmolLM2's hidden states on bundled "
+                                   "training text: experts group tokens by content) or random (a seeded "
+                                   "random matrix, the router before demo format 2)"),
         tiny: str = typer.Option(None, "--tiny", help="build a tiny random model of this architecture (or variant, "
                                  "e.g. qwen35moe-split) instead"),
         fixture: str = typer.Option(None, "--fixture", help="build a real-sized geometry fixture without weights "
@@ -30,8 +33,12 @@ def register(app: typer.Typer) -> None:
         from ..runs.demo_model import build_demo_model
         from ..runs.tiny_models import TINY_MODELS, build_tiny_model
 
+        from ..runs.demo_router import ROUTERS
+
         if seed < 0:
             raise UsageError(f"--seed {seed}: give 0 or more")
+        if router not in ROUTERS:
+            raise UsageError(f"--router {router}: expected one of {', '.join(ROUTERS)}")
         if out_dir is not None:
             check_folder(out_dir, "--out-dir")
         if fixture is not None:
@@ -46,8 +53,9 @@ def register(app: typer.Typer) -> None:
             if not (1 <= n_used <= n_expert <= 256) or n_expert < 2:
                 raise UsageError(f"--experts {n_expert} --experts-used {n_used}: need 1 <= k <= E and "
                                  "2 <= E <= 256 (a MoE model routes among at least two experts)")
-            with console.status(f"building demo model E={n_expert} k={n_used} ..."):
-                path = build_demo_model(n_expert=n_expert, n_expert_used=n_used, seed=seed, out_dir=out_dir)
+            with console.status(f"building demo model E={n_expert} k={n_used}, {router} router ..."):
+                path = build_demo_model(n_expert=n_expert, n_expert_used=n_used, seed=seed, out_dir=out_dir,
+                                        router=router)
         console.print(f"{path.stat().st_size / 2**20:.0f} MiB", style="dim")
         print(path)
 

