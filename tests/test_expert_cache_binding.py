@@ -87,8 +87,16 @@ def _fn(f):
     return g
 
 
+def _older_lib() -> _FakeLib:
+    """A build of the previous API version: it lacks the function v4 added."""
+    lib = _FakeLib(ec.API_VERSION - 1)
+    delattr(lib, "llama_expert_cache_memory_breakdown")
+    return lib
+
+
 @pytest.mark.parametrize("lib,message", [
     (_FakeLib(None), f"expert cache API v1, Spark needs v{ec.API_VERSION}"),
+    (_older_lib(), f"expert cache API v{ec.API_VERSION - 1}, Spark needs v{ec.API_VERSION}"),
     (_FakeLib(ec.API_VERSION + 1), f"expert cache API v{ec.API_VERSION + 1}, Spark needs v{ec.API_VERSION}"),
     (_FakeLib(ec.API_VERSION, size=40), "params are 40 bytes"),
 ])

@@ -222,11 +222,13 @@ class ExpertCacheAPI:
         if not hasattr(lib, "llama_expert_cache_api_version"):
             raise NativeError(f"the installed llama.cpp has expert cache API v1, Spark needs v{API_VERSION}",
                               hint=REBUILD_HINT)
-        api = cls(lib)
-        got = int(api.api_version())
+        version = lib.llama_expert_cache_api_version
+        version.restype, version.argtypes = ctypes.c_int32, []
+        got = int(version())  # NOTE: before binding the rest: an older API lacks newer functions
         if got != API_VERSION:
             raise NativeError(f"the installed llama.cpp has expert cache API v{got}, Spark needs v{API_VERSION}",
                               hint=REBUILD_HINT)
+        api = cls(lib)
         size = ctypes.sizeof(Params)
         if api.default_params().size != size:
             raise NativeError(f"the installed llama.cpp's expert cache params are {api.default_params().size} bytes, "
