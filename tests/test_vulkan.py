@@ -55,6 +55,12 @@ def _archs() -> list[str]:
 
 
 ARCHS = _archs()
+
+# Open exactness bugs this tier found, each with what was seen; the test fails once one is fixed.
+KNOWN_BUGS = {
+    ("laguna", "upload"): "laguna on Vulkan, upload path, prompts of 1-40 tokens: max |d logit| 1.75 "
+                          "against the stock bound's 0.58 (bit-identical on the stand-in; open, see the issue note)",
+}
 N_DECODE = 8
 
 
@@ -162,6 +168,9 @@ def test_miss_paths_within_the_stock_bound_on_vulkan(arch, miss_path, vulkan_dev
         bound, _ = max_diff(eng, ref)
     diff, _, st, splits = _cached(path, vulkan_device, miss_path, ref)
     print(f"vulkan: {arch} {miss_path} prompts 1-40 + decode max|d| {diff:.3g}, stock bound {bound:.3g}")
+    if (arch, miss_path) in KNOWN_BUGS:
+        assert not within_bound(diff, bound), f"{arch} {miss_path}: fixed? remove it from KNOWN_BUGS"
+        pytest.xfail(f"{KNOWN_BUGS[arch, miss_path]} (max |d| {diff:.3g}, bound {bound:.3g})")
     assert within_bound(diff, bound), \
         f"{arch} {miss_path}: max |d logit| {diff:.3g} above {MIXED_SLACK} x stock --cpu-moe's {bound:.3g}"
     assert st.cpu_experts > 0 and st.syncs == st.steps_cached
