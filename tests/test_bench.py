@@ -58,7 +58,7 @@ def test_every_configuration_end_to_end(spark, model_link, corpus, rpc_server, t
     assert rc == 0, stderr
     d = json.loads(out.read_text())
     by = {c["name"]: c for c in d["configs"]}
-    assert list(by) == list(bench.CONFIG_NAMES)
+    assert list(by) == list(bench.DEFAULT_CONFIGS)
     for name, c in by.items():
         assert c["status"] == "ok", (name, c["reason"])
         assert len(c["runs"]) == 2 and all(r["tg_tokens"] == 8 and r["pp_tokens"] == 32 for r in c["runs"])
@@ -144,7 +144,7 @@ def test_unknown_configuration_is_one_line(spark, small_model) -> None:
 def test_tiny_budget_marks_what_does_not_fit(geo) -> None:
     budget = planner.fixed_bytes(geo, 4096) + 1  # room for no expert at all
     plan = planner.plan_for(geo, planner.PlanRequest(budget, 4096)).plan
-    cfgs = bench.make_configs(geo, budget, 4096, bench.CONFIG_NAMES, plan, plan)
+    cfgs = bench.make_configs(geo, budget, 4096, bench.DEFAULT_CONFIGS, plan, plan)
     status = {c.name: c.status for c in cfgs}
     # below the cache floor Spark keeps every MoE layer on the host, as stock --cpu-moe
     assert status == {"resident": "does not fit", "cpu-moe": "ready", "n-cpu-moe": "ready",

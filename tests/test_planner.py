@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from spark_cli.core import vram
 from spark_cli.errors import PlanError
-from spark_cli.core.planner import PLAN_VERSION, Plan, stock_baseline
+from spark_cli.core.planner import PLAN_VERSION, Plan, stage_slices, staging_bytes, stock_baseline
 from spark_cli.core.planner import _make_plan as make_plan  # the greedy under plan_for
 
 GiB = 1 << 30
@@ -28,13 +28,17 @@ def fixed_bytes(g, n_ctx: int = 4096, tk: str = "f16", tv: str = "f16") -> int:
             + vram.DEVICE_OVERHEAD_BYTES)
 
 
-def floor_bytes(g, max_slots: int | None = None) -> int:
-    k, total = g.n_expert_used, 0
+def floor_bytes(g, max_slots: int | None = None, stage: int | None = None) -> int:
+    """k slots and a guard per cached layer, and the staging slices when a layer is cached
+    (stage: their count; None: the planner's for the default miss path)."""
+    k, total, cached = g.n_expert_used, 0, False
     for i in g.moe_layers:
         b, n = g.layers[i].expert_bytes_per_expert, g.n_expert
         resident = k + 1 >= n or (max_slots is not None and max_slots < k)
         total += n * b if resident else (k + 1) * b
-    return total
+        cached = cached or not resident
+    stage = stage_slices(g.n_expert, k, "auto") if stage is None else stage
+    return total + (staging_bytes(g, stage) if cached else 0)
 
 
 def full_bytes(g) -> int:
@@ -79,7 +83,9 @@ def check_plan(g, plan: Plan, budget: int, max_slots: int | None) -> None:
     assert b["total"] <= budget
     assert b["total"] == sum(v for key, v in b.items() if key != "total")
     per_layer = sum(l.device_bytes for l in plan.layers)
-    assert per_layer + b["weights_global"] + b["kv_cache"] + b["compute"] + b["overhead"] == b["total"]
+    staged = staging_bytes(g, plan.stage_slices)  # shared by the cached layers of one shape
+    assert plan.stage_slices == 0 or any(l.mode == "cached" for l in plan.layers)
+    assert per_layer + staged + b["weights_global"] + b["kv_cache"] + b["compute"] + b["overhead"] == b["total"]
     assert b["weights_global"] == g.device_global_bytes
     for lp in plan.layers:
         lg = g.layers[lp.index]
@@ -103,7 +109,7 @@ def check_plan(g, plan: Plan, budget: int, max_slots: int | None) -> None:
             assert lp.host_bytes == n * bpe
             if max_slots is not None:
                 assert lp.slots <= max_slots
-    assert b["experts_resident"] + b["expert_banks"] == sum(
+    assert b["experts_resident"] + b["expert_banks"] == staged + sum(
         lp.device_bytes - g.layers[lp.index].nonexpert_bytes for lp in plan.layers if lp.mode in ("resident", "cached"))
 
 
@@ -112,7 +118,6 @@ def check_plan(g, plan: Plan, budget: int, max_slots: int | None) -> None:
 def test_budget_respected_or_refused(s) -> None:
     g, profile, miss, max_slots, budgets = s
     for budget in budgets:
-        need = fixed_bytes(g) + floor_bytes(g, max_slots)
         stock_cpu_moe = fixed_bytes(g) - sum(g.layers[i].expert_bias_bytes for i in g.moe_layers)
         try:
             plan = make_plan(g, budget, 4096, profile, miss_fn=miss, max_slots_per_layer=max_slots)
@@ -122,6 +127,7 @@ def test_budget_respected_or_refused(s) -> None:
             continue
         assert stock_cpu_moe <= budget
         check_plan(g, plan, budget, max_slots)
+        need = fixed_bytes(g) + floor_bytes(g, max_slots, plan.stage_slices)  # the floor of the plan's staging
         host = [l.index for l in plan.layers if l.mode == "host"]
         assert (need > budget) == bool(host)  # host layers only below the cache floor
         loaded = [i for i in g.moe_layers if not g.layers[i].is_nextn]
@@ -158,7 +164,8 @@ def test_floor_without_miss_ratio() -> None:
     cached = [l for l in plan.layers if l.mode == "cached"]
     assert len(cached) == 3 and all(l.lru_slots == 4 for l in cached)
     assert sum(len(l.pinned) for l in cached) == 2  # 25 MiB left buys two 10 MiB pins
-    assert plan.breakdown["expert_banks"] == (3 * 5 + 2) * 10 * MiB
+    assert plan.breakdown["expert_banks"] == (3 * 5 + 2) * 10 * MiB + staging_bytes(g, plan.stage_slices)
+    assert plan.stage_slices == min(16, 4 * 4)  # STAGE_STEPS decode steps of k = 4 experts
 
 
 def test_pins_follow_profile_and_predict_cold_hit() -> None:
@@ -340,7 +347,8 @@ def test_replay_plan_never_worse_than_both_baselines(seed, frac, drift, policy) 
     assert all(not c.plan.layers[i].pinned for c in [by["all-slots"]] for i in range(g.n_layer))
     again = plan_for(g, PlanRequest(budget, 4096, trace=tr, policy=policy)).plan
     assert again == plan  # deterministic
-    assert replayed_miss(plan, tr) == pytest.approx(plan.predicted_miss)
+    # auto (the request's default) admits as the cpu path does, and replays it
+    assert replayed_miss(plan, tr, "cpu") == pytest.approx(plan.predicted_miss)
     assert res.replay_steps == 120 and res.candidate(res.chosen).layers == plan.layers
 
 
@@ -356,3 +364,22 @@ def test_replay_prices_slots_when_the_hot_set_moves() -> None:
     assert c is not None and (c.train_steps, c.test_steps) == (280, 120)
     assert 0.0 <= c.belady <= c.measured <= 1.0 and 0.0 <= c.oracle <= 1.0
     assert held_out_check(g, PlanRequest(budget, 4096, trace=tr.rows(0, 1), policy="lru")) is None
+
+
+def test_staging_slices_per_expert_shape() -> None:
+    """The auto and upload paths hold STAGE_STEPS * k staging slices per expert shape, priced in
+    expert_banks once a layer is cached; the cpu path holds none; an all-resident plan holds none."""
+    g = make_geometry(n_layer=4, n_expert=16, k=2, dense=())
+    budget = fixed_bytes(g) + floor_bytes(g) + 30 * MiB
+    auto = make_plan(g, budget, 4096)
+    cpu = make_plan(g, budget, 4096, miss_path="cpu")
+    bpe = g.layers[0].expert_bytes_per_expert
+    assert auto.stage_slices == 8 and cpu.stage_slices == 0
+    assert staging_bytes(g, 8) == 8 * bpe  # one shape: the layers share the slices
+    banks = lambda p: sum((l.slots + 1) * bpe for l in p.layers if l.mode == "cached")  # noqa: E731
+    assert auto.breakdown["expert_banks"] == banks(auto) + 8 * bpe
+    assert cpu.breakdown["expert_banks"] == banks(cpu)
+    assert banks(cpu) > banks(auto)  # the staging bytes came out of the slots
+    assert make_plan(g, full_bytes(g), 4096).stage_slices == 0
+    again = Plan.from_json(auto.to_json())
+    assert again.stage_slices == 8 and again == auto

@@ -20,12 +20,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spark_cli.core.simulator import NATIVE_POLICY_IDS, POLICIES, LayerCache, PolicyParams
+from spark_cli.core.simulator import NATIVE_POLICY_IDS, POLICIES, LayerCache, MissCosts, PolicyParams
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = [REPO / "native" / "src" / "llama-expert-cache-policy.cpp", REPO / "native" / "tests" / "policy-shim.cpp"]
 NATIVE_POLICIES = [p for p in POLICIES if p in ("lru", "lfu-aged", "slru", "tinylfu")]
-MISS_PATHS = {"upload": 0, "cpu": 1}
+MISS_PATHS = {"upload": 0, "cpu": 1, "auto": 2}
 
 i32p = ctypes.POINTER(ctypes.c_int32)
 
@@ -50,7 +50,8 @@ def built(tmp_path_factory):
         return f"compiling the policy core failed:\n{' '.join(cmd)}\n{r.stderr}"
     lib = ctypes.CDLL(str(so))
     lib.ecp_new.restype = ctypes.c_void_p
-    lib.ecp_new.argtypes = [ctypes.c_int32, ctypes.c_int32, i32p] + [ctypes.c_int32] * 7
+    lib.ecp_new.argtypes = [ctypes.c_int32, ctypes.c_int32, i32p] + [ctypes.c_int32] * 8
+    lib.ecp_set_costs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
     lib.ecp_free.argtypes = [ctypes.c_void_p]
     lib.ecp_step.restype = ctypes.c_int32
     lib.ecp_step.argtypes = [ctypes.c_void_p, i32p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
@@ -72,11 +73,13 @@ def _ptr(a: np.ndarray):
 class Native:
     """One layer of the native core, stepped as the host node steps it."""
 
-    def __init__(self, lib, n_expert, slots, pinned, policy, miss_path, max_admit, params: PolicyParams):
+    def __init__(self, lib, n_expert, slots, pinned, policy, miss_path, max_admit, params: PolicyParams,
+                 n_stage: int = 0, costs: MissCosts = MissCosts()):
         self.lib, self.n_expert, self.S = lib, n_expert, slots
         pin = (ctypes.c_int32 * max(1, len(pinned)))(*pinned)
         self.h = lib.ecp_new(n_expert, slots, pin, len(pinned), NATIVE_POLICY_IDS[policy], MISS_PATHS[miss_path],
-                             max_admit, params.window, params.protected_num, params.protected_den)
+                             max_admit, params.window, params.protected_num, params.protected_den, n_stage)
+        lib.ecp_set_costs(self.h, costs.cpu_expert_ns, costs.cpu_ns, costs.upload_ns, int(costs.concurrent))
 
     def close(self):
         self.lib.ecp_free(self.h)
@@ -84,7 +87,7 @@ class Native:
     def step(self, rows: list[list[int]], decode: bool, hybrid: bool):
         T, k = len(rows), len(rows[0])
         ids = np.asarray(rows, dtype=np.int32)
-        out = np.zeros(8, dtype=np.int32)
+        out = np.zeros(10, dtype=np.int32)
         admit = np.zeros(2 * self.n_expert, dtype=np.int32)
         dst = np.full(T * k, -7, dtype=np.int32)
         missed = np.full(T * k, 7, dtype=np.uint8)
@@ -94,7 +97,8 @@ class Native:
                                out.ctypes.data_as(i32p), admit.ctypes.data_as(i32p), dst.ctypes.data_as(i32p),
                                _ptr(missed), _ptr(waits), err, len(err))
         assert rc == 0, f"native step failed: {err.value.decode()}"
-        o = dict(zip(("hits", "misses", "cpu", "skipped", "n_admit", "fits", "to_cpu", "read_only"), out.tolist()))
+        o = dict(zip(("hits", "misses", "cpu", "skipped", "n_admit", "fits", "to_cpu", "read_only", "n_staged", "split"),
+                     out.tolist()))
         o["admitted"] = [tuple(p) for p in admit[: 2 * o["n_admit"]].reshape(-1, 2).tolist()]
         return o, dst.reshape(T, k), missed.reshape(T, k), set(np.flatnonzero(waits).tolist())
 
@@ -118,13 +122,17 @@ def expected_state(c: LayerCache) -> dict:
                 freq=list(c.freq), protected=c.protected, age=c.age, tick=c.tick)
 
 
-def expected_slot_ids(c: LayerCache, rows: list[list[int]]) -> tuple[list[list[int]], list[list[int]], set[int]]:
-    """Slot ids per entry: a ready slot, else a filler no other entry of the token reads (the zeroed
-    guard S, then the lowest slot not pending, then a pending slot, which the device waits for)."""
+def expected_slot_ids(c: LayerCache, rows: list[list[int]], staged: list[int] = ()
+                      ) -> tuple[list[list[int]], list[list[int]], set[int]]:
+    """Slot ids per entry: a ready slot, a staged miss's staging slice (S + 1 + its index), else a
+    filler no other entry of the token reads (the zeroed guard S, then the lowest slot not pending,
+    then a pending slot, which the device waits for)."""
     S = c.S
+    stage = {e: S + 1 + i for i, e in enumerate(staged)}
     ids, missed, waits = [], [], set()
     for r in rows:
-        row = [c.expert_slot[e] if c.expert_slot[e] >= 0 and not c.slot_pending[c.expert_slot[e]] else -1 for e in r]
+        row = [c.expert_slot[e] if c.expert_slot[e] >= 0 and not c.slot_pending[c.expert_slot[e]]
+               else stage.get(e, -1) for e in r]
         missed.append([int(s < 0) for s in row])
         for j, s in enumerate(row):
             if s >= 0:
@@ -150,7 +158,9 @@ def cases(draw, miss_path: str):
     params = PolicyParams(window=draw(st.sampled_from([0, 1, 2, 3, 16])), protected_num=draw(st.integers(0, den)),
                           protected_den=den)
     # the upload path on a layer without a CPU recipe: steps too large for the slots are stock
-    hybrid = miss_path == "cpu" or draw(st.booleans())
+    hybrid = miss_path != "upload" or draw(st.booleans())
+    n_stage = draw(st.integers(0, 4))
+    costs = MissCosts(draw(st.integers(0, 50)), draw(st.integers(0, 200)), draw(st.booleans()), draw(st.integers(0, 100)))
     hot = draw(st.integers(k, n_expert))  # routing concentrated on the first `hot` experts: hits happen
     token = st.lists(st.integers(0, hot - 1), min_size=k, max_size=k, unique=True)
     steps = []
@@ -159,29 +169,31 @@ def cases(draw, miss_path: str):
         decode = len(rows) == 1 and draw(st.booleans())
         if hybrid or len(rows) * k <= slots - n_pin:
             steps.append((rows, decode))
-    return n_expert, slots, pinned, max_admit, params, hybrid, steps
+    return n_expert, slots, pinned, max_admit, params, hybrid, steps, n_stage, costs
 
 
 def replay(lib, policy, miss_path, case):
-    n_expert, slots, pinned, max_admit, params, hybrid, steps = case
-    sim = LayerCache(n_expert, slots, pinned, policy, miss_path, max_admit, params)
-    nat = Native(lib, n_expert, slots, pinned, policy, miss_path, max_admit, params)
+    n_expert, slots, pinned, max_admit, params, hybrid, steps, n_stage, costs = case
+    sim = LayerCache(n_expert, slots, pinned, policy, miss_path, max_admit, params, n_stage, costs)
+    nat = Native(lib, n_expert, slots, pinned, policy, miss_path, max_admit, params, n_stage, costs)
     try:
         assert nat.state() == expected_state(sim), "initial state"
         for t, (rows, decode) in enumerate(steps):
             large = len(rows) * len(rows[0]) > slots - len(pinned)
             distinct = list(dict.fromkeys(e for r in rows for e in r))
-            o = sim.step(distinct, decode, large=large)
+            entries = {e: sum(r.count(e) for r in rows) for e in distinct}
+            o = sim.step(distinct, decode, large=large, entries=entries)
             got, dst, missed, waits = nat.step(rows, decode, hybrid)
             where = f"step {t} ({len(rows)} tokens, {'decode' if decode else 'prefill'}{', large' if large else ''})"
-            on_cpu = miss_path == "cpu" or large
-            assert got["read_only"] == int(large or (miss_path == "cpu" and not decode)), where
+            on_cpu = miss_path != "upload" or large
+            assert got["read_only"] == int(large or (miss_path != "upload" and not decode)), where
             assert got["to_cpu"] == int(on_cpu), where
-            want = dict(hits=len(o.hits), misses=len(o.misses), cpu=len(o.misses) if on_cpu else 0,
-                        skipped=o.skipped, admitted=list(o.admitted))
+            assert got["split"] == int(on_cpu and n_stage > 0 and miss_path != "cpu"), where
+            want = dict(hits=len(o.hits), misses=len(o.misses), cpu=len(o.misses) - len(o.staged) if on_cpu else 0,
+                        skipped=o.skipped, admitted=list(o.admitted), n_staged=len(o.staged))
             assert {k: got[k] for k in want} == want, where
             assert nat.state() == expected_state(sim), where
-            ids, miss, wait = expected_slot_ids(sim, rows)
+            ids, miss, wait = expected_slot_ids(sim, rows, o.staged)
             assert dst.tolist() == ids, f"{where}: slot ids"
             assert missed.tolist() == miss, f"{where}: CPU-computed entries"
             assert waits == wait, f"{where}: pending fillers"
@@ -217,3 +229,24 @@ def test_bad_id_is_an_error_not_a_crash(built):
         assert (o["misses"], o["admitted"], dst.tolist()) == (1, [(1, 0)], [[0]])
     finally:
         nat.close()
+
+
+def test_split_stages_while_the_step_ends_sooner():
+    """Worked cases of the per-expert rule (simulator; the native core follows it above)."""
+    from spark_cli.core.simulator import split_misses
+    entries = {3: 10, 5: 1, 7: 4, 9: 4}
+    # CPU 100 ns an entry (1900 ns in all), upload 300 ns, side by side: staging 3 ends the step at
+    # max(300, 900), then 7 (ties by id) at max(600, 500); 9 would end it at max(900, 100): later
+    side = MissCosts(cpu_ns=100, upload_ns=300, concurrent=True)
+    assert split_misses([5, 7, 3, 9], entries, 8, side, by_cost=True) == [3, 7]
+    assert split_misses([5, 7, 3, 9], entries, 8, MissCosts(100, 450, True), by_cost=True) == [3]
+    # one after the other: every expert whose CPU time beats one upload (1000, 400, 400 > 300 > 100)
+    serial = MissCosts(cpu_ns=100, upload_ns=300, concurrent=False)
+    assert split_misses([5, 7, 3, 9], entries, 8, serial, by_cost=True) == [3, 7, 9]
+    # no cost rule (the upload path's large steps): most entries first while slices last
+    assert split_misses([5, 7, 3, 9], entries, 3, serial, by_cost=False) == [3, 7, 9]
+    # free uploads stage everything that fits; a CPU that costs nothing keeps everything
+    assert split_misses([5, 7, 3, 9], entries, 8, MissCosts(100, 0, True), by_cost=True) == [3, 7, 9, 5]
+    assert split_misses([5, 7, 3, 9], entries, 8, MissCosts(0, 10, True), by_cost=True) == []
+    # a fixed CPU cost per expert (its weights read once): 5's one entry costs 1100 ns > 300 one after the other
+    assert split_misses([5, 7, 3, 9], entries, 8, MissCosts(100, 300, False, 1000), by_cost=True) == [3, 7, 9, 5]

@@ -6,7 +6,10 @@
 // resident (a miss) is either uploaded into a slot before the step's matmuls
 // (LLAMA_EXPERT_CACHE_MISS_UPLOAD) or computed on the CPU from the host weights while
 // the resident ones run on the device (LLAMA_EXPERT_CACHE_MISS_CPU); in the CPU mode a
-// miss may be admitted into a slot by a background upload, usable from a later step.
+// miss may be admitted into a slot by a background upload, usable from a later step. In
+// the auto mode (LLAMA_EXPERT_CACHE_MISS_AUTO) each step splits its misses per expert: the
+// ones with most tokens are uploaded into staging slices for that step while that ends it
+// sooner, by the layer's costs, and the rest are computed on the CPU.
 // Routed ids are remapped to slot ids for the expert matmuls only, so results are exact.
 // Without a cache (llama_expert_cache_init never called) the graph is stock.
 #pragma once
@@ -17,7 +20,7 @@
 #include <stdint.h>
 
 // NOTE: bump when a struct or a function below changes; bindings check it at load
-#define LLAMA_EXPERT_CACHE_API_VERSION 4
+#define LLAMA_EXPERT_CACHE_API_VERSION 5
 
 #ifdef __cplusplus
 extern "C" {
@@ -44,6 +47,8 @@ extern "C" {
     enum llama_expert_cache_miss_path {
         LLAMA_EXPERT_CACHE_MISS_UPLOAD = 0, // upload the miss into a slot and wait for it (blocking)
         LLAMA_EXPERT_CACHE_MISS_CPU    = 1, // compute the miss on the CPU; admit it in the background
+        LLAMA_EXPERT_CACHE_MISS_AUTO   = 2, // per expert and step: upload into a staging slice or compute on the CPU,
+                                             // whichever ends the step sooner (set_miss_costs); admit as MISS_CPU
     };
 
     // Which slot a miss evicts (upload path), and whether a miss is admitted at all (CPU path).
@@ -78,6 +83,9 @@ extern "C" {
         int32_t policy_window; // LFU_AGED, TINYLFU: halve every count each this many steps of a layer (0: never)
         int32_t slru_protected_num; // SLRU: protected slots at most (S - P) * num / den
         int32_t slru_protected_den;
+        int32_t n_stage;       // staging slices for misses uploaded for one step only (MISS_AUTO, and MISS_UPLOAD
+                               // steps larger than the LRU slots), shared by the cached layers whose expert
+                               // tensors have the same types and shapes (0: none; at most the expert count)
     };
 
     struct llama_expert_cache_stats {
@@ -95,7 +103,10 @@ extern "C" {
         uint64_t cpu_experts;           // distinct experts per step computed on the CPU
         uint64_t cpu_expert_bytes;      // host expert bytes those CPU computations read
         uint64_t cpu_us;                // time spent computing misses on the CPU
+        uint64_t cpu_entries;           // (token, expert) entries of those misses
         uint64_t admit_skipped;         // CPU-path misses not admitted (bound reached or no evictable slot)
+        uint64_t staged_uploads;        // misses uploaded into staging slices for their step (not in uploads)
+        uint64_t staged_upload_bytes;   // their bytes
     };
 
     // Memory of one buffer type (llama_expert_cache_memory_breakdown).
@@ -136,6 +147,17 @@ extern "C" {
             struct llama_context * ctx,
             int32_t                il,
             int32_t                miss_path);
+
+    // The per-expert split's costs for layer il (MISS_AUTO), in ns: a missed expert with t routed
+    // entries in a step takes cpu_expert_ns + t * cpu_entry_ns on the CPU, upload_ns to upload into a
+    // staging slice. Whether the uploads run beside the CPU work (a second device queue) is the
+    // cache's own knowledge. Returns a status.
+    LLAMA_API int32_t llama_expert_cache_set_miss_costs(
+            struct llama_context * ctx,
+            int32_t                il,
+            int64_t                cpu_expert_ns,
+            int64_t                cpu_entry_ns,
+            int64_t                upload_ns);
 
     // Miss path in effect for layer il (enum llama_expert_cache_miss_path), or a status.
     LLAMA_API int32_t llama_expert_cache_get_miss_path(

@@ -4,7 +4,7 @@
 #include <algorithm>
 
 void llama_expert_cache_slots::init(int32_t n_expert_, int32_t n_slots_, int32_t n_pinned_, int32_t policy_,
-        int32_t miss_path_, int32_t max_admit_, int32_t window_, int32_t protected_num, int32_t protected_den) {
+        int32_t miss_path_, int32_t max_admit_, int32_t window_, int32_t protected_num, int32_t protected_den, int32_t n_stage_) {
     n_expert      = n_expert_;
     n_slots       = n_slots_;
     n_pinned      = n_pinned_;
@@ -28,6 +28,13 @@ void llama_expert_cache_slots::init(int32_t n_expert_, int32_t n_slots_, int32_t
     seen.assign(n_expert, 0);
     distinct.assign(n_expert, 0);
     admit.assign(2 * (size_t) n_expert, 0);
+    n_stage    = n_stage_ > 0 ? n_stage_ : 0;
+    stage_base = n_slots + 1;
+    n_staged   = 0;
+    expert_stage.assign(n_expert, -1);
+    stage_expert.assign(n_stage, -1);
+    entries.assign(n_expert, 0);
+    order.assign(n_expert, 0);
 }
 
 void llama_expert_cache_slots::pin(int32_t slot, int32_t e) {
@@ -43,11 +50,16 @@ bool llama_expert_cache_slots::counts() const {
 llama_expert_cache_mode llama_expert_cache_slots::mode(int64_t n_tokens, int64_t k, bool decode, bool hybrid) const {
     llama_expert_cache_mode m;
     m.fits = n_tokens * k <= n_slots - n_pinned;
-    // NOTE: misses go to the CPU on the CPU path, and on any step too large for the LRU slots
-    m.to_cpu = hybrid && (miss_path == LLAMA_EXPERT_CACHE_MISS_ID_CPU || !m.fits);
+    const bool per_expert = miss_path == LLAMA_EXPERT_CACHE_MISS_ID_AUTO;
+    // NOTE: misses go to the CPU on the CPU and auto paths, and on any step too large for the LRU slots
+    m.to_cpu = hybrid && (miss_path == LLAMA_EXPERT_CACHE_MISS_ID_CPU || per_expert || !m.fits);
     // NOTE: a multi-token step on the CPU path neither reorders nor admits: it must not flush
     // the decode working set
     m.read_only = m.to_cpu && !decode;
+    // NOTE: the auto path splits every step's misses by cost; the upload path stages the misses
+    // of a step too large for its slots (most entries first) while staging slices last
+    m.split   = m.to_cpu && n_stage > 0 && (per_expert || miss_path == LLAMA_EXPERT_CACHE_MISS_ID_UPLOAD);
+    m.by_cost = m.split && per_expert;
     return m;
 }
 
@@ -206,9 +218,64 @@ const char * llama_expert_cache_slots::place_misses(const llama_expert_cache_mod
     return nullptr;
 }
 
+void llama_expert_cache_slots::clear_stage() {
+    for (int32_t i = 0; i < n_staged; ++i) {
+        expert_stage[stage_expert[i]] = -1;
+    }
+    n_staged = 0;
+}
+
+// The step's misses (after place_misses: a pending admission is still a miss), most entries
+// first (then lower id), go to staging slices while that ends the step sooner: the upload queue
+// and the CPU queue run side by side (concurrent) or one after the other. The split changes no
+// slot: a staged expert is uploaded again if it is admitted later.
+void llama_expert_cache_slots::stage_misses(const llama_expert_cache_ids & ids, const llama_expert_cache_mode & m,
+        llama_expert_cache_outcome & out) {
+    int32_t n_miss = 0;
+    for (int32_t i = 0; i < n_distinct; ++i) {
+        const int32_t e = distinct[i];
+        if (expert_slot[e] < 0) {
+            entries[e] = 0;
+            order[n_miss++] = e;
+        }
+    }
+    for (int64_t t = 0; t < ids.n_tokens; ++t) {
+        for (int64_t j = 0; j < ids.k; ++j) {
+            const int32_t e = ids.at(t, j);
+            entries[e] += expert_slot[e] < 0;
+        }
+    }
+    std::sort(order.begin(), order.begin() + n_miss, [&](int32_t a, int32_t b) {
+        return entries[a] > entries[b] || (entries[a] == entries[b] && a < b);
+    });
+    int64_t cpu_left = 0, up = 0;
+    auto cpu_of = [&](int32_t e) { return costs.cpu_expert_ns + (int64_t) entries[e] * costs.cpu_ns; };
+    for (int32_t i = 0; i < n_miss; ++i) {
+        cpu_left += cpu_of(order[i]);
+    }
+    auto ends = [&](int64_t u, int64_t c) { return costs.concurrent ? std::max(u, c) : u + c; };
+    for (int32_t i = 0; i < n_miss && n_staged < n_stage; ++i) {
+        const int32_t e = order[i];
+        if (m.by_cost) {
+            // NOTE: entries only fall along the order, so once moving one does not help, none does
+            const int64_t c = cpu_of(e);
+            if (ends(up + costs.upload_ns, cpu_left - c) >= ends(up, cpu_left)) {
+                break;
+            }
+            up       += costs.upload_ns;
+            cpu_left -= c;
+        }
+        expert_stage[e] = n_staged;
+        stage_expert[n_staged++] = e;
+    }
+    out.n_staged = n_staged;
+    out.n_cpu   -= n_staged;
+}
+
 const char * llama_expert_cache_slots::step(const llama_expert_cache_ids & ids, const llama_expert_cache_mode & m,
         llama_expert_cache_outcome & out) {
     out = {};
+    clear_stage();
     if (!m.to_cpu && !m.fits) {
         return "step larger than the LRU slots without a CPU path";
     }
@@ -227,6 +294,9 @@ const char * llama_expert_cache_slots::step(const llama_expert_cache_ids & ids, 
     }
     touch_hits(m.read_only, out);
     const char * err = place_misses(m, out);
+    if (!err && m.split) {
+        stage_misses(ids, m, out);
+    }
     if (by_count && !m.read_only && window > 0 && ++age >= window) {
         for (uint32_t & f : freq) {
             f >>= 1;
@@ -267,7 +337,11 @@ const char * llama_expert_cache_slots::remap(const llama_expert_cache_ids & ids,
     for (int64_t t = 0; t < ids.n_tokens; ++t) {
         int32_t * row = dst + t * k;
         for (int64_t j = 0; j < k; ++j) {
-            row[j] = expert_slot[ids.at(t, j)];
+            const int32_t e = ids.at(t, j);
+            row[j] = expert_slot[e];
+            if (row[j] < 0 && expert_stage[e] >= 0) {
+                row[j] = stage_base + expert_stage[e];
+            }
             if (missed) {
                 missed[t * k + j] = row[j] < 0;
             }

@@ -20,6 +20,7 @@ enum llama_expert_cache_policy_id : int32_t {
 enum llama_expert_cache_miss_path_id : int32_t {
     LLAMA_EXPERT_CACHE_MISS_ID_UPLOAD = 0,
     LLAMA_EXPERT_CACHE_MISS_ID_CPU    = 1,
+    LLAMA_EXPERT_CACHE_MISS_ID_AUTO   = 2,
 };
 
 enum llama_expert_cache_slot_state : uint8_t {
@@ -46,6 +47,16 @@ struct llama_expert_cache_mode {
     bool fits      = false; // n_tokens * k <= the LRU slots
     bool to_cpu    = false; // misses are computed on the CPU (admitted in the background)
     bool read_only = false; // nothing is touched or admitted, pending admissions do not land
+    bool split     = false; // misses are staged (uploaded for this step only) or computed on the CPU, per expert
+    bool by_cost   = false; // split: by the layer's costs (AUTO); else the misses with most entries, while staging lasts
+};
+
+// The per-expert split's costs: integer nanoseconds, so the simulator replays the split exactly.
+struct llama_expert_cache_costs {
+    int64_t cpu_expert_ns = 0;  // CPU time of a missed expert: cpu_expert_ns + cpu_ns per (token, expert) entry,
+    int64_t cpu_ns     = 0;     // at the run's threads
+    int64_t upload_ns  = 0;     // upload time of one expert into a staging slice
+    bool    concurrent = false; // staged uploads run beside the CPU work (else before it)
 };
 
 // What one step did.
@@ -55,6 +66,7 @@ struct llama_expert_cache_outcome {
     int32_t n_cpu    = 0; // misses computed on the CPU
     int32_t skipped  = 0; // CPU path: misses not admitted (max_admit, no victim, tinylfu)
     int32_t n_admit  = 0; // (expert, slot) pairs in admit: placed (upload path) or admitted
+    int32_t n_staged = 0; // misses uploaded into staging slices for this step (not counted in n_cpu)
 };
 
 struct llama_expert_cache_slots {
@@ -69,7 +81,11 @@ struct llama_expert_cache_slots {
     int32_t protected_n   = 0; // SLRU: protected slots now
     int32_t age           = 0; // steps since the counts were last halved
     int32_t n_distinct    = 0; // of the current step
+    int32_t n_stage       = 0; // staging slices the layer may use this step
+    int32_t stage_base    = 0; // the slot id of staging slice 0 (n_slots + 1: right after the guard)
+    int32_t n_staged      = 0; // of the current step
     uint64_t tick         = 0;
+    llama_expert_cache_costs costs;
 
     std::vector<int32_t>  slot_expert; // [n_slots] expert in slot, -1 free
     std::vector<uint8_t>  slot_state;  // [n_slots] llama_expert_cache_slot_state
@@ -82,10 +98,14 @@ struct llama_expert_cache_slots {
     std::vector<uint8_t>  seen;        // [n_expert] scratch: already listed in this step
     std::vector<int32_t>  distinct;    // [n_expert] scratch: distinct experts of the step
     std::vector<int32_t>  admit;       // [2 * n_expert] (expert, slot) placements of the step
+    std::vector<int32_t>  expert_stage; // [n_expert] staging slice of a miss staged this step, -1 otherwise
+    std::vector<int32_t>  stage_expert; // [n_stage] the expert staged in each slice this step
+    std::vector<int32_t>  entries;      // [n_expert] scratch: a step's entries per missed expert
+    std::vector<int32_t>  order;        // [n_expert] scratch: the misses, most entries first
 
     // protected_num / protected_den: the SLRU protected share of the LRU slots
     void init(int32_t n_expert, int32_t n_slots, int32_t n_pinned, int32_t policy, int32_t miss_path,
-              int32_t max_admit, int32_t window, int32_t protected_num, int32_t protected_den);
+              int32_t max_admit, int32_t window, int32_t protected_num, int32_t protected_den, int32_t n_stage = 0);
     void pin(int32_t slot, int32_t e); // a pinned expert in one of the first n_pinned slots
 
     llama_expert_cache_mode mode(int64_t n_tokens, int64_t k, bool decode, bool hybrid) const;
@@ -96,6 +116,7 @@ struct llama_expert_cache_slots {
 
     // Slot ids for the expert matmuls ([k, n_tokens] contiguous) after step(); missed (may be
     // null): 1 for an entry the CPU computes. Sets filler_wait; any_wait: some slot was set.
+    // A staged miss reads its staging slice (stage_base + i).
     const char * remap(const llama_expert_cache_ids & ids, int32_t * dst, uint8_t * missed, bool & any_wait);
 
     void land();
@@ -106,6 +127,8 @@ struct llama_expert_cache_slots {
     int32_t victim_slot() const;
     void evict_into(int32_t s, int32_t e);
     const char * place_misses(const llama_expert_cache_mode & m, llama_expert_cache_outcome & out);
+    void stage_misses(const llama_expert_cache_ids & ids, const llama_expert_cache_mode & m, llama_expert_cache_outcome & out);
+    void clear_stage();
     int32_t filler_for(const int32_t * row, int64_t k, bool allow_pending) const;
     bool counts() const;
 };

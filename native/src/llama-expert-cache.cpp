@@ -22,7 +22,8 @@ static_assert((int) LLAMA_EXPERT_CACHE_POLICY_LRU      == (int) LLAMA_EXPERT_CAC
               (int) LLAMA_EXPERT_CACHE_POLICY_SLRU     == (int) LLAMA_EXPERT_CACHE_POLICY_ID_SLRU &&
               (int) LLAMA_EXPERT_CACHE_POLICY_TINYLFU  == (int) LLAMA_EXPERT_CACHE_POLICY_ID_TINYLFU &&
               (int) LLAMA_EXPERT_CACHE_MISS_UPLOAD     == (int) LLAMA_EXPERT_CACHE_MISS_ID_UPLOAD &&
-              (int) LLAMA_EXPERT_CACHE_MISS_CPU        == (int) LLAMA_EXPERT_CACHE_MISS_ID_CPU,
+              (int) LLAMA_EXPERT_CACHE_MISS_CPU        == (int) LLAMA_EXPERT_CACHE_MISS_ID_CPU &&
+              (int) LLAMA_EXPERT_CACHE_MISS_AUTO       == (int) LLAMA_EXPERT_CACHE_MISS_ID_AUTO,
               "the policy core's ids must be the C API's values");
 
 namespace {
@@ -128,7 +129,9 @@ llama_expert_cache::llama_expert_cache(const llama_model & model) : model(model)
 llama_expert_cache::~llama_expert_cache() {
     for (auto & [dev, b] : upload_backends) {
         (void) dev;
-        ggml_backend_synchronize(b);
+        if (b) {
+            ggml_backend_synchronize(b);
+        }
     }
     for (auto & L : layers) {
         if (L) {
@@ -137,11 +140,16 @@ llama_expert_cache::~llama_expert_cache() {
                     ggml_backend_event_free(ev);
                 }
             }
+            if (L->stage_event) {
+                ggml_backend_event_free(L->stage_event);
+            }
         }
     }
     for (auto & [dev, b] : upload_backends) {
         (void) dev;
-        ggml_backend_free(b);
+        if (b) {
+            ggml_backend_free(b);
+        }
     }
     for (auto & w : workers) {
         ggml_backend_free(w.backend);
@@ -168,6 +176,11 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
         err = "invalid parameters: slru_protected_num / slru_protected_den must be a share in [0, 1]";
         return LLAMA_EXPERT_CACHE_ERR_ARG;
     }
+    if (params.n_stage < 0 || params.n_stage > (int32_t) model.hparams.n_expert) {
+        err = fmt("invalid parameters: %d staging slices: expected 0 to %d (the experts of a layer)",
+                params.n_stage, (int32_t) model.hparams.n_expert);
+        return LLAMA_EXPERT_CACHE_ERR_ARG;
+    }
     if (params.n_layers < 0 || (params.n_layers > 0 && params.layers == nullptr)) {
         err = "invalid parameters: layers is null or n_layers < 0";
         return LLAMA_EXPERT_CACHE_ERR_ARG;
@@ -186,7 +199,10 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
             return rc;
         }
     }
-    int32_t rc = dry ? LLAMA_EXPERT_CACHE_OK : check_budget(params, need, err); // NOTE: a dry run measures, never refuses
+    int32_t rc = plan_arenas(params.n_stage, need, err);
+    if (rc == LLAMA_EXPERT_CACHE_OK && !dry) {
+        rc = check_budget(params, need, err); // NOTE: a dry run measures, never refuses
+    }
     if (rc == LLAMA_EXPERT_CACHE_OK) {
         rc = alloc_banks(need, err);
     }
@@ -254,7 +270,7 @@ int32_t llama_expert_cache::check_layer(const llama_expert_cache_layer_params & 
         }
         pin_seen[e] = 1;
     }
-    if (lp.miss_path != LLAMA_EXPERT_CACHE_MISS_UPLOAD && lp.miss_path != LLAMA_EXPERT_CACHE_MISS_CPU) {
+    if (lp.miss_path < LLAMA_EXPERT_CACHE_MISS_UPLOAD || lp.miss_path > LLAMA_EXPERT_CACHE_MISS_AUTO) {
         err = fmt("layer %d: unknown miss path %d", lp.il, lp.miss_path);
         return LLAMA_EXPERT_CACHE_ERR_ARG;
     }
@@ -265,7 +281,7 @@ int32_t llama_expert_cache::check_layer(const llama_expert_cache_layer_params & 
     return LLAMA_EXPERT_CACHE_OK;
 }
 
-// the layer's expert tensors must be plain host tensors; adds its banks' bytes to need
+// the layer's expert tensors must be plain host tensors
 int32_t llama_expert_cache::check_layer_tensors(const llama_expert_cache_layer_params & lp, llama_expert_cache_bank_needs & need,
         size_t & expert_bytes, std::string & err) {
     ggml_backend_dev_t dev = model.dev_layer(lp.il);
@@ -297,7 +313,6 @@ int32_t llama_expert_cache::check_layer_tensors(const llama_expert_cache_layer_p
                     t->name, ggml_backend_buffer_name(t->buffer), ggml_backend_buft_name(host_buft));
         }
         expert_bytes += t->nb[2];
-        need.bytes[buft] += GGML_PAD(t->nb[2] * (size_t) (lp.n_slots + 1), ggml_backend_buft_get_alignment(buft));
     }
     return LLAMA_EXPERT_CACHE_OK;
 }
@@ -315,7 +330,7 @@ int32_t llama_expert_cache::configure_layer(const llama_expert_cache_params & pa
     llama_expert_cache_layer & L = *layer(lp.il);
     const int32_t k = (int32_t) model.hparams.n_expert_used(lp.il);
     L.slots.init(n_expert, lp.n_slots, lp.n_pinned, lp.policy, lp.miss_path, lp.max_admit < 0 ? k : lp.max_admit,
-            params.policy_window, params.slru_protected_num, params.slru_protected_den);
+            params.policy_window, params.slru_protected_num, params.slru_protected_den, params.n_stage);
     L.expert_bytes = expert_bytes;
     return LLAMA_EXPERT_CACHE_OK;
 }
@@ -338,12 +353,110 @@ int32_t llama_expert_cache::check_budget(const llama_expert_cache_params & param
     return LLAMA_EXPERT_CACHE_OK;
 }
 
-// one buffer per device buffer type holding all its banks
+namespace {
+
+std::vector<ggml_tensor *> expert_tensors(const llama_layer & ml) {
+    std::vector<ggml_tensor *> out;
+    for (ggml_tensor * t : { ml.ffn_gate_exps, ml.ffn_up_exps, ml.ffn_down_exps, ml.ffn_gate_up_exps }) {
+        if (t) {
+            out.push_back(t);
+        }
+    }
+    return out;
+}
+
+bool same_shapes(const std::vector<ggml_tensor *> & a, const std::vector<ggml_tensor *> & b) {
+    if (a.size() != b.size()) {
+        return false;
+    }
+    for (size_t i = 0; i < a.size(); ++i) {
+        if (a[i]->type != b[i]->type || a[i]->ne[0] != b[i]->ne[0] || a[i]->ne[1] != b[i]->ne[1]) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// the first slice at or after `at` whose byte offset suits the buffer type in every kind (views of
+// an arena start there), within a bound
+int64_t aligned_slice(const std::vector<ggml_tensor *> & like, int64_t at, size_t align) {
+    for (int64_t s = at; s < at + 4096; ++s) {
+        bool ok = true;
+        for (ggml_tensor * t : like) {
+            ok = ok && ((size_t) s * t->nb[2]) % align == 0;
+        }
+        if (ok) {
+            return s;
+        }
+    }
+    return at;
+}
+
+} // namespace
+
+// Which arena holds each cached layer's banks (layer order), the staging slices after them, and the
+// bytes they need per buffer type.
+int32_t llama_expert_cache::plan_arenas(int32_t n_stage, llama_expert_cache_bank_needs & need, std::string & err) {
+    for (auto & Lp : layers) {
+        if (!Lp || Lp->slots.n_slots == 0) {
+            continue;
+        }
+        llama_expert_cache_layer & L = *Lp;
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(model.dev_layer(L.il));
+        const std::vector<ggml_tensor *> like = expert_tensors(model.layers[L.il]);
+        const size_t align = ggml_backend_buft_get_alignment(buft);
+        size_t nb_max = 0;
+        for (ggml_tensor * t : like) {
+            nb_max = std::max(nb_max, t->nb[2]);
+        }
+        const int64_t max_slices = nb_max > 0 ? (int64_t) (ggml_backend_buft_get_max_size(buft) / nb_max) : INT64_MAX;
+        llama_expert_cache_arena * a = nullptr;
+        for (auto & c : arenas) {
+            if (c.buft == buft && same_shapes(c.like, like)) {
+                a = &c; // the newest arena of this kind (a full one is followed by a new one)
+            }
+        }
+        int64_t at = a ? aligned_slice(like, a->total, align) : 0;
+        const int64_t need_slices = L.slots.n_slots + 1;
+        if (a && aligned_slice(like, at + need_slices, align) + n_stage > max_slices) {
+            a = nullptr; // past the buffer type's max size: a new arena
+            at = 0;
+        }
+        if (!a) {
+            if (need_slices + n_stage > max_slices) {
+                err = fmt("layer %d: a bank of %d slots does not fit one %s buffer (%.3f GiB at most)", L.il,
+                        L.slots.n_slots, ggml_backend_buft_name(buft), ggml_backend_buft_get_max_size(buft) / 1073741824.0);
+                return LLAMA_EXPERT_CACHE_ERR_NO_MEMORY;
+            }
+            arenas.emplace_back();
+            a = &arenas.back();
+            a->buft = buft;
+            a->like = like;
+        }
+        a->layers.push_back(L.il);
+        a->start.push_back(at);
+        a->total = at + need_slices;
+    }
+    for (auto & a : arenas) {
+        const size_t align = ggml_backend_buft_get_alignment(a.buft);
+        a.stage_start = aligned_slice(a.like, a.total, align);
+        a.total       = a.stage_start + n_stage;
+        for (ggml_tensor * t : a.like) {
+            need.bytes[a.buft] += GGML_PAD(t->nb[2] * (size_t) a.total, align);
+        }
+        for (size_t i = 0; i < a.layers.size(); ++i) {
+            layer(a.layers[i])->slots.stage_base = (int32_t) (a.stage_start - a.start[i]);
+        }
+    }
+    return LLAMA_EXPERT_CACHE_OK;
+}
+
+// one buffer per device buffer type holding its arenas (more where the buffer type's max size asks)
 int32_t llama_expert_cache::alloc_banks(llama_expert_cache_bank_needs & need, std::string & err) {
     std::map<ggml_backend_buffer_type_t, ggml_context *> bctx;
     for (const auto & [buft, bytes] : need.bytes) {
         (void) bytes;
-        ggml_init_params ip = { /*.mem_size =*/ ggml_tensor_overhead() * 4 * layers.size() + 1024, /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ true };
+        ggml_init_params ip = { /*.mem_size =*/ ggml_tensor_overhead() * 4 * (arenas.size() + 1) + 1024, /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ true };
         ggml_context * c = ggml_init(ip);
         if (!c) {
             err = "ggml_init failed";
@@ -352,13 +465,13 @@ int32_t llama_expert_cache::alloc_banks(llama_expert_cache_bank_needs & need, st
         ctxs.emplace_back(c);
         bctx[buft] = c;
     }
-    for (auto & Lp : layers) {
-        if (!Lp || Lp->slots.n_slots == 0) {
-            continue;
+    for (size_t i = 0; i < arenas.size(); ++i) {
+        auto & a = arenas[i];
+        for (ggml_tensor * t : a.like) {
+            ggml_tensor * b = ggml_new_tensor_3d(bctx[a.buft], t->type, t->ne[0], t->ne[1], a.total);
+            ggml_format_name(b, "spark_arena%zu.%s", i, t->name);
+            a.tensors.push_back(b);
         }
-        ggml_backend_dev_t dev = model.dev_layer(Lp->il);
-        make_banks(*Lp, bctx[ggml_backend_dev_buffer_type(dev)]);
-        init_admissions(*Lp, dev);
     }
     for (const auto & [buft, c] : bctx) {
         if (dry) {
@@ -381,6 +494,23 @@ int32_t llama_expert_cache::alloc_banks(llama_expert_cache_bank_needs & need, st
         device_bytes     += ggml_backend_buffer_get_size(buf);
         bufs.emplace_back(buf);
     }
+    size_t n_views = 0;
+    for (const auto & a : arenas) {
+        n_views += a.layers.size() * a.like.size();
+    }
+    ggml_init_params ip = { /*.mem_size =*/ ggml_tensor_overhead() * (n_views + 1) + 1024, /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ true };
+    ggml_context * vctx = ggml_init(ip);
+    if (!vctx) {
+        err = "ggml_init failed";
+        return LLAMA_EXPERT_CACHE_ERR_INTERNAL;
+    }
+    ctxs.emplace_back(vctx);
+    for (const auto & a : arenas) {
+        make_views(a, vctx);
+        for (int32_t il : a.layers) {
+            init_admissions(*layer(il), model.dev_layer(il));
+        }
+    }
     return LLAMA_EXPERT_CACHE_OK;
 }
 
@@ -396,15 +526,24 @@ ggml_backend_buffer_t llama_expert_cache::dry_buffer(ggml_context * c, ggml_back
     return buf;
 }
 
-void llama_expert_cache::make_banks(llama_expert_cache_layer & L, ggml_context * c) {
-    const auto & ml = model.layers[L.il];
-    for (ggml_tensor * t : { ml.ffn_gate_exps, ml.ffn_up_exps, ml.ffn_down_exps, ml.ffn_gate_up_exps }) {
-        if (!t) {
-            continue;
+// each layer's banks: views of the arena from its slot 0 to the arena's end (slots, guard, the
+// banks after it, the staging slices), so one id space holds its slots and the staging slices
+void llama_expert_cache::make_views(const llama_expert_cache_arena & a, ggml_context * c) {
+    for (size_t i = 0; i < a.layers.size(); ++i) {
+        llama_expert_cache_layer & L = *layer(a.layers[i]);
+        const std::vector<ggml_tensor *> srcs = expert_tensors(model.layers[L.il]);
+        for (size_t k = 0; k < a.tensors.size(); ++k) {
+            ggml_tensor * t = a.tensors[k];
+            ggml_tensor * v = ggml_view_3d(c, t, t->ne[0], t->ne[1], a.total - a.start[i], t->nb[1], t->nb[2],
+                    (size_t) a.start[i] * t->nb[2]);
+            ggml_format_name(v, "spark_bank.%s", srcs[k]->name);
+            if (dry) {
+                v->buffer = t->buffer; // NOTE: no data to point into: the dry run's marked buffer
+            } else {
+                GGML_ASSERT(ggml_backend_view_init(v) == GGML_STATUS_SUCCESS);
+            }
+            L.banks.push_back({ srcs[k], v });
         }
-        ggml_tensor * b = ggml_new_tensor_3d(c, t->type, t->ne[0], t->ne[1], L.slots.n_slots + 1);
-        ggml_format_name(b, "spark_bank.%s", t->name);
-        L.banks.push_back({ t, b });
     }
 }
 
@@ -428,6 +567,11 @@ void llama_expert_cache::init_admissions(llama_expert_cache_layer & L, ggml_back
             }
         }
     }
+    if (L.upload_backend && L.slots.n_stage > 0) {
+        L.stage_event = ggml_backend_event_new(dev);
+    }
+    // NOTE: the split's cost rule: staged uploads beside the CPU work only with their own queue and event
+    L.slots.costs.concurrent = L.upload_backend != nullptr && L.stage_event != nullptr;
 }
 
 // the CPU miss path's private backend (never the context's: its threads run the host nodes)
@@ -815,7 +959,40 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
 
     // NOTE: uploads run without the lock; only this thread changes the slots
     lock.unlock();
+    upload_staged(L, o.n_staged);
     upload_admissions(L, o.n_admit, m.to_cpu && L.upload_backend != nullptr, any_wait);
+}
+
+// the step's staged misses into its staging slices: on the upload queue, the device's compute
+// waiting only for their event, or blocking. NOTE: a slice is reused by the layer's next step only
+// after its host node saw this step's ids, so after the device finished the matmuls reading it.
+void llama_expert_cache::upload_staged(llama_expert_cache_layer & L, int32_t n_staged) {
+    if (n_staged == 0) {
+        return;
+    }
+    const bool background = L.slots.costs.concurrent && L.compute_backend != nullptr;
+    uint64_t bytes = 0;
+    for (int32_t i = 0; i < n_staged; ++i) {
+        const int32_t e = L.slots.stage_expert[i];
+        const size_t  s = (size_t) (L.slots.stage_base + i);
+        for (auto & b : L.banks) {
+            const size_t nb = b.src->nb[2];
+            const void * src = (const char *) b.src->data + (size_t) e * nb;
+            if (background) {
+                ggml_backend_tensor_set_async(L.upload_backend, b.bank, src, s * nb, nb);
+            } else {
+                ggml_backend_tensor_set(b.bank, src, s * nb, nb);
+            }
+            bytes += nb;
+        }
+    }
+    if (background) {
+        ggml_backend_event_record(L.stage_event, L.upload_backend);
+        ggml_backend_event_wait(L.compute_backend, L.stage_event);
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    L.stats.staged_uploads      += n_staged;
+    L.stats.staged_upload_bytes += bytes;
 }
 
 // routing counts and the trace, for every step of a counted layer (under the lock)
@@ -927,18 +1104,19 @@ void llama_expert_cache::compute_partial(llama_expert_cache_node & n, ggml_tenso
     }
     // the node's last thread to finish (also on an exception) adds the wall time from the first start
     struct last_out {
-        llama_expert_cache & ec; llama_expert_cache_layer & L; int nth; bool timed;
+        llama_expert_cache & ec; llama_expert_cache_layer & L; int nth; bool timed; int64_t entries;
         ~last_out() {
             if (ec.cpu_done.fetch_add(1) + 1 == nth) {
                 const int64_t us = ggml_time_us() - ec.cpu_t0.exchange(0);
                 ec.cpu_done.store(0);
                 if (timed) {
                     std::lock_guard<std::mutex> lock(ec.mutex);
-                    L.stats.cpu_us += us;
+                    L.stats.cpu_us      += us;
+                    L.stats.cpu_entries += entries;
                 }
             }
         }
-    } out_guard{*this, L, nth, cpu && n_miss > 0};
+    } out_guard{*this, L, nth, cpu && n_miss > 0, n_miss};
 
     // each thread zeroes its range of the device's entries; a missed entry is written by its expert's worker
     for (int64_t i = kT * ith / nth; i < kT * (ith + 1) / nth; ++i) {
@@ -1110,6 +1288,7 @@ struct llama_expert_cache_params llama_expert_cache_default_params(void) {
     p.policy_window = 16;
     p.slru_protected_num = 3;
     p.slru_protected_den = 4;
+    p.n_stage       = 0;
     return p;
 }
 
@@ -1254,18 +1433,38 @@ int32_t llama_expert_cache_set_miss_path(llama_context * ctx, int32_t il, int32_
     if (!L) {
         return rc;
     }
-    if (miss_path != LLAMA_EXPERT_CACHE_MISS_UPLOAD && miss_path != LLAMA_EXPERT_CACHE_MISS_CPU) {
+    if (miss_path < LLAMA_EXPERT_CACHE_MISS_UPLOAD || miss_path > LLAMA_EXPERT_CACHE_MISS_AUTO) {
         return LLAMA_EXPERT_CACHE_ERR_ARG;
     }
     std::lock_guard<std::mutex> lock(L->owner->mutex);
     if (L->slots.n_slots == 0) {
         return LLAMA_EXPERT_CACHE_ERR_LAYER;
     }
-    if (miss_path == LLAMA_EXPERT_CACHE_MISS_CPU && L->cpu_ok == 0) {
+    if (miss_path != LLAMA_EXPERT_CACHE_MISS_UPLOAD && L->cpu_ok == 0) {
         LLAMA_LOG_ERROR("%s: layer %d: its expert ops cannot run on the CPU miss path\n", __func__, il);
         return LLAMA_EXPERT_CACHE_ERR_PLACEMENT;
     }
     L->slots.miss_path = miss_path;
+    return LLAMA_EXPERT_CACHE_OK;
+}
+
+int32_t llama_expert_cache_set_miss_costs(llama_context * ctx, int32_t il, int64_t cpu_expert_ns, int64_t cpu_ns,
+        int64_t upload_ns) {
+    int32_t rc;
+    llama_expert_cache_layer * L = layer_of(ctx, il, rc);
+    if (!L) {
+        return rc;
+    }
+    if (cpu_expert_ns < 0 || cpu_ns < 0 || upload_ns < 0) {
+        return LLAMA_EXPERT_CACHE_ERR_ARG;
+    }
+    std::lock_guard<std::mutex> lock(L->owner->mutex);
+    if (L->slots.n_slots == 0) {
+        return LLAMA_EXPERT_CACHE_ERR_LAYER;
+    }
+    L->slots.costs.cpu_expert_ns = cpu_expert_ns;
+    L->slots.costs.cpu_ns        = cpu_ns;
+    L->slots.costs.upload_ns = upload_ns;
     return LLAMA_EXPERT_CACHE_OK;
 }
 

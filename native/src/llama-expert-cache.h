@@ -22,7 +22,23 @@ struct llama_expert_cache;
 // One expert tensor of a cached layer and its device bank.
 struct llama_expert_cache_bank {
     ggml_tensor * src  = nullptr; // host tensor [ne0, ne1, n_expert]
-    ggml_tensor * bank = nullptr; // device tensor [ne0, ne1, n_slots + 1]; the last slice is a zeroed guard
+    ggml_tensor * bank = nullptr; // device view [ne0, ne1, ..] of its arena from the layer's slot 0: n_slots slots,
+                                  // a zeroed guard, other layers' banks, then the shared staging slices
+};
+
+// The banks of the cached layers whose expert tensors have the same types and shapes, on one buffer
+// type: per expert tensor kind one device tensor holding each such layer's slots and guard, then the
+// staging slices those layers share (a layer's host node runs only after the device finished the
+// layers before it, so one layer at a time uses them). Split where a tensor would pass the buffer
+// type's max size.
+struct llama_expert_cache_arena {
+    ggml_backend_buffer_type_t buft = nullptr;
+    std::vector<ggml_tensor *> like;    // the first layer's expert tensors (types and shapes), in bank order
+    std::vector<ggml_tensor *> tensors; // one per kind, made at allocation
+    std::vector<int32_t> layers;        // the layers, and the slice of each one's slot 0
+    std::vector<int64_t> start;
+    int64_t stage_start = 0;            // the first staging slice
+    int64_t total = 0;                  // slices
 };
 
 struct llama_expert_cache_layer;
@@ -93,6 +109,7 @@ struct llama_expert_cache_layer {
     llama_expert_cache_slots slots; // the policy core: slot table, counts, decisions
 
     std::vector<ggml_backend_event_t> slot_event; // [n_slots] admission landed (null: no events)
+    ggml_backend_event_t stage_event = nullptr;    // the step's staged uploads landed (null: they block)
     std::vector<uint8_t>  missed;      // [k * n_tokens] scratch: entries of the step the CPU computes
 
     std::vector<uint64_t> counts[2];   // [phase][n_expert] routed occurrences
@@ -158,7 +175,8 @@ struct llama_expert_cache {
                             llama_expert_cache_bank_needs & need, std::string & err);
     int32_t check_budget(const llama_expert_cache_params & params, llama_expert_cache_bank_needs & need, std::string & err);
     int32_t alloc_banks(llama_expert_cache_bank_needs & need, std::string & err);
-    void    make_banks(llama_expert_cache_layer & L, ggml_context * c);
+    int32_t plan_arenas(int32_t n_stage, llama_expert_cache_bank_needs & need, std::string & err);
+    void    make_views(const llama_expert_cache_arena & a, ggml_context * c);
     static ggml_backend_buffer_t dry_buffer(ggml_context * c, ggml_backend_buffer_type_t buft, size_t & bytes);
     void    init_admissions(llama_expert_cache_layer & L, ggml_backend_dev_t dev);
     void    init_workers();
@@ -178,6 +196,7 @@ struct llama_expert_cache {
     void count_step(llama_expert_cache_layer & L, int phase, const llama_expert_cache_ids & ids);
     void wait_admissions(llama_expert_cache_layer & L);
     void upload_admissions(llama_expert_cache_layer & L, int32_t n_admit, bool background, bool any_wait);
+    void upload_staged(llama_expert_cache_layer & L, int32_t n_staged);
     void compute_experts(llama_expert_cache_worker & w, llama_expert_cache_layer & L, ggml_tensor * dst,
                          int64_t e_begin, int64_t e_end);
     void size_workers(const llama_expert_cache_layer & L, int64_t n_entries, int64_t n_tokens, int64_t n_embd_in);
@@ -191,6 +210,7 @@ struct llama_expert_cache {
     bool    failed = false; // a host node caught an exception (see the log)
 
     std::vector<std::unique_ptr<llama_expert_cache_layer>> layers; // [n_layer], null for dense layers
+    std::vector<llama_expert_cache_arena> arenas;
     std::vector<ggml_context_ptr>        ctxs;
     std::vector<ggml_backend_buffer_ptr> bufs;
     std::map<ggml_backend_dev_t, ggml_backend_t> upload_backends; // owned

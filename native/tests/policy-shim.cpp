@@ -7,13 +7,21 @@
 extern "C" {
 
 void * ecp_new(int32_t n_expert, int32_t n_slots, const int32_t * pinned, int32_t n_pinned, int32_t policy,
-        int32_t miss_path, int32_t max_admit, int32_t window, int32_t protected_num, int32_t protected_den) {
+        int32_t miss_path, int32_t max_admit, int32_t window, int32_t protected_num, int32_t protected_den, int32_t n_stage) {
     auto * c = new llama_expert_cache_slots();
-    c->init(n_expert, n_slots, n_pinned, policy, miss_path, max_admit, window, protected_num, protected_den);
+    c->init(n_expert, n_slots, n_pinned, policy, miss_path, max_admit, window, protected_num, protected_den, n_stage);
     for (int32_t j = 0; j < n_pinned; ++j) {
         c->pin(j, pinned[j]);
     }
     return c;
+}
+
+void ecp_set_costs(void * h, int64_t cpu_expert_ns, int64_t cpu_ns, int64_t upload_ns, int32_t concurrent) {
+    auto & c = *(llama_expert_cache_slots *) h;
+    c.costs.cpu_expert_ns = cpu_expert_ns;
+    c.costs.cpu_ns     = cpu_ns;
+    c.costs.upload_ns  = upload_ns;
+    c.costs.concurrent = concurrent != 0;
 }
 
 void ecp_free(void * h) {
@@ -21,7 +29,7 @@ void ecp_free(void * h) {
 }
 
 // One step as the host node runs it. ids: [n_tokens, k] token-major. out: hits, misses, n_cpu,
-// skipped, n_admit, fits, to_cpu, read_only. admit: [2 * n_expert]; dst, missed: [n_tokens * k];
+// skipped, n_admit, fits, to_cpu, read_only, n_staged, split. admit: [2 * n_expert]; dst, missed: [n_tokens * k];
 // waits: [n_slots] the pending slots read as fillers. Returns 0, or -1 and a message in err.
 int32_t ecp_step(void * h, const int32_t * ids, int64_t n_tokens, int64_t k, int32_t decode, int32_t hybrid,
         int32_t * out, int32_t * admit, int32_t * dst, uint8_t * missed, uint8_t * waits, char * err, size_t err_len) {
@@ -43,7 +51,7 @@ int32_t ecp_step(void * h, const int32_t * ids, int64_t n_tokens, int64_t k, int
         snprintf(err, err_len, "%s", e);
         return -1;
     }
-    const int32_t r[8] = { o.hits, o.misses, o.n_cpu, o.skipped, o.n_admit, m.fits, m.to_cpu, m.read_only };
+    const int32_t r[10] = { o.hits, o.misses, o.n_cpu, o.skipped, o.n_admit, m.fits, m.to_cpu, m.read_only, o.n_staged, m.split };
     memcpy(out, r, sizeof(r));
     memcpy(admit, c.admit.data(), 2 * (size_t) o.n_admit * sizeof(int32_t));
     for (int32_t s = 0; s < c.n_slots; ++s) {

@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 
 from ..core.options import LoadFlags
-from .common import console, err_console, model_flags, model_or_demo, run_inputs
+from .common import MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, run_inputs
 
 
 def _budget(vram_text: str | None, residency: float | None, geometry, ctx: int, devs: list,
@@ -185,13 +185,12 @@ def register(app: typer.Typer) -> None:
         md: bool = typer.Option(False, "--md", help="print a markdown table (for an issue) instead of the rich one"),
         plot: Path = typer.Option(None, "--plot", help="write a bar chart of generation tok/s (PNG)"),
         configs: str = typer.Option(None, "--configs", help="comma-separated subset of: resident, cpu-moe, "
-                                    "n-cpu-moe, spark-step, spark"),
+                                    "n-cpu-moe, spark-step, spark (the default), and spark-layer (the per-layer "
+                                    "miss rule before per-expert misses)"),
         ceiling: bool = typer.Option(False, "--ceiling", help="measure all-resident even when it is over the "
                                      "budget (a reference; needs the device memory)"),
         no_learn: bool = typer.Option(False, "--no-learn", help="do not fold this run's routing into the profile"),
-        miss_path: str = typer.Option("auto", "--miss-path", help="Spark's misses: cpu (computed on the CPU, "
-                                      "admitted in the background), upload (uploaded, waited for), or auto "
-                                      "(per layer, the cheaper on this machine)"),
+        miss_path: str = typer.Option("auto", "--miss-path", help=MISS_PATH_HELP),
         flags: LoadFlags = None,
     ) -> None:
         """Tokens/s of Spark against stock llama.cpp offload and the all-resident ceiling, same budget.

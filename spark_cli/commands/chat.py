@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..core.options import LoadFlags
-from .common import JINJA_HELP, TEMPLATE_FILE_HELP, chat_templates, console, err_console, model_flags, model_or_demo
+from .common import JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, console, err_console, model_flags, model_or_demo
 
 HELP = ("/stats  per-layer cache table    /reset  forget the conversation    /system TEXT  set the system prompt\n"
         "/save FILE  conversation as JSON    /exit  leave (or Ctrl-D)    Ctrl-C stops an answer")
@@ -279,9 +279,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="one-shot: print {answer, figures} as JSON on stdout"),
         learn: bool = typer.Option(True, "--learn/--no-learn", help="fold this session's routing into the "
                                    "model's profile on exit"),
-        miss_path_choice: str = typer.Option(None, "--miss-path", help="where a cached layer computes an expert "
-                                             "that is not on the device: auto (measured per layer, cached), cpu, "
-                                             "or upload (default: the plan's, else auto)"),
+        miss_path_choice: str = typer.Option(None, "--miss-path", help=MISS_PATH_HELP + " (default: the plan's, else auto)"),
         template_file: Path = typer.Option(None, "--chat-template-file", help=TEMPLATE_FILE_HELP),
         jinja: bool = typer.Option(True, "--jinja/--no-jinja", help=JINJA_HELP),
         flags: LoadFlags = None,

@@ -121,6 +121,10 @@ def run_inputs(model: Path | None, *, profile: Path | None = None, plan: Path | 
             ("plan", plan), ("trace", trace), ("corpus", corpus)]
 
 
+MISS_PATH_HELP = ("where a cached layer computes an expert that is not on the device: auto (per expert and step: "
+                  "uploaded for the step or computed on the CPU, whichever is cheaper on this machine, measured "
+                  "once and remembered), cpu (computed on the CPU, admitted in the background), upload (uploaded "
+                  "and waited for), or layer (the cheaper of cpu and upload per layer, the rule before auto)")
 TEMPLATE_FILE_HELP = "Jinja chat template file to use instead of the GGUF's (llama-server's flag)"
 JINJA_HELP = "render the GGUF's Jinja chat template (the default when it has one); --no-jinja: llama.cpp's built-in"
 

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from ..core.options import LoadFlags
-from .common import JSON_HELP, console, err_console, model_flags, model_or_demo, run_inputs
+from .common import JSON_HELP, MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, run_inputs
 
 
 def _save(plan, output: Path) -> None:
@@ -18,7 +18,7 @@ def _save(plan, output: Path) -> None:
 
 def trace_replay_line(trace, plan) -> str:
     """The plan replayed on the trace: static cold-hit, then experts off the device with its policy."""
-    from ..core.planner import replayed_miss
+    from ..core.planner import replay_path, replayed_miss
     from ..core.simulator import cold_hit_rate
 
     if trace.n_decode == 0:
@@ -26,7 +26,7 @@ def trace_replay_line(trace, plan) -> str:
     cold = cold_hit_rate(trace, plan.hot_set())
     if not any(l.mode == "cached" for l in plan.layers):
         return f"on the trace ({trace.n_decode} decode rows, in-sample): cold-hit {100 * cold:.1f}%"
-    miss = replayed_miss(plan, trace, "cpu" if plan.miss_path == "cpu" else "upload")
+    miss = replayed_miss(plan, trace, replay_path(plan.miss_path))
     return (f"on the trace ({trace.n_decode} decode rows, in-sample): cold-hit {100 * cold:.1f}%, "
             f"with the {plan.policy} slots {100 * miss:.1f}% of experts are not on the device")
 
@@ -122,8 +122,8 @@ def register(app: typer.Typer) -> None:
                                    "lru, lfu-aged, slru, tinylfu, or auto (replay the trace through each with "
                                    "the plan's slots and keep the best)"),
         miss_path: str = typer.Option("auto", "--miss-path", help="the miss path the plan is priced for and "
-                                      "records: auto (chosen per layer when it runs; priced as upload), cpu, "
-                                      "upload; chat and serve's --miss-path overrides it"),
+                                      "records (auto and upload hold staging slices for misses uploaded for one step); chat "
+                                      "and serve's --miss-path overrides it. " + MISS_PATH_HELP),
         measure: bool = typer.Option(True, "--measure/--no-measure", help="measure the bill with a dry run "
                                      "(llama.cpp no_alloc) on the device and fit the plan to it; needs a device "
                                      "(-dev, --rpc or a local GPU)"),

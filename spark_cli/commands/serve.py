@@ -9,15 +9,16 @@ from pathlib import Path
 import typer
 
 from ..core.options import LoadFlags
-from .common import JINJA_HELP, TEMPLATE_FILE_HELP, chat_templates, err_console, model_flags, model_or_demo
+from .common import JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, err_console, model_flags, model_or_demo
 
 def _engine_options(path: Path, geometry, plan, flags, n_ctx: int, learn: bool, miss_path: str):
     from ..runs import session
 
     opts = session.engine_options(path, geometry, plan, flags, n_ctx=n_ctx, learn=learn)
-    # NOTE: auto starts on the cpu path; resolve() then measures and picks per layer
-    first = "cpu" if miss_path == "auto" else miss_path
-    opts.cache_layers = [dataclasses.replace(c, miss_path=first) for c in opts.cache_layers]
+    from ..runs.miss_path import initial_path
+
+    # NOTE: auto starts on the cpu path; resolve() then calibrates and sets each layer
+    opts.cache_layers = [dataclasses.replace(c, miss_path=initial_path(miss_path)) for c in opts.cache_layers]
     return opts
 
 
@@ -31,9 +32,8 @@ def register(app: typer.Typer) -> None:
                                       "(default: the device's free memory minus a margin)"),
         host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
         port: int = typer.Option(8080, "--port", min=0, max=65535, help="port to listen on (0: any free one)"),
-        miss_path: str = typer.Option(None, "--miss-path", help="expert cache misses: upload and wait, compute on the "
-                                      "cpu, or auto (measured per layer, then remembered); default: the plan's, "
-                                      "else auto", show_default=False),
+        miss_path: str = typer.Option(None, "--miss-path", help=MISS_PATH_HELP + " (default: the plan's, else auto)",
+                                      show_default=False),
         api_key: str = typer.Option(None, "--api-key", envvar="SPARK_API_KEY", show_envvar=True,
                                     help="require 'Authorization: Bearer KEY' on every endpoint but /health"),
         allowed_hosts: str = typer.Option(None, "--allowed-hosts", help="comma-separated names a request's Host "

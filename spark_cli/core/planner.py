@@ -11,7 +11,10 @@ The same request gives the same plan whichever command asks. The rest of this mo
 Every MoE layer is either *resident* (all experts on the device) or *cached*: experts
 stay in host RAM and a device bank of S slots holds P pinned hot experts plus S - P
 policy slots, with S - P >= k (n_expert_used) so one decode step fits, and one guard
-slice: bank bytes = (S + 1) * bytes_per_expert.
+slice: bank bytes = (S + 1) * bytes_per_expert. On the auto and upload miss paths the
+cached layers of one expert shape also share G staging slices (`stage_slices`), where a
+step's misses are uploaded for that step only: G * bytes_per_expert per shape, in
+expert_banks, a fixed cost once any layer is cached.
 
 Placement is one greedy sequence of actions, independent of the budget: each action
 pins the next-hottest expert of a layer or adds a policy slot to a layer, whichever
@@ -26,8 +29,9 @@ P pins (the P hottest) and L policy slots:
                     and L policy slots. plan_for then keeps the best of three plans by
                     their replayed miss share (ties: this order): "replay" (that greedy),
                     "pins+k" (counts alone) and "all-slots" (the greedy without pins).
-The replay runs the request's miss path: "cpu" replays the cpu path, "upload" and
-"auto" (chosen per layer on the machine, after planning) the upload path.
+The replay runs the request's miss path: "cpu" and "auto" (whose admissions are the cpu path's;
+its per-expert split changes no slot) replay the cpu path, "upload" and "layer" (the per-layer
+rule, chosen on the machine after planning) the upload path.
 A layer whose pins, policy slots and guard would reach n_expert becomes resident.
 Below the cache floor (fixed costs + k slots and a guard in every MoE layer), layers keep
 their experts wholly in host RAM, as stock `--n-cpu-moe N` does: the lowest-numbered MoE
@@ -52,6 +56,7 @@ Plan file (`spark plan -o`, read by `--plan`), JSON:
    "stock": {n_cpu_moe, fits, device_bytes, override_patterns, cpu_moe_device_bytes,
              cpu_moe_fits},
    "overrides": [{"pattern", "target"}, ...],   # tensor overrides the engine applies (placement.py)
+   "stage_slices": int,   # optional (default 0): staging slices per expert shape
    "layers": [{"index", "mode", "pinned", "slots", "device_bytes", "host_bytes"}, ...]}
 mode: resident | cached | host (experts in host RAM, no bank) | dense | skipped (an MTP
 block llama.cpp does not load).
@@ -76,14 +81,37 @@ from .bill import MeasuredBill
 from .gguf_info import ModelGeometry
 from .options import DEFAULT_UBATCH
 from .placement import TensorOverride, cached_expert_overrides, stock_overrides, stock_patterns
-from .simulator import DEFAULT_POLICY, ONLINE_POLICIES, LayerTrace, canonical_policy
+from .simulator import DEFAULT_POLICY, MISS_PATH_CHOICES, ONLINE_POLICIES, LayerTrace, canonical_policy
 
 PLAN_VERSION = 2
 MODES = ("resident", "cached", "host", "dense", "skipped")
 BREAKDOWN_KEYS = ("weights_global", "weights_layers_nonexpert", "experts_resident", "expert_banks",
                   "kv_cache", "compute", "overhead", "total")
 
-MISS_PATHS = ("auto", "cpu", "upload")  # what a plan records (runs/miss_path.py resolves auto)
+MISS_PATHS = MISS_PATH_CHOICES  # what a plan records (--miss-path)
+
+
+STAGE_STEPS = 4  # staging slices per shape: the experts of this many decode steps (a prefill step's heaviest misses)
+
+
+def replay_path(miss_path: str) -> str:
+    """The simulator's miss path that replays a plan's: auto admits as the cpu path does (its
+    per-expert split changes no slot); layer (the per-layer rule) replays the upload path."""
+    return "cpu" if miss_path in ("cpu", "auto") else "upload"
+
+
+def stage_slices(n_expert: int, k: int, miss_path: str) -> int:
+    """Staging slices per expert shape on the paths that stage misses (auto: by cost in every
+    step; upload: steps too large for the slots); none on the cpu path and the per-layer rule."""
+    return 0 if miss_path in ("cpu", "layer") else min(n_expert, STAGE_STEPS * k)
+
+
+def staging_bytes(g: ModelGeometry, slices: int) -> int:
+    """Device bytes of `slices` staging slices for each distinct expert shape of the MoE layers
+    (the native cache shares them among the cached layers of one shape)."""
+    shapes = {tuple((t.kind, t.ggml_type, t.bytes_per_expert) for t in l.experts): l.expert_bytes_per_expert
+              for l in g.layers if l.is_moe and not l.is_nextn}
+    return slices * sum(shapes.values())
 MissFn = Callable[[int, int, int], float]  # (layer, pins, policy slots) -> miss share
 
 
@@ -223,6 +251,7 @@ class Plan:
     policy: str = DEFAULT_POLICY  # the cache policy of the cached layers (simulator.POLICIES)
     predicted_miss: float | None = None  # replayed miss share on the planning trace
     miss_path: str = "auto"  # auto | cpu | upload (miss_path.py); --miss-path overrides it
+    stage_slices: int = 0  # staging slices per expert shape (stage_slices); their bytes are in expert_banks
     overrides: tuple[TensorOverride, ...] = ()  # expert weights of cached layers -> host RAM (placement.py)
     measured: dict[str, Any] | None = None  # the dry run's bill (bill.MeasuredBill.to_dict); None: not measured
     measured_device_bytes: int | None = None  # its total on the first device (banks included)
@@ -287,7 +316,9 @@ class Plan:
                    predicted_cold_hit=f.float(d, "predicted_cold_hit", "", optional=True), stock=stock,
                    policy=f.str(d, "policy", "", default=DEFAULT_POLICY),
                    predicted_miss=f.float(d, "predicted_miss", "", optional=True, default=None),
-                   miss_path=f.str(d, "miss_path", "", default="auto"), overrides=tuple(overrides),
+                   miss_path=f.str(d, "miss_path", "", default="auto"),
+                   stage_slices=f.int(d, "stage_slices", "", 0, INT32_MAX) if "stage_slices" in d else 0,
+                   overrides=tuple(overrides),
                    **_measured_fields(f, d))
         seen: set[int] = set()
         for n, l in enumerate(plan.layers):
@@ -303,7 +334,7 @@ class Plan:
             raise PlanError(f"{source}: policy: unknown cache policy {plan.policy!r}",
                             hint=f"use one of {', '.join(ONLINE_POLICIES)}")
         if plan.miss_path not in MISS_PATHS:
-            raise PlanError(f"{source}: miss_path: unknown miss path {plan.miss_path!r}", hint="use auto, cpu or upload")
+            raise PlanError(f"{source}: miss_path: unknown miss path {plan.miss_path!r}", hint="use " + ", ".join(MISS_PATHS))
         return plan
 
     def save(self, path: str | Path, flag: str | None = None) -> Path:
@@ -465,12 +496,25 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
     _check_fixed_fits(fixed, budget_bytes, n_ctx, sum(l.expert_bias_bytes for l in moe))
     counts = _checked_counts(g, profile_counts)
     states = _layer_states(g, moe, counts, max_slots_per_layer, miss_fn, allow_pins)
-    host, need = _host_layers(moe, states, fixed_total, budget_bytes)
+    stage = stage_slices(g.n_expert, g.n_expert_used, miss_path)
+    staged = staging_bytes(g, stage)
+    # NOTE: the staging slices are part of the cache floor: a plan that caches a layer holds them
+    all_bias = sum(l.expert_bias_bytes for l in moe)
+    every_resident = fixed_total + sum(l.n_expert * l.expert_bytes_per_expert for l in moe)
+    if fixed_total + staged - all_bias > budget_bytes or every_resident <= budget_bytes:
+        stage, staged = 0, 0
+    host, need = _host_layers(moe, states, fixed_total + staged, budget_bytes)
+    if staged and len(host) == len(moe):
+        stage, staged = 0, 0  # no layer is cached: nothing stages
+        host, need = _host_layers(moe, states, fixed_total, budget_bytes)
     _spend(states, host, budget_bytes - need)
     layers, cold, spent = _layer_plans(g, states, host)
+    if not any(l.mode == "cached" for l in layers):
+        stage, staged = 0, 0  # every layer became resident
     breakdown = {"weights_global": fixed["weights_global"],
                  "weights_layers_nonexpert": fixed["weights_layers_nonexpert"] - spent["host_bias"],
-                 "experts_resident": spent["resident"], "expert_banks": spent["banks"], "kv_cache": fixed["kv_cache"],
+                 "experts_resident": spent["resident"], "expert_banks": spent["banks"] + staged,
+                 "kv_cache": fixed["kv_cache"],
                  "compute": fixed["compute"], "overhead": fixed["overhead"]}
     breakdown["total"] = sum(breakdown.values())
     assert breakdown["total"] <= budget_bytes, "planner overspent its budget"
@@ -478,7 +522,7 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
                 n_ubatch=n_ubatch, layers=tuple(layers), breakdown=breakdown,
                 predicted_cold_hit=(sum(cold) / len(cold) if cold else 0.0) if counts is not None else None,
                 stock=stock_baseline(g, budget_bytes, fixed_total), policy=policy, miss_path=miss_path,
-                overrides=cached_expert_overrides(g, [l.index for l in layers if l.mode == "cached"])
+                stage_slices=stage, overrides=cached_expert_overrides(g, [l.index for l in layers if l.mode == "cached"])
                 + stock_overrides(l.index for l in layers if l.mode == "host"))
 
 
@@ -612,13 +656,13 @@ class PlanRequest:
     profile_counts: np.ndarray | None = field(default=None, compare=False)  # [n_layer, n_expert]; None: uniform
     trace: Any = field(default=None, compare=False)  # RoutingTrace to replay: --trace, else the profile's ring
     policy: str = DEFAULT_POLICY  # simulator.ONLINE_POLICIES
-    miss_path: str = "auto"  # recorded in the plan; "cpu" replays the cpu path, the others the upload path
+    miss_path: str = "auto"  # recorded in the plan; cpu and auto replay the cpu path, upload and layer the upload path
     max_admit: int | None = None  # cpu path admissions per decode step (None: k)
     compute_bytes: int | None = None  # measured compute buffers of the device (the fit loop's); None: estimate
 
     @property
     def replay_path(self) -> str:
-        return "cpu" if self.miss_path == "cpu" else "upload"
+        return replay_path(self.miss_path)
 
 
 @dataclass(frozen=True)
@@ -741,7 +785,7 @@ def _plan_once(geometry: ModelGeometry, request: PlanRequest) -> PlanResult:
     if policy not in ONLINE_POLICIES:
         raise PlanError(f"policy {r.policy!r}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
     if r.miss_path not in MISS_PATHS:
-        raise PlanError(f"miss path {r.miss_path!r}: unknown", hint="use auto, cpu or upload")
+        raise PlanError(f"miss path {r.miss_path!r}: unknown", hint="use " + ", ".join(MISS_PATHS))
     kw = dict(type_k=r.type_k, type_v=r.type_v, n_ubatch=r.n_ubatch, policy=policy, miss_path=r.miss_path,
               compute_bytes=r.compute_bytes)
     trace = r.trace if r.trace is not None and r.trace.n_decode else None

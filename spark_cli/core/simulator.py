@@ -16,6 +16,11 @@ Step rule (every policy, both miss paths; docs/design.md):
 
 Miss paths:
 - "upload": a miss is uploaded into a slot and is resident for this step (native today).
+- "auto": as "cpu", except that each step's misses are split per expert (`split_misses`):
+  the ones with most entries are uploaded into staging slices for that step only, while
+  that ends the step sooner by the layer's costs (`MissCosts`); the rest run on the CPU.
+  On the "upload" path a step too large for the slots stages its misses too (most entries
+  first, no costs) while the staging slices last.
 - "cpu": a miss is computed on the CPU (`cpu_experts`); it may be *admitted* into a slot by
   a background upload that becomes usable at the layer's NEXT decode step (pending until
   then: a pending slot is never read and never a victim). At most `max_admit` admissions
@@ -52,8 +57,9 @@ ONLINE_POLICIES = ("lru", "lfu-aged", "slru", "tinylfu")  # what a cache can run
 DEFAULT_POLICY = "tinylfu"
 # the native cache's enum llama_expert_cache_policy (belady is an oracle: simulator only)
 NATIVE_POLICY_IDS = {"lru": 0, "lru-pinned": 0, "lfu-aged": 1, "slru": 2, "tinylfu": 3}
-MISS_PATHS = ("upload", "cpu")
-MISS_PATH_CHOICES = ("auto", "cpu", "upload")  # --miss-path: auto picks one of MISS_PATHS per layer
+MISS_PATHS = ("upload", "cpu")  # the two fixed sides (calibration measures both)
+CACHE_MISS_PATHS = (*MISS_PATHS, "auto")  # a layer's miss path: "auto" splits each step's misses per expert
+MISS_PATH_CHOICES = ("auto", "cpu", "upload", "layer")  # --miss-path; layer: the per-layer rule before issue 25
 _INF = 1 << 62
 _U32 = (1 << 32) - 1
 
@@ -77,6 +83,49 @@ class PolicyParams:
             raise PlanError(f"invalid policy parameters {self}")
 
 
+@dataclass(frozen=True)
+class MissCosts:
+    """The per-expert split's costs in integer nanoseconds (native: llama_expert_cache_costs).
+
+    A missed expert with t entries in a step takes cpu_expert_ns + t * cpu_ns on the CPU (at the
+    run's threads) and upload_ns to upload into a staging slice; concurrent: uploads run beside
+    the CPU work (a second device queue), else before it.
+    """
+
+    cpu_ns: int = 0
+    upload_ns: int = 0
+    concurrent: bool = False
+    cpu_expert_ns: int = 0
+
+    def cpu(self, entries: int) -> int:
+        return self.cpu_expert_ns + entries * self.cpu_ns
+
+    def ends(self, upload: int, cpu: int) -> int:
+        return max(upload, cpu) if self.concurrent else upload + cpu
+
+
+def split_misses(misses: Sequence[int], entries: Mapping[int, int], n_stage: int, costs: MissCosts,
+                 by_cost: bool) -> list[int]:
+    """The misses staged (uploaded for this step), in staging-slice order: most entries first
+    (then lower id) while a slice is left and, by_cost, while moving one more ends the step
+    sooner; entries only fall along that order, so the first that does not help ends it."""
+    order = sorted(misses, key=lambda e: (-entries[e], e))
+    cpu_left = sum(costs.cpu(entries[e]) for e in order)
+    up = 0
+    staged: list[int] = []
+    for e in order:
+        if len(staged) >= n_stage:
+            break
+        if by_cost:
+            c = costs.cpu(entries[e])
+            if costs.ends(up + costs.upload_ns, cpu_left - c) >= costs.ends(up, cpu_left):
+                break
+            up += costs.upload_ns
+            cpu_left -= c
+        staged.append(e)
+    return staged
+
+
 @dataclass
 class LayerStats:
     layer: int
@@ -87,7 +136,8 @@ class LayerStats:
     uploads: int = 0  # admissions + pinned uploads at start
     admissions: int = 0  # experts written into a slot: every miss (upload path) or admitted misses (cpu)
     admit_skipped: int = 0  # cpu path: misses not admitted
-    cpu_experts: int = 0  # cpu path: misses computed on the CPU (= misses there)
+    cpu_experts: int = 0  # misses computed on the CPU (cpu path: every miss; auto: the ones not staged)
+    staged: int = 0  # misses uploaded into staging slices for their step (auto; upload-path large steps)
     cached_steps: int = 0
     stock_steps: int = 0
     stock_accesses: int = 0  # distinct experts in stock steps: served from host
@@ -132,6 +182,7 @@ class SimResult:
     admissions = property(lambda self: self._sum("admissions"))
     admit_skipped = property(lambda self: self._sum("admit_skipped"))
     cpu_experts = property(lambda self: self._sum("cpu_experts"))
+    staged = property(lambda self: self._sum("staged"))
     stock_steps = property(lambda self: self._sum("stock_steps"))
     hits_decode = property(lambda self: self._sum("hits_decode"))
     misses_decode = property(lambda self: self._sum("misses_decode"))
@@ -179,6 +230,7 @@ class StepOutcome:
     admitted: list[tuple[int, int]] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
     skipped: int = 0
+    staged: list[int] = field(default_factory=list)  # misses uploaded into staging slices, in slice order
 
 
 class LayerCache:
@@ -208,12 +260,13 @@ class LayerCache:
 
     def __init__(self, n_expert: int, slots: int, pinned: Sequence[int], policy: str,
                  miss_path: str = "upload", max_admit: int = 1 << 30,
-                 params: PolicyParams = PolicyParams()):
+                 params: PolicyParams = PolicyParams(), n_stage: int = 0, costs: MissCosts = MissCosts()):
         policy = ALIASES.get(policy, policy)
         if policy not in POLICIES:
             raise PlanError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
-        if miss_path not in MISS_PATHS:
-            raise PlanError(f"unknown miss path {miss_path!r}: expected one of {', '.join(MISS_PATHS)}")
+        if miss_path not in CACHE_MISS_PATHS:
+            raise PlanError(f"unknown miss path {miss_path!r}: expected one of {', '.join(CACHE_MISS_PATHS)}")
+        self.n_stage, self.costs = max(0, n_stage), costs
         pin = list(dict.fromkeys(int(e) for e in pinned))
         if len(pin) > slots:
             raise PlanError(f"{len(pin)} pinned experts do not fit {slots} slots")
@@ -299,14 +352,15 @@ class LayerCache:
 
     def step(self, distinct: Sequence[int], decode: bool = True,
              next_use: Sequence[int] | None = None, land_use: Sequence[int] | None = None,
-             large: bool = False) -> StepOutcome:
+             large: bool = False, entries: Mapping[int, int] | None = None) -> StepOutcome:
         """One cached (non-stock) step.
 
         belady only, per distinct expert: `next_use`, the index of the next step that
         routes it; `land_use` (cpu path), of the next such step where an admission made
-        now is usable (the next decode step or later).
+        now is usable (the next decode step or later). `entries`: the step's entries per
+        expert, for the per-expert split (staging slices; None: one per distinct expert).
         """
-        cpu = self.miss_path == "cpu"
+        cpu = self.miss_path in ("cpu", "auto")
         # a step too large for the policy's slots (n_tokens * k > S - P) runs its misses on the
         # CPU in either path and changes nothing, as a prefill step on the cpu path does
         readonly = large or (cpu and not decode)
@@ -364,6 +418,9 @@ class LayerCache:
                 self.slot_pending[s] = True
                 self.pending.append(s)
                 out.admitted.append((e, s))
+        if self.n_stage and (self.miss_path == "auto" or (large and self.miss_path == "upload")):
+            n = entries if entries is not None else dict.fromkeys(out.misses, 1)
+            out.staged = split_misses(out.misses, n, self.n_stage, self.costs, self.miss_path == "auto")
         if self.counts and not readonly and self.params.window > 0:
             self.age += 1
             if self.age >= self.params.window:
@@ -389,9 +446,10 @@ class _Steps:
     n_tokens: np.ndarray  # int64 [n_steps]
     n_distinct: np.ndarray  # int64 [n_steps]
     distinct: list[list[int]]
+    entries: list[dict[int, int]] | None = None  # per step: routed entries per expert (the per-expert split's)
 
 
-def _layer_steps(trace: RoutingTrace, layer: int, keep: np.ndarray) -> _Steps:
+def _layer_steps(trace: RoutingTrace, layer: int, keep: np.ndarray, with_entries: bool = False) -> _Steps:
     lo = trace.step_bounds()[:-1]
     col = trace.ids[:, layer, :]
     # -1 rows: the layer did not run (or, for the last layer, routed only the output rows,
@@ -404,14 +462,21 @@ def _layer_steps(trace: RoutingTrace, layer: int, keep: np.ndarray) -> _Steps:
     dup = (srt[:, 1:] == srt[:, :-1]).any(axis=1)  # rows routing one expert twice
     rows = col.tolist()  # python ints: much faster than numpy scalars in the loops
     distinct = []
+    entries: list[dict[int, int]] | None = [] if with_entries else None
     for a, m in zip(lo.tolist(), nval.tolist()):
         if m == 1 and not dup[a]:
             distinct.append(rows[a])
         else:
             distinct.append(list(dict.fromkeys(e for r in rows[a:a + m] for e in r)))
+        if entries is not None:
+            n: dict[int, int] = {}
+            for r in rows[a:a + m]:
+                for e in r:
+                    n[e] = n.get(e, 0) + 1
+            entries.append(n)
     return _Steps(decode=trace.phase[lo] == DECODE, n_tokens=nval,
                   n_distinct=np.fromiter(map(len, distinct), dtype=np.int64, count=len(distinct)),
-                  distinct=distinct)
+                  distinct=distinct, entries=entries)
 
 
 @dataclass
@@ -424,6 +489,7 @@ class _Run:
     skipped: np.ndarray
     resident: tuple[int, ...]
     cpu: np.ndarray  # misses computed on the CPU
+    staged: np.ndarray | None = None  # misses staged for their step
 
 
 def _next_uses(steps: list[list[int]], decode: Sequence[bool] | None = None) -> list[list[int]]:
@@ -478,33 +544,36 @@ def _run_lru_upload(steps: list[list[int]], pin: set[int], cap: int,
 
 def _run(steps: list[list[int]], decode: list[bool], n_expert: int, slots: int, pin: Sequence[int],
          policy: str, miss_path: str, max_admit: int, params: PolicyParams,
-         large: list[bool] | None = None) -> _Run:
+         large: list[bool] | None = None, n_stage: int = 0, costs: MissCosts = MissCosts(),
+         entries: list[dict[int, int]] | None = None) -> _Run:
     n_distinct = np.fromiter(map(len, steps), dtype=np.int64, count=len(steps))
     large = large if large is not None else [False] * len(steps)
     big = np.asarray(large, dtype=bool)
-    if policy in ("lru", "lru-pinned") and miss_path == "upload":
+    if policy in ("lru", "lru-pinned") and miss_path == "upload" and not n_stage:
         lru, misses = _run_lru_upload(steps, set(pin), slots - len(set(pin)), large)
         m = np.asarray(misses, dtype=np.int64)
         return _Run(n_distinct - m, m, np.where(big, 0, m), np.zeros_like(m),
                     tuple(sorted(set(pin))) + tuple(lru), np.where(big, m, 0))
-    cache = LayerCache(n_expert, slots, pin, policy, miss_path, max_admit, params)
+    cache = LayerCache(n_expert, slots, pin, policy, miss_path, max_admit, params, n_stage, costs)
     nxt = land = None
     if policy == "belady":
         nxt = _next_uses(steps)
-        land = _next_uses(steps, decode) if miss_path == "cpu" else nxt
-    out: list[tuple[int, int, int, int]] = []
+        land = _next_uses(steps, decode) if miss_path != "upload" else nxt
+    out: list[tuple[int, int, int, int, int]] = []
     for t, distinct in enumerate(steps):
         o = cache.step(distinct, decode[t], nxt[t] if nxt is not None else None,
-                       land[t] if land is not None else None, large=large[t])
-        out.append((len(o.hits), len(o.misses), len(o.admitted), o.skipped))
-    a = np.asarray(out, dtype=np.int64).reshape(len(steps), 4)
-    on_cpu = a[:, 1] if miss_path == "cpu" else np.where(big, a[:, 1], 0)
-    return _Run(a[:, 0], a[:, 1], a[:, 2], a[:, 3], cache.resident(), on_cpu)
+                       land[t] if land is not None else None, large=large[t],
+                       entries=entries[t] if entries is not None else None)
+        out.append((len(o.hits), len(o.misses), len(o.admitted), o.skipped, len(o.staged)))
+    a = np.asarray(out, dtype=np.int64).reshape(len(steps), 5)
+    on_cpu = (a[:, 1] if miss_path != "upload" else np.where(big, a[:, 1], 0)) - a[:, 4]
+    return _Run(a[:, 0], a[:, 1], a[:, 2], a[:, 3], cache.resident(), on_cpu, a[:, 4])
 
 
 def _replay(steps: _Steps, k: int, n_expert: int, layer: int, slots: int, pinned: Sequence[int],
             policy: str, miss_path: str = "upload", max_admit: int | None = None,
-            params: PolicyParams = PolicyParams(), cpu_path: bool = True) -> LayerStats:
+            params: PolicyParams = PolicyParams(), cpu_path: bool = True, n_stage: int = 0,
+            costs: MissCosts = MissCosts()) -> LayerStats:
     """cpu_path: the layer can compute misses on the CPU (native: its expert ops have a CPU
     recipe), so steps too large for the slots run resident experts from the bank and the rest
     on the CPU; without it they are stock steps (host weights, nothing counted)."""
@@ -516,15 +585,17 @@ def _replay(steps: _Steps, k: int, n_expert: int, layer: int, slots: int, pinned
     stock = too_large & (not cpu_path)
     cached = np.flatnonzero(~stock)
     dec = steps.decode[cached]
-    r = _run([steps.distinct[i] for i in cached.tolist()], dec.tolist(), n_expert, slots, pin, policy,
+    idx = cached.tolist()
+    r = _run([steps.distinct[i] for i in idx], dec.tolist(), n_expert, slots, pin, policy,
              miss_path, k if max_admit is None or max_admit < 0 else max_admit, params,
-             too_large[cached].tolist())
+             too_large[cached].tolist(), n_stage if cpu_path else 0, costs,
+             [steps.entries[i] for i in idx] if steps.entries is not None else None)
     sd = stock & steps.decode
     return LayerStats(
         layer=layer, slots=slots, pinned=len(pin),
         hits=int(r.hits.sum()), misses=int(r.misses.sum()), uploads=len(pin) + int(r.admissions.sum()),
         admissions=int(r.admissions.sum()), admit_skipped=int(r.skipped.sum()),
-        cpu_experts=int(r.cpu.sum()),
+        cpu_experts=int(r.cpu.sum()), staged=int(r.staged.sum()) if r.staged is not None else 0,
         cached_steps=int(cached.size), stock_steps=int(stock.sum()),
         stock_accesses=int(steps.n_distinct[stock].sum()),
         hits_decode=int(r.hits[dec].sum()), misses_decode=int(r.misses[dec].sum()),
@@ -551,8 +622,8 @@ def _check(policy: str, pinned: Mapping[int, Sequence[int]] | None, miss_path: s
     p = canonical_policy(policy)
     if p == "lru" and pinned and any(pinned.values()):
         raise PlanError("policy 'lru' has no pinned experts; use 'lru-pinned'")
-    if miss_path not in MISS_PATHS:
-        raise PlanError(f"unknown miss path {miss_path!r}: expected one of {', '.join(MISS_PATHS)}")
+    if miss_path not in CACHE_MISS_PATHS:
+        raise PlanError(f"unknown miss path {miss_path!r}: expected one of {', '.join(CACHE_MISS_PATHS)}")
     return p
 
 
@@ -561,8 +632,11 @@ def simulate(trace: RoutingTrace, policy: str, slots: Mapping[int, int] | int,
              bytes_per_expert: Mapping[int, int] | Sequence[int] | None = None,
              phases: Sequence[str | int] = ("decode",), miss_path: str = "upload",
              max_admit: int | None = None, params: PolicyParams | None = None,
-             cpu_path: bool = False) -> SimResult:
+             cpu_path: bool = False, n_stage: int = 0, costs: MissCosts = MissCosts()) -> SimResult:
     """Replay the steps of `phases` (others are skipped: no state change, not counted).
+
+    n_stage, costs: the per-expert split (auto; upload-path steps too large for the slots) with
+    that many staging slices, its cost rule exactly as native (MissCosts; cpu_path only).
 
     cpu_path: steps too large for the slots run from the bank plus the CPU, read-only (the
     native cache on a layer with a CPU recipe); False: they are stock steps (host weights).
@@ -582,9 +656,9 @@ def simulate(trace: RoutingTrace, policy: str, slots: Mapping[int, int] | int,
     pinned = pinned or {}
     layers = {}
     for layer, s in sorted(per_layer.items()):
-        steps = _layer_steps(trace, layer, keep)
+        steps = _layer_steps(trace, layer, keep, with_entries=n_stage > 0)
         layers[layer] = _replay(steps, trace.k, trace.n_expert, layer, s, pinned.get(layer, ()), policy,
-                                miss_path, max_admit, params, cpu_path)
+                                miss_path, max_admit, params, cpu_path, n_stage, costs)
     bpe = None
     if bytes_per_expert is not None:
         items = bytes_per_expert.items() if isinstance(bytes_per_expert, Mapping) \

@@ -25,6 +25,7 @@ from ..errors import DeviceError, ModelFileError, NativeError, SparkError, Usage
 from ..core.bill import MeasuredBill
 from ..core.capture import TopkRecord
 from ..core.trace import DECODE, PREFILL
+from ..core.simulator import MissCosts
 from .generate import GenerationStep, NativeSampler, stream_generate
 from .expert_cache import MISS_PATHS, CacheLayer, CacheStats, ExpertCache, Phase
 from ..core.chat_template import BoundTemplates, ChatTemplate, TemplateSet
@@ -73,6 +74,7 @@ class EngineOptions:
     capture_topk: bool = False         # eval-callback capture of ffn_moe_topk-<il> (no native needed)
     capture_hidden: str | None = None  # eval-callback capture of f32 tensors `<name>-<il>` (e.g. ffn_norm)
     device_budget: int = 0             # bytes the expert banks may take (0: device free memory)
+    stage_slices: int = 0              # staging slices per expert shape (a plan's stage_slices)
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: str = "auto"           # -fa on|off|auto
@@ -301,7 +303,8 @@ class Engine:
         try:
             # NOTE: the miss path runs on the graph's threads (-t for decode, -tb for larger steps)
             self.cache.init(self.opts.cache_layers, device_budget=self.opts.device_budget, trace=self.opts.trace,
-                            trace_max=self.opts.trace_max, n_threads=max(self.cpu_threads, self.cpu_threads_batch))
+                            trace_max=self.opts.trace_max, n_threads=max(self.cpu_threads, self.cpu_threads_batch),
+                            n_stage=self.opts.stage_slices if self.opts.cache_layers else 0)
         except NativeError:
             self.close()
             raise
@@ -578,8 +581,13 @@ class Engine:
         per_layer = path if isinstance(path, dict) else {c.il: path for c in self.opts.cache_layers}
         for il, p in per_layer.items():
             if p not in MISS_PATHS:
-                raise UsageError(f"--miss-path: unknown miss path {p!r}", hint="use auto, cpu or upload")
+                raise UsageError(f"--miss-path: unknown miss path {p!r}", hint="use " + ", ".join(MISS_PATHS))
             self.cache.set_miss_path(il, MISS_PATHS[p])
+
+    def set_miss_costs(self, costs: dict[int, MissCosts]) -> None:
+        """The auto path's costs per cached layer (simulator.MissCosts; `concurrent` is native's)."""
+        for il, c in costs.items():
+            self.cache.set_miss_costs(il, c)
 
     def miss_paths(self) -> dict[int, str]:
         names = {v: k for k, v in MISS_PATHS.items()}

@@ -20,7 +20,7 @@ from ..core.bill import BufferBill, MeasuredBill
 from ..core.simulator import DEFAULT_POLICY
 from ..errors import NativeError
 
-API_VERSION = 4  # LLAMA_EXPERT_CACHE_API_VERSION this binding matches
+API_VERSION = 5  # LLAMA_EXPERT_CACHE_API_VERSION this binding matches
 REBUILD_HINT = "rerun scripts/bootstrap.sh to install the native build of this checkout"
 
 
@@ -51,6 +51,7 @@ class MissPath(IntEnum):
 
     UPLOAD = 0
     CPU = 1
+    AUTO = 2
 
 
 HINTS: dict[Status, str] = {
@@ -95,6 +96,7 @@ class Params(ctypes.Structure):
         ("policy_window", ctypes.c_int32),
         ("slru_protected_num", ctypes.c_int32),
         ("slru_protected_den", ctypes.c_int32),
+        ("n_stage", ctypes.c_int32),
     ]
 
 
@@ -104,7 +106,7 @@ class Stats(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in (
         "hits", "misses", "uploads", "bytes_uploaded", "upload_us", "steps_cached", "steps_stock",
         "syncs", "blocking_upload_bytes", "async_uploads", "async_upload_bytes", "cpu_experts",
-        "cpu_expert_bytes", "cpu_us", "admit_skipped")]
+        "cpu_expert_bytes", "cpu_us", "cpu_entries", "admit_skipped", "staged_uploads", "staged_upload_bytes")]
 
 
 class MemEntry(ctypes.Structure):
@@ -143,7 +145,10 @@ class CacheStats:
     cpu_experts: int = 0
     cpu_expert_bytes: int = 0
     cpu_us: int = 0
+    cpu_entries: int = 0
     admit_skipped: int = 0
+    staged_uploads: int = 0
+    staged_upload_bytes: int = 0
 
     @classmethod
     def from_struct(cls, s: Stats) -> "CacheStats":
@@ -171,7 +176,7 @@ class CacheStats:
 assert [f.name for f in fields(CacheStats)] == [n for n, _ in Stats._fields_], "CacheStats must mirror Stats"
 
 
-MISS_PATHS = {name: MissPath[name.upper()] for name in simulator.MISS_PATHS}
+MISS_PATHS = {name: MissPath[name.upper()] for name in simulator.CACHE_MISS_PATHS}
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,7 @@ class CacheLayer:
     il: int
     n_slots: int
     pinned: tuple[int, ...] = ()
-    miss_path: str = "upload"  # upload | cpu (MISS_PATHS)
+    miss_path: str = "upload"  # upload | cpu | auto (MISS_PATHS)
     max_admit: int = -1  # CPU miss path: admissions per decode step (<0: experts used per token)
     policy: str = DEFAULT_POLICY  # a native policy (simulator.NATIVE_POLICY_IDS)
 
@@ -204,6 +209,7 @@ class ExpertCacheAPI:
         self.enabled = fn("enabled", ctypes.c_bool, [vp])
         self.set_miss_path = fn("set_miss_path", i32, [vp, i32, i32])
         self.get_miss_path = fn("get_miss_path", i32, [vp, i32])
+        self.set_miss_costs = fn("set_miss_costs", i32, [vp, i32, i64, i64, i64])
         self.get_stats = fn("get_stats", i32, [vp, i32, ctypes.POINTER(Stats)])
         self.get_counts = fn("get_counts", i32, [vp, i32, i32, ctypes.POINTER(ctypes.c_uint64), i32])
         self.get_slots = fn("get_slots", i32, [vp, i32, ctypes.POINTER(ctypes.c_int32), i32])
@@ -259,10 +265,12 @@ class ExpertCache:
 
     def init(self, layers: Sequence[CacheLayer], *, device_budget: int = 0, device_margin: int | None = None,
              trace: bool = False, trace_max: int | None = None, n_threads: int | None = None,
-             policy_params: simulator.PolicyParams = simulator.PolicyParams()) -> None:
+             policy_params: simulator.PolicyParams = simulator.PolicyParams(), n_stage: int = 0) -> None:
         """Attach a cache (n_layers 0: counting only). NativeError with the library's reason.
-        The policies' tunables come from the simulator, their specification."""
+        The policies' tunables come from the simulator, their specification. n_stage: staging
+        slices, shared by the layers of one expert shape (misses uploaded for one step)."""
         p = self.default_params()
+        p.n_stage = n_stage
         p.policy_window = policy_params.window
         p.slru_protected_num, p.slru_protected_den = policy_params.protected_num, policy_params.protected_den
         arr = (LayerParams * max(1, len(layers)))()
@@ -306,6 +314,15 @@ class ExpertCache:
             status = _status(rc)
             raise NativeError(f"expert cache: layer {il}: cannot set miss path {MissPath(miss_path).name.lower()} "
                               f"({status.name if status else rc})", hint=HINTS.get(status) if status else None)
+
+    def set_miss_costs(self, il: int, costs: "simulator.MissCosts") -> None:
+        """The auto path's costs of layer il (ns): a missed expert on the CPU (cpu_expert_ns plus
+        cpu_ns per entry), one expert's upload into a staging slice (upload_ns)."""
+        rc = self.api.set_miss_costs(self.ctx, il, int(costs.cpu_expert_ns), int(costs.cpu_ns), int(costs.upload_ns))
+        if rc != Status.OK:
+            status = _status(rc)
+            raise NativeError(f"expert cache: layer {il}: cannot set miss costs ({status.name if status else rc})",
+                              hint=HINTS.get(status) if status else None)
 
     def get_miss_path(self, il: int) -> MissPath | None:
         """The layer's miss path, or None for a layer that is not cached."""

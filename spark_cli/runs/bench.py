@@ -38,9 +38,11 @@ from ..native.generate import GenerationStep, Greedy, StopRules
 from ..errors import PlanError, ProfileError, SparkError, UsageError
 from ..core.gguf_info import ModelGeometry
 from ..core.options import DEFAULT_UBATCH
+from .miss_path import initial_path
 
 REPORT_VERSION = 1
-CONFIG_NAMES = ("resident", "cpu-moe", "n-cpu-moe", "spark-step", "spark")
+CONFIG_NAMES = ("resident", "cpu-moe", "n-cpu-moe", "spark-step", "spark", "spark-layer")
+DEFAULT_CONFIGS = CONFIG_NAMES[:5]  # spark-layer: the per-layer miss rule before issue 25, on request
 CPU_CONFIG = "cpu"
 TARGET_VS_CEILING = 0.6  # Spark generation against the all-resident ceiling
 TARGET_VS_STOCK = 2.0  # Spark generation against the best stock offload
@@ -130,7 +132,7 @@ def residency_budget(g: ModelGeometry, n_ctx: int, share: float, type_k: str = "
 def make_configs(g: ModelGeometry, budget: int, n_ctx: int, names: Sequence[str],
                  plan_step: planner.Plan | PlanError | None, plan_cache: planner.Plan | PlanError | None,
                  ceiling: bool = False, *, type_k: str = "f16", type_v: str = "f16",
-                 n_ubatch: int = DEFAULT_UBATCH) -> list[Config]:
+                 n_ubatch: int = DEFAULT_UBATCH, plan_layer: planner.Plan | PlanError | None = None) -> list[Config]:
     """The configurations asked for, each ready or marked "does not fit" (with why); stock ones
     sized with the KV types and ubatch the plans were made for."""
     fixed = planner.fixed_bytes(g, n_ctx, type_k, type_v, n_ubatch)
@@ -158,10 +160,11 @@ def make_configs(g: ModelGeometry, budget: int, n_ctx: int, names: Sequence[str]
                        host_layers=tuple(i for i in moe if i < n), planned_bytes=stock.device_bytes)
             if not stock.fits:
                 c.status, c.note = "does not fit", f"needs {units.gib(stock.device_bytes)} > budget {units.gib(budget)}"
-        elif name in ("spark-step", "spark"):
-            plan = plan_step if name == "spark-step" else plan_cache
-            label = "Spark, step slots" if name == "spark-step" else "Spark + cache"
-            c = Config(name, label, "spark")
+        elif name in ("spark-step", "spark", "spark-layer"):
+            plan = {"spark-step": plan_step, "spark": plan_cache, "spark-layer": plan_layer}[name]
+            label = {"spark-step": "Spark, step slots", "spark": "Spark + cache",
+                     "spark-layer": "Spark, per-layer misses"}[name]
+            c = Config(name, label, "spark", miss_path="layer" if name == "spark-layer" else "auto")
             if isinstance(plan, planner.Plan):
                 c.plan, c.planned_bytes = plan, plan.breakdown["total"]
                 c.cache_layers = tuple(CacheLayer(l.index, l.slots, tuple(l.pinned), policy=plan.policy)
@@ -182,7 +185,7 @@ def cpu_config() -> Config:
 
 def parse_config_names(text: str | None) -> list[str]:
     if not text:
-        return list(CONFIG_NAMES)
+        return list(DEFAULT_CONFIGS)
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in CONFIG_NAMES]
     if bad or not names:
@@ -371,11 +374,12 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
     """Load the configuration, warm up, then `repetitions` runs of prompt processing and
     generation. Fills `result` as it goes, so an interrupted bench keeps the finished runs."""
     spark = cfg.kind == "spark"
-    first_path = "cpu" if cfg.miss_path == "auto" else cfg.miss_path
+    first_path = initial_path(cfg.miss_path)
     cpu = cfg.device == "none"
     opts = dataclasses.replace(base, device=cfg.device or base.device, rpc=[] if cpu else base.rpc,
                                host_layers=list(cfg.host_layers),
                                cache_layers=[replace(c, miss_path=first_path) for c in cfg.cache_layers],
+                               stage_slices=cfg.plan.stage_slices if spark and cfg.plan is not None else 0,
                                expert_overrides=cfg.expert_overrides if spark else None,
                                count_experts=spark and learn, trace=False, capture_topk=False)
     total = repetitions * (len(work.pp_tokens) + n_gen)
@@ -459,7 +463,7 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
     kv = dict(type_k=base.type_k, type_v=base.type_v, n_ubatch=base.n_ubatch)
     status = status or (lambda text: None)
     spark = any(n.startswith("spark") for n in names)
-    plan_step = plan_cache = None
+    plan_step = plan_cache = plan_layer = None
     status("reading the corpus")
     # NOTE: one CPU engine tokenizes the corpus and traces routing on held-out prompts
     cpu = dataclasses.replace(base, device="none", rpc=[], repack=False, trace=True, tensor_overrides=())
@@ -488,17 +492,21 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
         try:
             placed = planner.plan_for(g, req)
             plan_step, plan_cache = placed.candidate("pins+k"), placed.plan
+            if "spark-layer" in names:  # the same request under the per-layer rule (no staging slices)
+                plan_layer = planner.plan_for(g, dataclasses.replace(req, miss_path="layer")).plan
         except PlanError as e:
-            plan_step = plan_cache = e
+            plan_step = plan_cache = plan_layer = e
     status("measuring")
     cfgs = [cpu_config()] if list(names) == [CPU_CONFIG] else \
-        make_configs(g, report.budget_bytes, ctx, names, plan_step, plan_cache, ceiling=ceiling, **kv)
+        make_configs(g, report.budget_bytes, ctx, names, plan_step, plan_cache, ceiling=ceiling, plan_layer=plan_layer,
+                     **kv)
     if not any(c.status == "ready" for c in cfgs):
         raise PlanError(f"budget {units.gib(report.budget_bytes)}: no configuration fits ("
                         + "; ".join(f"{c.name}: {c.note}" for c in cfgs) + ")",
                         hint="raise --vram or --residency, or lower --ctx-size")
     for c in cfgs:
-        c.miss_path = miss_path
+        if c.name != "spark-layer":
+            c.miss_path = miss_path
     seen: dict[tuple, Result] = {}
     for c in cfgs:
         if c.status != "ready":

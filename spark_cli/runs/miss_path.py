@@ -1,8 +1,11 @@
-"""The miss path of each cached layer: upload a missed expert and wait (`upload`), or compute
-it on the CPU from the host weights while a background upload admits it (`cpu`). `auto`
-measures both on this machine (blocking upload time and CPU time per missed expert, per
-layer), picks the cheaper one for each layer, and keeps the measurement under SPARK_HOME
-keyed by device and model, so later runs reuse it."""
+"""The miss path of each cached layer: upload a missed expert and wait (`upload`), compute it on
+the CPU from the host weights while a background upload admits it (`cpu`), or decide per expert
+in every step (`auto`): the misses with most tokens are uploaded into staging slices for that
+step while that ends it sooner, the rest run on the CPU (admitted as on the cpu path). `layer`
+is the rule before issue 25, kept to compare against: the cheaper of cpu and upload per layer,
+once. auto and layer calibrate on this machine (blocking upload time per missed expert; CPU time
+per missed expert at decode and per token in a prompt step, per layer) and keep the measurement
+under SPARK_HOME keyed by device, model and thread count, so later runs reuse it."""
 
 from __future__ import annotations
 
@@ -12,20 +15,32 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..core.simulator import MISS_PATH_CHOICES, MISS_PATHS
+from ..core.simulator import MISS_PATH_CHOICES, MISS_PATHS, MissCosts
 from ..files.atomic import atomic_write_text
 from ..errors import SparkError, UsageError
 
-CALIB_VERSION = 2  # 2: measured at a thread count
+CALIB_VERSION = 3  # 2: measured at a thread count; 3: the CPU cost per token of a prompt step
 CALIB_DECODE = 8  # decode tokens measured per miss path
 
 
 @dataclass(frozen=True)
 class LayerCost:
-    """Critical-path microseconds per missed expert in one layer (None: no miss seen)."""
+    """Critical-path microseconds per missed expert in one layer (None: no miss seen): uploading it
+    and waiting, computing it on the CPU in a decode step (one token), and the CPU cost's part
+    that grows per token (from a prompt step; None: not measured, all of it per token)."""
 
     upload_us: float | None
     cpu_us: float | None
+    cpu_token_us: float | None = None
+
+    def costs(self) -> MissCosts:
+        """The auto path's integer costs: CPU (a per-expert part and a per-token part, together
+        cpu_us for one token) and upload; a side never measured is never chosen."""
+        if self.cpu_us is None or self.upload_us is None:
+            return MissCosts()  # no CPU cost: nothing is ever staged (the cpu path)
+        per_token = self.cpu_us if self.cpu_token_us is None else min(max(self.cpu_token_us, 0.0), self.cpu_us)
+        return MissCosts(cpu_ns=round(per_token * 1000), upload_ns=round(self.upload_us * 1000),
+                         cpu_expert_ns=round((self.cpu_us - per_token) * 1000))
 
     def choice(self) -> str:
         """The cheaper path; cpu (which never blocks on a copy) when a path saw no miss."""
@@ -46,6 +61,18 @@ class Calibration:
     def choose(self) -> dict[int, str]:
         return {il: c.choice() for il, c in self.layers.items()}
 
+    def costs(self) -> dict[int, MissCosts]:
+        return {il: c.costs() for il, c in self.layers.items()}
+
+    def why_auto(self) -> str:
+        """One line: the per-expert rule and the medians of its costs."""
+        vals = lambda f: sorted(v for c in self.layers.values() if (v := f(c)) is not None)  # noqa: E731
+        med = lambda v: f"{v[len(v) // 2]:.0f} us" if v else "n/a"  # noqa: E731
+        return (f"miss path auto: per expert and step on {len(self.layers)} cached layers (per missed expert: "
+                f"upload {med(vals(lambda c: c.upload_us))}, CPU {med(vals(lambda c: c.cpu_us))} at decode, "
+                f"{med(vals(lambda c: c.cpu_token_us))} more per token, on {self.cpu_threads} "
+                f"thread{'s' if self.cpu_threads != 1 else ''}; median over layers)")
+
     def why(self) -> str:
         """One line: what was chosen and the medians it was chosen from."""
         picks = self.choose()
@@ -53,7 +80,7 @@ class Calibration:
         up = sorted(c.upload_us for c in self.layers.values() if c.upload_us is not None)
         cpu = sorted(c.cpu_us for c in self.layers.values() if c.cpu_us is not None)
         med = lambda v: f"{v[len(v) // 2]:.0f} us" if v else "n/a"  # noqa: E731
-        return (f"miss path auto: cpu on {n_cpu} of {len(picks)} cached layers, upload on {len(picks) - n_cpu} "
+        return (f"miss path layer: cpu on {n_cpu} of {len(picks)} cached layers, upload on {len(picks) - n_cpu} "
                 f"(per missed expert: upload {med(up)}, CPU {med(cpu)} on {self.cpu_threads} "
                 f"thread{'s' if self.cpu_threads != 1 else ''}; median over layers)")
 
@@ -66,7 +93,8 @@ class Calibration:
         if d.get("version") != CALIB_VERSION:
             raise ValueError("calibration version")
         return cls(str(d["device"]), str(d["model_fingerprint"]),
-                   {int(il): LayerCost(c.get("upload_us"), c.get("cpu_us")) for il, c in d["layers"].items()},
+                   {int(il): LayerCost(c.get("upload_us"), c.get("cpu_us"), c.get("cpu_token_us"))
+                    for il, c in d["layers"].items()},
                    int(d["cpu_threads"]))
 
 
@@ -96,16 +124,25 @@ def save(path: Path, cal: Calibration) -> None:
 
 def measure(engine, prompt: Sequence[int], n_decode: int = CALIB_DECODE) -> dict[int, LayerCost]:
     """Decode n_decode greedy tokens after `prompt` once per miss path and read the native
-    counters: blocking upload time per uploaded miss, CPU time per CPU-computed miss. Leaves
-    the engine on the cpu path with its KV cache and counters reset."""
+    counters: blocking upload time per uploaded miss, CPU time per CPU-computed miss in decode
+    steps, and on the cpu path the prompt step's CPU time, experts and tokens (its per-token
+    part). Leaves the engine on the cpu path with its KV cache and counters reset."""
     from ..native.generate import StopRules
 
     per_path: dict[str, dict] = {}
+    prompt_cpu: dict = {}
     for path in MISS_PATHS:
         engine.set_miss_path(path)
         engine.reset()
+        engine.reset_stats()
+
+        def prompt_done(_, path: str = path) -> None:
+            if path == "cpu":
+                prompt_cpu.update(engine.cache_stats())
+            engine.reset_stats()
+
         for _ in engine.stream_generate(list(prompt), max_tokens=n_decode, stop=StopRules(eog=False),
-                                        on_prompt=lambda _: engine.reset_stats()):
+                                        on_prompt=prompt_done):
             pass
         per_path[path] = engine.cache_stats()
     engine.reset()
@@ -116,26 +153,57 @@ def measure(engine, prompt: Sequence[int], n_decode: int = CALIB_DECODE) -> dict
         cpu = per_path["cpu"].get(il)
         if il not in cached:
             continue
-        out[il] = LayerCost(up.upload_us / up.misses if up.misses else None,
-                            cpu.cpu_us / cpu.cpu_experts if cpu is not None and cpu.cpu_experts else None)
+        cpu_us = cpu.cpu_us / cpu.cpu_experts if cpu is not None and cpu.cpu_experts else None
+        out[il] = LayerCost(up.upload_us / up.misses if up.misses else None, cpu_us,
+                            per_token_us(cpu_us, prompt_cpu.get(il)))
     return out
+
+
+def per_token_us(decode_us: float | None, p) -> float | None:
+    """The part of a missed expert's CPU time that grows per token: with d (one token, a decode
+    step) = a + b and a prompt step's experts E, tokens T and time U = a E + b T, b = (U - a E) / T;
+    None when the prompt step computed no expert with more than one token."""
+    if decode_us is None or p is None or not p.cpu_experts or p.cpu_entries <= p.cpu_experts:
+        return None
+    a = (decode_us * p.cpu_entries - p.cpu_us) / (p.cpu_entries - p.cpu_experts)
+    a = min(max(a, 0.0), decode_us)
+    return decode_us - a
 
 
 CALIB_TEXT = ("Calibration text for the expert cache: it routes tokens through every layer so that "
               "missed experts can be timed on both paths. The quick brown fox jumps over the lazy dog.")
 
 
+def initial_path(choice: str) -> str:
+    """The miss path a cache starts on before `resolve` (auto and layer calibrate from cpu)."""
+    return "cpu" if choice in ("auto", "layer") else choice
+
+
 def resolve(engine, choice: str, fingerprint: str, home: Path) -> tuple[dict[int, str], str]:
-    """Put every cached layer of `engine` on its miss path and say why. `auto` reuses the
-    calibration cached for this device and model, or measures it (a few seconds) and caches it."""
+    """Put every cached layer of `engine` on its miss path and say why. `auto` and `layer` reuse
+    the calibration cached for this device, model and thread count, or measure it (a few seconds)
+    and cache it; auto hands its costs to each layer, layer picks the cheaper fixed path."""
     check_choice(choice)
     layers = [c.il for c in engine.opts.cache_layers]
     if not layers:
         return {}, ""
-    if choice != "auto":
+    if choice in MISS_PATHS:
         picks = {il: choice for il in layers}
         engine.set_miss_path(picks)
         return picks, f"miss path {choice} on {len(layers)} cached layers"
+    cal, source = calibration(engine, fingerprint, home, layers)
+    if choice == "layer":
+        picks = cal.choose()
+        engine.set_miss_path(picks)
+        return picks, f"{cal.why()}; {source}"
+    picks = {il: "auto" for il in layers}
+    engine.set_miss_costs(cal.costs())
+    engine.set_miss_path(picks)
+    return picks, f"{cal.why_auto()}; {source}"
+
+
+def calibration(engine, fingerprint: str, home: Path, layers: list[int]) -> tuple[Calibration, str]:
+    """The calibration cached for this device, model and thread count, or a new one (saved)."""
     dev = engine.devices[0] if engine.devices else None
     device = f"{dev.name} {dev.description}" if dev else "CPU"
     threads = engine.cpu_threads  # calibration times decode steps
@@ -151,6 +219,4 @@ def resolve(engine, choice: str, fingerprint: str, home: Path) -> tuple[dict[int
             save(path, cal)
         except (OSError, SparkError):
             source += " (not saved)"
-    picks = cal.choose()
-    engine.set_miss_path(picks)
-    return picks, f"{cal.why()}; {source}"
+    return cal, source

@@ -110,6 +110,7 @@ def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | No
         model, n_ctx=n_ctx, n_batch=flags.batch_size, n_ubatch=ubatch_size(flags, plan), n_threads=flags.threads,
         n_threads_batch=flags.threads_batch,
         device=flags.device, rpc=parse_endpoints(flags.rpc), cache_layers=cache,
+        stage_slices=plan.stage_slices if plan is not None else 0,
         host_layers=[l.index for l in plan.layers if l.mode == "host"] if plan is not None else [],
         expert_overrides=plan.overrides if plan is not None else None,
         tensor_overrides=parse_override_tensor(flags.override_tensor, geometry), count_experts=learn,
