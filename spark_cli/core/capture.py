@@ -15,6 +15,7 @@ class TopkRecord:
     il: int
     phase: int
     ids: np.ndarray  # [n_tokens, k] int32
+    scores: np.ndarray | None = None  # capture_scores: [n_tokens, n_expert] f32, the scores the top-k ranked
 
 
 def records_to_counts(records: Iterable[TopkRecord], n_layer: int, n_expert: int) -> tuple[np.ndarray, np.ndarray]:

@@ -72,6 +72,7 @@ class EngineOptions:
     trace: bool = False                # native trace of routed ids
     trace_max: int | None = None       # trace capacity (None: the library's default)
     capture_topk: bool = False         # eval-callback capture of ffn_moe_topk-<il> (no native needed)
+    capture_scores: bool = False       # with capture_topk: each record's selection scores (ffn_moe_probs*)
     capture_hidden: str | None = None  # eval-callback capture of f32 tensors `<name>-<il>` (e.g. ffn_norm)
     device_budget: int = 0             # bytes the expert banks may take (0: device free memory)
     stage_slices: int = 0              # staging slices per expert shape (a plan's stage_slices)
@@ -97,6 +98,8 @@ class EngineOptions:
 
 
 
+# the selection scores a MoE layer ranks (not the views llama.cpp derives from them, "... (reshaped)")
+_SCORES_RE = re.compile(rb"ffn_moe_probs(?:_biased|_masked)?-\d+")
 _OVERRIDE_RE = re.compile(r"tensor (?P<name>\S+) \(.*\) buffer type overridden to (?P<buft>\S+)")
 _SPLITS_RE = re.compile(r"graph.*: nodes = [^,]+, splits = (\d+)(?: / (\d+))?,")
 _BUFFER_RE = re.compile(r"(?P<buf>\S+)\s+(?P<kind>model|KV|RS|compute|output) buffer size\s*=\s*(?P<mib>[\d.]+) MiB")
@@ -165,6 +168,7 @@ class Engine:
         self.hidden: list[tuple[int, np.ndarray]] = []  # capture_hidden: (layer, [n_tokens, n_embd] f32)
         self.n_past = 0
         self._last_il = 1 << 30  # eval-callback capture: layer seen last, to find ubatch starts
+        self._scores: np.ndarray | None = None  # capture_scores: the last ffn_moe_probs* tensor seen
         self._ubatch_tokens = 0
 
         path = Path(opts.model_path)
@@ -504,11 +508,16 @@ class Engine:
         t = llama_lib.GGMLTensor.from_address(t_ptr)
         name = t.name
         hidden = self._hidden_prefix
+        scores = self.opts.capture_topk and self.opts.capture_scores and _SCORES_RE.fullmatch(name) is not None
         if ask:
             return ((self.opts.capture_topk and name.startswith(b"ffn_moe_topk-"))
-                    or (hidden is not None and name.startswith(hidden)))
+                    or (hidden is not None and name.startswith(hidden)) or scores)
         if hidden is not None and name.startswith(hidden):
             self._record_hidden(t_ptr, t, int(name[len(hidden):]))
+        if scores:
+            # NOTE: ffn_moe_probs, then _biased (exp_probs_b) or _masked (expert groups) where the
+            # model has them: the last one before the layer's top-k is what it ranked
+            self._scores = self._read_rows(t_ptr, t)
         if self.opts.capture_topk and name.startswith(b"ffn_moe_topk-"):
             il = int(name.split(b"-", 1)[1])
             k, n_tok = t.ne[0], t.ne[1]
@@ -525,7 +534,8 @@ class Engine:
             ids = np.lib.stride_tricks.as_strided(base.view(np.int32) if t.nb[0] == 4 and size % 4 == 0 else base,
                                                   shape=(n_tok, k), strides=(t.nb[1], t.nb[0]))
             phase = DECODE if self._ubatch_tokens == 1 else PREFILL
-            self.records.append(TopkRecord(il, phase, ids.astype(np.int32)))
+            self.records.append(TopkRecord(il, phase, ids.astype(np.int32), self._scores))
+            self._scores = None
         return True
 
     @property
@@ -533,7 +543,10 @@ class Engine:
         return None if not self.opts.capture_hidden else self.opts.capture_hidden.encode() + b"-"
 
     def _record_hidden(self, t_ptr: int, t, il: int) -> None:
-        """One f32 activation [n_tokens, n] (ggml ne = [n, n_tokens]), read by its strides."""
+        self.hidden.append((il, self._read_rows(t_ptr, t)))
+
+    def _read_rows(self, t_ptr: int, t) -> np.ndarray:
+        """One f32 tensor [n_tokens, n] (ggml ne = [n, n_tokens]), read by its strides."""
         if t.type != 0:  # GGML_TYPE_F32
             raise NativeError(f"{t.name.decode()}: expected an f32 tensor, got ggml type {t.type}")
         n, n_tok = t.ne[0], t.ne[1]
@@ -542,7 +555,7 @@ class Engine:
         self.lib.tensor_get(t_ptr, raw, 0, size)
         rows = np.lib.stride_tricks.as_strided(np.frombuffer(raw, dtype=np.float32), shape=(n_tok, n),
                                                strides=(t.nb[1], t.nb[0]))
-        self.hidden.append((il, rows.copy()))
+        return rows.copy()
 
     # -- expert cache figures -------------------------------------------------------------
 
