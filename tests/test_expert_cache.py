@@ -14,7 +14,7 @@ from spark_cli.native.engine import CacheLayer, Engine, EngineOptions
 from spark_cli.errors import NativeError
 from spark_cli.runs.exactness import logits
 from spark_cli.core.gguf_info import load_geometry
-from spark_cli.core.simulator import simulate
+from spark_cli.core.simulator import MissCosts, simulate
 
 pytestmark = pytest.mark.model
 
@@ -196,16 +196,26 @@ def test_counters_equal_python_lru_replay(small_model, rpc_server):
     assert dec.sum() == (3 * 16 + one_token_ubatches) * g.n_expert_used * len(g.moe_layers)
 
 
+# the auto path with free uploads: every step stages its misses, most entries first, while slices last
+STAGE_ALL = MissCosts(cpu_ns=1000, upload_ns=0)
+
+
 @pytest.mark.parametrize("policy,miss_path", [
     ("lru", "cpu"), ("tinylfu", "cpu"), ("tinylfu", "upload"), ("slru", "cpu"), ("lfu-aged", "cpu"),
+    ("tinylfu", "auto"), ("lru", "upload-staged"),
 ])
 def test_counters_equal_python_replay(policy, miss_path, small_model, rpc_server):
     """The native counters and slots equal the simulator's replay of the native trace, for each
-    native policy and miss path (ubatches of 4: some prompt steps do not fit the slots)."""
+    native policy and miss path (ubatches of 4: some prompt steps do not fit the slots); with
+    staging slices, the staged misses too (auto with free uploads; upload's large steps)."""
+    n_stage = 3 if miss_path in ("auto", "upload-staged") else 0
+    miss_path = "upload" if miss_path == "upload-staged" else miss_path
     layers, g = _cache_layers(small_model, 1, 1)
     layers = [CacheLayer(c.il, c.n_slots, c.pinned, miss_path=miss_path, policy=policy) for c in layers]
-    opts = EngineOptions(small_model, n_ctx=512, n_ubatch=4, rpc=[rpc_server.endpoint], cache_layers=layers, trace=True)
+    opts = EngineOptions(small_model, n_ctx=512, n_ubatch=4, rpc=[rpc_server.endpoint], cache_layers=layers, trace=True,
+                         stage_slices=n_stage)
     with Engine(opts) as eng:
+        eng.set_miss_costs({c.il: STAGE_ALL for c in layers})
         for p in PROMPTS:
             _run(eng, p, n_decode=16)
         stats = eng.cache_stats()
@@ -214,19 +224,48 @@ def test_counters_equal_python_replay(policy, miss_path, small_model, rpc_server
     trace = records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
     sim = simulate(trace, "lru-pinned" if policy == "lru" else policy, {c.il: c.n_slots for c in layers},
                    pinned={c.il: list(c.pinned) for c in layers}, phases=("prefill", "decode"), miss_path=miss_path,
-                   cpu_path=True)
+                   cpu_path=True, n_stage=n_stage, costs=STAGE_ALL)
     for c in layers:
         s, ref = stats[c.il], sim.layers[c.il]
-        got = (s.hits, s.misses, s.uploads, s.cpu_experts, s.admit_skipped)
-        want = (ref.hits, ref.misses, ref.uploads, ref.cpu_experts, ref.admit_skipped)
+        got = (s.hits, s.misses, s.uploads, s.cpu_experts, s.admit_skipped, s.staged_uploads)
+        want = (ref.hits, ref.misses, ref.uploads, ref.cpu_experts, ref.admit_skipped, ref.staged)
         assert got == want, f"layer {c.il}: native {got} != replay {want}"
         assert (s.steps_cached, s.steps_stock) == (ref.cached_steps, ref.stock_steps)
         # pinned experts never leave their slots; the others hold what the replay holds (-2 - e: pending)
         assert slots[c.il][: len(c.pinned)] == list(c.pinned)
         assert {e if e >= 0 else -2 - e for e in slots[c.il] if e != -1} == set(ref.final_resident)
-    if miss_path == "cpu":
+    if miss_path in ("cpu", "auto"):
         assert sum(s.blocking_upload_bytes for s in stats.values()) == 0
         assert sum(s.async_uploads for s in stats.values()) > 0
+    if n_stage:  # the replay staged as native did, and something was staged
+        assert sum(s.staged_uploads for s in stats.values()) > 0
+        assert sum(s.staged_upload_bytes for s in stats.values()) == sum(
+            stats[c.il].staged_uploads * g.layers[c.il].expert_bytes_per_expert for c in layers)
+
+
+@pytest.mark.parametrize("costs", [STAGE_ALL, MissCosts(cpu_ns=1000, upload_ns=2500)], ids=["stage-all", "split"])
+@pytest.mark.parametrize("n_ubatch", [512, 3])
+def test_auto_path_bit_exact(costs, n_ubatch, small_model, rpc_server):
+    """The per-expert split: staged misses run on the device from staging slices, the rest on the
+    CPU, in prompt steps too large for the slots and in decode steps; logits bit-identical to
+    all-resident. The split cost rule (2.5 entries' CPU time per upload) sends experts of 3+ entries
+    up and the rest to the CPU; with evictions forced (S = P + k + 1)."""
+    opts = dict(n_ctx=512, n_batch=512, n_ubatch=n_ubatch, rpc=[rpc_server.endpoint])
+    prompts = [PROMPTS[0], LONG]
+    with Engine(EngineOptions(small_model, **opts)) as ref_eng:
+        refs = [_run(ref_eng, p) for p in prompts]
+    layers, g = _cache_layers(small_model, 1, 1)
+    layers = [CacheLayer(c.il, c.n_slots, c.pinned, miss_path="auto", policy="tinylfu") for c in layers]
+    with Engine(EngineOptions(small_model, cache_layers=layers, stage_slices=4, **opts)) as eng:
+        eng.set_miss_costs({c.il: costs for c in layers})
+        assert set(eng.miss_paths().values()) == {"auto"}
+        for p, ref in zip(prompts, refs):
+            _assert_same(ref, _run(eng, p), f"auto {costs}: {p[:20]!r}")
+        stats = eng.cache_stats()
+    staged = sum(s.staged_uploads for s in stats.values())
+    on_cpu = sum(s.cpu_experts for s in stats.values())
+    assert staged > 0 and on_cpu > 0, (staged, on_cpu)  # both sides served misses
+    assert sum(s.blocking_upload_bytes for s in stats.values()) == 0
 
 
 def test_bank_memory_matches_plan(small_model, rpc_server):
