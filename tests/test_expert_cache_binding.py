@@ -53,9 +53,20 @@ def test_structs_match_the_header_field_by_field(c_struct, ctype) -> None:
 
 
 def test_stats_dataclass_mirrors_the_struct() -> None:
-    assert [f.name for f in fields(ec.CacheStats)] == _struct("llama_expert_cache_stats")
+    """Every header counter, plus only the ones the native side has yet to add (NATIVE_PENDING)."""
+    mine, header = [f.name for f in fields(ec.CacheStats)], _struct("llama_expert_cache_stats")
+    assert set(header) <= set(mine) and set(mine) - set(header) <= ec.NATIVE_PENDING
     a = ec.CacheStats(hits=3, misses=1, syncs=2)
     assert (a + a - a) == a and ec.CacheStats.total([a, a]).syncs == 4 and a.hit_rate == 0.75
+
+
+def test_stats_from_a_struct_without_the_pending_counters_read_zero() -> None:
+    s = ec.Stats(hits=5, syncs=7, async_upload_bytes=1 << 20)
+    got = ec.CacheStats.from_struct(s)
+    assert (got.hits, got.syncs, got.async_upload_bytes) == (5, 7, 1 << 20)
+    for name in ec.NATIVE_PENDING - {n for n, _ in ec.Stats._fields_}:
+        assert getattr(got, name) == 0
+    assert {"staged_uploads", "staged_upload_bytes"} <= {f.name for f in fields(ec.CacheStats)}
 
 
 def test_every_function_is_bound_and_named_after_it() -> None:

@@ -144,10 +144,13 @@ class CacheStats:
     cpu_expert_bytes: int = 0
     cpu_us: int = 0
     admit_skipped: int = 0
+    staged_uploads: int = 0  # these two read 0 from a struct without them (NATIVE_PENDING)
+    staged_upload_bytes: int = 0
 
     @classmethod
     def from_struct(cls, s: Stats) -> "CacheStats":
-        return cls(**{f.name: int(getattr(s, f.name)) for f in fields(cls)})
+        """By name; a field the struct lacks (NATIVE_PENDING) reads 0."""
+        return cls(**{f.name: int(getattr(s, f.name, 0)) for f in fields(cls)})
 
     def __add__(self, other: "CacheStats") -> "CacheStats":
         return CacheStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
@@ -168,7 +171,16 @@ class CacheStats:
         return self.hits / n if n else None
 
 
-assert [f.name for f in fields(CacheStats)] == [n for n, _ in Stats._fields_], "CacheStats must mirror Stats"
+# counters CacheStats has before the C struct does (the native side adds them under these names)
+NATIVE_PENDING = frozenset({"staged_uploads", "staged_upload_bytes"})
+
+
+def _check_mirror() -> None:
+    mine, theirs = [f.name for f in fields(CacheStats)], [n for n, _ in Stats._fields_]
+    assert set(theirs) <= set(mine) and set(mine) - set(theirs) <= NATIVE_PENDING, "CacheStats must mirror Stats"
+
+
+_check_mirror()
 
 
 MISS_PATHS = {name: MissPath[name.upper()] for name in simulator.MISS_PATHS}
