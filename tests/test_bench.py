@@ -99,6 +99,19 @@ def test_every_configuration_end_to_end(spark, model_link, corpus, rpc_server, t
     # the cache is exact: Spark generates the all-resident run's tokens
     assert by["spark"]["tokens_digest"] == by["resident"]["tokens_digest"]
 
+    # the prompt phase apart: the prompt evals' counters per prompt token (one read-back per eval)
+    for name in ("spark-step", "spark"):
+        c, p = by[name], by[name]["prompt_cache"]
+        assert c["prompt_tokens"] == 64 and set(p) >= {"syncs", "uploads", "staged_uploads"}
+        for counter in bench.PROMPT_ACCOUNTING:
+            extra = 2 if counter == "syncs" else 0
+            assert c[f"{counter}_per_prompt_token"] == pytest.approx((p[counter] + extra) / 64), (name, counter)
+        for counter in ("staged_uploads", "staged_upload_bytes"):
+            assert c[f"{counter}_per_token"] == pytest.approx(c[counter] / 16)
+    assert by["resident"]["syncs_per_prompt_token"] == pytest.approx(2 / 64)
+    assert by["resident"]["blocking_upload_bytes_per_prompt_token"] == 0 and by["resident"]["prompt_cache"] is None
+    assert by["cpu-moe"]["cpu_expert_bytes_per_prompt_token"] is None  # stock prompt offload: not modelled
+
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Spark + cache" in stdout and "tg/stock" in stdout
     prof = json.loads(profile_path_for(model_link).read_text())  # bench folded its decode counts
@@ -177,8 +190,10 @@ def test_ratios_use_medians_and_the_best_stock(geo) -> None:
     assert spark.ratios["pp_vs_stock"] == pytest.approx(60 / 100)
     t = rep.targets()
     assert t["tg_vs_stock"]["met"] is True and t["tg_vs_ceiling"]["met"] is True
-    md = bench.to_markdown(rep)
-    assert md.count("\n") == 5 and "2.25x" in md and "90.0 (1.0-95.0)" in md
+    speeds, acc = bench.to_markdown(rep).split("\n\n")
+    assert speeds.count("\n") == 5 and "2.25x" in speeds and "90.0 (1.0-95.0)" in speeds
+    assert acc.count("\n") == 1 + 2 * 4  # header, rule, a tg and a pp row per configuration
+    assert [line.split(" | ")[1] for line in acc.splitlines()[2:]] == ["tg", "pp"] * 4
 
 
 class _FakeEngine:
@@ -201,3 +216,100 @@ def test_workload_generates_after_a_chat_and_calibrates_on_the_rest(corpus) -> N
     assert not any(p == w.gen_prompt for p in w.calibration)
     assert len(w.pp_tokens) == 1000 and w.pp_tokens[0] == 1 and w.pp_tokens.count(1) == 1  # BOS once
     assert "repeated" in w.note
+
+
+def _wide_report(geo) -> bench.Report:
+    """Every configuration with the longest labels and four-digit rates; Spark with cache counters."""
+    from spark_cli.native.expert_cache import CacheStats
+
+    def res(name: str, label: str, kind: str, pp: list[float], tg: list[float], host: tuple = ()) -> bench.Result:
+        runs = [bench.Run(512, 512 / p, 128, 128 / t) for p, t in zip(pp, tg)]
+        r = bench.Result(bench.Config(name, label, kind, host_layers=host, planned_bytes=123 << 30), status="ok",
+                         runs=runs, decode_tokens=128 * len(runs))
+        if kind == "spark":
+            r.miss_path = "cpu 10, upload 14"
+            r.cache = CacheStats(uploads=800, syncs=3000, blocking_upload_bytes=300 << 22,
+                                 async_upload_bytes=500 << 22, cpu_expert_bytes=90 << 22, staged_uploads=40,
+                                 staged_upload_bytes=40 << 22)
+            r.prompt_cache = CacheStats(uploads=5000, syncs=90, blocking_upload_bytes=5000 << 22,
+                                        staged_uploads=12, staged_upload_bytes=12 << 22)
+        return r
+
+    rep = bench.Report(Path("Qwen3-Coder-30B-A3B-Instruct-UD-Q4_K_XL.gguf"), geo, 16 << 30, "test", 4096, 512, 128, 3,
+                       "CUDA0", "c")
+    rep.results = [res("resident", "all resident (over budget)", "ceiling", [3456.7, 3400.1, 3501.9], [123.4, 120.1, 125.9]),
+                   res("cpu-moe", "stock --cpu-moe", "stock", [1234.5, 1200.2, 1300.9], [23.4, 22.1, 25.9],
+                       host=tuple(geo.moe_layers)),
+                   res("n-cpu-moe", "stock --n-cpu-moe 12", "stock", [2234.5, 2200.2, 2300.9], [43.4, 42.1, 45.9],
+                       host=tuple(geo.moe_layers[:1])),
+                   res("spark-step", "Spark, step slots", "spark", [2834.5, 2800.2, 2900.9], [83.4, 82.1, 85.9]),
+                   res("spark", "Spark + cache", "spark", [2934.5, 2900.2, 2990.9], [1093.4, 1092.1, 1095.9]),
+                   bench.Result(bench.Config("cpu", "CPU only (no device)", "cpu"), status="does not fit")]
+    rep.finalize()
+    return rep
+
+
+def test_both_tables_fit_120_columns_with_whole_headers(geo) -> None:
+    from rich.console import Console
+
+    rep = _wide_report(geo)
+    for table, must in ((bench_cmd.speed_table(rep), ("pp tok/s", "tg tok/s", "tg/stock", "tg/ceiling")),
+                        (bench_cmd.accounting_table(rep), ("syncs", "blocking", "async", "staged", "CPU", "cold-hit"))):
+        con = Console(width=120, record=True, color_system=None)
+        con.print(table)
+        text = con.export_text()
+        assert "…" not in text, text
+        lines = [line.rstrip() for line in text.splitlines()]
+        assert max(len(line) for line in lines) <= 120, text
+        boxed = [line for line in lines if line[:1] in "┏┃┡│├└"]
+        assert len(boxed) >= 8 and all(line[-1] in "┓┃┩│┤┘" for line in boxed), text  # not cropped at 120
+        for word in must:
+            assert word in text, word
+
+
+def test_prompt_and_decode_accounting_apart(geo) -> None:
+    d = {c["name"]: c for c in _wide_report(geo).to_dict()["configs"]}
+    spark = d["spark"]
+    n_pp, n_tg = 3 * 512, 3 * 128
+    assert spark["prompt_tokens"] == n_pp and spark["decode_tokens"] == n_tg
+    assert spark["syncs_per_token"] == pytest.approx(3000 / n_tg + 1)  # + the logits read-back of each step
+    assert spark["syncs_per_prompt_token"] == pytest.approx((90 + 3) / n_pp)  # + one read-back per prompt
+    assert spark["blocking_upload_bytes_per_prompt_token"] == pytest.approx((5000 << 22) / n_pp)
+    assert spark["async_upload_bytes_per_prompt_token"] == 0
+    assert spark["uploads_per_prompt_token"] == pytest.approx(5000 / n_pp)
+    assert spark["staged_uploads_per_token"] == pytest.approx(40 / n_tg)
+    assert spark["staged_upload_bytes_per_token"] == pytest.approx((40 << 22) / n_tg)
+    assert spark["staged_uploads_per_prompt_token"] == pytest.approx(12 / n_pp)
+    assert spark["staged_upload_bytes_per_prompt_token"] == pytest.approx((12 << 22) / n_pp)
+    assert spark["prompt_cache"]["staged_uploads"] == 12 and spark["staged_uploads"] == 40
+    # stock: decode modelled; the prompt of host layers not (llama.cpp may offload the batch)
+    stock = d["cpu-moe"]
+    assert stock["syncs_per_token"] == len(geo.moe_layers) + 1 and stock["staged_uploads_per_token"] == 0
+    assert stock["syncs_per_prompt_token"] is None and stock["cpu_expert_bytes_per_prompt_token"] is None
+    assert stock["staged_upload_bytes_per_prompt_token"] == 0 and stock["prompt_cache"] is None
+    res = d["resident"]
+    assert res["syncs_per_prompt_token"] == pytest.approx(3 / n_pp) and res["cpu_expert_bytes_per_prompt_token"] == 0
+    assert all(d["cpu"][f"{k}_per_prompt_token"] is None for k in bench.PROMPT_ACCOUNTING)  # did not run
+
+
+def test_plot_shows_prompt_and_generation_side_by_side(geo, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    rep = _wide_report(geo)
+    fig = bench_cmd.speed_figure(rep)
+    try:
+        axes = fig.get_axes()
+        assert len(axes) == 2
+        assert "prompt" in axes[0].get_xlabel() and "generation" in axes[1].get_xlabel()
+        measured = [r for r in rep.results if r.runs]
+        for ax, what in zip(axes, ("pp", "tg")):
+            widths = [bar.get_width() for bar in ax.patches]
+            assert widths == pytest.approx([getattr(r, what).median for r in measured])
+        labels = [t.get_text() for t in axes[0].get_yticklabels()]
+        assert labels == [r.config.label for r in measured]
+    finally:
+        plt.close(fig)
+    png = tmp_path / "b.png"
+    bench_cmd._plot(rep, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -8,12 +8,20 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.markup import escape
 
 from ..core.options import LoadFlags
 from .common import MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, run_inputs
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from rich.table import Table
+
+    from ..runs.bench import Report, Result
 
 
 def _budget(vram_text: str | None, residency: float | None, geometry, ctx: int, devs: list,
@@ -31,21 +39,47 @@ def _budget(vram_text: str | None, residency: float | None, geometry, ctx: int, 
     return b.bytes, b.source
 
 
-def _table(report):
+TABLE_WIDTH = 120  # both tables fit it with whole headers (a log gets this width)
+SPEED_CAPTION = ("tok/s: median (min-max) of the runs; pp: prompt processing, tg: generation; "
+                 "x/stock: against the best stock configuration, x/ceiling: against all resident")
+ACCOUNTING_CAPTION = ("per token: tg per generated token (decode steps), pp per prompt token (prompt processing); "
+                      "cold-hit: routed decode experts not on the device; uploads: expert uploads; "
+                      "syncs: device -> host stops; blocking/async MiB: uploads waited for / in the background; "
+                      "staged: staged uploads (count, MiB); CPU MiB: host expert bytes computed on the CPU; "
+                      "-: not measured or not modelled")
+
+
+def _rich_table(title: str, caption: str, data: list[dict[str, str]]) -> "Table":
+    """An empty table with the columns of display rows `data` (the first left-aligned, the rest
+    right), each at least as wide as its header's longest word: rich wraps a header, never cuts it."""
     from rich.table import Table
 
-    from ..runs.bench import rows
-
-    data = rows(report)
-    t = Table(title=f"spark bench: {report.model.name} on {report.device}", title_justify="left",
-              caption="tok/s: median (min-max); cold-hit: routed decode experts not on the device; "
-                      "up/tok, MiB/tok: expert uploads per decode token; syncs/tok: device -> host stops; "
-                      "blocking/async MiB/tok: uploads waited for / in the background; CPU MiB/tok: host "
-                      "expert bytes computed on the CPU", caption_justify="left")
+    t = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     for col in data[0] if data else []:
-        t.add_column(col, justify="left" if col == "configuration" else "right")
+        t.add_column(col, justify="left" if col == "configuration" else "right",
+                     min_width=max(len(word) for word in col.split()))
+    return t
+
+
+def speed_table(report: "Report") -> "Table":
+    """(a) prompt and generation tok/s and the ratios; a configuration that did not run is dim."""
+    from ..runs.bench import speed_rows
+
+    data = speed_rows(report)
+    t = _rich_table(f"spark bench: {report.model.name} on {report.device}", SPEED_CAPTION, data)
     for r, res in zip(data, report.results):
         t.add_row(*r.values(), style="" if res.runs else "dim")
+    return t
+
+
+def accounting_table(report: "Report") -> "Table":
+    """(b) the per-token accounting: per generated token (tg), then per prompt token (pp), each configuration."""
+    from ..runs.bench import accounting_rows
+
+    data = accounting_rows(report)
+    t = _rich_table("per-token accounting", ACCOUNTING_CAPTION, data)
+    for r in data:
+        t.add_row(*r.values(), end_section=r["phase"] == "pp")
     return t
 
 
@@ -93,9 +127,11 @@ def _write_outputs(report, as_json: bool, json_path: Path | None, md: bool, plot
         for line in _summary_lines(report):
             typer.echo(_plain(line))
     else:
-        if not console.is_terminal and "COLUMNS" not in os.environ and console.width < 150:
-            console.width = 150  # NOTE: a log gets a wide table, not rich's 80-column default
-        console.print(_table(report))
+        if not console.is_terminal and "COLUMNS" not in os.environ and console.width < TABLE_WIDTH:
+            console.width = TABLE_WIDTH  # NOTE: a log gets the tables' width, not rich's 80-column default
+        console.print(speed_table(report))
+        if any(r.runs for r in report.results):
+            console.print(accounting_table(report))
         for line in _summary_lines(report):
             console.print(line, soft_wrap=True)
     if json_path is not None:
@@ -135,29 +171,51 @@ def _plain(line: str) -> str:
     return Text.from_markup(line).plain
 
 
-def _plot(report, path: Path) -> None:
-    import io
+PHASES = (("pp", "prompt processing tokens/s"), ("tg", "generation tokens/s"))
 
+
+def _bar_color(kind: str) -> str:
+    return "tab:orange" if kind == "spark" else "tab:gray" if kind == "stock" else "tab:green"
+
+
+def _speed_panel(ax: "Axes", done: list["Result"], what: str, xlabel: str) -> None:
+    """Horizontal bars of one phase's medians with min-max whiskers, each labelled with its median."""
+    spreads = [getattr(r, what) for r in done]
+    med = [s.median for s in spreads]
+    err = [[s.median - s.min for s in spreads], [s.max - s.median for s in spreads]]
+    bars = ax.barh([r.config.label for r in done], med, xerr=err,
+                   color=[_bar_color(r.config.kind) for r in done], capsize=3)
+    ax.bar_label(bars, labels=[f"{m:.1f}" for m in med], padding=4, fontsize=8)
+    ax.set_xlabel(f"{xlabel} (median, min-max)")
+    ax.set_xlim(0, max((s.max for s in spreads), default=0) * 1.25 or 1)  # room for the labels
+
+
+def speed_figure(report: "Report") -> "Figure":
+    """Prompt processing and generation tok/s side by side, one bar per measured configuration."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    done = [r for r in report.results if r.tg is not None and r.pp is not None]
+    fig, axes = plt.subplots(1, len(PHASES), sharey=True, figsize=(11, 0.6 * max(len(done), 2) + 1.4))
+    for ax, (what, xlabel) in zip(axes, PHASES):
+        _speed_panel(ax, done, what, xlabel)
+    axes[0].invert_yaxis()  # shared: the first configuration on top in both
+    fig.suptitle(f"{report.model.name} on {report.device}, budget {report.budget_bytes / 2**30:.2f} GiB", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _plot(report: "Report", path: Path) -> None:
+    import io
+
+    import matplotlib.pyplot as plt
+
     from ..files.atomic import atomic_write_bytes
     from ..files.recovery import save_or_recover
 
-    done = [r for r in report.results if r.tg is not None]
-    fig, ax = plt.subplots(figsize=(8, 0.6 * max(len(done), 2) + 1.2))
-    names = [r.config.label for r in done]
-    med = [r.tg.median for r in done]
-    err = [[r.tg.median - r.tg.min for r in done], [r.tg.max - r.tg.median for r in done]]
-    colors = ["tab:orange" if r.config.kind == "spark" else "tab:gray" if r.config.kind == "stock"
-              else "tab:green" for r in done]
-    ax.barh(names, med, xerr=err, color=colors, capsize=3)
-    ax.invert_yaxis()
-    ax.set_xlabel("generation tokens/s (median, min-max)")
-    ax.set_title(f"{report.model.name} on {report.device}, budget {report.budget_bytes / 2**30:.2f} GiB", fontsize=9)
-    fig.tight_layout()
+    fig = speed_figure(report)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
@@ -183,7 +241,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print the full report as JSON on stdout"),
         output: Path = typer.Option(None, "--output", "-o", help="write the full report as JSON here"),
         md: bool = typer.Option(False, "--md", help="print a markdown table (for an issue) instead of the rich one"),
-        plot: Path = typer.Option(None, "--plot", help="write a bar chart of generation tok/s (PNG)"),
+        plot: Path = typer.Option(None, "--plot", help="write bar charts of prompt processing and generation "
+                                  "tok/s, side by side (PNG)"),
         configs: str = typer.Option(None, "--configs", help="comma-separated subset of: resident, cpu-moe, "
                                     "n-cpu-moe, spark-step, spark (the default), and spark-layer (the per-layer "
                                     "miss rule before per-expert misses)"),

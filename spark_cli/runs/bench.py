@@ -15,7 +15,9 @@ Every configuration is sized with the run's -ctk/-ctv/-ub (planner.fixed_bytes),
 
 Each run: prompt processing of `n_prompt` corpus tokens, then greedy generation of `n_gen`
 tokens after a corpus prompt (end-of-generation tokens are skipped so every configuration
-decodes the same number of tokens). Cache figures cover the decode steps only.
+decodes the same number of tokens). Cache figures: the decode steps (per generated token) and
+the prompt-processing evals (per prompt token), apart; the generation prompt's own prefill is in
+neither.
 Pure of rich and typer: the command renders.
 """
 
@@ -288,6 +290,7 @@ class Result:
     runs: list[Run] = field(default_factory=list)
     decode_tokens: int = 0  # decode steps the cache figures cover
     cache: CacheStats = field(default_factory=CacheStats)  # summed over the decode steps of every run
+    prompt_cache: CacheStats = field(default_factory=CacheStats)  # summed over the prompt evals of every run
     miss_path: str = ""  # what ran: cpu, upload, or a per-layer mix (spark)
     miss_path_why: str = ""
     bank_bytes: int = 0
@@ -297,6 +300,11 @@ class Result:
     same_as: str = ""  # identical placement measured under another name
     counts: np.ndarray | None = field(default=None, repr=False)  # decode routing counts
     ratios: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt-processing tokens `prompt_cache` covers (one logits read-back per run)."""
+        return sum(x.pp_tokens for x in self.runs)
 
     @property
     def pp(self) -> Spread | None:
@@ -321,30 +329,75 @@ def cold_figures(r: Result, g: ModelGeometry) -> dict[str, float | None]:
             "bytes_per_token": c.bytes_uploaded / n}
 
 
+# counters reported per token, in each phase: "<name>_per_token" (decode), "<name>_per_prompt_token"
+ACCOUNTING = ("syncs", "blocking_upload_bytes", "async_upload_bytes", "cpu_expert_bytes",
+              "staged_uploads", "staged_upload_bytes")
+PROMPT_ACCOUNTING = ("uploads",) + ACCOUNTING  # decode uploads per token: cold_figures
+
+
+def per_token(c: CacheStats, names: Sequence[str], n_tokens: int, readbacks: int, suffix: str) -> dict[str, float]:
+    """Measured counters over `n_tokens`; `readbacks` device -> host stops outside the cache's own
+    (the logits read-backs) join the syncs."""
+    n = max(n_tokens, 1)
+    return {f"{name}{suffix}": (getattr(c, name) + (readbacks if name == "syncs" else 0)) / n for name in names}
+
+
+def host_layers(r: Result, g: ModelGeometry) -> set[int]:
+    """MoE layers whose experts a stock or CPU configuration keeps (and computes) on the host."""
+    return set(g.moe_layers) if r.config.kind == "cpu" else set(r.config.host_layers)
+
+
+def stock_decode(r: Result, g: ModelGeometry) -> dict[str, float]:
+    """A stock or CPU configuration per decode token: each host layer stops the device once (it
+    hands the routed ids and activations over) and reads k experts; nothing is uploaded."""
+    host = host_layers(r, g)
+    cpu_bytes = sum(g.n_expert_used * l.expert_bytes / max(g.n_expert, 1) for l in g.layers if l.index in host)
+    out = {f"{name}_per_token": 0.0 for name in ACCOUNTING}
+    out["syncs_per_token"] = 0.0 if r.config.kind == "cpu" else float(len(host) + 1)
+    out["cpu_expert_bytes_per_token"] = cpu_bytes
+    return out
+
+
+def stock_prompt(r: Result, g: ModelGeometry) -> dict[str, float | None]:
+    """A stock or CPU configuration per prompt token. All experts on the device: one logits
+    read-back per prompt, nothing uploaded or computed on the host. Experts on the host: not
+    modelled (None) but for what stock never does (async or staged uploads): llama.cpp may run a
+    prompt batch's host expert matmuls on the device, copying the weights, or on the CPU."""
+    out: dict[str, float | None] = {f"{name}_per_prompt_token": 0.0 for name in PROMPT_ACCOUNTING}
+    if r.config.kind == "cpu":
+        out["cpu_expert_bytes_per_prompt_token"] = None
+    elif host_layers(r, g):
+        for name in ("syncs", "uploads", "blocking_upload_bytes", "cpu_expert_bytes"):
+            out[f"{name}_per_prompt_token"] = None
+    else:
+        out["syncs_per_prompt_token"] = len(r.runs) / max(r.prompt_tokens, 1)
+    return out
+
+
 def accounting(r: Result, g: ModelGeometry) -> dict[str, float | str | None]:
     """Hardware-independent figures per decode token: device -> host stops on the critical path
     (the logits read-back included), bytes uploaded while the step waited, bytes uploaded in the
-    background, and host expert bytes the CPU computed with. Stock layers on the CPU stop the
-    device once each (it hands the routed ids and activations over) and read k experts each."""
-    keys = ("syncs_per_token", "blocking_upload_bytes_per_token", "async_upload_bytes_per_token",
-            "cpu_expert_bytes_per_token", "cpu_us_per_expert")
+    background, host expert bytes the CPU computed with, staged uploads and their bytes."""
+    keys = tuple(f"{name}_per_token" for name in ACCOUNTING) + ("cpu_us_per_expert",)
     if not r.runs:
         return {"miss_path": r.miss_path or None, **{k: None for k in keys}}
-    k = g.n_expert_used
     if r.config.kind in ("stock", "ceiling", "cpu"):
-        host = set(g.moe_layers) if r.config.kind == "cpu" else set(r.config.host_layers)
-        cpu_bytes = sum(k * l.expert_bytes / max(g.n_expert, 1) for l in g.layers if l.index in host)
-        syncs = 0.0 if r.config.kind == "cpu" else float(len(host) + 1)
-        return {"miss_path": None, "syncs_per_token": syncs, "blocking_upload_bytes_per_token": 0.0,
-                "async_upload_bytes_per_token": 0.0, "cpu_expert_bytes_per_token": cpu_bytes,
-                "cpu_us_per_expert": None}
-    n, c = max(r.decode_tokens, 1), r.cache
-    return {"miss_path": r.miss_path or None, "syncs_per_token": c.syncs / n + 1,
-            "blocking_upload_bytes_per_token": c.blocking_upload_bytes / n,
-            "async_upload_bytes_per_token": c.async_upload_bytes / n,
-            "cpu_expert_bytes_per_token": c.cpu_expert_bytes / n,
+        return {"miss_path": None, **stock_decode(r, g), "cpu_us_per_expert": None}
+    c = r.cache
+    n = r.decode_tokens  # one logits read-back per decode step
+    return {"miss_path": r.miss_path or None, **per_token(c, ACCOUNTING, n, n, "_per_token"),
             # wall time of the CPU miss path per CPU-computed expert (decode steps, at cpu_threads)
             "cpu_us_per_expert": c.cpu_us / c.cpu_experts if c.cpu_experts else None}
+
+
+def prompt_accounting(r: Result, g: ModelGeometry) -> dict[str, float | None]:
+    """The same figures per prompt-processing token (plus uploads), from the prompt evals; one
+    logits read-back per eval."""
+    if not r.runs:
+        return {f"{name}_per_prompt_token": None for name in PROMPT_ACCOUNTING}
+    if r.config.kind in ("stock", "ceiling", "cpu"):
+        return stock_prompt(r, g)
+    return per_token(r.prompt_cache, PROMPT_ACCOUNTING, r.prompt_tokens, len(r.runs), "_per_prompt_token")
 
 
 def describe_paths(picks: dict[int, str]) -> str:
@@ -366,6 +419,11 @@ def geometry_fingerprint(opts: EngineOptions) -> str:
     from ..core.gguf_info import load_geometry
 
     return load_geometry(opts.model_path, require_moe=False).fingerprint
+
+
+def cache_total(eng: Engine) -> CacheStats:
+    """The counters of every cached layer, summed (zeros without a cache)."""
+    return CacheStats.total(eng.cache_stats().values())
 
 
 def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, n_gen: int,
@@ -403,9 +461,11 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
                 result.device_used_bytes = mem[1] - after[1]
             for rep in range(repetitions):
                 eng.reset()
+                s0 = cache_total(eng)
                 t0 = time.perf_counter()
                 eng.eval(work.pp_tokens, logits="last")
                 pp_s = time.perf_counter() - t0
+                pp_cache = cache_total(eng) - s0
                 done += len(work.pp_tokens)
                 if progress:
                     progress(cfg.name, done, total)
@@ -425,6 +485,7 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
                     result.tokens_digest = hashlib.sha1(np.asarray(toks, np.int32).tobytes()).hexdigest()[:12]
                 if spark:
                     result.cache += last.cache
+                    result.prompt_cache += pp_cache
                     if learn:
                         c = eng.routing_counts(DECODE).astype(np.float64)
                         if c.size:
@@ -607,9 +668,13 @@ class Report:
                 "pp_tok_s": _spread(r.pp), "tg_tok_s": _spread(r.tg),
                 **cold_figures(r, g),
                 **accounting(r, g),
+                **prompt_accounting(r, g),
                 "miss_path_why": r.miss_path_why or None,
                 "decode_tokens": r.decode_tokens, "hits": r.cache.hits, "misses": r.cache.misses,
                 "uploads": r.cache.uploads, "bytes_uploaded": r.cache.bytes_uploaded,
+                "staged_uploads": r.cache.staged_uploads, "staged_upload_bytes": r.cache.staged_upload_bytes,
+                "prompt_tokens": r.prompt_tokens,
+                "prompt_cache": dataclasses.asdict(r.prompt_cache) if c.kind == "spark" and r.runs else None,
                 "upload_seconds": r.cache.upload_us / 1e6,
                 "tokens_digest": r.tokens_digest or None,
                 "ratios": dict(r.ratios),
@@ -644,32 +709,33 @@ def fmt_ratio(v: float | None) -> str:
 
 
 def _mib(v: float | None) -> str:
-    return "-" if v is None else f"{v / (1 << 20):.2f}"
+    if v is None:
+        return "-"
+    x = v / (1 << 20)
+    return f"{x:.2f}" if x == 0 or x >= 0.1 else f"{x:.3f}"
 
 
-def rows(report: Report) -> list[dict[str, str]]:
-    """One row of display strings per configuration (shared by the rich and markdown tables);
-    a configuration that did not run shows its status in the pp column (reasons: `footnotes`)."""
+def _num(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2g}" if 0 < v < 0.1 else f"{v:.2f}" if v < 100 else f"{v:.0f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def speed_rows(report: Report) -> list[dict[str, str]]:
+    """Speeds and ratios: one row of display strings per configuration (the rich and markdown
+    tables); a configuration that did not run shows its status in the pp column (reasons: `footnotes`)."""
     out = []
     for r in report.results:
         c = r.config
-        cold = cold_figures(r, report.geometry)
-        acc = accounting(r, report.geometry)
-        row = {
-            "configuration": c.label,
-            "VRAM": units.gib(c.planned_bytes) if c.planned_bytes else "-",
-            "pp tok/s": fmt_rate(r.pp), "tg tok/s": fmt_rate(r.tg),
-            "tg/stock": fmt_ratio(r.ratios.get("tg_vs_stock")),
-            "tg/ceiling": fmt_ratio(r.ratios.get("tg_vs_ceiling")),
-            "cold-hit": "-" if cold["cold_hit"] is None else f"{100 * cold['cold_hit']:.1f}%",
-            "up/tok": "-" if cold["uploads_per_token"] is None else f"{cold['uploads_per_token']:.2f}",
-            "MiB/tok": "-" if cold["bytes_per_token"] is None else f"{cold['bytes_per_token'] / (1 << 20):.2f}",
-            "miss path": acc["miss_path"] or "-",
-            "syncs/tok": "-" if acc["syncs_per_token"] is None else f"{acc['syncs_per_token']:.1f}",
-            "blocking MiB/tok": _mib(acc["blocking_upload_bytes_per_token"]),
-            "async MiB/tok": _mib(acc["async_upload_bytes_per_token"]),
-            "CPU MiB/tok": _mib(acc["cpu_expert_bytes_per_token"]),
-        }
+        row = {"configuration": c.label, "VRAM": units.gib(c.planned_bytes) if c.planned_bytes else "-",
+               "pp tok/s": fmt_rate(r.pp), "tg tok/s": fmt_rate(r.tg)}
+        for ref in ("stock", "ceiling"):
+            for what in ("pp", "tg"):
+                row[f"{what}/{ref}"] = fmt_ratio(r.ratios.get(f"{what}_vs_{ref}"))
         if not r.runs:
             row["pp tok/s"] = r.status
         elif r.status != "ok":
@@ -678,12 +744,39 @@ def rows(report: Report) -> list[dict[str, str]]:
     return out
 
 
+def _accounting_row(label: str, phase: str, figs: dict, suffix: str, cold_hit: str) -> dict[str, str]:
+    """One phase's per-token figures as display strings (figs: accounting's keys ending in suffix)."""
+    return {"configuration": label, "phase": phase, "cold-hit": cold_hit,
+            "uploads": _num(figs[f"uploads{suffix}"]), "syncs": _num(figs[f"syncs{suffix}"]),
+            "blocking MiB": _mib(figs[f"blocking_upload_bytes{suffix}"]),
+            "async MiB": _mib(figs[f"async_upload_bytes{suffix}"]),
+            "staged": _num(figs[f"staged_uploads{suffix}"]), "staged MiB": _mib(figs[f"staged_upload_bytes{suffix}"]),
+            "CPU MiB": _mib(figs[f"cpu_expert_bytes{suffix}"])}
+
+
+def accounting_rows(report: Report) -> list[dict[str, str]]:
+    """The per-token accounting: two rows per measured configuration, phase "tg" per generated
+    token (decode) then "pp" per prompt token (prompt processing); the tg row carries the
+    cold-hit rate, a decode figure (the miss path: `footnotes`)."""
+    out = []
+    g = report.geometry
+    for r in (x for x in report.results if x.runs):
+        cold = cold_figures(r, g)
+        decode_figs = {**cold, **accounting(r, g)}
+        out.append(_accounting_row(r.config.label, "tg", decode_figs, "_per_token", _pct(cold["cold_hit"])))
+        out.append(_accounting_row("", "pp", prompt_accounting(r, g), "_per_prompt_token", ""))
+    return out
+
+
 def footnotes(report: Report) -> list[str]:
-    """Why a configuration did not run, was cut short, or repeats another."""
+    """Which miss path Spark ran, why a configuration did not run, was cut short, or repeats another."""
     out = []
     threads = report.cpu_threads
     for r in report.results:
-        per = accounting(r, report.geometry).get("cpu_us_per_expert")
+        acc = accounting(r, report.geometry)
+        if acc["miss_path"] and r.runs and not r.same_as:
+            out.append(f"{r.config.label}: miss path {acc['miss_path']}")
+        per = acc.get("cpu_us_per_expert")
         if per is not None and threads:
             out.append(f"{r.config.label}: CPU miss path {per:.0f} us per expert on {threads[0]} "
                        f"thread{'s' if threads[0] != 1 else ''} (-t; -tb {threads[1]})")
@@ -696,8 +789,7 @@ def footnotes(report: Report) -> list[str]:
     return out
 
 
-def to_markdown(report: Report) -> str:
-    table = rows(report)
+def markdown_table(table: list[dict[str, str]]) -> str:
     if not table:
         return ""
     cols = list(table[0])
@@ -706,3 +798,8 @@ def to_markdown(report: Report) -> str:
     for r in table:
         lines.append("| " + " | ".join(r[c].replace("|", "\\|") for c in cols) + " |")
     return "\n".join(lines)
+
+
+def to_markdown(report: Report) -> str:
+    """The speeds table, then (after a blank line) the per-token accounting where something ran."""
+    return "\n\n".join(t for t in (markdown_table(speed_rows(report)), markdown_table(accounting_rows(report))) if t)
