@@ -31,6 +31,7 @@
 # rehearsal: builds without CUDA and benches on a local RPC stand-in), SPARK_GPU_ARCH (90),
 # SPARK_GPU_FA=ON (compile FlashAttention kernels: a longer build), SPARK_GPU_E (64),
 # SPARK_GPU_K (4), SPARK_GPU_RESIDENCY (0.6), SPARK_GPU_BENCH_ARGS ("-p 512 -n 128 -r 3"),
+# SPARK_GPU_UB4_ARGS ("-p 128 -n 32 -r 2 -ub 4": the second run, 4-token prompt steps), SPARK_GPU_CONFIGS,
 # SPARK_GPU_WAIT (420), SPARK_GPU_JOBS (all cores), PYTHON (python3).
 set -euo pipefail
 
@@ -45,6 +46,8 @@ E=${SPARK_GPU_E:-64}
 K=${SPARK_GPU_K:-4}
 RESIDENCY=${SPARK_GPU_RESIDENCY:-0.6}
 BENCH_ARGS=${SPARK_GPU_BENCH_ARGS:--p 512 -n 128 -r 3}
+UB4_ARGS=${SPARK_GPU_UB4_ARGS:--p 128 -n 32 -r 2 -ub 4}
+CONFIGS=${SPARK_GPU_CONFIGS:-resident,cpu-moe,n-cpu-moe,spark-step,spark,spark-layer}
 WAIT=${SPARK_GPU_WAIT:-420}
 JOBS=${SPARK_GPU_JOBS:-$(nproc)}
 OUTDIR=${OUT:-$WORK/out}
@@ -283,17 +286,31 @@ cmd_stage2() {
         log "no matplotlib in $PY: no plot"
     fi
     t=$SECONDS
+    # NOTE: a 512-token prompt (BENCH_ARGS) through every configuration, the per-layer miss rule
+    # before issue 25 (spark-layer) beside the per-expert one (spark)
     # shellcheck disable=SC2086
     COLUMNS=${COLUMNS:-170} "$PY" -m spark_cli.cli bench "$model" --residency "$RESIDENCY" --ceiling $BENCH_ARGS \
-        "${extra[@]}" -o "$OUTDIR/bench.json" >"$OUTDIR/bench.txt" 2>"$OUTDIR/bench.err" ||
+        --configs "$CONFIGS" "${extra[@]}" -o "$OUTDIR/bench.json" >"$OUTDIR/bench.txt" 2>"$OUTDIR/bench.err" ||
         { tail -20 "$OUTDIR/bench.err" >&2; die "spark bench failed"; }
     timing "spark bench" $((SECONDS - t))
+    # prompt steps of 4 tokens (-ub 4: as speculative or MTP verification, or a few batched
+    # sequences): the split against both fixed paths
+    t=$SECONDS
+    # shellcheck disable=SC2086
+    COLUMNS=${COLUMNS:-170} "$PY" -m spark_cli.cli bench "$model" --residency "$RESIDENCY" $UB4_ARGS \
+        --configs n-cpu-moe,spark,spark-layer "${extra[@]/bench.png/bench-ub4.png}" -o "$OUTDIR/bench-ub4.json" \
+        >"$OUTDIR/bench-ub4.txt" 2>"$OUTDIR/bench-ub4.err" ||
+        { tail -20 "$OUTDIR/bench-ub4.err" >&2; die "spark bench -ub 4 failed"; }
+    timing "spark bench -ub 4" $((SECONDS - t))
     cp "$WORK/timings.txt" "$OUTDIR/" 2>/dev/null || true
     echo
     echo "timings (s):"
     cat "$WORK/timings.txt"
     echo
     cat "$OUTDIR/bench.txt"
+    echo
+    echo "-ub 4:"
+    cat "$OUTDIR/bench-ub4.txt"
 }
 
 case "${1:-}" in

@@ -335,6 +335,24 @@ def test_simulate(run):
     assert not any(r["default"] for r in rows) or DEFAULT_POLICY in ("lru", "lfu-aged")
     rc, out, err = spark("profile", "simulate", run["trace"], "--miss-path", "gpu")
     assert rc == 2 and "--miss-path gpu" in err
+    # auto: the cpu path's hits, plus the per-expert split; free uploads stage every decode miss
+    # (one slice each), a CPU that costs nothing stages none
+    rc, out, err = spark("profile", "simulate", run["trace"], "--slots", "4", "--miss-path", "auto",
+                         "--policy", "lru", "--miss-costs", "100,0,0", "--json")
+    assert rc == 0, err
+    free = json.loads(out)[0]
+    rc, out, err = spark("profile", "simulate", run["trace"], "--slots", "4", "--miss-path", "cpu",
+                         "--policy", "lru", "--json")
+    cpu = json.loads(out)[0]
+    assert free["hit_rate"] == cpu["hit_rate"] and free["staged_per_token"] > 0
+    # every decode miss staged: k = 2 distinct experts per token and layer, the misses' share of them
+    n_moe = len(load_geometry(run["model"]).moe_layers)
+    assert free["staged_per_token"] == pytest.approx(n_moe * 2 * (1 - cpu["hit_rate"]))
+    rc, out, err = spark("profile", "simulate", run["trace"], "--slots", "4", "--miss-path", "auto",
+                         "--policy", "lru", "--miss-costs", "0,0,10", "--json")
+    assert rc == 0 and json.loads(out)[0]["staged_per_token"] == 0
+    rc, out, err = spark("profile", "simulate", run["trace"], "--miss-path", "auto", "--miss-costs", "1,2")
+    assert rc == 2 and "--miss-costs" in err and "Traceback" not in err
 
 
 def test_simulate_refuses_a_trace_of_another_model(run, tmp_path):

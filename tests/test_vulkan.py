@@ -32,6 +32,7 @@ from spark_cli.runs.exactness import (MIXED_SLACK, RoutedDiff, max_diff, referen
                                       routed_run, within_bound)
 from spark_cli.native.engine import CacheLayer, CacheStats, Engine, EngineOptions
 from spark_cli.core.gguf_info import load_geometry
+from spark_cli.core.simulator import MissCosts
 
 pytestmark = [pytest.mark.vulkan, pytest.mark.model]
 
@@ -164,8 +165,11 @@ def _stock_routed(path, device: str, ref, ref_routes) -> RoutedDiff:
 
 def _cached_routed(path, device: str, miss_path: str, ref, ref_routes) -> tuple[RoutedDiff, CacheStats, int | None]:
     """The cached run (routing from the cache's trace: no eval callback in its graph)."""
-    opts = _opts(path, device, cache_layers=_layers(path, miss_path), trace=True)
+    opts = _opts(path, device, cache_layers=_layers(path, miss_path), trace=True,
+                 stage_slices=AUTO_STAGE if miss_path == "auto" else 0)
     with Engine(opts) as eng:
+        if miss_path == "auto":
+            eng.set_miss_costs({c.il: AUTO_COSTS for c in opts.cache_layers})
         d = routed_diff(ref, ref_routes, routed_run(eng, ref, "trace"))
         return d, CacheStats.total(eng.cache_stats().values()), eng.graph_splits()
 
@@ -181,7 +185,12 @@ def _check_flips(what: str, got: RoutedDiff, stock: RoutedDiff) -> None:
                                  f"where all-resident's margin is {f.margin:.3g} (stock's scores move by {stock.score_shift:.3g})")
 
 
-@pytest.mark.parametrize("miss_path", ["cpu", "upload"])
+# the auto path's split with fixed costs (an upload = 2.5 entries' CPU time): staged uploads on the
+# second queue with their event beside the CPU work, in prompt and decode steps
+AUTO_STAGE, AUTO_COSTS = 4, MissCosts(cpu_ns=1000, upload_ns=2500)
+
+
+@pytest.mark.parametrize("miss_path", ["cpu", "upload", "auto"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_miss_paths_within_the_stock_bound_on_vulkan(arch, miss_path, vulkan_device):
     """Prompts of 1-40 tokens, then decode: prefill steps too large for the slots compute their
@@ -209,9 +218,11 @@ def test_miss_paths_within_the_stock_bound_on_vulkan(arch, miss_path, vulkan_dev
     _check_flips(f"{arch} {miss_path}", got, stock)
     assert got.rows >= sum(len(r) for r in ref.logits) // 2, f"{arch} {miss_path}: routing differs early in most prompts"
     assert st.cpu_experts > 0 and st.syncs == st.steps_cached
-    if miss_path == "cpu":
+    if miss_path in ("cpu", "auto"):
         # admissions went through the second backend's queue and events, and were read afterwards
         assert st.blocking_upload_bytes == 0 and st.async_uploads > 0 and st.hits > 0
+    if miss_path == "auto":
+        assert st.staged_uploads > 0  # staged misses ran on the device from staging slices
     else:
         assert st.async_uploads == 0 and st.blocking_upload_bytes > 0
     _check_splits(f"{arch} {miss_path}", ref, splits, len(g.moe_layers))

@@ -454,7 +454,16 @@ def simulate_cmd(
                                help="policies: lru, lru-pinned, lfu-aged, slru, tinylfu, belady (the oracle)"),
     miss_path: str = typer.Option("upload", "--miss-path",
                                   help="upload (a miss is uploaded before the step), cpu (computed on the CPU, "
-                                       "admitted for the next step), or both"),
+                                       "admitted for the next step), auto (cpu, with each step's misses split per "
+                                       "expert between staging uploads and the CPU by --miss-costs), or both "
+                                       "(upload and cpu)"),
+    stage_slices: int = typer.Option(None, "--stage-slices", min=0, help="auto: staging slices per layer "
+                                     "(default: the planner's, 4 decode steps' experts)", show_default=False),
+    miss_costs: str = typer.Option("100,0,380", "--miss-costs", help="auto: microseconds a missed expert takes "
+                                   "on the CPU (fixed part, per token part) and to upload, as the calibration "
+                                   "measures them: FIXED,PER_TOKEN,UPLOAD"),
+    serial_uploads: bool = typer.Option(False, "--serial-uploads", help="auto: uploads run before the CPU work "
+                                        "(a device without a second queue), not beside it"),
     max_admit: int = typer.Option(-1, "--max-admit", help="cpu miss path: admissions per layer per decode step "
                                                           "(<0: experts used per token)"),
     profile: Path = typer.Option(None, "--profile", help="profile whose top experts lru-pinned pins (none without)"),
@@ -465,6 +474,7 @@ def simulate_cmd(
     """Replay a trace through cache policies: hit rate, uploads and bytes per token by slot count."""
     from ..core.gguf_info import load_geometry
     from ..core.profile import RoutingProfile
+    from ..core.planner import stage_slices as planned_stage_slices
     from ..core.simulator import ALIASES, DEFAULT_POLICY, MISS_PATHS, POLICIES
     from ..core.trace import RoutingTrace
 
@@ -474,9 +484,10 @@ def simulate_cmd(
     if bad or not policies:
         raise UsageError(f"--policy {policy}: unknown {', '.join(bad) or 'empty list'}",
                          hint=f"use some of {', '.join(POLICIES)}")
-    if miss_path not in (*MISS_PATHS, "both"):
-        raise UsageError(f"--miss-path {miss_path}: expected upload, cpu or both")
+    if miss_path not in (*MISS_PATHS, "auto", "both"):
+        raise UsageError(f"--miss-path {miss_path}: expected upload, cpu, auto or both")
     paths = MISS_PATHS if miss_path == "both" else (miss_path,)
+    costs = _miss_costs(miss_costs, not serial_uploads)
     if phases not in ("decode", "all"):
         raise UsageError(f"--phases {phases}: expected decode or all")
     geometry = load_geometry(model, require_moe=True) if model is not None else None
@@ -497,22 +508,26 @@ def simulate_cmd(
     if min(slot_counts) < k:
         raise UsageError(f"--slots {slots}: a cached layer needs at least k = {k} slots (experts used per token)",
                          hint=f"use slot counts of {k} or more")
+    n_stage = planned_stage_slices(tr.n_expert, k, "auto") if stage_slices is None else min(stage_slices, tr.n_expert)
     rows = simulate_rows(tr, slot_counts, policies, pinned_from=pinned_from, bytes_per_expert=bpe, k=k, pin=pin,
                          phases=("decode",) if phases == "decode" else ("prefill", "decode"), miss_paths=paths,
-                         max_admit=max_admit)
+                         max_admit=max_admit, n_stage=n_stage, costs=costs)
     if as_json:
         print(json.dumps([r.__dict__ for r in rows], indent=1))
         return
     n_tok = tr.n_decode if phases == "decode" else tr.n_rows
     t = Table(title=f"cache simulation of {trace.name}: {n_tok:,} {'decode ' if phases == 'decode' else ''}tokens, "
                     f"{len(tr.moe_layers())} MoE layers x {tr.n_expert} experts, top-{tr.k}", title_justify="left")
-    for col in ("miss path", "slots", "policy", "pinned", "hit rate", "vs Belady", "uploads/token", "MiB/token"):
+    split = "auto" in paths
+    cols = ("miss path", "slots", "policy", "pinned", "hit rate", "vs Belady", "uploads/token", "MiB/token")
+    for col in cols + (("staged/token",) if split else ()):
         t.add_column(col, justify="left" if col in ("policy", "miss path") else "right")
     for r in rows:
         t.add_row(r.miss_path, str(r.slots), r.policy + (" (default)" if r.default else ""), str(r.pinned),
                   f"{r.hit_rate:.3f}", "-" if r.vs_belady is None else f"{r.vs_belady:.3f}",
                   f"{r.uploads_per_token:.2f}",
-                  "-" if r.bytes_per_token is None else f"{r.bytes_per_token / 2**20:.2f}")
+                  "-" if r.bytes_per_token is None else f"{r.bytes_per_token / 2**20:.2f}",
+                  *((f"{r.staged_per_token:.2f}",) if split else ()))
     console.print(t)
     if "lru-pinned" in policies and pinned_from is None:
         console.print("note: no --profile, so lru-pinned pins nothing (the same as lru)")
@@ -520,6 +535,21 @@ def simulate_cmd(
         console.print(f"note: the default policy {DEFAULT_POLICY} is not in --policy")
     if geometry is None:
         console.print("note: pass --model for bytes per token")
+
+
+def _miss_costs(text: str, concurrent: bool):
+    """--miss-costs FIXED,PER_TOKEN,UPLOAD (microseconds) as the split's integer costs."""
+    from ..core.simulator import MissCosts
+
+    try:
+        fixed, per_token, upload = (float(v) for v in text.split(","))
+    except ValueError:
+        raise UsageError(f"--miss-costs {text}: expected three numbers FIXED,PER_TOKEN,UPLOAD (microseconds)",
+                         hint="for example --miss-costs 60,40,380") from None
+    if min(fixed, per_token, upload) < 0:
+        raise UsageError(f"--miss-costs {text}: costs cannot be negative")
+    return MissCosts(cpu_ns=round(per_token * 1000), upload_ns=round(upload * 1000), concurrent=concurrent,
+                     cpu_expert_ns=round(fixed * 1000))
 
 
 @profile_app.command("show")

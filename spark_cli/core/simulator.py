@@ -728,15 +728,18 @@ class SimRow:
     miss_path: str = "upload"
     vs_belady: float | None = None  # hit rate / Belady's at the same slots and miss path
     default: bool = False  # the policy a cache runs unless told otherwise
+    staged_per_token: float = 0.0  # auto: misses uploaded into staging slices for their step, per token
 
 
 def simulate_rows(trace, slot_counts: Sequence[int], policies: Sequence[str], *, pinned_from: np.ndarray | None,
                   bytes_per_expert: dict[int, int] | None, k: int, pin: int | None = None,
                   phases: Sequence[str] = ("decode",), miss_paths: Sequence[str] = ("upload",),
-                  max_admit: int | None = None, params=None) -> list[SimRow]:
+                  max_admit: int | None = None, params=None, n_stage: int = 0,
+                  costs: MissCosts = MissCosts()) -> list[SimRow]:
     """Each policy at each slot count and miss path; lru-pinned pins the top experts of
     `pinned_from` ([n_layer, E] counts; none without it): `pin` per layer, default half
-    the slots, keeping at least k LRU slots."""
+    the slots, keeping at least k LRU slots. auto: the per-expert split with `n_stage` staging
+    slices and `costs` (steps too large for the slots run from the bank plus CPU and staging)."""
     all_phases = len(phases) > 1
     rows = []
     moe = trace.moe_layers()
@@ -751,8 +754,10 @@ def simulate_rows(trace, slot_counts: Sequence[int], policies: Sequence[str], *,
                     for layer in moe:
                         order = np.argsort(-pinned_from[layer], kind="stable")
                         pinned[layer] = [int(e) for e in order[:n_pin]]
+                split = miss_path == "auto"
                 r = simulate(trace, policy, s, pinned=pinned or None, bytes_per_expert=bytes_per_expert,
-                             phases=phases, miss_path=miss_path, max_admit=max_admit, params=params)
+                             phases=phases, miss_path=miss_path, max_admit=max_admit, params=params,
+                             cpu_path=split, n_stage=n_stage if split else 0, costs=costs)
                 if all_phases:
                     tokens = r.tokens
                     hit, ups = r.hit_rate, (r.admissions / tokens if tokens else 0.0)
@@ -760,8 +765,10 @@ def simulate_rows(trace, slot_counts: Sequence[int], policies: Sequence[str], *,
                            if bytes_per_expert is not None and tokens else (0.0 if bytes_per_expert else None))
                 else:
                     hit, ups, bpt = r.hit_rate_decode, r.uploads_per_token, r.bytes_per_token
+                n_tok = r.tokens if all_phases else r.decode_tokens
                 group.append(SimRow(s, r.policy, n_pin, hit, ups, bpt, miss_path,
-                                    default=canonical_policy(policy) == DEFAULT_POLICY))
+                                    default=canonical_policy(policy) == DEFAULT_POLICY,
+                                    staged_per_token=r.staged / n_tok if n_tok else 0.0))
             best = [r.hit_rate for r in group if r.policy == "belady"]
             for r in group:
                 r.vs_belady = r.hit_rate / best[0] if best and best[0] > 0 else None
