@@ -170,7 +170,7 @@ class _FakeEngine:
     def chat_prompt(self, messages, add_generation_prompt=True, tools=None, extras=None):
         return "".join(f"<{m['role']}> {m['content']} " for m in messages) + "<assistant>"
 
-    def make_sampler(self, *a):
+    def make_sampler(self, *a, **kw):
         return SimpleNamespace(sample=self._sample, close=lambda: None)
 
     def _sample(self, engine, logits):

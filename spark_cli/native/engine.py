@@ -464,9 +464,12 @@ class Engine:
 
     def make_sampler(self, temp: float = 0.0, top_k: int = 40, top_p: float = 0.95, seed: int = 0,
                      min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
-                     grammar: str | None = None):
-        """llama-cli's chain: a GBNF grammar (native/grammar.py), penalties, top-k, top-p, min-p,
-        temperature, dist (temp <= 0: greedy after the penalties). Close it when done (or let it go)."""
+                     grammar: str | None = None, *, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                     typical_p: float = 1.0, logit_bias: Sequence[tuple[int, float]] = ()):
+        """llama-server's chain: a GBNF grammar (native/grammar.py), logit biases, penalties (repeat,
+        frequency, presence over the last repeat_last_n tokens; -1: the context), top-k, typical-p,
+        top-p, min-p, temperature, dist (temp <= 0: greedy after the penalties). Close it when done
+        (or let it go)."""
         lc = self.lib.lc
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         if grammar:
@@ -475,14 +478,21 @@ class Engine:
                 lc.llama_sampler_free(chain)
                 raise SparkError(f"llama.cpp refused the grammar ({_logs.last_error() or 'see SPARK_VERBOSE=1'})")
             lc.llama_sampler_chain_add(chain, g)
-        if repeat_penalty != 1.0 and repeat_last_n != 0:
+        if logit_bias:
+            arr = (lc.llama_logit_bias * len(logit_bias))(*(lc.llama_logit_bias(t, b) for t, b in logit_bias))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(self.n_vocab, len(logit_bias), arr))
+        penalised = repeat_penalty != 1.0 or frequency_penalty != 0.0 or presence_penalty != 0.0
+        if penalised and repeat_last_n != 0:
             last_n = self.n_ctx if repeat_last_n < 0 else repeat_last_n
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(last_n, repeat_penalty, 0.0, 0.0))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(last_n, repeat_penalty,
+                                                                              frequency_penalty, presence_penalty))
         if temp <= 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
             return NativeSampler(lc, chain)
         if top_k > 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(top_k))
+        if typical_p < 1.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_typical(typical_p, 1))
         if top_p < 1.0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(top_p, 1))
         if min_p > 0.0:

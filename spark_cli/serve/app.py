@@ -16,7 +16,8 @@ from . import anthropic, metrics
 from .anthropic_routes import ROUTES as ANTHROPIC_ROUTES
 from .chat import ChatConfig, ClientGone, Run, open_run, read_body
 from .guard import Guard
-from .protocol import ApiError, ChatRequest, CompletionRequest, parse, sse, unavailable
+from .protocol import (SAMPLING_DEFAULTS, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest,
+                       TokenizeRequest, parse, piece_json, sse, unavailable)
 from .stats import ServerStats
 from .worker import Worker
 
@@ -35,6 +36,8 @@ class ServerState:
     max_body: int = MAX_BODY_BYTES
     started: int = 0
     chat: ChatConfig = field(default_factory=ChatConfig)  # the model's tool-call format, --reasoning-format
+    model_path: str = ""  # the GGUF served (/props)
+    placement: dict[str, Any] = field(default_factory=dict)  # Spark's placement summary (/props)
 
 
 def _error(e: ApiError, path: str = "") -> JSONResponse:
@@ -96,6 +99,66 @@ async def apply_template(request: Request) -> Response:
     return JSONResponse({"prompt": run.prompt})
 
 
+def _engine(st: ServerState) -> Any:
+    """The loaded engine, for what reads only the vocabulary and the model (tokenize, /props)."""
+    w = st.worker
+    if w.fatal:
+        raise unavailable(f"the engine failed: {w.fatal}")
+    if not w.ready.is_set() or w.engine is None:
+        raise unavailable("Loading model")
+    return w.engine
+
+
+async def tokenize(request: Request) -> Response:
+    """llama-server's POST /tokenize: ids, or {id, piece} with with_pieces (a piece that is not
+    UTF-8 as its bytes)."""
+    st: ServerState = request.app.state.spark
+    req = parse(TokenizeRequest, await read_body(request, st.max_body))
+    eng = _engine(st)
+    ids = eng.tokenize(req.content, add_special=req.add_special, parse_special=req.parse_special)
+    if not req.with_pieces:
+        return JSONResponse({"tokens": ids})
+    return JSONResponse({"tokens": [{"id": t, "piece": piece_json(eng.piece(t))} for t in ids]})
+
+
+async def detokenize(request: Request) -> Response:
+    st: ServerState = request.app.state.spark
+    req = parse(DetokenizeRequest, await read_body(request, st.max_body))
+    eng = _engine(st)
+    n_vocab = getattr(eng, "n_vocab", None)
+    bad = [t for t in req.tokens if n_vocab is not None and t >= n_vocab]
+    if bad:
+        raise ApiError(400, f"tokens: {bad[0]} is not in the vocabulary (0 to {n_vocab - 1})", param="tokens")
+    return JSONResponse({"content": eng.detokenize(req.tokens)})
+
+
+async def props(request: Request) -> Response:
+    """llama-server's GET /props: the model, context, templates, build and default sampling, and
+    Spark's placement (the expert cache's layers and budget)."""
+    st: ServerState = request.app.state.spark
+    eng = _engine(st)
+    d = st.chat.defaults
+    plain, tools = eng.chat_template(False), eng.chat_template(True)
+    body: dict[str, Any] = {
+        "default_generation_settings": {"n_ctx": eng.n_ctx, "params": {
+            "temperature": d.temp, "seed": d.seed, "n_predict": d.n_predict, "max_tokens": d.n_predict,
+            **SAMPLING_DEFAULTS}},
+        "total_slots": 1,
+        "model_alias": st.model_name,
+        "model_path": st.model_path,
+        "chat_template": plain.source if plain is not None else "",
+        "bos_token": eng.piece(eng.bos_token, special=True).decode("utf-8", "replace") if eng.bos_token >= 0 else "",
+        "eos_token": eng.piece(eng.eos_token, special=True).decode("utf-8", "replace") if eng.eos_token >= 0 else "",
+        "build_info": st.chat.fingerprint,
+        "modalities": {"vision": False, "audio": False},
+        "is_sleeping": False,
+        "spark": {"placement": st.placement},
+    }
+    if tools is not None and tools is not plain:
+        body["chat_template_tool_use"] = tools.source
+    return JSONResponse(body)
+
+
 async def models(request: Request) -> Response:
     st: ServerState = request.app.state.spark
     card = {"id": st.model_name, "object": "model", "created": st.started, "owned_by": "spark"}
@@ -141,6 +204,9 @@ def create_app(state: ServerState) -> Any:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/completions", completions, methods=["POST"]),
         Route("/apply-template", apply_template, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/props", props, methods=["GET"]),
         *ANTHROPIC_ROUTES,
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error,

@@ -41,7 +41,7 @@ from ..core.chat_template import TemplateSet
 from ..core.tool_calls import HERMES, ToolFormat, format_for, param_types
 from ..native.grammar import GrammarError, json_schema_gbnf, tool_call_gbnf
 from ..runs.chat_session import Sampling
-from .protocol import FINISH, ApiError, ChatRequest, CompletionRequest, Envelope, Usage
+from .protocol import FINISH, ApiError, ChatRequest, CompletionRequest, Envelope, Timings, TokenLogprob, Usage
 from .worker import Done, Event, Failed, Job, Started, Text, Worker
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
@@ -71,16 +71,41 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 @dataclass(frozen=True)
+class Defaults:
+    """What a request that does not say gets: --temp, --seed (-1: random), --n-predict (-1: no limit)."""
+
+    temp: float = 0.8
+    seed: int = -1
+    n_predict: int = -1
+
+
+@dataclass(frozen=True)
 class ChatConfig:
-    """What a server knows before any request: the model's tool-call format, --reasoning-format."""
+    """What a server knows before any request: the model's tool-call format, --reasoning-format,
+    the request defaults and the build (system_fingerprint)."""
 
     fmt: ToolFormat = HERMES
     reasoning: str = "auto"
+    defaults: Defaults = Defaults()
+    fingerprint: str = field(default_factory=lambda: build_fingerprint())
 
     @classmethod
-    def for_model(cls, templates: TemplateSet, arch: str, reasoning: str = "auto") -> "ChatConfig":
+    def for_model(cls, templates: TemplateSet, arch: str, reasoning: str = "auto", **kw: Any) -> "ChatConfig":
         tmpl = templates.pick(with_tools=True)
-        return cls(format_for(tmpl.source if tmpl else "", arch), reasoning)
+        return cls(format_for(tmpl.source if tmpl else "", arch), reasoning, **kw)
+
+
+def build_fingerprint() -> str:
+    """Spark's version and the llama.cpp bindings it runs on (llama-server sends its build info)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .. import __version__
+
+    try:
+        bindings = version("llama_cpp_python")
+    except PackageNotFoundError:
+        bindings = "unknown"
+    return f"spark-{__version__}-llama-cpp-python-{bindings}"
 
 
 @dataclass(frozen=True)
@@ -100,6 +125,14 @@ class PreparedChat:
                             self.types)
 
 
+def own_grammar(req: ChatRequest | CompletionRequest) -> str | None:
+    """llama-server's `json_schema` (over `grammar`): the GBNF a request asks for itself."""
+    try:
+        return json_schema_gbnf(req.json_schema) if req.json_schema is not None else req.grammar
+    except GrammarError as e:
+        raise ApiError(400, f"json_schema: {e.message}", param="json_schema") from None
+
+
 def prepare(req: ChatRequest, config: ChatConfig) -> PreparedChat:
     choice, tools = req.choice, req.tool_dicts()
     grammar = None
@@ -111,6 +144,7 @@ def prepare(req: ChatRequest, config: ChatConfig) -> PreparedChat:
             grammar = json_schema_gbnf(req.response_format.schema())
     except GrammarError as e:
         raise ApiError(400, e.message, param=e.message.split(":", 1)[0]) from None
+    grammar = grammar or own_grammar(req)
     on = bool(tools) and choice != "none"
     return PreparedChat(req.message_dicts(), tools if on else None, dict(req.chat_template_kwargs or {}), grammar,
                         config.fmt, on, req.reasoning_format or config.reasoning, param_types(tools) if on else {})
@@ -150,30 +184,44 @@ class Feed:
                 pass
 
 
-def _sampling(req: ChatRequest | CompletionRequest, grammar: str | None = None) -> Sampling:
-    seed = req.seed if req.seed is not None and req.seed >= 0 else secrets.randbelow(1 << 31)
-    return Sampling(temp=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed, n_predict=req.limit,
-                    grammar=grammar)
+def sampling_for(req: ChatRequest | CompletionRequest, defaults: Defaults, grammar: str | None = None) -> Sampling:
+    """The request's sampler settings, the server's defaults where it says nothing."""
+    seed = req.seed if req.seed is not None else defaults.seed
+    limit = req.asked_limit
+    return Sampling(temp=req.temperature if req.temperature is not None else defaults.temp, top_k=req.top_k,
+                    top_p=req.top_p, seed=seed if seed >= 0 else secrets.randbelow(1 << 31),
+                    n_predict=limit if limit is not None else defaults.n_predict, min_p=req.min_p,
+                    repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n, grammar=grammar,
+                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                    typical_p=req.typical_p, logit_bias=req.bias, n_probs=req.n_probs)
 
 
-def _delta_chunk(env: Envelope, d: ChatDelta) -> dict[str, Any]:
-    return env.delta(d.content, d.reasoning_content, d.tool_call.to_openai() if d.tool_call is not None else None)
+def _delta_chunk(env: Envelope, d: ChatDelta, probs: list[TokenLogprob] | None) -> dict[str, Any]:
+    return env.delta(d.content, d.reasoning_content, d.tool_call.to_openai() if d.tool_call is not None else None,
+                     probs)
 
 
 @dataclass
 class Run:
     """A started request. `prompt` is a chat's rendered prompt text; `parser` splits a chat's
-    output into content, reasoning and tool calls (None: a completion). Once done: `usage`,
-    `stop_word` (the stop sequence that ended it) and `finish_reason` (OpenAI's)."""
+    output into content, reasoning and tool calls (None: a completion); `with_probs`: logprobs
+    were asked for. Once done: `usage`, `timings`, `stop_word` (the stop sequence that ended it),
+    `finish_reason` (OpenAI's) and `probs` (every token's, with_probs)."""
 
     feed: Feed
     env: Envelope
     prompt_tokens: int
     prompt: str = ""
     parser: OutputParser | None = None
+    with_probs: bool = False
     usage: Usage | None = None
+    timings: Timings | None = None
     stop_word: str | None = None
     finish_reason: str | None = None
+    probs: list[TokenLogprob] = field(default_factory=list)
+
+    def _probs(self, got: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+        return (got or []) if self.with_probs else None
 
     async def _events(self) -> AsyncIterator[Text | Done]:
         while True:
@@ -182,21 +230,30 @@ class Run:
                 raise ev.error
             if isinstance(ev, Done):
                 self.usage, self.stop_word, self.finish_reason = ev.usage, ev.stop_word, FINISH[ev.finish]
+                self.timings = ev.timings
+            if isinstance(ev, Text):
+                self.probs += ev.probs or []
             if isinstance(ev, (Text, Done)):
                 yield ev
             if isinstance(ev, Done):
                 return
 
-    async def _deltas(self) -> AsyncIterator[ChatDelta | Done]:
-        """A chat's parsed deltas, then its Done (finish_reason `tool_calls` when it called)."""
+    async def _deltas(self) -> AsyncIterator[tuple[ChatDelta, list[TokenLogprob]] | Done]:
+        """A chat's parsed deltas, each with the probabilities of the tokens that made it (a
+        text the parser holds back passes its tokens on), then its Done (finish_reason
+        `tool_calls` when it called)."""
         assert self.parser is not None
+        owed: list[TokenLogprob] = []
         async for ev in self._events():
             if isinstance(ev, Text):
+                owed += ev.probs or []
                 for d in self.parser.feed(ev.text):
-                    yield d
+                    yield d, owed
+                    owed = []
             else:
                 for d in self.parser.finish():
-                    yield d
+                    yield d, owed
+                    owed = []
                 if self.parser.result().tool_calls:
                     self.finish_reason = "tool_calls"
                 yield ev
@@ -208,28 +265,31 @@ class Run:
                 if isinstance(ev, Text):
                     parts.append(ev.text)
                 else:
-                    return self.env.full("".join(parts), self.finish_reason or "stop", ev.usage)
+                    return self.env.full("".join(parts), self.finish_reason or "stop", ev.usage,
+                                         self._probs(self.probs), self.timings)
             raise AssertionError("the job ended without Done")
         async for ev in self._deltas():
             if isinstance(ev, Done):
                 out = self.parser.result()
                 return self.env.message(out.content, out.reasoning_content, [c.to_openai() for c in out.tool_calls],
-                                        self.finish_reason or "stop", ev.usage)
+                                        self.finish_reason or "stop", ev.usage, self._probs(self.probs),
+                                        self.timings)
         raise AssertionError("the job ended without Done")
 
     async def chunks(self, include_usage: bool = False) -> AsyncIterator[dict[str, Any]]:
+        """The stream; the last chunk (usage, else finish) carries `timings`, as llama-server's."""
         events = self._events() if self.parser is None else self._deltas()
         if self.parser is not None:
-            yield self.env.chunk(text="", role=True)
+            yield self.env.role_chunk()
         async for ev in events:
             if isinstance(ev, Text):
-                yield self.env.chunk(text=ev.text)
-            elif isinstance(ev, ChatDelta):
-                yield _delta_chunk(self.env, ev)
+                yield self.env.chunk(text=ev.text, probs=self._probs(ev.probs))
+            elif isinstance(ev, tuple):
+                yield _delta_chunk(self.env, ev[0], self._probs(ev[1]))
             else:
-                yield self.env.chunk(finish=self.finish_reason)
+                yield self.env.chunk(finish=self.finish_reason, timings=None if include_usage else self.timings)
                 if include_usage:
-                    yield self.env.usage_chunk(ev.usage)
+                    yield self.env.usage_chunk(ev.usage, self.timings)
 
     def close(self) -> None:
         """Stop the job if it still runs (a no-op once it is done)."""
@@ -240,9 +300,11 @@ async def open_run(request: Request, req: ChatRequest | CompletionRequest, worke
                    config: ChatConfig = ChatConfig(), count_only: bool = False) -> Run:
     """Queue `req` and wait for it to start; `count_only`: render and count the prompt, generate nothing."""
     prepared = prepare(req, config) if isinstance(req, ChatRequest) else None
+    grammar = prepared.grammar if prepared else own_grammar(req)
     feed = Feed(request)
-    job = Job(feed.emit, _sampling(req, prepared.grammar if prepared else None), chat=prepared,
-              text=None if prepared else req.prompt, stops=req.stops, cancel=feed.cancel, count_only=count_only)
+    job = Job(feed.emit, sampling_for(req, config.defaults, grammar), chat=prepared,
+              text=None if prepared else req.prompt, stops=req.stops, cancel=feed.cancel, count_only=count_only,
+              cache_prompt=req.cache_prompt)
     worker.submit(job)
     try:
         first = await feed.next()
@@ -252,5 +314,5 @@ async def open_run(request: Request, req: ChatRequest | CompletionRequest, worke
     if isinstance(first, Failed):
         raise first.error
     assert isinstance(first, Started)
-    return Run(feed, Envelope(prepared is not None, req.model or model), first.prompt_tokens, first.prompt,
-               prepared.parser(first.prompt) if prepared else None)
+    return Run(feed, Envelope(prepared is not None, req.model or model, config.fingerprint), first.prompt_tokens,
+               first.prompt, prepared.parser(first.prompt) if prepared else None, req.n_probs is not None)

@@ -12,10 +12,15 @@ from typing import Callable, Sequence
 
 from ..runs.chat_session import Answer, ChatSession, Sampling, _Learned
 from ..errors import SparkError
+from ..native.generate import TokenProbs
 
 
 class ContextError(SparkError):
     """The prompt does not fit the context."""
+
+    def __init__(self, message: str, n_prompt: int, n_ctx: int, **kw):
+        super().__init__(message, **kw)
+        self.n_prompt, self.n_ctx = n_prompt, n_ctx
 
 
 class RequestSession(ChatSession):
@@ -43,14 +48,16 @@ class RequestSession(ChatSession):
         n_ctx = self.engine.n_ctx
         if len(self._prompt) >= n_ctx:
             raise ContextError(f"the request needs {len(self._prompt)} prompt tokens but the context holds {n_ctx}",
-                               hint="shorten the messages or start spark serve with a larger -c")
+                               len(self._prompt), n_ctx, hint="shorten the messages or start spark serve with a larger -c")
         return list(self._prompt), 0
 
     def run(self, on_text: Callable[[str], None], should_stop: Callable[[], bool], stops: Sequence[str] = (),
-            special: bool = False) -> Answer:
-        """Generate; text that may begin a stop string is held back, and one ends the answer (stop)."""
+            special: bool = False, on_probs: Callable[[TokenProbs], None] | None = None) -> Answer:
+        """Generate; text that may begin a stop string is held back, and one ends the answer (stop).
+        With Sampling.n_probs, each token's probabilities go to on_probs before its text."""
         self.learned = _Learned()  # this request's decode counts only
-        return self.answer("", on_text=on_text, should_stop=should_stop, stops=stops, special=special)
+        return self.answer("", on_text=on_text, should_stop=should_stop, stops=stops, special=special,
+                           on_probs=on_probs)
 
     @property
     def kv(self) -> list[int]:
