@@ -171,7 +171,7 @@ class _FakeEngine:
         return "".join(f"<{m['role']}> {m['content']} " for m in messages) + "<assistant>"
 
     def make_sampler(self, *a, **kw):
-        return SimpleNamespace(sample=self._sample, close=lambda: None)
+        return SimpleNamespace(sample=self._sample, prime=lambda prompt: None, close=lambda: None)
 
     def _sample(self, engine, logits):
         if not self._reply:

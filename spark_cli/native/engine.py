@@ -481,14 +481,15 @@ class Engine:
         if logit_bias:
             arr = (lc.llama_logit_bias * len(logit_bias))(*(lc.llama_logit_bias(t, b) for t, b in logit_bias))
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(self.n_vocab, len(logit_bias), arr))
-        penalised = repeat_penalty != 1.0 or frequency_penalty != 0.0 or presence_penalty != 0.0
-        if penalised and repeat_last_n != 0:
-            last_n = self.n_ctx if repeat_last_n < 0 else repeat_last_n
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(last_n, repeat_penalty,
-                                                                              frequency_penalty, presence_penalty))
+        penalties, last_n = None, self.n_ctx if repeat_last_n < 0 else repeat_last_n
+        if (repeat_penalty != 1.0 or frequency_penalty != 0.0 or presence_penalty != 0.0) and last_n != 0:
+            # NOTE: this llama.cpp's penalties sampler takes n_vocab first
+            penalties = lc.llama_sampler_init_penalties(self.n_vocab, last_n, repeat_penalty, frequency_penalty,
+                                                        presence_penalty)
+            lc.llama_sampler_chain_add(chain, penalties)
         if temp <= 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
-            return NativeSampler(lc, chain)
+            return NativeSampler(lc, chain, penalties, last_n)
         if top_k > 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(top_k))
         if typical_p < 1.0:
@@ -499,7 +500,7 @@ class Engine:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(min_p, 1))
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(temp))
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return NativeSampler(lc, chain)
+        return NativeSampler(lc, chain, penalties, last_n)
 
     def stream_generate(self, prompt: Sequence[int], **kw) -> Iterator[GenerationStep]:
         """The generation loop (generate.stream_generate) on this engine."""

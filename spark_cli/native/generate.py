@@ -25,12 +25,25 @@ class Sampler(Protocol):
     def sample(self, engine, logits: np.ndarray | None) -> int:
         """The next token, from `logits` (the last output row) or the context itself."""
 
+    def prime(self, prompt: Sequence[int]) -> None:
+        """Take `prompt` as the history that penalties look back on (samplers without any: nothing)."""
+
 
 class NativeSampler:
-    """A llama.cpp sampler chain (Engine.make_sampler); reads the context's last logits row."""
+    """A llama.cpp sampler chain (Engine.make_sampler); reads the context's last logits row.
+    `penalties`: the chain's penalties sampler (None: none), whose history `prime` sets."""
 
-    def __init__(self, lc, chain):
-        self.lc, self.chain = lc, chain
+    def __init__(self, lc, chain, penalties=None, window: int = 0):
+        self.lc, self.chain, self.penalties, self.window = lc, chain, penalties, window
+
+    def prime(self, prompt: Sequence[int]) -> None:
+        """Make the prompt's last tokens the penalties' history, as llama-server does (the
+        grammar, earlier in the chain, sees only generated tokens)."""
+        if self.penalties is None or self.chain is None:
+            return
+        self.lc.llama_sampler_reset(self.penalties)
+        for tok in prompt[-self.window:]:
+            self.lc.llama_sampler_accept(self.penalties, tok)
 
     def sample(self, engine, logits: np.ndarray | None) -> int:
         return int(self.lc.llama_sampler_sample(self.chain, engine.ctx, -1))
@@ -63,6 +76,9 @@ class Greedy:
                 tok = int(np.argmax(row))
         return tok
 
+    def prime(self, prompt: Sequence[int]) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -78,6 +94,9 @@ class Forced:
         tok = int(self.tokens[self.i])
         self.i += 1
         return tok
+
+    def prime(self, prompt: Sequence[int]) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -227,6 +227,7 @@ class ChatSession:
             self._kv = self._kv[:keep]
             fig.reused_tokens = keep
             fig.prompt_tokens = len(toks) - keep
+            self._sampler.prime(toks)
             for step in stream_generate(eng, toks[keep:], sampler=self._sampler, max_tokens=self.sampling.n_predict,
                                         stop=StopRules(strings=tuple(stops)), should_stop=should_stop,
                                         on_prompt=prompt_done, cache_layers=self.cached_layers,

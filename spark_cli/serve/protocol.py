@@ -367,7 +367,6 @@ class CompletionRequest(_Common):
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {"echo": (False,), "best_of": (1,), "suffix": ()}
 
     prompt: Union[str, list[str]]
-    max_tokens: int | None = Field(16, ge=1, le=(1 << 31) - 1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=20)  # the top tokens to report with each token's
 
     @property
