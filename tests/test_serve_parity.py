@@ -59,6 +59,9 @@ class _Engine(_FakeEngine):
     def bank_bytes(self) -> int:
         return 0
 
+    def detokenize(self, tokens) -> str:
+        return "".join(self.piece(t).decode() for t in tokens)
+
 
 @contextlib.contextmanager
 def _client(**state):
@@ -139,6 +142,30 @@ def test_context_overflow_carries_the_counts():
         err = r.json()["error"]
         assert r.status_code == 400 and err["type"] == "exceed_context_size_error"
         assert err["n_ctx"] == 64 and err["n_prompt_tokens"] > 64
+
+
+def test_native_completion_shapes():
+    """llama.cpp's POST /completion: its final body, its stream (no [DONE]), token-id prompts."""
+    with _client() as tc:
+        r = tc.post("/completion", json={"prompt": "hello there", "temperature": 0})
+        body = r.json()
+        assert r.status_code == 200 and body["content"] == "yes of course " and body["stop"] is True
+        assert (body["tokens_predicted"], body["tokens_evaluated"], body["stop_type"]) == (3, 2, "eos")
+        assert body["prompt"] == "hello there" and body["timings"]["predicted_n"] == 3
+        assert body["generation_settings"]["temperature"] == 0 and "completion_probabilities" not in body
+        assert tc.post("/completion", json={"prompt": "a b", "n_predict": 2}).json()["stop_type"] == "limit"
+        ids = tc.post("/completion", json={"prompt": [1, 2, "again"]}).json()
+        assert ids["tokens_evaluated"] == 3 and ids["prompt"].split() == ["hello", "there", "again"]
+        with tc.stream("POST", "/completion", json={"prompt": "hello", "stream": True}) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+        events = [json.loads(line[6:]) for line in lines]
+        assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True] and len(events) > 2
+        assert "".join(e["content"] for e in events) == "yes of course " and events[-1]["content"] == ""
+        assert [e["tokens_predicted"] for e in events[:-1]] == list(range(1, len(events)))
+        for bad, where in (({"prompt": ""}, "prompt"), ({"prompt": [100]}, "prompt: token 100"),
+                           ({"prompt": "x", "n_probs": -1}, "n_probs")):
+            r = tc.post("/completion", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(where), r.text
 
 
 # ---------------------------------------------------------------- the real server
@@ -272,6 +299,24 @@ def test_server_defaults_and_alias(server):
     # --seed: a request without a seed draws with the server's, the same each time
     hot = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "max_tokens": 12}
     assert _text(server, **hot) == _text(server, **hot) == _text(server, seed=DEFAULT_SEED, **hot)
+
+
+@pytest.mark.model
+def test_native_completion(server):
+    with server.http() as h:
+        body = h.post("/completion", json={"prompt": COUNTING, "n_predict": 4, "temperature": 0, "n_probs": 2}).json()
+        assert body["content"] == _text(server, max_tokens=4) and body["stop_type"] == "limit"
+        probs = body["completion_probabilities"]
+        assert len(probs) == body["tokens_predicted"] == 4 and all(len(p["top_logprobs"]) == 2 for p in probs)
+        ids = h.post("/tokenize", json={"content": COUNTING}).json()["tokens"]
+        by_ids = h.post("/completion", json={"prompt": ids, "n_predict": 4, "temperature": 0}).json()
+        assert by_ids["content"] == body["content"] and by_ids["tokens_evaluated"] == len(ids)
+        assert by_ids["tokens_cached"] == len(ids) + 4
+        with h.stream("POST", "/completion", json={"prompt": COUNTING, "n_predict": 4, "temperature": 0,
+                                                   "stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+        assert "".join(e["content"] for e in events) == body["content"] and events[-1]["stop"] is True
+        assert events[-1]["timings"]["predicted_n"] == 4
 
 
 @pytest.mark.model

@@ -270,6 +270,11 @@ class ChatSession:
         self.answers.append(fig)
         return Answer(text, fig, error, stop_word)
 
+    @property
+    def n_generated(self) -> int:
+        """Tokens of the answer being generated so far (0 between answers)."""
+        return len(self._generating or ())
+
     # -- learning --------------------------------------------------------------------------
 
     def _mark(self) -> None:

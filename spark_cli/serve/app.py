@@ -12,14 +12,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import anthropic, metrics
+from . import anthropic, llama_api, metrics
 from .anthropic_routes import ROUTES as ANTHROPIC_ROUTES
 from .chat import ChatConfig, ClientGone, Run, open_run, read_body
+from .llama_api import NativeCompletionRequest
 from .guard import Guard
 from .protocol import (SAMPLING_DEFAULTS, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest,
                        TokenizeRequest, parse, piece_json, sse, unavailable)
 from .stats import ServerStats
-from .worker import Worker
+from .worker import Text, Worker
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -85,6 +86,47 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     return await _generate(request, chat=False)
+
+
+async def native_completion(request: Request) -> Response:
+    """llama.cpp's POST /completion (llama_api.py)."""
+    st: ServerState = request.app.state.spark
+    try:
+        req = parse(NativeCompletionRequest, await read_body(request, st.max_body))
+        run = await open_run(request, req, st.worker, st.model_name, st.chat)
+    except ClientGone:
+        return Response(status_code=499)
+    if req.stream:
+        return StreamingResponse(_native_stream(run, req), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        parts = [ev.text async for ev in run.events() if isinstance(ev, Text)]
+        return JSONResponse(_native_final(run, req, "".join(parts)))
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        run.close()
+
+
+def _native_final(run: Run, req: NativeCompletionRequest, content: str) -> dict[str, Any]:
+    assert run.usage is not None and run.sampling is not None
+    return llama_api.final_body(content, req.model or run.env.model, run.prompt, run.finish, run.stop_word,
+                                run.usage, run.timings, llama_api.settings(run.sampling, req),
+                                run.probs if run.with_probs else None)
+
+
+async def _native_stream(run: Run, req: NativeCompletionRequest) -> AsyncIterator[bytes]:
+    try:
+        async for ev in run.events():
+            if isinstance(ev, Text):
+                yield sse(llama_api.piece_event(ev.text, run.prompt_tokens, ev.n_generated, ev.probs))
+        yield sse(_native_final(run, req, ""))
+    except ApiError as e:
+        yield sse(e.body())
+    except ClientGone:
+        return
+    finally:
+        run.close()
 
 
 async def apply_template(request: Request) -> Response:
@@ -204,6 +246,7 @@ def create_app(state: ServerState) -> Any:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/completions", completions, methods=["POST"]),
         Route("/apply-template", apply_template, methods=["POST"]),
+        Route("/completion", native_completion, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/props", props, methods=["GET"]),

@@ -2,7 +2,7 @@
 
 In: a validated `protocol.ChatRequest` (OpenAI-shaped: messages with assistant `tool_calls`
 and `role: "tool"`, `tools`, `tool_choice`, `response_format`, `reasoning_format`,
-`chat_template_kwargs`) or a `CompletionRequest`.
+`chat_template_kwargs`), a `CompletionRequest` or llama.cpp's `llama_api.NativeCompletionRequest`.
 
 1. `prepare(req, config) -> PreparedChat` checks what the template cannot (a schema the grammar
    converter cannot honour: ApiError 400) and decides the template inputs (tool_choice none:
@@ -41,7 +41,8 @@ from ..core.chat_template import TemplateSet
 from ..core.tool_calls import HERMES, ToolFormat, format_for, param_types
 from ..native.grammar import GrammarError, json_schema_gbnf, tool_call_gbnf
 from ..runs.chat_session import Sampling
-from .protocol import FINISH, ApiError, ChatRequest, CompletionRequest, Envelope, Timings, TokenLogprob, Usage
+from .protocol import (FINISH, ApiError, ChatRequest, CompletionRequest, Envelope, GenerationRequest,
+                       Timings, TokenLogprob, Usage)
 from .worker import Done, Event, Failed, Job, Started, Text, Worker
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
@@ -125,7 +126,7 @@ class PreparedChat:
                             self.types)
 
 
-def own_grammar(req: ChatRequest | CompletionRequest) -> str | None:
+def own_grammar(req: GenerationRequest) -> str | None:
     """llama-server's `json_schema` (over `grammar`): the GBNF a request asks for itself."""
     try:
         return json_schema_gbnf(req.json_schema) if req.json_schema is not None else req.grammar
@@ -184,7 +185,7 @@ class Feed:
                 pass
 
 
-def sampling_for(req: ChatRequest | CompletionRequest, defaults: Defaults, grammar: str | None = None) -> Sampling:
+def sampling_for(req: GenerationRequest, defaults: Defaults, grammar: str | None = None) -> Sampling:
     """The request's sampler settings, the server's defaults where it says nothing."""
     seed = req.seed if req.seed is not None else defaults.seed
     limit = req.asked_limit
@@ -214,22 +215,26 @@ class Run:
     prompt: str = ""
     parser: OutputParser | None = None
     with_probs: bool = False
+    sampling: Sampling | None = None  # what it samples with
     usage: Usage | None = None
     timings: Timings | None = None
     stop_word: str | None = None
+    finish: str = ""  # the engine's: eog | stop | length | context | interrupted
     finish_reason: str | None = None
     probs: list[TokenLogprob] = field(default_factory=list)
 
     def _probs(self, got: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
         return (got or []) if self.with_probs else None
 
-    async def _events(self) -> AsyncIterator[Text | Done]:
+    async def events(self) -> AsyncIterator[Text | Done]:
+        """The raw stream: Text pieces (with their tokens' probabilities), then Done."""
         while True:
             ev = await self.feed.next()
             if isinstance(ev, Failed):
                 raise ev.error
             if isinstance(ev, Done):
                 self.usage, self.stop_word, self.finish_reason = ev.usage, ev.stop_word, FINISH[ev.finish]
+                self.finish = ev.finish
                 self.timings = ev.timings
             if isinstance(ev, Text):
                 self.probs += ev.probs or []
@@ -244,7 +249,7 @@ class Run:
         `tool_calls` when it called)."""
         assert self.parser is not None
         owed: list[TokenLogprob] = []
-        async for ev in self._events():
+        async for ev in self.events():
             if isinstance(ev, Text):
                 owed += ev.probs or []
                 for d in self.parser.feed(ev.text):
@@ -261,7 +266,7 @@ class Run:
     async def result(self) -> dict[str, Any]:
         if self.parser is None:
             parts: list[str] = []
-            async for ev in self._events():
+            async for ev in self.events():
                 if isinstance(ev, Text):
                     parts.append(ev.text)
                 else:
@@ -278,7 +283,7 @@ class Run:
 
     async def chunks(self, include_usage: bool = False) -> AsyncIterator[dict[str, Any]]:
         """The stream; the last chunk (usage, else finish) carries `timings`, as llama-server's."""
-        events = self._events() if self.parser is None else self._deltas()
+        events = self.events() if self.parser is None else self._deltas()
         if self.parser is not None:
             yield self.env.role_chunk()
         async for ev in events:
@@ -296,13 +301,14 @@ class Run:
         self.feed.cancel.set()
 
 
-async def open_run(request: Request, req: ChatRequest | CompletionRequest, worker: Worker, model: str,
+async def open_run(request: Request, req: GenerationRequest, worker: Worker, model: str,
                    config: ChatConfig = ChatConfig(), count_only: bool = False) -> Run:
     """Queue `req` and wait for it to start; `count_only`: render and count the prompt, generate nothing."""
     prepared = prepare(req, config) if isinstance(req, ChatRequest) else None
     grammar = prepared.grammar if prepared else own_grammar(req)
     feed = Feed(request)
-    job = Job(feed.emit, sampling_for(req, config.defaults, grammar), chat=prepared,
+    sampling = sampling_for(req, config.defaults, grammar)
+    job = Job(feed.emit, sampling, chat=prepared,
               text=None if prepared else req.prompt, stops=req.stops, cancel=feed.cancel, count_only=count_only,
               cache_prompt=req.cache_prompt)
     worker.submit(job)
@@ -315,4 +321,4 @@ async def open_run(request: Request, req: ChatRequest | CompletionRequest, worke
         raise first.error
     assert isinstance(first, Started)
     return Run(feed, Envelope(prepared is not None, req.model or model, config.fingerprint), first.prompt_tokens,
-               first.prompt, prepared.parser(first.prompt) if prepared else None, req.n_probs is not None)
+               first.prompt, prepared.parser(first.prompt) if prepared else None, req.n_probs is not None, sampling)

@@ -41,8 +41,23 @@ class RequestSession(ChatSession):
     def prompt_tokens(self) -> int:
         return len(self._prompt)
 
-    def set_text(self, text: str) -> None:
-        self._prompt = self.engine.tokenize(text, add_special=True, parse_special=True)
+    def set_text(self, prompt: str | Sequence[int | str]) -> str:
+        """A completion's prompt: text, or llama-server's list of token ids and texts (only the
+        first text gets the BOS); the prompt's text. A token id past the vocabulary: SparkError."""
+        if isinstance(prompt, str):
+            self._prompt = self.engine.tokenize(prompt, add_special=True, parse_special=True)
+            return prompt
+        n_vocab = getattr(self.engine, "n_vocab", None)
+        toks: list[int] = []
+        for i, part in enumerate(prompt):
+            if isinstance(part, str):
+                toks += self.engine.tokenize(part, add_special=i == 0, parse_special=True)
+            elif n_vocab is not None and not 0 <= part < n_vocab:
+                raise SparkError(f"prompt: token {part} is not in the vocabulary (0 to {n_vocab - 1})")
+            else:
+                toks.append(part)
+        self._prompt = toks
+        return self.engine.detokenize(toks)
 
     def _fit(self, user: str) -> tuple[list[int], int]:
         n_ctx = self.engine.n_ctx

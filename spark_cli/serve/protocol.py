@@ -209,7 +209,7 @@ def _bias_pairs(v: Any) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-class _Common(_Strict):
+class GenerationRequest(_Strict):
     """What chat and completion bodies share: OpenAI's fields and llama-server's sampling ones."""
 
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {}  # per endpoint, beside UNSUPPORTED
@@ -291,7 +291,7 @@ class _Common(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatRequest(_Common):
+class ChatRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=(1 << 31) - 1)
     tools: list[Tool] | None = None
@@ -363,7 +363,7 @@ class ChatRequest(_Common):
         return [m.for_template() for m in self.messages]
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(GenerationRequest):
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {"echo": (False,), "best_of": (1,), "suffix": ()}
 
     prompt: Union[str, list[str]]
@@ -414,7 +414,7 @@ def piece_json(piece: bytes) -> str | list[int]:
 
 
 # the request fields' defaults that /props reports (temperature, seed, n_predict: the server's)
-SAMPLING_DEFAULTS = {name: _Common.model_fields[name].default for name in (
+SAMPLING_DEFAULTS = {name: GenerationRequest.model_fields[name].default for name in (
     "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
     "frequency_penalty")}
 

@@ -28,13 +28,14 @@ if TYPE_CHECKING:
 @dataclass
 class Started:
     prompt_tokens: int
-    prompt: str = ""  # a chat's rendered prompt text
+    prompt: str = ""  # the prompt's text (a chat's as rendered)
 
 
 @dataclass
 class Text:
     text: str
     probs: list[TokenLogprob] | None = None  # of the tokens this text completes (asked for: n_probs)
+    n_generated: int = 0  # tokens generated so far
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Job:
     emit: Callable[[Event], None]
     sampling: Sampling
     chat: PreparedChat | None = None
-    text: str | None = None
+    text: str | list[int | str] | None = None  # a completion's prompt: text, or token ids and texts
     stops: list[str] = field(default_factory=list)
     count_only: bool = False
     cache_prompt: bool = True  # False: reuse nothing from the KV cache
@@ -194,8 +195,7 @@ class Worker:
                 if chat is not None:
                     prompt = sess.set_chat(chat.messages, chat.tools, chat.extras)
                 else:
-                    prompt = ""
-                    sess.set_text(job.text or "")
+                    prompt = sess.set_text(job.text or "")
                 if job.count_only:
                     job.emit(Started(sess.prompt_tokens, prompt))
                     job.emit(Done("length", Usage(sess.prompt_tokens)))
@@ -213,7 +213,7 @@ class Worker:
             self.stats.set_processing(1)
             self._session = sess
             probs = _ProbsFeed(eng, job.sampling.n_probs is not None)
-            ans = sess.run(lambda piece: job.emit(Text(piece, probs.take())),
+            ans = sess.run(lambda piece: job.emit(Text(piece, probs.take(), sess.n_generated)),
                            lambda: job.cancel.is_set() or bool(self.fatal), stops=job.stops,
                            special=chat is not None and chat.fmt.special, on_probs=probs.add)
         finally:
