@@ -46,6 +46,21 @@ def test_token_probs_are_the_softmax_of_the_logits():
     assert TokenProbs.of(logits, token=0, n=0).top == ()
 
 
+@pytest.mark.parametrize("parallel,names", [(True, ["f", "g"]), (False, ["f"])])
+def test_parallel_tool_calls_false_keeps_the_first_call(parallel, names):
+    from spark_cli.serve.chat import ChatConfig, prepare
+    from spark_cli.serve.protocol import ChatRequest, parse
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in "fg"]
+    req = parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                         "parallel_tool_calls": parallel}).encode())
+    parser = prepare(req, ChatConfig()).parser("")
+    two = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    deltas = parser.feed(two) + parser.finish()
+    assert [c.name for c in parser.result().tool_calls] == names
+    assert {d.tool_call.index for d in deltas if d.tool_call is not None} == set(range(len(names)))
+
+
 def test_timings_are_llama_servers():
     t = Timings(cache_n=3, prompt_n=10, prompt_seconds=0.5, predicted_n=4, predicted_seconds=2.0).to_dict()
     assert t == {"cache_n": 3, "prompt_n": 10, "prompt_ms": 500.0, "prompt_per_token_ms": 50.0,
@@ -98,7 +113,8 @@ def test_unimplemented_fields_are_refused_by_name(extra, where):
         r = tc.post("/v1/chat/completions", json={**CHAT, **extra})
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert err["param"] == where and err["message"].startswith(where + ":") and err["type"] == "invalid_request_error"
+        assert err["param"] == where and err["message"].startswith(where + ":")
+        assert err["type"] == "invalid_request_error"
         # the values that ask for nothing are accepted, and fields outside the table are ignored as llama-server does
         ok = tc.post("/v1/chat/completions", json={**CHAT, "mirostat": 0, "ignore_eos": False, "user": "u",
                                                    "store": False, "metadata": {"a": "b"}})

@@ -18,8 +18,10 @@ and `role: "tool"`, `tools`, `tool_choice`, `response_format`, `reasoning_format
    .reasoning_content, .tool_calls, finish_reason `tool_calls` when it called; or
    `text_completion`) or `run.chunks()` yields the OpenAI chunks (the role chunk, deltas of
    content / reasoning_content / tool_calls (a call whole, with its index, once complete), the
-   finish chunk, and the usage chunk when asked). Both raise ApiError when the engine fails
-   meanwhile and `ClientGone` when the client left (the job is cancelled).
+   finish chunk, and the usage chunk when asked); `logprobs` ride on the chunks of the tokens
+   they belong to, `timings` on the body and the last chunk. `run.events()` is the raw stream
+   (text pieces, then Done) that llama.cpp's /completion renders. All raise ApiError when the
+   engine fails meanwhile and `ClientGone` when the client left (the job is cancelled).
 
 The OpenAI routes (app.py) and the Anthropic adapter (anthropic_routes.py) are two renderings
 of these; there is no other way to the engine.
@@ -41,8 +43,7 @@ from ..core.chat_template import TemplateSet
 from ..core.tool_calls import HERMES, ToolFormat, format_for, param_types
 from ..native.grammar import GrammarError, json_schema_gbnf, tool_call_gbnf
 from ..runs.chat_session import Sampling
-from .protocol import (FINISH, ApiError, ChatRequest, CompletionRequest, Envelope, GenerationRequest,
-                       Timings, TokenLogprob, Usage)
+from .protocol import FINISH, ApiError, ChatRequest, Envelope, GenerationRequest, Timings, TokenLogprob, Usage
 from .worker import Done, Event, Failed, Job, Started, Text, Worker
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
@@ -119,11 +120,12 @@ class PreparedChat:
     parse_tools: bool
     reasoning: str
     types: dict[str, dict[str, str]] = field(default_factory=dict)
+    parallel: bool = True  # parallel_tool_calls: False keeps the first call only
 
     def parser(self, prompt: str) -> OutputParser:
         """A prompt that ends by opening <think> (Qwen3 thinking) starts the answer inside reasoning."""
         return OutputParser(self.fmt, self.parse_tools, self.reasoning, prompt.rstrip().endswith(THINK_OPEN),
-                            self.types)
+                            self.types, max_calls=None if self.parallel else 1)
 
 
 def own_grammar(req: GenerationRequest) -> str | None:
@@ -148,7 +150,8 @@ def prepare(req: ChatRequest, config: ChatConfig) -> PreparedChat:
     grammar = grammar or own_grammar(req)
     on = bool(tools) and choice != "none"
     return PreparedChat(req.message_dicts(), tools if on else None, dict(req.chat_template_kwargs or {}), grammar,
-                        config.fmt, on, req.reasoning_format or config.reasoning, param_types(tools) if on else {})
+                        config.fmt, on, req.reasoning_format or config.reasoning, param_types(tools) if on else {},
+                        req.parallel_tool_calls)
 
 
 # ---------------------------------------------------------------- the run

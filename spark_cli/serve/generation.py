@@ -63,7 +63,8 @@ class RequestSession(ChatSession):
         n_ctx = self.engine.n_ctx
         if len(self._prompt) >= n_ctx:
             raise ContextError(f"the request needs {len(self._prompt)} prompt tokens but the context holds {n_ctx}",
-                               len(self._prompt), n_ctx, hint="shorten the messages or start spark serve with a larger -c")
+                               len(self._prompt), n_ctx,
+                               hint="shorten the messages or start spark serve with a larger -c")
         return list(self._prompt), 0
 
     def run(self, on_text: Callable[[str], None], should_stop: Callable[[], bool], stops: Sequence[str] = (),
