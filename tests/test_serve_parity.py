@@ -74,6 +74,9 @@ class _Engine(_FakeEngine):
     def bank_bytes(self) -> int:
         return 0
 
+    def piece(self, t, special=False):
+        return super().piece(t)
+
     def detokenize(self, tokens) -> str:
         return "".join(self.piece(t).decode() for t in tokens)
 
@@ -158,6 +161,18 @@ def test_context_overflow_carries_the_counts():
         err = r.json()["error"]
         assert r.status_code == 400 and err["type"] == "exceed_context_size_error"
         assert err["n_ctx"] == 64 and err["n_prompt_tokens"] > 64
+
+
+def test_tokenize_and_detokenize_on_the_fake():
+    with _client() as tc:
+        ids = tc.post("/tokenize", json={"content": "hello there"}).json()["tokens"]
+        pieces = tc.post("/tokenize", json={"content": "hello there", "with_pieces": True}).json()["tokens"]
+        assert [p["id"] for p in pieces] == ids and [p["piece"] for p in pieces] == ["hello ", "there "]
+        assert tc.post("/detokenize", json={"tokens": ids}).json() == {"content": "hello there "}
+        for path, bad in (("/tokenize", {"content": 5}), ("/detokenize", {"tokens": [-1]}),
+                          ("/detokenize", {"tokens": [100]})):
+            r = tc.post(path, json=bad)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (path, r.text)
 
 
 def test_native_completion_shapes():

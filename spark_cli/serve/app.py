@@ -151,27 +151,37 @@ def _engine(st: ServerState) -> Any:
     return w.engine
 
 
+async def _body(request: Request, model: type[Any]) -> Any:
+    st: ServerState = request.app.state.spark
+    try:
+        return parse(model, await read_body(request, st.max_body))
+    except ClientGone:
+        raise HTTPException(499, "the client went away") from None
+
+
 async def tokenize(request: Request) -> Response:
     """llama-server's POST /tokenize: ids, or {id, piece} with with_pieces (a piece that is not
     UTF-8 as its bytes)."""
     st: ServerState = request.app.state.spark
-    req = parse(TokenizeRequest, await read_body(request, st.max_body))
+    req = await _body(request, TokenizeRequest)
     eng = _engine(st)
     ids = eng.tokenize(req.content, add_special=req.add_special, parse_special=req.parse_special)
     if not req.with_pieces:
         return JSONResponse({"tokens": ids})
-    return JSONResponse({"tokens": [{"id": t, "piece": piece_json(eng.piece(t))} for t in ids]})
+    return JSONResponse({"tokens": [{"id": t, "piece": piece_json(eng.piece(t, special=True))} for t in ids]})
 
 
 async def detokenize(request: Request) -> Response:
     st: ServerState = request.app.state.spark
-    req = parse(DetokenizeRequest, await read_body(request, st.max_body))
+    req = await _body(request, DetokenizeRequest)
     eng = _engine(st)
     n_vocab = getattr(eng, "n_vocab", None)
     bad = [t for t in req.tokens if n_vocab is not None and t >= n_vocab]
     if bad:
         raise ApiError(400, f"tokens: {bad[0]} is not in the vocabulary (0 to {n_vocab - 1})", param="tokens")
-    return JSONResponse({"content": eng.detokenize(req.tokens)})
+    # NOTE: control tokens as their text, as llama-server's
+    text = b"".join(eng.piece(t, special=True) for t in req.tokens).decode("utf-8", errors="replace")
+    return JSONResponse({"content": text})
 
 
 async def props(request: Request) -> Response:
