@@ -175,6 +175,35 @@ def test_tokenize_and_detokenize_on_the_fake():
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (path, r.text)
 
 
+def test_a_last_assistant_message_is_continued():
+    """llama-server's prefill: the prompt ends inside the assistant's message, which the answer continues."""
+    with _client() as tc:
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "well, so"}]
+        prompt = tc.post("/apply-template", json={"messages": msgs}).json()["prompt"]
+        assert prompt == "<user> hi <assistant> well, so"
+        fresh = tc.post("/apply-template", json={"messages": msgs[:1]}).json()["prompt"]
+        assert fresh == "<user> hi <assistant>"
+        called = [{**msgs[1], "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{}"}}]}]
+        r = tc.post("/v1/chat/completions", json={"messages": msgs[:1] + called})
+        assert r.status_code == 400 and "Cannot continue an assistant message that contains tool calls" in r.text
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        r = tc.post("/v1/chat/completions", json={"messages": msgs[:1], "tools": tools, "grammar": "root ::= \"a\""})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "Cannot use custom grammar constraints with tools."
+
+
+def test_reasoning_effort_reaches_the_template():
+    from spark_cli.serve.protocol import ChatRequest, parse
+
+    def kwargs(**extra):
+        return parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "x"}], **extra}).encode()
+                     ).template_kwargs()
+
+    assert kwargs(reasoning_effort="high") == {"reasoning_effort": "high"}
+    assert kwargs(reasoning_effort="none", chat_template_kwargs={"reasoning_effort": "low"}) == {
+        "enable_thinking": False}
+    assert kwargs(chat_template_kwargs={"enable_thinking": True}) == {"enable_thinking": True}
+
+
 def test_native_completion_shapes():
     """llama.cpp's POST /completion: its final body, its stream (no [DONE]), token-id prompts."""
     with _client() as tc:
@@ -314,6 +343,14 @@ def test_shapes_fingerprint_role_chunk_timings(server):
     assert {e["system_fingerprint"] for e in events} == {r.system_fingerprint}
     assert "timings" in events[-1] and events[-1]["choices"] == [] and not any("timings" in e for e in events[:-1])
     assert events[-1]["timings"]["predicted_n"] == events[-1]["usage"]["completion_tokens"]
+    # a last assistant message is continued: the prompt ends with its text, no end of turn after it
+    prefill = HELLO + [{"role": "assistant", "content": "The capital of Japan is"}]
+    with server.http() as h:
+        prompt = h.post("/apply-template", json={"messages": prefill}).json()["prompt"]
+        fresh = h.post("/apply-template", json={"messages": HELLO}).json()["prompt"]
+        more = h.post("/v1/chat/completions", json={"messages": prefill, "max_tokens": 3}).json()
+    assert prompt.startswith(fresh) and prompt.endswith("The capital of Japan is")
+    assert more["usage"]["prompt_tokens"] > len(fresh.split()) and more["choices"][0]["message"]["content"]
     with server.http() as h:
         over = h.post("/v1/completions", json={"prompt": "word " * 1500}).json()["error"]
     assert over["type"] == "exceed_context_size_error" and over["n_ctx"] == N_CTX and over["n_prompt_tokens"] > N_CTX

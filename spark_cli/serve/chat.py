@@ -121,6 +121,7 @@ class PreparedChat:
     reasoning: str
     types: dict[str, dict[str, str]] = field(default_factory=dict)
     parallel: bool = True  # parallel_tool_calls: False keeps the first call only
+    prefill: bool = False  # the last message is the assistant's: continue it
 
     def parser(self, prompt: str) -> OutputParser:
         """A prompt that ends by opening <think> (Qwen3 thinking) starts the answer inside reasoning."""
@@ -149,9 +150,9 @@ def prepare(req: ChatRequest, config: ChatConfig) -> PreparedChat:
         raise ApiError(400, e.message, param=e.message.split(":", 1)[0]) from None
     grammar = grammar or own_grammar(req)
     on = bool(tools) and choice != "none"
-    return PreparedChat(req.message_dicts(), tools if on else None, dict(req.chat_template_kwargs or {}), grammar,
+    return PreparedChat(req.message_dicts(), tools if on else None, req.template_kwargs(), grammar,
                         config.fmt, on, req.reasoning_format or config.reasoning, param_types(tools) if on else {},
-                        req.parallel_tool_calls)
+                        req.parallel_tool_calls, req.prefill)
 
 
 # ---------------------------------------------------------------- the run

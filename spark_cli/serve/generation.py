@@ -23,6 +23,13 @@ class ContextError(SparkError):
         self.n_prompt, self.n_ctx = n_prompt, n_ctx
 
 
+def continued(prompt: str, content: str) -> str | None:
+    """`prompt` cut right after the last occurrence of `content` (the end-of-turn markers after it
+    dropped), or None when the template did not render `content` as given."""
+    k = prompt.rfind(content)
+    return prompt[:k + len(content)] if k >= 0 else None
+
+
 class RequestSession(ChatSession):
     """A ChatSession over a fixed prompt; `kv` is the server's record of the KV cache."""
 
@@ -31,9 +38,18 @@ class RequestSession(ChatSession):
         self._kv = list(kv)
         self._prompt: list[int] = []
 
-    def set_chat(self, messages: list[dict], tools: list[dict] | None = None, extras: dict | None = None) -> str:
-        """Render the messages with the model's template (tools included); the prompt text."""
-        text = self.engine.chat_prompt(messages, tools=tools, extras=extras)
+    def set_chat(self, messages: list[dict], tools: list[dict] | None = None, extras: dict | None = None,
+                 prefill: bool = False) -> str:
+        """Render the messages with the model's template (tools included); the prompt text.
+        `prefill`: the last message is the assistant's, and the prompt ends where its text does, so
+        the answer continues it (llama-server's prefill); a template that rewrites that text gets
+        a fresh assistant turn after it instead."""
+        text = None
+        if prefill and messages[-1].get("content"):
+            whole = self.engine.chat_prompt(messages, add_generation_prompt=False, tools=tools, extras=extras)
+            text = continued(whole, messages[-1]["content"])
+        if text is None:
+            text = self.engine.chat_prompt(messages, tools=tools, extras=extras)
         self._prompt = self._prompt_tokens(text)
         return text
 

@@ -302,6 +302,7 @@ class ChatRequest(GenerationRequest):
     chat_template_kwargs: dict | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    reasoning_effort: str | None = Field(None, min_length=1)  # a template kwarg; "none": no thinking
 
     @model_validator(mode="after")
     def _shape(self) -> "ChatRequest":
@@ -312,7 +313,26 @@ class ChatRequest(GenerationRequest):
             raise ApiError(400, "logprobs is not supported with tools + stream", param="logprobs")
         if [m.role for m in self.messages][-2:] == ["assistant", "assistant"]:
             raise ApiError(400, "Cannot have 2 or more assistant messages at the end of the list.", param="messages")
+        if self.prefill and self.messages[-1].tool_calls:
+            raise ApiError(400, "Cannot continue an assistant message that contains tool calls.", param="messages")
+        if self.tools and self.choice != "none" and (self.grammar is not None or self.json_schema is not None):
+            raise ApiError(400, "Cannot use custom grammar constraints with tools.", param="grammar")
         return self
+
+    @property
+    def prefill(self) -> bool:
+        """A last assistant message is continued (llama-server's prefill), not answered."""
+        return self.messages[-1].role == "assistant"
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, with reasoning_effort as llama-server passes it ("none": enable_thinking off)."""
+        kw = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort == "none":
+            kw["enable_thinking"] = False
+            kw.pop("reasoning_effort", None)
+        elif self.reasoning_effort is not None:
+            kw["reasoning_effort"] = self.reasoning_effort
+        return kw
 
     @property
     def n_probs(self) -> int | None:

@@ -193,7 +193,7 @@ class Worker:
         try:
             try:
                 if chat is not None:
-                    prompt = sess.set_chat(chat.messages, chat.tools, chat.extras)
+                    prompt = sess.set_chat(chat.messages, chat.tools, chat.extras, prefill=chat.prefill)
                 else:
                     prompt = sess.set_text(job.text or "")
                 if job.count_only:
