@@ -179,6 +179,7 @@ def test_stop_filter(pieces, stops, want, matched):
     (b'{"messages": [{"role": "user", "content": "x"}], "mirostat": 2}', "mirostat: not supported"),
     (b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', "n: only one completion"),
     (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"the": 1}}', "logit_bias:"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1e400}}', "logit_bias: token 5"),
     (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "top_logprobs requires logprobs"),
     (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": true}', "top_logprobs:"),
     (b'{"messages": [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]}',

@@ -213,7 +213,9 @@ def test_native_completion_shapes():
         assert (body["tokens_predicted"], body["tokens_evaluated"], body["stop_type"]) == (3, 2, "eos")
         assert body["prompt"] == "hello there" and body["timings"]["predicted_n"] == 3
         assert body["generation_settings"]["temperature"] == 0 and "completion_probabilities" not in body
-        assert tc.post("/completion", json={"prompt": "a b", "n_predict": 2}).json()["stop_type"] == "limit"
+        limited = tc.post("/completion", json={"prompt": "a b", "n_predict": 2, "logit_bias": [[5, False]]}).json()
+        assert limited["stop_type"] == "limit" and limited["generation_settings"]["logit_bias"] == [
+            {"token": 5, "bias": None}]
         ids = tc.post("/completion", json={"prompt": [1, 2, "again"]}).json()
         assert ids["tokens_evaluated"] == 3 and ids["prompt"].split() == ["hello", "there", "again"]
         with tc.stream("POST", "/completion", json={"prompt": "hello", "stream": True}) as s:

@@ -11,6 +11,7 @@ Streamed: one `{"content", "stop": false, ...}` event per piece, then the final 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from typing import Any, Union
 
@@ -45,7 +46,9 @@ def settings(s: Sampling, req: NativeCompletionRequest) -> dict[str, Any]:
     d = asdict(s)
     bias = d.pop("logit_bias")
     return {**{k: v for k, v in d.items() if k not in ("temp", "n_probs")}, "temperature": s.temp,
-            "max_tokens": s.n_predict, "logit_bias": [{"token": t, "bias": b} for t, b in bias],
+            "max_tokens": s.n_predict,
+            # NOTE: a banned token's -inf is null, as llama-server's JSON writes it
+            "logit_bias": [{"token": t, "bias": b if math.isfinite(b) else None} for t, b in bias],
             "n_probs": req.probs_n, "stop": req.stops, "stream": req.stream, "cache_prompt": req.cache_prompt}
 
 

@@ -202,9 +202,10 @@ def _bias_pairs(v: Any) -> tuple[tuple[int, float], ...]:
         if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
             raise ValueError(f"{tok!r} is not a token id")
         if bias is False:
-            bias = float("-inf")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
-            raise ValueError(f"token {tok}: the bias must be a number or false")
+            out.append((tok, float("-inf")))
+            continue
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise ValueError(f"token {tok}: the bias must be a finite number, or false to ban the token")
         out.append((tok, float(bias)))
     return tuple(out)
 
