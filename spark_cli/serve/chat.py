@@ -228,7 +228,12 @@ class Run:
     probs: list[TokenLogprob] = field(default_factory=list)
 
     def _probs(self, got: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+        """A whole answer's logprobs: a list (maybe empty) when asked for, else None."""
         return (got or []) if self.with_probs else None
+
+    def _chunk_probs(self, got: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+        """A chunk's: only when it completes tokens, as llama-server's."""
+        return got if self.with_probs and got else None
 
     async def events(self) -> AsyncIterator[Text | Done]:
         """The raw stream: Text pieces (with their tokens' probabilities), then Done."""
@@ -292,9 +297,9 @@ class Run:
             yield self.env.role_chunk()
         async for ev in events:
             if isinstance(ev, Text):
-                yield self.env.chunk(text=ev.text, probs=self._probs(ev.probs))
+                yield self.env.chunk(text=ev.text, probs=self._chunk_probs(ev.probs))
             elif isinstance(ev, tuple):
-                yield _delta_chunk(self.env, ev[0], self._probs(ev[1]))
+                yield _delta_chunk(self.env, ev[0], self._chunk_probs(ev[1]))
             else:
                 yield self.env.chunk(finish=self.finish_reason, timings=None if include_usage else self.timings)
                 if include_usage:

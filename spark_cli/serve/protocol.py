@@ -163,12 +163,13 @@ class StreamOptions(_Strict):
 
 
 # Fields a client may send that spark serve does not implement, with the values that mean "off"
-# (those are accepted: they ask for nothing). Any other value is a 400 naming the field. Fields
+# (those are accepted: they ask for nothing; n_keep -1 keeps the whole prompt, which a server
+# that never shifts the context does anyway). Any other value is a 400 naming the field. Fields
 # in neither this table nor the models are ignored, as llama-server ignores them (`user`,
 # `store`, `metadata`, ...).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "mirostat": (0,), "dynatemp_range": (0, 0.0), "top_n_sigma": (-1, -1.0), "xtc_probability": (0, 0.0),
-    "dry_multiplier": (0, 0.0), "ignore_eos": (False,), "samplers": (), "lora": ([],), "n_keep": (0,),
+    "dry_multiplier": (0, 0.0), "ignore_eos": (False,), "samplers": (), "lora": ([],), "n_keep": (0, -1),
     "min_keep": (0,), "n_indent": (0,), "n_cache_reuse": (0,), "post_sampling_probs": (False,),
     "timings_per_token": (False,), "return_tokens": (False,), "response_fields": ([],), "t_max_predict_ms": (0,),
     "id_slot": (-1, 0), "functions": (), "function_call": (), "audio": (), "prediction": (),
