@@ -228,6 +228,21 @@ def test_history_kv_reuse_trimming_and_save(tmp_path):
 
 
 @pytest.mark.model
+def test_penalised_sampling_answers(small_model):
+    """--repeat-penalty (and the frequency and presence penalties) build llama.cpp's penalties
+    sampler, whose first argument in this build is n_vocab (it raised TypeError before)."""
+    from spark_cli.native.engine import Engine, EngineOptions
+
+    with Engine(EngineOptions(small_model, n_ctx=256, device="none", repack=False)) as eng:
+        for sampling in (Sampling(temp=0, n_predict=4, repeat_penalty=1.3),
+                         Sampling(temp=0.7, n_predict=4, frequency_penalty=0.5, presence_penalty=0.5, typical_p=0.9)):
+            chat = ChatSession(eng, sampling)
+            a = chat.answer(QUESTION)
+            chat.close()
+            assert a.error is None and a.figures.generated_tokens > 0, a.error
+
+
+@pytest.mark.model
 def test_crashed_answer_keeps_learned_counts(small_model, tmp_path):
     from spark_cli.runs import session
     from spark_cli.native.engine import Engine, EngineOptions
