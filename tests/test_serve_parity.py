@@ -105,7 +105,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi there"}], "temperature": 0}
     ({"mirostat": 2}, "mirostat"),
     ({"dry_multiplier": 0.8}, "dry_multiplier"),
     ({"xtc_probability": 0.5}, "xtc_probability"),
-    ({"ignore_eos": True}, "ignore_eos"),
+    ({"top_n_sigma": 1.0}, "top_n_sigma"),
     ({"samplers": ["top_k"]}, "samplers"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"n": 3}, "n"),
@@ -310,6 +310,12 @@ def test_sampling_fields_have_their_effect(server):
     assert _text(server, seed=1, **{**hot, "min_p": 1.0}) == _text(server, seed=2, **{**hot, "min_p": 1.0}) == \
         _text(server, max_tokens=12)
     assert _text(server, seed=1, **{**hot, "typical_p": 0.001}) == _text(server, seed=2, **{**hot, "typical_p": 0.001})
+    # ignore_eos: an answer that ends by itself runs to its limit instead
+    with server.http() as h:
+        ends = {"messages": HELLO, "max_tokens": 24, "temperature": 0}  # greedy: 7 tokens, then the end
+        assert h.post("/v1/chat/completions", json=ends).json()["choices"][0]["finish_reason"] == "stop"
+        on = h.post("/v1/chat/completions", json={**ends, "ignore_eos": True}).json()
+    assert on["choices"][0]["finish_reason"] == "length" and on["usage"]["completion_tokens"] == 24
     # llama-server's n_predict (over max_tokens), grammar and json_schema
     assert _complete(server, n_predict=2)["usage"]["completion_tokens"] == 2
     assert _text(server, grammar='root ::= "yes" | "no"', max_tokens=8) in ("yes", "no")

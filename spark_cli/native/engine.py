@@ -173,6 +173,7 @@ class Engine:
                 raise ModelFileError(f"{path}: not a GGUF file")
         self._geometry: ModelGeometry | None = None
         self._templates: BoundTemplates | None = None
+        self._eog: list[int] | None = None
         # checked before anything is loaded
         type_k = vram.kv_type(opts.type_k, "--cache-type-k").ggml_id
         type_v = vram.kv_type(opts.type_v, "--cache-type-v").ggml_id
@@ -338,6 +339,13 @@ class Engine:
         return bool(self.lib.lc.llama_vocab_is_eog(self.vocab, token))
 
     @property
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token of the vocabulary (found once)."""
+        if self._eog is None:
+            self._eog = [t for t in range(self.n_vocab) if self.is_eog(t)]
+        return self._eog
+
+    @property
     def templates(self) -> BoundTemplates:
         """The chat templates this engine renders with: --chat-template-file's, else the GGUF's."""
         if self._templates is None:
@@ -465,10 +473,11 @@ class Engine:
     def make_sampler(self, temp: float = 0.0, top_k: int = 40, top_p: float = 0.95, seed: int = 0,
                      min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
                      grammar: str | None = None, *, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                     typical_p: float = 1.0, logit_bias: Sequence[tuple[int, float]] = ()):
+                     typical_p: float = 1.0, logit_bias: Sequence[tuple[int, float]] = (), ban_eog: bool = False):
         """llama-server's chain: a GBNF grammar (native/grammar.py), logit biases, penalties (repeat,
         frequency, presence over the last repeat_last_n tokens; -1: the context), top-k, typical-p,
-        top-p, min-p, temperature, dist (temp <= 0: greedy after the penalties). Close it when done
+        top-p, min-p, temperature, dist (temp <= 0: greedy after the penalties). `ban_eog`: every
+        end-of-generation token gets a -inf bias (llama-server's ignore_eos). Close it when done
         (or let it go)."""
         lc = self.lib.lc
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
@@ -478,6 +487,8 @@ class Engine:
                 lc.llama_sampler_free(chain)
                 raise SparkError(f"llama.cpp refused the grammar ({_logs.last_error() or 'see SPARK_VERBOSE=1'})")
             lc.llama_sampler_chain_add(chain, g)
+        if ban_eog:
+            logit_bias = [*logit_bias, *((t, float("-inf")) for t in self.eog_tokens)]
         if logit_bias:
             arr = (lc.llama_logit_bias * len(logit_bias))(*(lc.llama_logit_bias(t, b) for t, b in logit_bias))
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(self.n_vocab, len(logit_bias), arr))

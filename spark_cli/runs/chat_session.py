@@ -39,6 +39,7 @@ class Sampling:
     typical_p: float = 1.0  # 1.0: off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit)
     n_probs: int | None = None  # each token's probability and the top n_probs (GenerationStep.probs)
+    ban_eog: bool = False  # never sample an end-of-generation token (ignore_eos)
 
 
 CACHE_KEYS = ("hits", "misses", "uploads", "bytes_uploaded", "syncs", "blocking_upload_bytes",
@@ -134,7 +135,7 @@ class ChatSession:
         self._sampler = engine.make_sampler(s.temp, s.top_k, s.top_p, s.seed, s.min_p, s.repeat_penalty,
                                             s.repeat_last_n, s.grammar, presence_penalty=s.presence_penalty,
                                             frequency_penalty=s.frequency_penalty, typical_p=s.typical_p,
-                                            logit_bias=s.logit_bias)
+                                            logit_bias=s.logit_bias, ban_eog=s.ban_eog)
 
     # -- conversation state ----------------------------------------------------------------
 

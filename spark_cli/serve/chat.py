@@ -198,7 +198,7 @@ def sampling_for(req: GenerationRequest, defaults: Defaults, grammar: str | None
                     n_predict=limit if limit is not None else defaults.n_predict, min_p=req.min_p,
                     repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n, grammar=grammar,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                    typical_p=req.typical_p, logit_bias=req.bias, n_probs=req.n_probs)
+                    typical_p=req.typical_p, logit_bias=req.bias, n_probs=req.n_probs, ban_eog=req.ignore_eos)
 
 
 def _delta_chunk(env: Envelope, d: ChatDelta, probs: list[TokenLogprob] | None) -> dict[str, Any]:

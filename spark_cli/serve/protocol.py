@@ -169,7 +169,7 @@ class StreamOptions(_Strict):
 # `store`, `metadata`, ...).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "mirostat": (0,), "dynatemp_range": (0, 0.0), "top_n_sigma": (-1, -1.0), "xtc_probability": (0, 0.0),
-    "dry_multiplier": (0, 0.0), "ignore_eos": (False,), "samplers": (), "lora": ([],), "n_keep": (0, -1),
+    "dry_multiplier": (0, 0.0), "samplers": (), "lora": ([],), "n_keep": (0, -1),
     "min_keep": (0,), "n_indent": (0,), "n_cache_reuse": (0,), "post_sampling_probs": (False,),
     "timings_per_token": (False,), "return_tokens": (False,), "response_fields": ([],), "t_max_predict_ms": (0,),
     "id_slot": (-1, 0), "functions": (), "function_call": (), "audio": (), "prediction": (),
@@ -235,6 +235,7 @@ class GenerationRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_prompt: bool = True  # False: evaluate the whole prompt, reuse nothing from the KV cache
+    ignore_eos: bool = False  # never sample an end-of-generation token (llama-server's: they get -inf)
     grammar: str | None = Field(None, min_length=1)  # llama-server's: GBNF the output must match
     json_schema: dict | None = None  # llama-server's: JSON the output must match
 
