@@ -106,7 +106,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi there"}], "temperature": 0}
     ({"dry_multiplier": 0.8}, "dry_multiplier"),
     ({"xtc_probability": 0.5}, "xtc_probability"),
     ({"top_n_sigma": 1.0}, "top_n_sigma"),
-    ({"samplers": ["top_k"]}, "samplers"),
+    ({"samplers": ["top_k", "temperature", "top_p"]}, "samplers"),  # not Spark's order
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"n": 3}, "n"),
     ({"logit_bias": {"100": 5}}, "logit_bias"),  # past the vocabulary (checked by the engine thread)
@@ -310,6 +310,11 @@ def test_sampling_fields_have_their_effect(server):
     assert _text(server, seed=1, **{**hot, "min_p": 1.0}) == _text(server, seed=2, **{**hot, "min_p": 1.0}) == \
         _text(server, max_tokens=12)
     assert _text(server, seed=1, **{**hot, "typical_p": 0.001}) == _text(server, seed=2, **{**hot, "typical_p": 0.001})
+    # samplers: the ones left out are off (min_p 1 without min_p: the seeds matter again); llama-server's default
+    # order, its letters or names, is Spark's
+    no_min_p = {**hot, "min_p": 1.0, "samplers": ["penalties", "top_k", "typ_p", "top_p", "temperature"]}
+    assert len({_text(server, seed=s, **no_min_p) for s in (1, 2, 3)}) > 1
+    assert _text(server, seed=5, **hot, samplers="edskypmxt") == _text(server, seed=5, **hot)
     # ignore_eos: an answer that ends by itself runs to its limit instead
     with server.http() as h:
         ends = {"messages": HELLO, "max_tokens": 24, "temperature": 0}  # greedy: 7 tokens, then the end

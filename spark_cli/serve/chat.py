@@ -30,6 +30,7 @@ of these; there is no other way to the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import threading
 import time
@@ -189,8 +190,24 @@ class Feed:
                 pass
 
 
+# what each of `samplers`' codes turns off when it is left out (no temperature: the distribution as it is)
+SAMPLER_OFF: dict[str, dict[str, Any]] = {
+    "e": {"repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}, "k": {"top_k": 0},
+    "y": {"typical_p": 1.0}, "p": {"top_p": 1.0}, "m": {"min_p": 0.0}, "t": {"temp": 1.0},
+}
+
+
 def sampling_for(req: GenerationRequest, defaults: Defaults, grammar: str | None = None) -> Sampling:
-    """The request's sampler settings, the server's defaults where it says nothing."""
+    """The request's sampler settings, the server's defaults where it says nothing, and the
+    samplers `samplers` leaves out turned off."""
+    s = _sampling(req, defaults, grammar)
+    for code, off in SAMPLER_OFF.items():
+        if req.samplers is not None and code not in req.samplers:
+            s = dataclasses.replace(s, **off)
+    return s
+
+
+def _sampling(req: GenerationRequest, defaults: Defaults, grammar: str | None) -> Sampling:
     seed = req.seed if req.seed is not None else defaults.seed
     limit = req.asked_limit
     return Sampling(temp=req.temperature if req.temperature is not None else defaults.temp, top_k=req.top_k,

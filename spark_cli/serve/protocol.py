@@ -169,13 +169,37 @@ class StreamOptions(_Strict):
 # `store`, `metadata`, ...).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "mirostat": (0,), "dynatemp_range": (0, 0.0), "top_n_sigma": (-1, -1.0), "xtc_probability": (0, 0.0),
-    "dry_multiplier": (0, 0.0), "samplers": (), "lora": ([],), "n_keep": (0, -1),
+    "dry_multiplier": (0, 0.0), "lora": ([],), "n_keep": (0, -1),
     "min_keep": (0,), "n_indent": (0,), "n_cache_reuse": (0,), "post_sampling_probs": (False,),
     "timings_per_token": (False,), "return_tokens": (False,), "response_fields": ([],), "t_max_predict_ms": (0,),
     "id_slot": (-1, 0), "functions": (), "function_call": (), "audio": (), "prediction": (),
     "web_search_options": (), "modalities": (["text"],),
 }
 MAX_LOGIT_BIAS = 1024  # entries at most
+
+# llama-server's `samplers`: names or its one-letter codes. Spark's chain has a fixed order; a
+# list in that order picks which run (the others are off); dry, top_n_sigma and xtc may be named
+# (they are off: their fields are refused above).
+SAMPLER_CODES = {"penalties": "e", "dry": "d", "top_n_sigma": "s", "top_k": "k", "top-k": "k", "typ_p": "y",
+                 "typical_p": "y", "typical-p": "y", "typical": "y", "top_p": "p", "top-p": "p", "nucleus": "p",
+                 "min_p": "m", "min-p": "m", "xtc": "x", "temperature": "t", "temp": "t"}
+SAMPLER_ORDER = "ekypmt"  # penalties, top_k, typ_p, top_p, min_p, temperature
+INERT_SAMPLERS = "dsx"
+
+
+def _sampler_codes(v: Union[str, list[str]]) -> str:
+    """The samplers asked for, as codes in Spark's order; ValueError when unknown or out of order."""
+    given = v if isinstance(v, list) else list(v)
+    codes = [SAMPLER_CODES.get(n.lower(), "?") if isinstance(v, list) else n for n in given]
+    unknown = [n for n, c in zip(given, codes) if c not in SAMPLER_ORDER + INERT_SAMPLERS]
+    if unknown:
+        raise ValueError(f"unknown sampler {unknown[0]!r} (names: {', '.join(sorted(SAMPLER_CODES))}; or "
+                         f"the letters {SAMPLER_ORDER + INERT_SAMPLERS})")
+    kept = "".join(c for c in codes if c not in INERT_SAMPLERS)
+    if len(set(kept)) != len(kept) or kept != "".join(c for c in SAMPLER_ORDER if c in kept):
+        raise ValueError("spark serve runs its samplers in one order: penalties, top_k, typ_p, top_p, min_p, "
+                         "temperature (leave any out to turn it off)")
+    return kept
 
 
 def _refuse_unsupported(data: Any, extra: dict[str, tuple[Any, ...]]) -> None:
@@ -236,6 +260,7 @@ class GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     cache_prompt: bool = True  # False: evaluate the whole prompt, reuse nothing from the KV cache
     ignore_eos: bool = False  # never sample an end-of-generation token (llama-server's: they get -inf)
+    samplers: Union[str, list[str], None] = None  # llama-server's: which samplers run (SAMPLER_ORDER)
     grammar: str | None = Field(None, min_length=1)  # llama-server's: GBNF the output must match
     json_schema: dict | None = None  # llama-server's: JSON the output must match
 
@@ -257,6 +282,11 @@ class GenerationRequest(_Strict):
     def _bias(cls, v: Union[dict, list, None]) -> Union[dict, list, None]:
         _bias_pairs(v)
         return v
+
+    @field_validator("samplers")
+    @classmethod
+    def _samplers(cls, v: Union[str, list[str], None]) -> str | None:
+        return None if v is None else _sampler_codes(v)
 
     @field_validator("stop")
     @classmethod
