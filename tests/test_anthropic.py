@@ -44,7 +44,7 @@ def test_system_text_and_stop_become_an_openai_chat():
         "m", 8, ["\n\n", "END"], 0.2, 5, 0.5)
     req = parse(ChatRequest, json.dumps(c).encode())  # what the OpenAI side takes
     assert req.message_dicts()[-1] == {"role": "user", "content": "One. Two."}
-    assert (req.limit, req.stops, req.temperature) == (8, ["\n\n", "END"], 0.2)
+    assert (req.asked_limit, req.stops, req.temperature) == (8, ["\n\n", "END"], 0.2)
     # unset sampling fields stay unset: the server's defaults, as on /v1/chat/completions
     bare = parse(ChatRequest, json.dumps(_chat({"messages": [{"role": "user", "content": "x"}]})).encode())
     assert (bare.temperature, bare.top_k, bare.stops) == (ChatRequest.model_fields["temperature"].default,

@@ -170,8 +170,8 @@ class _FakeEngine:
     def chat_prompt(self, messages, add_generation_prompt=True, tools=None, extras=None):
         return "".join(f"<{m['role']}> {m['content']} " for m in messages) + "<assistant>"
 
-    def make_sampler(self, *a):
-        return SimpleNamespace(sample=self._sample, close=lambda: None)
+    def make_sampler(self, *a, **kw):
+        return SimpleNamespace(sample=self._sample, prime=lambda prompt: None, close=lambda: None)
 
     def _sample(self, engine, logits):
         if not self._reply:
@@ -225,6 +225,21 @@ def test_history_kv_reuse_trimming_and_save(tmp_path):
     assert d["messages"][1]["figures"]["generated_tokens"] == 3 and d["system"] == "be brief"
     chat.reset()
     assert chat.messages() == [{"role": "system", "content": "be brief"}] and eng.n_past == 0
+
+
+@pytest.mark.model
+def test_penalised_sampling_answers(small_model):
+    """--repeat-penalty (and the frequency and presence penalties) build llama.cpp's penalties
+    sampler, whose first argument in this build is n_vocab (it raised TypeError before)."""
+    from spark_cli.native.engine import Engine, EngineOptions
+
+    with Engine(EngineOptions(small_model, n_ctx=256, device="none", repack=False)) as eng:
+        for sampling in (Sampling(temp=0, n_predict=4, repeat_penalty=1.3),
+                         Sampling(temp=0.7, n_predict=4, frequency_penalty=0.5, presence_penalty=0.5, typical_p=0.9)):
+            chat = ChatSession(eng, sampling)
+            a = chat.answer(QUESTION)
+            chat.close()
+            assert a.error is None and a.figures.generated_tokens > 0, a.error
 
 
 @pytest.mark.model

@@ -175,7 +175,18 @@ def test_stop_filter(pieces, stops, want, matched):
     (b'"text"', "JSON object"),
     (b'{"messages": [{"role": "user", "content": 5}]}', "messages.0.content:"),
     (b'{"messages": [{"role": "user", "content": "x"}], "top_k": -1}', "top_k:"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}', "presence_penalty:"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}', "presence_penalty:"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "mirostat": 2}', "mirostat: not supported"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', "n: only one completion"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "samplers": ["top_k", "mirostat"]}',
+     "samplers: unknown sampler 'mirostat'"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "samplers": "tk"}', "samplers: spark serve runs"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"the": 1}}', "logit_bias:"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1e400}}', "logit_bias: token 5"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "top_logprobs requires logprobs"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": true}', "top_logprobs:"),
+    (b'{"messages": [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]}',
+     "Cannot have 2 or more assistant messages at the end"),
 ])
 def test_parse_names_the_problem(body, where):
     with pytest.raises(ApiError) as e:
@@ -186,7 +197,7 @@ def test_parse_names_the_problem(body, where):
 def test_parse_takes_null_as_unset():
     r = parse(ChatRequest, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], '
                            b'"temperature": null, "max_tokens": null, "stop": null, "stream": true}')
-    assert (r.temperature, r.limit, r.stops, r.stream) == (0.8, -1, [], True)
+    assert (r.temperature, r.asked_limit, r.stops, r.stream) == (None, None, [], True)  # the server's defaults
     assert r.message_dicts() == [{"role": "user", "content": "hi"}]
 
 

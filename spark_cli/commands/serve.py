@@ -22,6 +22,15 @@ def _engine_options(path: Path, geometry, plan, flags, n_ctx: int, learn: bool, 
     return opts
 
 
+def _placement(devices, plan, cached: set[int], budget_source: str, cpu_reason: str | None,
+               miss_path: str) -> dict:
+    """What /props reports of where the model runs."""
+    if plan is None:
+        return {"device": "cpu", "why": cpu_reason, "cached_moe_layers": 0}
+    return {"device": devices[0].name if devices else "cpu", "cached_moe_layers": len(cached),
+            "budget": budget_source, "miss_path": miss_path, "planned_device_bytes": int(plan.breakdown["total"])}
+
+
 def register(app: typer.Typer) -> None:
     @app.command("serve")
     @model_flags
@@ -55,6 +64,14 @@ def register(app: typer.Typer) -> None:
         jinja: bool = typer.Option(True, "--jinja/--no-jinja", help=JINJA_HELP),
         reasoning_format: str = typer.Option("auto", "--reasoning-format", help="auto or deepseek: <think> text "
                                              "(and gpt-oss analysis) goes to reasoning_content; none: left inline"),
+        alias: str = typer.Option(None, "--alias", "-a", help="the model's name in /v1/models, /props and responses "
+                                  "(default: the GGUF's file name)", show_default=False),
+        n_predict: int = typer.Option(-1, "--n-predict", "-n", min=-1, help="tokens per answer at most when a "
+                                      "request gives no max_tokens (-1: until done or the context is full)"),
+        temp: float = typer.Option(0.8, "--temp", min=0.0, max=2.0, help="temperature when a request gives none "
+                                   "(0: greedy)"),
+        seed: int = typer.Option(-1, "--seed", "-s", min=-1, max=(1 << 32) - 1,
+                                 help="sampling seed when a request gives none (-1: random per request)"),
         flags: LoadFlags = None,
     ) -> None:
         """Serve the model over HTTP with OpenAI's API, as llama-server does."""
@@ -65,7 +82,7 @@ def register(app: typer.Typer) -> None:
         from ..core.chat_output import REASONING_FORMATS
         from ..core.chat_template import TemplateSet
         from ..serve.app import ServerState
-        from ..serve.chat import ChatConfig
+        from ..serve.chat import ChatConfig, Defaults
         from ..serve.learn import Learner
         from ..serve.server import bind, serve
         from ..serve.stats import ServerStats
@@ -113,9 +130,10 @@ def register(app: typer.Typer) -> None:
                                             on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True)),
                         cached, stats, learner, max_queue=max_queue)
         chat = ChatConfig.for_model(templates if templates is not None else TemplateSet(dict(geometry.chat_templates)),
-                                    geometry.arch, reasoning_format)
-        state = ServerState(worker, stats, path.name, api_key=api_key or None, host=host, allowed_hosts=hosts,
-                            cors=origins, chat=chat)
+                                    geometry.arch, reasoning_format, defaults=Defaults(temp, seed, n_predict))
+        state = ServerState(worker, stats, alias or path.name, api_key=api_key or None, host=host,
+                            allowed_hosts=hosts, cors=origins, chat=chat, model_path=str(path),
+                            placement=_placement(devices, plan, cached, budget_source, cpu_reason, miss_path))
         where = f"{devices[0].name}" if devices else f"CPU ({cpu_reason})"
         placement = (f"{len(cached)} cached MoE layers, plan {budget_source}" if plan is not None
                      else "stock CPU path")

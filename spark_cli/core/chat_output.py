@@ -81,13 +81,15 @@ def split_think(text: str, final: bool, in_reasoning: bool) -> tuple[str, str]:
 @dataclass
 class OutputParser:
     """`fmt`: the model's format (gpt-oss's harmony also carries its reasoning); `tools` False:
-    no tool parsing (no tools, or tool_choice none)."""
+    no tool parsing (no tools, or tool_choice none); `max_calls`: the calls kept at most (1:
+    parallel_tool_calls false; None: all)."""
 
     fmt: ToolFormat | None = None
     tools: bool = True
     reasoning: str = "auto"
     in_reasoning: bool = False
     types: ParamTypes = field(default_factory=dict)
+    max_calls: int | None = None
     text: str = ""
     _out: ChatOutput = field(default_factory=ChatOutput)
 
@@ -139,7 +141,8 @@ class OutputParser:
         if len(now.content) > len(sent.content) and now.content.startswith(sent.content):
             out.append(ChatDelta(content=now.content[len(sent.content):]))
             sent.content = now.content
-        for i in range(len(sent.tool_calls), len(now.tool_calls)):
+        n_calls = len(now.tool_calls) if self.max_calls is None else min(self.max_calls, len(now.tool_calls))
+        for i in range(len(sent.tool_calls), n_calls):
             c = now.tool_calls[i]
             call = ToolCall(c.name, c.arguments, "call_" + secrets.token_hex(12))
             sent.tool_calls.append(call)

@@ -179,6 +179,7 @@ class Engine:
                 raise ModelFileError(f"{path}: not a GGUF file")
         self._geometry: ModelGeometry | None = None
         self._templates: BoundTemplates | None = None
+        self._eog: list[int] | None = None
         # checked before anything is loaded
         type_k = vram.kv_type(opts.type_k, "--cache-type-k").ggml_id
         type_v = vram.kv_type(opts.type_v, "--cache-type-v").ggml_id
@@ -345,6 +346,13 @@ class Engine:
         return bool(self.lib.lc.llama_vocab_is_eog(self.vocab, token))
 
     @property
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token of the vocabulary (found once)."""
+        if self._eog is None:
+            self._eog = [t for t in range(self.n_vocab) if self.is_eog(t)]
+        return self._eog
+
+    @property
     def templates(self) -> BoundTemplates:
         """The chat templates this engine renders with: --chat-template-file's, else the GGUF's."""
         if self._templates is None:
@@ -471,9 +479,13 @@ class Engine:
 
     def make_sampler(self, temp: float = 0.0, top_k: int = 40, top_p: float = 0.95, seed: int = 0,
                      min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
-                     grammar: str | None = None):
-        """llama-cli's chain: a GBNF grammar (native/grammar.py), penalties, top-k, top-p, min-p,
-        temperature, dist (temp <= 0: greedy after the penalties). Close it when done (or let it go)."""
+                     grammar: str | None = None, *, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                     typical_p: float = 1.0, logit_bias: Sequence[tuple[int, float]] = (), ban_eog: bool = False):
+        """llama-server's chain: a GBNF grammar (native/grammar.py), logit biases, penalties (repeat,
+        frequency, presence over the last repeat_last_n tokens; -1: the context), top-k, typical-p,
+        top-p, min-p, temperature, dist (temp <= 0: greedy after the penalties). `ban_eog`: every
+        end-of-generation token gets a -inf bias (llama-server's ignore_eos). Close it when done
+        (or let it go)."""
         lc = self.lib.lc
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         if grammar:
@@ -482,21 +494,31 @@ class Engine:
                 lc.llama_sampler_free(chain)
                 raise SparkError(f"llama.cpp refused the grammar ({_logs.last_error() or 'see SPARK_VERBOSE=1'})")
             lc.llama_sampler_chain_add(chain, g)
-        if repeat_penalty != 1.0 and repeat_last_n != 0:
-            last_n = self.n_ctx if repeat_last_n < 0 else repeat_last_n
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(last_n, repeat_penalty, 0.0, 0.0))
+        if ban_eog:
+            logit_bias = [*logit_bias, *((t, float("-inf")) for t in self.eog_tokens)]
+        if logit_bias:
+            arr = (lc.llama_logit_bias * len(logit_bias))(*(lc.llama_logit_bias(t, b) for t, b in logit_bias))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(self.n_vocab, len(logit_bias), arr))
+        penalties, last_n = None, self.n_ctx if repeat_last_n < 0 else repeat_last_n
+        if (repeat_penalty != 1.0 or frequency_penalty != 0.0 or presence_penalty != 0.0) and last_n != 0:
+            # NOTE: this llama.cpp's penalties sampler takes n_vocab first
+            penalties = lc.llama_sampler_init_penalties(self.n_vocab, last_n, repeat_penalty, frequency_penalty,
+                                                        presence_penalty)
+            lc.llama_sampler_chain_add(chain, penalties)
         if temp <= 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
-            return NativeSampler(lc, chain)
+            return NativeSampler(lc, chain, penalties, last_n)
         if top_k > 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(top_k))
+        if typical_p < 1.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_typical(typical_p, 1))
         if top_p < 1.0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(top_p, 1))
         if min_p > 0.0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(min_p, 1))
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(temp))
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return NativeSampler(lc, chain)
+        return NativeSampler(lc, chain, penalties, last_n)
 
     def stream_generate(self, prompt: Sequence[int], **kw) -> Iterator[GenerationStep]:
         """The generation loop (generate.stream_generate) on this engine."""

@@ -25,12 +25,25 @@ class Sampler(Protocol):
     def sample(self, engine, logits: np.ndarray | None) -> int:
         """The next token, from `logits` (the last output row) or the context itself."""
 
+    def prime(self, prompt: Sequence[int]) -> None:
+        """Take `prompt` as the history that penalties look back on (samplers without any: nothing)."""
+
 
 class NativeSampler:
-    """A llama.cpp sampler chain (Engine.make_sampler); reads the context's last logits row."""
+    """A llama.cpp sampler chain (Engine.make_sampler); reads the context's last logits row.
+    `penalties`: the chain's penalties sampler (None: none), whose history `prime` sets."""
 
-    def __init__(self, lc, chain):
-        self.lc, self.chain = lc, chain
+    def __init__(self, lc, chain, penalties=None, window: int = 0):
+        self.lc, self.chain, self.penalties, self.window = lc, chain, penalties, window
+
+    def prime(self, prompt: Sequence[int]) -> None:
+        """Make the prompt's last tokens the penalties' history, as llama-server does (the
+        grammar, earlier in the chain, sees only generated tokens)."""
+        if self.penalties is None or self.chain is None:
+            return
+        self.lc.llama_sampler_reset(self.penalties)
+        for tok in prompt[-self.window:]:
+            self.lc.llama_sampler_accept(self.penalties, tok)
 
     def sample(self, engine, logits: np.ndarray | None) -> int:
         return int(self.lc.llama_sampler_sample(self.chain, engine.ctx, -1))
@@ -63,6 +76,9 @@ class Greedy:
                 tok = int(np.argmax(row))
         return tok
 
+    def prime(self, prompt: Sequence[int]) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -78,6 +94,9 @@ class Forced:
         tok = int(self.tokens[self.i])
         self.i += 1
         return tok
+
+    def prime(self, prompt: Sequence[int]) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -117,6 +136,27 @@ class GenerationStep(Rates):
     prompt_cache: CacheStats | None = None  # the prompt's cache figures (last step)
     cache: CacheStats | None = None  # the decode steps' cache figures (last step)
     stop_word: str | None = None  # the stop string that ended it (last step, finish "stop")
+    probs: TokenProbs | None = None  # this token's probabilities (n_probs set)
+
+
+@dataclass(frozen=True)
+class TokenProbs:
+    """A sampled token's probability and the n most probable of the distribution it was drawn
+    from: the softmax of the raw logits (llama-server's, before any sampler), as (token, prob)."""
+
+    token: int
+    prob: float
+    top: tuple[tuple[int, float], ...]
+
+    @classmethod
+    def of(cls, logits: np.ndarray, token: int, n: int) -> "TokenProbs":
+        z = logits.astype(np.float64) - float(np.max(logits))
+        p = np.exp(z)
+        p /= p.sum()
+        n = min(max(n, 0), len(p))
+        best = np.argpartition(-p, n - 1)[:n] if n else np.zeros(0, dtype=np.int64)
+        best = best[np.argsort(-p[best], kind="stable")]
+        return cls(int(token), float(p[token]), tuple((int(t), float(p[t])) for t in best))
 
 
 class StopFilter:
@@ -169,13 +209,14 @@ def stream_generate(engine, prompt: Sequence[int], *, sampler: Sampler | None = 
                     stop: StopRules = StopRules(), should_stop: Callable[[], bool] | None = None,
                     prompt_logits: str = "last", on_prompt: Callable[[np.ndarray | None], None] | None = None,
                     keep_logits: bool = False, cache_layers: set[int] | None = None,
-                    special: bool = False) -> Iterator[GenerationStep]:
+                    special: bool = False, n_probs: int | None = None) -> Iterator[GenerationStep]:
     """Evaluate `prompt` (n_batch chunks; empty: continue from the context's last output), then
     sample, evaluate and yield tokens until a stop rule, `max_tokens` (-1: none), a full context or
     `should_stop()` ends it. `prompt_logits` 'all' hands every prompt row to `on_prompt` (called once
     the prompt is evaluated, before any decode step); greedy when `sampler` is None. The last step
     carries the cache figures of `cache_layers` (None: every layer) for the prompt and the decode.
-    `special`: control tokens are text too (tool-call formats whose markers are control tokens)."""
+    `special`: control tokens are text too (tool-call formats whose markers are control tokens).
+    `n_probs` set: each step carries its token's probability and the top n_probs (TokenProbs)."""
     sampler = sampler or Greedy()
     filt = StopFilter(stop.strings)
     dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -201,6 +242,9 @@ def stream_generate(engine, prompt: Sequence[int], *, sampler: Sampler | None = 
             finish = "context"
         else:
             tok = sampler.sample(engine, last)
+            probs = None
+            if n_probs is not None:
+                probs = TokenProbs.of(engine.last_logits() if last is None else last, tok, n_probs)
             if stop.eog and engine.is_eog(tok):
                 finish = "eog"
             elif tok in stop.token_ids:
@@ -212,7 +256,7 @@ def stream_generate(engine, prompt: Sequence[int], *, sampler: Sampler | None = 
                 if filt.hit:
                     finish = "stop"
                 yield GenerationStep(tok, text, n_prompt, prompt_seconds, n, time.perf_counter() - t1,
-                                     logits=last if keep_logits else None)
+                                     logits=last if keep_logits else None, probs=probs)
     tail = filt.feed(dec.decode(b"", final=True)) + filt.flush()
     gen_seconds = time.perf_counter() - t1
     s3 = _cache_total(engine, cache_layers)

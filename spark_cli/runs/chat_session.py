@@ -18,7 +18,7 @@ import numpy as np
 from ..files.atomic import atomic_write_text
 from ..errors import SparkError
 from ..native.expert_cache import CacheStats
-from ..native.generate import Rates, StopRules, stream_generate
+from ..native.generate import Rates, StopRules, TokenProbs, stream_generate
 from .session import decode_counts
 
 
@@ -34,6 +34,12 @@ class Sampling:
     repeat_penalty: float = 1.0  # 1.0: off
     repeat_last_n: int = 64
     grammar: str | None = None  # GBNF that every answer must match (native/grammar.py)
+    presence_penalty: float = 0.0  # 0: off
+    frequency_penalty: float = 0.0
+    typical_p: float = 1.0  # 1.0: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit)
+    n_probs: int | None = None  # each token's probability and the top n_probs (GenerationStep.probs)
+    ban_eog: bool = False  # never sample an end-of-generation token (ignore_eos)
 
 
 CACHE_KEYS = ("hits", "misses", "uploads", "bytes_uploaded", "syncs", "blocking_upload_bytes",
@@ -125,9 +131,11 @@ class ChatSession:
         self.learned = _Learned()
         self._generating: list[int] | None = None  # tokens of the answer being decoded, for harvest_now
         self._kv: list[int] = []  # tokens whose KV entries are in the context, in order
-        extra = {"grammar": sampling.grammar} if sampling.grammar else {}
-        self._sampler = engine.make_sampler(sampling.temp, sampling.top_k, sampling.top_p, sampling.seed,
-                                            sampling.min_p, sampling.repeat_penalty, sampling.repeat_last_n, **extra)
+        s = sampling
+        self._sampler = engine.make_sampler(s.temp, s.top_k, s.top_p, s.seed, s.min_p, s.repeat_penalty,
+                                            s.repeat_last_n, s.grammar, presence_penalty=s.presence_penalty,
+                                            frequency_penalty=s.frequency_penalty, typical_p=s.typical_p,
+                                            logit_bias=s.logit_bias, ban_eog=s.ban_eog)
 
     # -- conversation state ----------------------------------------------------------------
 
@@ -188,11 +196,12 @@ class ChatSession:
     def answer(self, user: str, on_text: Callable[[str], None] | None = None,
                should_stop: Callable[[], bool] | None = None,
                on_notice: Callable[[str], None] | None = None, stops: Sequence[str] = (),
-               special: bool = False) -> Answer:
+               special: bool = False, on_probs: Callable[[TokenProbs], None] | None = None) -> Answer:
         """Generate the reply to `user`; stream pieces to on_text (text that may begin one of
         `stops` is held back; a stop string ends the answer, cut). Raises SparkError before
         anything is evaluated when the prompt cannot fit; later failures come back in
-        Answer.error (the session and its learned counts stay)."""
+        Answer.error (the session and its learned counts stay). With Sampling.n_probs, each
+        evaluated token's probabilities go to on_probs before its text goes to on_text."""
         eng = self.engine
         toks, dropped = self._fit(user)
         del self.turns[:dropped]
@@ -219,14 +228,17 @@ class ChatSession:
             self._kv = self._kv[:keep]
             fig.reused_tokens = keep
             fig.prompt_tokens = len(toks) - keep
+            self._sampler.prime(toks)
             for step in stream_generate(eng, toks[keep:], sampler=self._sampler, max_tokens=self.sampling.n_predict,
                                         stop=StopRules(strings=tuple(stops)), should_stop=should_stop,
                                         on_prompt=prompt_done, cache_layers=self.cached_layers,
-                                        special=special):
+                                        special=special, n_probs=self.sampling.n_probs):
                 fig.prompt_seconds, fig.gen_seconds = step.prompt_seconds, step.gen_seconds
                 if step.token is not None:
                     generated.append(step.token)
                     self._kv.append(step.token)
+                if step.probs is not None and on_probs:
+                    on_probs(step.probs)
                 if step.text:
                     text_parts.append(step.text)
                     if on_text:
@@ -258,6 +270,11 @@ class ChatSession:
         self.transcript += [u, {**a, "stop": fig.stop, "figures": fig.to_dict()}]
         self.answers.append(fig)
         return Answer(text, fig, error, stop_word)
+
+    @property
+    def n_generated(self) -> int:
+        """Tokens of the answer being generated so far (0 between answers)."""
+        return len(self._generating or ())
 
     # -- learning --------------------------------------------------------------------------
 

@@ -12,13 +12,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import anthropic, metrics
+from . import anthropic, llama_api, metrics
 from .anthropic_routes import ROUTES as ANTHROPIC_ROUTES
 from .chat import ChatConfig, ClientGone, Run, open_run, read_body
+from .llama_api import NativeCompletionRequest
 from .guard import Guard
-from .protocol import ApiError, ChatRequest, CompletionRequest, parse, sse, unavailable
+from .protocol import (SAMPLING_DEFAULTS, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest,
+                       TokenizeRequest, parse, piece_json, sse, unavailable)
 from .stats import ServerStats
-from .worker import Worker
+from .worker import Text, Worker
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -35,6 +37,8 @@ class ServerState:
     max_body: int = MAX_BODY_BYTES
     started: int = 0
     chat: ChatConfig = field(default_factory=ChatConfig)  # the model's tool-call format, --reasoning-format
+    model_path: str = ""  # the GGUF served (/props)
+    placement: dict[str, Any] = field(default_factory=dict)  # Spark's placement summary (/props)
 
 
 def _error(e: ApiError, path: str = "") -> JSONResponse:
@@ -84,6 +88,47 @@ async def completions(request: Request) -> Response:
     return await _generate(request, chat=False)
 
 
+async def native_completion(request: Request) -> Response:
+    """llama.cpp's POST /completion (llama_api.py)."""
+    st: ServerState = request.app.state.spark
+    try:
+        req = parse(NativeCompletionRequest, await read_body(request, st.max_body))
+        run = await open_run(request, req, st.worker, st.model_name, st.chat)
+    except ClientGone:
+        return Response(status_code=499)
+    if req.stream:
+        return StreamingResponse(_native_stream(run, req), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        parts = [ev.text async for ev in run.events() if isinstance(ev, Text)]
+        return JSONResponse(_native_final(run, req, "".join(parts)))
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        run.close()
+
+
+def _native_final(run: Run, req: NativeCompletionRequest, content: str) -> dict[str, Any]:
+    assert run.usage is not None and run.sampling is not None
+    return llama_api.final_body(content, req.model or run.env.model, run.prompt, run.finish, run.stop_word,
+                                run.usage, run.timings, llama_api.settings(run.sampling, req),
+                                run.probs if run.with_probs else None)
+
+
+async def _native_stream(run: Run, req: NativeCompletionRequest) -> AsyncIterator[bytes]:
+    try:
+        async for ev in run.events():
+            if isinstance(ev, Text):
+                yield sse(llama_api.piece_event(ev.text, run.prompt_tokens, ev.n_generated, ev.probs))
+        yield sse(_native_final(run, req, ""))
+    except ApiError as e:
+        yield sse(e.body())
+    except ClientGone:
+        return
+    finally:
+        run.close()
+
+
 async def apply_template(request: Request) -> Response:
     """llama-server's POST /apply-template: the prompt a chat body renders to."""
     st: ServerState = request.app.state.spark
@@ -94,6 +139,76 @@ async def apply_template(request: Request) -> Response:
         return Response(status_code=499)
     run.close()
     return JSONResponse({"prompt": run.prompt})
+
+
+def _engine(st: ServerState) -> Any:
+    """The loaded engine, for what reads only the vocabulary and the model (tokenize, /props)."""
+    w = st.worker
+    if w.fatal:
+        raise unavailable(f"the engine failed: {w.fatal}")
+    if not w.ready.is_set() or w.engine is None:
+        raise unavailable("Loading model")
+    return w.engine
+
+
+async def _body(request: Request, model: type[Any]) -> Any:
+    st: ServerState = request.app.state.spark
+    try:
+        return parse(model, await read_body(request, st.max_body))
+    except ClientGone:
+        raise HTTPException(499, "the client went away") from None
+
+
+async def tokenize(request: Request) -> Response:
+    """llama-server's POST /tokenize: ids, or {id, piece} with with_pieces (a piece that is not
+    UTF-8 as its bytes)."""
+    st: ServerState = request.app.state.spark
+    req = await _body(request, TokenizeRequest)
+    eng = _engine(st)
+    ids = eng.tokenize(req.content, add_special=req.add_special, parse_special=req.parse_special)
+    if not req.with_pieces:
+        return JSONResponse({"tokens": ids})
+    return JSONResponse({"tokens": [{"id": t, "piece": piece_json(eng.piece(t, special=True))} for t in ids]})
+
+
+async def detokenize(request: Request) -> Response:
+    st: ServerState = request.app.state.spark
+    req = await _body(request, DetokenizeRequest)
+    eng = _engine(st)
+    n_vocab = getattr(eng, "n_vocab", None)
+    bad = [t for t in req.tokens if n_vocab is not None and t >= n_vocab]
+    if bad:
+        raise ApiError(400, f"tokens: {bad[0]} is not in the vocabulary (0 to {n_vocab - 1})", param="tokens")
+    # NOTE: control tokens as their text, as llama-server's
+    text = b"".join(eng.piece(t, special=True) for t in req.tokens).decode("utf-8", errors="replace")
+    return JSONResponse({"content": text})
+
+
+async def props(request: Request) -> Response:
+    """llama-server's GET /props: the model, context, templates, build and default sampling, and
+    Spark's placement (the expert cache's layers and budget)."""
+    st: ServerState = request.app.state.spark
+    eng = _engine(st)
+    d = st.chat.defaults
+    plain, tools = eng.chat_template(False), eng.chat_template(True)
+    body: dict[str, Any] = {
+        "default_generation_settings": {"n_ctx": eng.n_ctx, "params": {
+            "temperature": d.temp, "seed": d.seed, "n_predict": d.n_predict, "max_tokens": d.n_predict,
+            **SAMPLING_DEFAULTS}},
+        "total_slots": 1,
+        "model_alias": st.model_name,
+        "model_path": st.model_path,
+        "chat_template": plain.source if plain is not None else "",
+        "bos_token": eng.piece(eng.bos_token, special=True).decode("utf-8", "replace") if eng.bos_token >= 0 else "",
+        "eos_token": eng.piece(eng.eos_token, special=True).decode("utf-8", "replace") if eng.eos_token >= 0 else "",
+        "build_info": st.chat.fingerprint,
+        "modalities": {"vision": False, "audio": False},
+        "is_sleeping": False,
+        "spark": {"placement": st.placement},
+    }
+    if tools is not None and tools is not plain:
+        body["chat_template_tool_use"] = tools.source
+    return JSONResponse(body)
 
 
 async def models(request: Request) -> Response:
@@ -141,6 +256,10 @@ def create_app(state: ServerState) -> Any:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/completions", completions, methods=["POST"]),
         Route("/apply-template", apply_template, methods=["POST"]),
+        Route("/completion", native_completion, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/props", props, methods=["GET"]),
         *ANTHROPIC_ROUTES,
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error,

@@ -2,7 +2,7 @@
 
 In: a validated `protocol.ChatRequest` (OpenAI-shaped: messages with assistant `tool_calls`
 and `role: "tool"`, `tools`, `tool_choice`, `response_format`, `reasoning_format`,
-`chat_template_kwargs`) or a `CompletionRequest`.
+`chat_template_kwargs`), a `CompletionRequest` or llama.cpp's `llama_api.NativeCompletionRequest`.
 
 1. `prepare(req, config) -> PreparedChat` checks what the template cannot (a schema the grammar
    converter cannot honour: ApiError 400) and decides the template inputs (tool_choice none:
@@ -18,8 +18,10 @@ and `role: "tool"`, `tools`, `tool_choice`, `response_format`, `reasoning_format
    .reasoning_content, .tool_calls, finish_reason `tool_calls` when it called; or
    `text_completion`) or `run.chunks()` yields the OpenAI chunks (the role chunk, deltas of
    content / reasoning_content / tool_calls (a call whole, with its index, once complete), the
-   finish chunk, and the usage chunk when asked). Both raise ApiError when the engine fails
-   meanwhile and `ClientGone` when the client left (the job is cancelled).
+   finish chunk, and the usage chunk when asked); `logprobs` ride on the chunks of the tokens
+   they belong to, `timings` on the body and the last chunk. `run.events()` is the raw stream
+   (text pieces, then Done) that llama.cpp's /completion renders. All raise ApiError when the
+   engine fails meanwhile and `ClientGone` when the client left (the job is cancelled).
 
 The OpenAI routes (app.py) and the Anthropic adapter (anthropic_routes.py) are two renderings
 of these; there is no other way to the engine.
@@ -28,6 +30,7 @@ of these; there is no other way to the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import threading
 import time
@@ -41,7 +44,7 @@ from ..core.chat_template import TemplateSet
 from ..core.tool_calls import HERMES, ToolFormat, format_for, param_types
 from ..native.grammar import GrammarError, json_schema_gbnf, tool_call_gbnf
 from ..runs.chat_session import Sampling
-from .protocol import FINISH, ApiError, ChatRequest, CompletionRequest, Envelope, Usage
+from .protocol import FINISH, ApiError, ChatRequest, Envelope, GenerationRequest, Timings, TokenLogprob, Usage
 from .worker import Done, Event, Failed, Job, Started, Text, Worker
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
@@ -71,16 +74,41 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 @dataclass(frozen=True)
+class Defaults:
+    """What a request that does not say gets: --temp, --seed (-1: random), --n-predict (-1: no limit)."""
+
+    temp: float = 0.8
+    seed: int = -1
+    n_predict: int = -1
+
+
+@dataclass(frozen=True)
 class ChatConfig:
-    """What a server knows before any request: the model's tool-call format, --reasoning-format."""
+    """What a server knows before any request: the model's tool-call format, --reasoning-format,
+    the request defaults and the build (system_fingerprint)."""
 
     fmt: ToolFormat = HERMES
     reasoning: str = "auto"
+    defaults: Defaults = Defaults()
+    fingerprint: str = field(default_factory=lambda: build_fingerprint())
 
     @classmethod
-    def for_model(cls, templates: TemplateSet, arch: str, reasoning: str = "auto") -> "ChatConfig":
+    def for_model(cls, templates: TemplateSet, arch: str, reasoning: str = "auto", **kw: Any) -> "ChatConfig":
         tmpl = templates.pick(with_tools=True)
-        return cls(format_for(tmpl.source if tmpl else "", arch), reasoning)
+        return cls(format_for(tmpl.source if tmpl else "", arch), reasoning, **kw)
+
+
+def build_fingerprint() -> str:
+    """Spark's version and the llama.cpp bindings it runs on (llama-server sends its build info)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .. import __version__
+
+    try:
+        bindings = version("llama_cpp_python")
+    except PackageNotFoundError:
+        bindings = "unknown"
+    return f"spark-{__version__}-llama-cpp-python-{bindings}"
 
 
 @dataclass(frozen=True)
@@ -93,11 +121,21 @@ class PreparedChat:
     parse_tools: bool
     reasoning: str
     types: dict[str, dict[str, str]] = field(default_factory=dict)
+    parallel: bool = True  # parallel_tool_calls: False keeps the first call only
+    prefill: bool = False  # the last message is the assistant's: continue it
 
     def parser(self, prompt: str) -> OutputParser:
         """A prompt that ends by opening <think> (Qwen3 thinking) starts the answer inside reasoning."""
         return OutputParser(self.fmt, self.parse_tools, self.reasoning, prompt.rstrip().endswith(THINK_OPEN),
-                            self.types)
+                            self.types, max_calls=None if self.parallel else 1)
+
+
+def own_grammar(req: GenerationRequest) -> str | None:
+    """llama-server's `json_schema` (over `grammar`): the GBNF a request asks for itself."""
+    try:
+        return json_schema_gbnf(req.json_schema) if req.json_schema is not None else req.grammar
+    except GrammarError as e:
+        raise ApiError(400, f"json_schema: {e.message}", param="json_schema") from None
 
 
 def prepare(req: ChatRequest, config: ChatConfig) -> PreparedChat:
@@ -111,9 +149,11 @@ def prepare(req: ChatRequest, config: ChatConfig) -> PreparedChat:
             grammar = json_schema_gbnf(req.response_format.schema())
     except GrammarError as e:
         raise ApiError(400, e.message, param=e.message.split(":", 1)[0]) from None
+    grammar = grammar or own_grammar(req)
     on = bool(tools) and choice != "none"
-    return PreparedChat(req.message_dicts(), tools if on else None, dict(req.chat_template_kwargs or {}), grammar,
-                        config.fmt, on, req.reasoning_format or config.reasoning, param_types(tools) if on else {})
+    return PreparedChat(req.message_dicts(), tools if on else None, req.template_kwargs(), grammar,
+                        config.fmt, on, req.reasoning_format or config.reasoning, param_types(tools) if on else {},
+                        req.parallel_tool_calls, req.prefill)
 
 
 # ---------------------------------------------------------------- the run
@@ -150,53 +190,101 @@ class Feed:
                 pass
 
 
-def _sampling(req: ChatRequest | CompletionRequest, grammar: str | None = None) -> Sampling:
-    seed = req.seed if req.seed is not None and req.seed >= 0 else secrets.randbelow(1 << 31)
-    return Sampling(temp=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed, n_predict=req.limit,
-                    grammar=grammar)
+# what each of `samplers`' codes turns off when it is left out (no temperature: the distribution as it is)
+SAMPLER_OFF: dict[str, dict[str, Any]] = {
+    "e": {"repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}, "k": {"top_k": 0},
+    "y": {"typical_p": 1.0}, "p": {"top_p": 1.0}, "m": {"min_p": 0.0}, "t": {"temp": 1.0},
+}
 
 
-def _delta_chunk(env: Envelope, d: ChatDelta) -> dict[str, Any]:
-    return env.delta(d.content, d.reasoning_content, d.tool_call.to_openai() if d.tool_call is not None else None)
+def sampling_for(req: GenerationRequest, defaults: Defaults, grammar: str | None = None) -> Sampling:
+    """The request's sampler settings, the server's defaults where it says nothing, and the
+    samplers `samplers` leaves out turned off."""
+    s = _sampling(req, defaults, grammar)
+    for code, off in SAMPLER_OFF.items():
+        if req.samplers is not None and code not in req.samplers:
+            s = dataclasses.replace(s, **off)
+    return s
+
+
+def _sampling(req: GenerationRequest, defaults: Defaults, grammar: str | None) -> Sampling:
+    seed = req.seed if req.seed is not None else defaults.seed
+    limit = req.asked_limit
+    return Sampling(temp=req.temperature if req.temperature is not None else defaults.temp, top_k=req.top_k,
+                    top_p=req.top_p, seed=seed if seed >= 0 else secrets.randbelow(1 << 31),
+                    n_predict=limit if limit is not None else defaults.n_predict, min_p=req.min_p,
+                    repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n, grammar=grammar,
+                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                    typical_p=req.typical_p, logit_bias=req.bias, n_probs=req.n_probs, ban_eog=req.ignore_eos)
+
+
+def _delta_chunk(env: Envelope, d: ChatDelta, probs: list[TokenLogprob] | None) -> dict[str, Any]:
+    return env.delta(d.content, d.reasoning_content, d.tool_call.to_openai() if d.tool_call is not None else None,
+                     probs)
 
 
 @dataclass
 class Run:
     """A started request. `prompt` is a chat's rendered prompt text; `parser` splits a chat's
-    output into content, reasoning and tool calls (None: a completion). Once done: `usage`,
-    `stop_word` (the stop sequence that ended it) and `finish_reason` (OpenAI's)."""
+    output into content, reasoning and tool calls (None: a completion); `with_probs`: logprobs
+    were asked for. Once done: `usage`, `timings`, `stop_word` (the stop sequence that ended it),
+    `finish_reason` (OpenAI's) and `probs` (every token's, with_probs)."""
 
     feed: Feed
     env: Envelope
     prompt_tokens: int
     prompt: str = ""
     parser: OutputParser | None = None
+    with_probs: bool = False
+    sampling: Sampling | None = None  # what it samples with
     usage: Usage | None = None
+    timings: Timings | None = None
     stop_word: str | None = None
+    finish: str = ""  # the engine's: eog | stop | length | context | interrupted
     finish_reason: str | None = None
+    probs: list[TokenLogprob] = field(default_factory=list)
 
-    async def _events(self) -> AsyncIterator[Text | Done]:
+    def _probs(self, got: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+        """A whole answer's logprobs: a list (maybe empty) when asked for, else None."""
+        return (got or []) if self.with_probs else None
+
+    def _chunk_probs(self, got: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+        """A chunk's: only when it completes tokens, as llama-server's."""
+        return got if self.with_probs and got else None
+
+    async def events(self) -> AsyncIterator[Text | Done]:
+        """The raw stream: Text pieces (with their tokens' probabilities), then Done."""
         while True:
             ev = await self.feed.next()
             if isinstance(ev, Failed):
                 raise ev.error
             if isinstance(ev, Done):
                 self.usage, self.stop_word, self.finish_reason = ev.usage, ev.stop_word, FINISH[ev.finish]
+                self.finish = ev.finish
+                self.timings = ev.timings
+            if isinstance(ev, Text):
+                self.probs += ev.probs or []
             if isinstance(ev, (Text, Done)):
                 yield ev
             if isinstance(ev, Done):
                 return
 
-    async def _deltas(self) -> AsyncIterator[ChatDelta | Done]:
-        """A chat's parsed deltas, then its Done (finish_reason `tool_calls` when it called)."""
+    async def _deltas(self) -> AsyncIterator[tuple[ChatDelta, list[TokenLogprob]] | Done]:
+        """A chat's parsed deltas, each with the probabilities of the tokens that made it (a
+        text the parser holds back passes its tokens on), then its Done (finish_reason
+        `tool_calls` when it called)."""
         assert self.parser is not None
-        async for ev in self._events():
+        owed: list[TokenLogprob] = []
+        async for ev in self.events():
             if isinstance(ev, Text):
+                owed += ev.probs or []
                 for d in self.parser.feed(ev.text):
-                    yield d
+                    yield d, owed
+                    owed = []
             else:
                 for d in self.parser.finish():
-                    yield d
+                    yield d, owed
+                    owed = []
                 if self.parser.result().tool_calls:
                     self.finish_reason = "tool_calls"
                 yield ev
@@ -204,45 +292,51 @@ class Run:
     async def result(self) -> dict[str, Any]:
         if self.parser is None:
             parts: list[str] = []
-            async for ev in self._events():
+            async for ev in self.events():
                 if isinstance(ev, Text):
                     parts.append(ev.text)
                 else:
-                    return self.env.full("".join(parts), self.finish_reason or "stop", ev.usage)
+                    return self.env.full("".join(parts), self.finish_reason or "stop", ev.usage,
+                                         self._probs(self.probs), self.timings)
             raise AssertionError("the job ended without Done")
         async for ev in self._deltas():
             if isinstance(ev, Done):
                 out = self.parser.result()
                 return self.env.message(out.content, out.reasoning_content, [c.to_openai() for c in out.tool_calls],
-                                        self.finish_reason or "stop", ev.usage)
+                                        self.finish_reason or "stop", ev.usage, self._probs(self.probs),
+                                        self.timings)
         raise AssertionError("the job ended without Done")
 
     async def chunks(self, include_usage: bool = False) -> AsyncIterator[dict[str, Any]]:
-        events = self._events() if self.parser is None else self._deltas()
+        """The stream; the last chunk (usage, else finish) carries `timings`, as llama-server's."""
+        events = self.events() if self.parser is None else self._deltas()
         if self.parser is not None:
-            yield self.env.chunk(text="", role=True)
+            yield self.env.role_chunk()
         async for ev in events:
             if isinstance(ev, Text):
-                yield self.env.chunk(text=ev.text)
-            elif isinstance(ev, ChatDelta):
-                yield _delta_chunk(self.env, ev)
+                yield self.env.chunk(text=ev.text, probs=self._chunk_probs(ev.probs))
+            elif isinstance(ev, tuple):
+                yield _delta_chunk(self.env, ev[0], self._chunk_probs(ev[1]))
             else:
-                yield self.env.chunk(finish=self.finish_reason)
+                yield self.env.chunk(finish=self.finish_reason, timings=None if include_usage else self.timings)
                 if include_usage:
-                    yield self.env.usage_chunk(ev.usage)
+                    yield self.env.usage_chunk(ev.usage, self.timings)
 
     def close(self) -> None:
         """Stop the job if it still runs (a no-op once it is done)."""
         self.feed.cancel.set()
 
 
-async def open_run(request: Request, req: ChatRequest | CompletionRequest, worker: Worker, model: str,
+async def open_run(request: Request, req: GenerationRequest, worker: Worker, model: str,
                    config: ChatConfig = ChatConfig(), count_only: bool = False) -> Run:
     """Queue `req` and wait for it to start; `count_only`: render and count the prompt, generate nothing."""
     prepared = prepare(req, config) if isinstance(req, ChatRequest) else None
+    grammar = prepared.grammar if prepared else own_grammar(req)
     feed = Feed(request)
-    job = Job(feed.emit, _sampling(req, prepared.grammar if prepared else None), chat=prepared,
-              text=None if prepared else req.prompt, stops=req.stops, cancel=feed.cancel, count_only=count_only)
+    sampling = sampling_for(req, config.defaults, grammar)
+    job = Job(feed.emit, sampling, chat=prepared,
+              text=None if prepared else req.prompt, stops=req.stops, cancel=feed.cancel, count_only=count_only,
+              cache_prompt=req.cache_prompt)
     worker.submit(job)
     try:
         first = await feed.next()
@@ -252,5 +346,5 @@ async def open_run(request: Request, req: ChatRequest | CompletionRequest, worke
     if isinstance(first, Failed):
         raise first.error
     assert isinstance(first, Started)
-    return Run(feed, Envelope(prepared is not None, req.model or model), first.prompt_tokens, first.prompt,
-               prepared.parser(first.prompt) if prepared else None)
+    return Run(feed, Envelope(prepared is not None, req.model or model, config.fingerprint), first.prompt_tokens,
+               first.prompt, prepared.parser(first.prompt) if prepared else None, req.n_probs is not None, sampling)

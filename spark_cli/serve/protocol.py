@@ -7,10 +7,11 @@ Pure: no web framework, no llama_cpp. Errors follow llama-server (and OpenAI's s
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -21,12 +22,15 @@ FINISH = {"eog": "stop", "stop": "stop", "length": "length", "context": "length"
 class ApiError(Exception):
     """An error answered as OpenAI-shaped JSON with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 extra: dict[str, Any] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+        self.extra = dict(extra or {})  # more fields of the error object (n_prompt_tokens, n_ctx)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.status, "param": self.param}}
+        return {"error": {"message": self.message, "type": self.type, "code": self.status, "param": self.param,
+                          **self.extra}}
 
 
 def unavailable(message: str) -> ApiError:
@@ -158,19 +162,131 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(_Strict):
-    model: str | None = None
+# Fields a client may send that spark serve does not implement, with the values that mean "off"
+# (those are accepted: they ask for nothing; n_keep -1 keeps the whole prompt, which a server
+# that never shifts the context does anyway). Any other value is a 400 naming the field. Fields
+# in neither this table nor the models are ignored, as llama-server ignores them (`user`,
+# `store`, `metadata`, ...).
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "mirostat": (0,), "dynatemp_range": (0, 0.0), "top_n_sigma": (-1, -1.0), "xtc_probability": (0, 0.0),
+    "dry_multiplier": (0, 0.0), "lora": ([],), "n_keep": (0, -1),
+    "min_keep": (0,), "n_indent": (0,), "n_cache_reuse": (0,), "post_sampling_probs": (False,),
+    "timings_per_token": (False,), "return_tokens": (False,), "response_fields": ([],), "t_max_predict_ms": (0,),
+    "id_slot": (-1, 0), "functions": (), "function_call": (), "audio": (), "prediction": (),
+    "web_search_options": (), "modalities": (["text"],),
+}
+MAX_LOGIT_BIAS = 1024  # entries at most
+
+# llama-server's `samplers`: names or its one-letter codes. Spark's chain has a fixed order; a
+# list in that order picks which run (the others are off); dry, top_n_sigma and xtc may be named
+# (they are off: their fields are refused above).
+SAMPLER_CODES = {"penalties": "e", "dry": "d", "top_n_sigma": "s", "top_k": "k", "top-k": "k", "typ_p": "y",
+                 "typical_p": "y", "typical-p": "y", "typical": "y", "top_p": "p", "top-p": "p", "nucleus": "p",
+                 "min_p": "m", "min-p": "m", "xtc": "x", "temperature": "t", "temp": "t"}
+SAMPLER_ORDER = "ekypmt"  # penalties, top_k, typ_p, top_p, min_p, temperature
+INERT_SAMPLERS = "dsx"
+
+
+def _sampler_codes(v: Union[str, list[str]]) -> str:
+    """The samplers asked for, as codes in Spark's order; ValueError when unknown or out of order."""
+    given = v if isinstance(v, list) else list(v)
+    codes = [SAMPLER_CODES.get(n.lower(), "?") if isinstance(v, list) else n for n in given]
+    unknown = [n for n, c in zip(given, codes) if c not in SAMPLER_ORDER + INERT_SAMPLERS]
+    if unknown:
+        raise ValueError(f"unknown sampler {unknown[0]!r} (names: {', '.join(sorted(SAMPLER_CODES))}; or "
+                         f"the letters {SAMPLER_ORDER + INERT_SAMPLERS})")
+    kept = "".join(c for c in codes if c not in INERT_SAMPLERS)
+    if len(set(kept)) != len(kept) or kept != "".join(c for c in SAMPLER_ORDER if c in kept):
+        raise ValueError("spark serve runs its samplers in one order: penalties, top_k, typ_p, top_p, min_p, "
+                         "temperature (leave any out to turn it off)")
+    return kept
+
+
+def _refuse_unsupported(data: Any, extra: dict[str, tuple[Any, ...]]) -> None:
+    if not isinstance(data, dict):
+        return
+    for name, neutral in {**UNSUPPORTED, **extra}.items():
+        v = data.get(name)
+        if v is not None and not any(v == n and isinstance(v, bool) == isinstance(n, bool) for n in neutral):
+            only = f" (only {json.dumps(neutral[0])}, which asks for nothing)" if neutral else ""
+            raise ApiError(400, f"{name}: not supported by spark serve{only}", param=name)
+
+
+def _bias_pairs(v: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} or llama-server's [[token id, bias], ...]; a bias of false bans the token."""
+    items = list(v.items()) if isinstance(v, dict) else v
+    if not isinstance(items, list) or len(items) > MAX_LOGIT_BIAS:
+        raise ValueError(f"must be an object of token id: bias (at most {MAX_LOGIT_BIAS})")
+    out = []
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ValueError("each entry is a token id and a bias")
+        tok, bias = item
+        if isinstance(tok, str) and tok.strip().lstrip("-").isdigit():
+            tok = int(tok)
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+            raise ValueError(f"{tok!r} is not a token id")
+        if bias is False:
+            out.append((tok, float("-inf")))
+            continue
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise ValueError(f"token {tok}: the bias must be a finite number, or false to ban the token")
+        out.append((tok, float(bias)))
+    return tuple(out)
+
+
+class GenerationRequest(_Strict):
+    """What chat and completion bodies share: OpenAI's fields and llama-server's sampling ones."""
+
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {}  # per endpoint, beside UNSUPPORTED
+
+    model: str | None = None  # NOTE: one model is served; the name is echoed back, as llama-server does
     max_tokens: int | None = Field(None, ge=1, le=(1 << 31) - 1)
-    temperature: float = Field(0.8, ge=0.0, le=2.0)
+    n_predict: int | None = Field(None, ge=-1, le=(1 << 31) - 1)  # llama-server's: over max_tokens
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: the server's --temp
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     top_k: int = Field(40, ge=0, le=(1 << 31) - 1)
-    seed: int | None = Field(None, ge=-1, le=(1 << 32) - 1)  # -1: random, as llama-server
+    min_p: float = Field(0.05, ge=0.0, le=1.0)
+    typical_p: float = Field(1.0, gt=0.0, le=1.0)
+    repeat_penalty: float = Field(1.0, ge=0.0, le=10.0)
+    repeat_last_n: int = Field(64, ge=-1, le=(1 << 31) - 1)  # -1: the whole context
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: Union[dict, list, None] = None
+    seed: int | None = Field(None, ge=-1, le=(1 << 32) - 1)  # -1: random, as llama-server; None: --seed
     stop: Union[str, list[str], None] = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)  # NOTE: not implemented: only 0 is accepted
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    cache_prompt: bool = True  # False: evaluate the whole prompt, reuse nothing from the KV cache
+    ignore_eos: bool = False  # never sample an end-of-generation token (llama-server's: they get -inf)
+    samplers: Union[str, list[str], None] = None  # llama-server's: which samplers run (SAMPLER_ORDER)
+    grammar: str | None = Field(None, min_length=1)  # llama-server's: GBNF the output must match
+    json_schema: dict | None = None  # llama-server's: JSON the output must match
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        _refuse_unsupported(data, cls.REFUSED)
+        return data
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"only one completion per request (spark serve has one slot), got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: Union[dict, list, None]) -> Union[dict, list, None]:
+        _bias_pairs(v)
+        return v
+
+    @field_validator("samplers")
+    @classmethod
+    def _samplers(cls, v: Union[str, list[str], None]) -> str | None:
+        return None if v is None else _sampler_codes(v)
 
     @field_validator("stop")
     @classmethod
@@ -187,15 +303,28 @@ class _Common(_Strict):
         return list(self.stop or [])
 
     @property
-    def limit(self) -> int:
-        return self.max_tokens if self.max_tokens is not None else -1
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        return _bias_pairs(self.logit_bias) if self.logit_bias is not None else ()
+
+    def _asked_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def asked_limit(self) -> int | None:
+        """Tokens at most that the request asks for (n_predict over max_tokens); None: the server's."""
+        return self.n_predict if self.n_predict is not None else self._asked_limit()
+
+    @property
+    def n_probs(self) -> int | None:
+        """Top tokens to report with each token's probability; None: no probabilities."""
+        return None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatRequest(_Common):
+class ChatRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=(1 << 31) - 1)
     tools: list[Tool] | None = None
@@ -204,6 +333,45 @@ class ChatRequest(_Common):
     response_format: ResponseFormat | None = None
     reasoning_format: str | None = None
     chat_template_kwargs: dict | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    reasoning_effort: str | None = Field(None, min_length=1)  # a template kwarg; "none": no thinking
+
+    @model_validator(mode="after")
+    def _shape(self) -> "ChatRequest":
+        # NOTE: llama-server's refusals, in its words
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs to be set to true", param="top_logprobs")
+        if self.logprobs and self.stream and self.tools:
+            raise ApiError(400, "logprobs is not supported with tools + stream", param="logprobs")
+        if [m.role for m in self.messages][-2:] == ["assistant", "assistant"]:
+            raise ApiError(400, "Cannot have 2 or more assistant messages at the end of the list.", param="messages")
+        if self.prefill and self.messages[-1].tool_calls:
+            raise ApiError(400, "Cannot continue an assistant message that contains tool calls.", param="messages")
+        if self.tools and self.choice != "none" and (self.grammar is not None or self.json_schema is not None):
+            raise ApiError(400, "Cannot use custom grammar constraints with tools.", param="grammar")
+        return self
+
+    @property
+    def prefill(self) -> bool:
+        """A last assistant message is continued (llama-server's prefill), not answered."""
+        return self.messages[-1].role == "assistant"
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, with reasoning_effort as llama-server passes it ("none": enable_thinking off)."""
+        kw = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort == "none":
+            kw["enable_thinking"] = False
+            kw.pop("reasoning_effort", None)
+        elif self.reasoning_effort is not None:
+            kw["reasoning_effort"] = self.reasoning_effort
+        return kw
+
+    @property
+    def n_probs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs if self.top_logprobs is not None else 20  # llama-server's default
 
     @field_validator("reasoning_format")
     @classmethod
@@ -241,18 +409,22 @@ class ChatRequest(_Common):
     def tool_dicts(self) -> list[dict[str, Any]]:
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
-    @property
-    def limit(self) -> int:
-        n = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return n if n is not None else -1
+    def _asked_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(GenerationRequest):
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {"echo": (False,), "best_of": (1,), "suffix": ()}
+
     prompt: Union[str, list[str]]
-    max_tokens: int | None = Field(16, ge=1, le=(1 << 31) - 1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=20)  # the top tokens to report with each token's
+
+    @property
+    def n_probs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -264,6 +436,40 @@ class CompletionRequest(_Common):
         if not v:
             raise ValueError("the prompt is empty")
         return v
+
+
+class TokenizeRequest(_Strict):
+    """llama-server's POST /tokenize (its defaults: no BOS, special tokens parsed)."""
+
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    tokens: list[int] = Field(default_factory=list)
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("token ids are >= 0")
+        return v
+
+
+def piece_json(piece: bytes) -> str | list[int]:
+    """A token's text, or its bytes when they are not UTF-8 on their own (llama-server's /tokenize)."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)
+
+
+# the request fields' defaults that /props reports (temperature, seed, n_predict: the server's)
+SAMPLING_DEFAULTS = {name: GenerationRequest.model_fields[name].default for name in (
+    "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+    "frequency_penalty")}
 
 
 def _is_type_tag(part: object) -> bool:
@@ -343,12 +549,69 @@ class Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
+LOWEST_LOGPROB = -3.4028234663852886e38  # for a probability of 0 (JSON has no -inf): llama-server's
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability, as llama-server writes it: id, text, bytes, logprob, and the
+    most probable tokens of the same distribution (`top`, those of a sampled token only)."""
+
+    id: int
+    piece: bytes
+    prob: float
+    top: tuple["TokenLogprob", ...] = ()
+
+    @property
+    def logprob(self) -> float:
+        return math.log(self.prob) if self.prob > 0 else LOWEST_LOGPROB
+
+    def _base(self) -> dict[str, Any]:
+        # NOTE: a piece that ends inside a UTF-8 character (byte tokens) shows the complete part; bytes has all
+        return {"id": self.id, "token": self.piece.decode("utf-8", errors="ignore"), "bytes": list(self.piece),
+                "logprob": self.logprob}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self._base(), "top_logprobs": [t._base() for t in self.top]}
+
+
+def logprobs_body(probs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """A choice's `logprobs`: null unless asked for."""
+    return None if probs is None else {"content": [p.to_dict() for p in probs]}
+
+
+@dataclass(frozen=True)
+class Timings:
+    """llama-server's `timings` of one response (the KV-reused prompt tokens are cache_n)."""
+
+    cache_n: int = 0
+    prompt_n: int = 0
+    prompt_seconds: float = 0.0
+    predicted_n: int = 0
+    predicted_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        def per_token_ms(n: int, s: float) -> float:
+            return s * 1e3 / n if n else 0.0
+
+        def per_second(n: int, s: float) -> float:
+            return n / s if s > 0 else 0.0
+
+        p, ps, g, gs = self.prompt_n, self.prompt_seconds, self.predicted_n, self.predicted_seconds
+        return {"cache_n": self.cache_n, "prompt_n": p, "prompt_ms": ps * 1e3,
+                "prompt_per_token_ms": per_token_ms(p, ps), "prompt_per_second": per_second(p, ps),
+                "predicted_n": g, "predicted_ms": gs * 1e3, "predicted_per_token_ms": per_token_ms(g, gs),
+                "predicted_per_second": per_second(g, gs)}
+
+
 @dataclass
 class Envelope:
-    """What every body and chunk of one response shares."""
+    """What every body and chunk of one response shares; `fingerprint` is the build
+    (system_fingerprint, as llama-server sends its build info)."""
 
     chat: bool
     model: str
+    fingerprint: str = ""
     id: str = ""
     created: int = 0
 
@@ -357,25 +620,29 @@ class Envelope:
         self.created = self.created or int(time.time())
 
     def _base(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
 
-    def full(self, text: str, finish: str, usage: Usage) -> dict[str, Any]:
+    def full(self, text: str, finish: str, usage: Usage, probs: list[TokenLogprob] | None = None,
+             timings: Timings | None = None) -> dict[str, Any]:
         """A whole completion (a chat's is `message`)."""
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        return {**self._base("text_completion"), "choices": [choice], "usage": usage.to_dict()}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs_body(probs)}
+        return _timed({**self._base("text_completion"), "choices": [choice], "usage": usage.to_dict()}, timings)
 
     def message(self, content: str, reasoning: str, tool_calls: list[dict[str, Any]], finish: str,
-                usage: Usage) -> dict[str, Any]:
+                usage: Usage, probs: list[TokenLogprob] | None = None,
+                timings: Timings | None = None) -> dict[str, Any]:
         """A whole chat answer: content (null when only calls), reasoning_content, tool_calls."""
         msg: dict[str, Any] = {"role": "assistant", "content": content if content or not tool_calls else None}
         if reasoning:
             msg["reasoning_content"] = reasoning
         if tool_calls:
             msg["tool_calls"] = tool_calls
-        choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}
-        return {**self._base("chat.completion"), "choices": [choice], "usage": usage.to_dict()}
+        choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": logprobs_body(probs)}
+        return _timed({**self._base("chat.completion"), "choices": [choice], "usage": usage.to_dict()}, timings)
 
-    def delta(self, content: str = "", reasoning: str = "", tool_call: dict[str, Any] | None = None) -> dict[str, Any]:
+    def delta(self, content: str = "", reasoning: str = "", tool_call: dict[str, Any] | None = None,
+              probs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         """One chat stream chunk of content, reasoning_content or a tool_calls fragment."""
         delta: dict[str, Any] = {}
         if content:
@@ -384,22 +651,34 @@ class Envelope:
             delta["reasoning_content"] = reasoning
         if tool_call is not None:
             delta["tool_calls"] = [tool_call]
-        choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}
+        choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": logprobs_body(probs)}
         return {**self._base("chat.completion.chunk"), "choices": [choice], "usage": None}
 
-    def chunk(self, text: str | None = None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {**self._base("chat.completion.chunk"), "choices": [choice], "usage": None}
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        return {**self._base("text_completion"), "choices": [choice], "usage": None}
+    def role_chunk(self) -> dict[str, Any]:
+        """A chat stream's first chunk, as llama-server sends it: the role, content null."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None,
+                  "logprobs": None}
+        return {**self._base("chat.completion.chunk"), "choices": [choice], "usage": None}
 
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+    def chunk(self, text: str | None = None, finish: str | None = None, probs: list[TokenLogprob] | None = None,
+              timings: Timings | None = None) -> dict[str, Any]:
+        """A completion's text chunk, or either stream's finish chunk."""
+        if self.chat:
+            delta: dict[str, Any] = {} if text is None else {"content": text}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs_body(probs)}
+            return _timed({**self._base("chat.completion.chunk"), "choices": [choice], "usage": None}, timings)
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs_body(probs)}
+        return _timed({**self._base("text_completion"), "choices": [choice], "usage": None}, timings)
+
+    def usage_chunk(self, usage: Usage, timings: Timings | None = None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": usage.to_dict()}
+        return _timed({**self._base(obj), "choices": [], "usage": usage.to_dict()}, timings)
+
+
+def _timed(body: dict[str, Any], timings: Timings | None) -> dict[str, Any]:
+    if timings is not None:
+        body["timings"] = timings.to_dict()
+    return body
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

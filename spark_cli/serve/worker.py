@@ -13,11 +13,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..native.generate import TokenProbs
 from ..runs.chat_session import Sampling
 from ..errors import SparkError
 from .generation import ContextError, RequestSession
 from .learn import Learner
-from .protocol import ApiError, Usage, unavailable
+from .protocol import ApiError, Timings, TokenLogprob, Usage, unavailable
 from .stats import ServerStats
 
 if TYPE_CHECKING:
@@ -27,12 +28,14 @@ if TYPE_CHECKING:
 @dataclass
 class Started:
     prompt_tokens: int
-    prompt: str = ""  # a chat's rendered prompt text
+    prompt: str = ""  # the prompt's text (a chat's as rendered)
 
 
 @dataclass
 class Text:
     text: str
+    probs: list[TokenLogprob] | None = None  # of the tokens this text completes (asked for: n_probs)
+    n_generated: int = 0  # tokens generated so far
 
 
 @dataclass
@@ -40,6 +43,7 @@ class Done:
     finish: str  # eog | stop | length | context | interrupted
     usage: Usage
     stop_word: str | None = None  # the stop string that ended it (finish "stop")
+    timings: Timings | None = None
 
 
 @dataclass
@@ -59,11 +63,41 @@ class Job:
     emit: Callable[[Event], None]
     sampling: Sampling
     chat: PreparedChat | None = None
-    text: str | None = None
+    text: str | list[int | str] | None = None  # a completion's prompt: text, or token ids and texts
     stops: list[str] = field(default_factory=list)
     count_only: bool = False
+    cache_prompt: bool = True  # False: reuse nothing from the KV cache
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+
+
+def _bad_bias(sampling: Sampling, n_vocab: int | None) -> str | None:
+    """Why a logit bias cannot apply (a token past the vocabulary), or None."""
+    for tok, _ in sampling.logit_bias:
+        if n_vocab is not None and tok >= n_vocab:
+            return f"logit_bias: token {tok} is not in the vocabulary (0 to {n_vocab - 1})"
+    return None
+
+
+class _ProbsFeed:
+    """Token probabilities as they come (engine thread), handed out with the text that follows
+    them: a token whose text a stop string cut never gets handed out (llama-server drops those too)."""
+
+    def __init__(self, engine, wanted: bool):
+        self.engine, self.wanted = engine, wanted
+        self.pending: list[TokenLogprob] = []
+
+    def _entry(self, token: int, prob: float, top: tuple[TokenLogprob, ...] = ()) -> TokenLogprob:
+        return TokenLogprob(token, self.engine.piece(token, special=True), prob, top)
+
+    def add(self, p: TokenProbs) -> None:
+        self.pending.append(self._entry(p.token, p.prob, tuple(self._entry(t, q) for t, q in p.top)))
+
+    def take(self) -> list[TokenLogprob] | None:
+        if not self.wanted:
+            return None
+        out, self.pending = self.pending, []
+        return out
 
 
 class Worker:
@@ -150,22 +184,26 @@ class Worker:
 
     def _serve(self, job: Job) -> None:
         eng = self.engine
-        sess = RequestSession(eng, job.sampling, self._kv, self.cached_layers)
         chat = job.chat
+        bad = _bad_bias(job.sampling, getattr(eng, "n_vocab", None))
+        if bad:
+            job.emit(Failed(ApiError(400, bad, param="logit_bias")))
+            return
+        sess = RequestSession(eng, job.sampling, self._kv if job.cache_prompt else [], self.cached_layers)
         try:
             try:
                 if chat is not None:
-                    prompt = sess.set_chat(chat.messages, chat.tools, chat.extras)
+                    prompt = sess.set_chat(chat.messages, chat.tools, chat.extras, prefill=chat.prefill)
                 else:
-                    prompt = ""
-                    sess.set_text(job.text or "")
+                    prompt = sess.set_text(job.text or "")
                 if job.count_only:
                     job.emit(Started(sess.prompt_tokens, prompt))
                     job.emit(Done("length", Usage(sess.prompt_tokens)))
                     return
                 sess.check_fits("")
             except ContextError as e:
-                job.emit(Failed(ApiError(400, e.message, "exceed_context_size_error")))
+                job.emit(Failed(ApiError(400, e.message, "exceed_context_size_error",
+                                         extra={"n_prompt_tokens": e.n_prompt, "n_ctx": e.n_ctx})))
                 return
             except SparkError as e:
                 job.emit(Failed(ApiError(400, e.one_line())))
@@ -174,8 +212,10 @@ class Worker:
             job.emit(Started(n_prompt, prompt))
             self.stats.set_processing(1)
             self._session = sess
-            ans = sess.run(lambda piece: job.emit(Text(piece)), lambda: job.cancel.is_set() or bool(self.fatal),
-                           stops=job.stops, special=chat is not None and chat.fmt.special)
+            probs = _ProbsFeed(eng, job.sampling.n_probs is not None)
+            ans = sess.run(lambda piece: job.emit(Text(piece, probs.take(), sess.n_generated)),
+                           lambda: job.cancel.is_set() or bool(self.fatal), stops=job.stops,
+                           special=chat is not None and chat.fmt.special, on_probs=probs.add)
         finally:
             self._session = None
             self.stats.set_processing(0)
@@ -191,7 +231,8 @@ class Worker:
             job.emit(Failed(unavailable(msg)))
             self._die(ans.error, 1)
             return
-        job.emit(Done(fig.stop, usage, ans.stop_word))
+        job.emit(Done(fig.stop, usage, ans.stop_word, Timings(fig.reused_tokens, fig.prompt_tokens, fig.prompt_seconds,
+                                                          fig.generated_tokens, fig.gen_seconds)))
 
     def _refuse_queued(self, err: ApiError) -> None:
         while True:

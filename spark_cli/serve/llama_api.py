@@ -1,0 +1,76 @@
+"""llama.cpp's own completion API, `POST /completion`: the request and its bodies. Pure: no web
+framework, no llama_cpp; the route (app.py) runs it through the one boundary (chat.open_run).
+
+In: `prompt` as text, token ids or a list of both; `n_predict`, `stream`, `cache_prompt`,
+`n_probs` and the sampling fields the OpenAI endpoints take. Out: llama-server's bodies:
+`content`, `tokens_predicted`, `tokens_evaluated`, `stop_type` (eos | word | limit | none),
+`stopping_word`, `generation_settings`, `timings`, `completion_probabilities` (n_probs > 0).
+Streamed: one `{"content", "stop": false, ...}` event per piece, then the final body with
+`stop: true` and empty content; no `[DONE]`, as llama-server's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any, Union
+
+from pydantic import Field, field_validator
+
+from ..runs.chat_session import Sampling
+from .protocol import GenerationRequest, Timings, TokenLogprob, Usage
+
+STOP_TYPE = {"eog": "eos", "stop": "word", "length": "limit", "context": "limit", "interrupted": "none"}
+
+
+class NativeCompletionRequest(GenerationRequest):
+    prompt: Union[str, list[Union[int, str]]]
+    probs_n: int = Field(0, ge=0, le=100, alias="n_probs")  # >0: each token's probability and the top n
+
+    @field_validator("prompt")
+    @classmethod
+    def _some(cls, v: Union[str, list[Union[int, str]]]) -> Union[str, list[Union[int, str]]]:
+        if not v or (isinstance(v, list) and all(isinstance(p, str) and not p for p in v)):
+            raise ValueError("the prompt is empty")
+        if isinstance(v, list) and any(isinstance(p, int) and p < 0 for p in v):
+            raise ValueError("token ids are >= 0")
+        return v
+
+    @property
+    def n_probs(self) -> int | None:
+        return self.probs_n or None
+
+
+def settings(s: Sampling, req: NativeCompletionRequest) -> dict[str, Any]:
+    """`generation_settings`: what this request sampled with (the server's defaults filled in)."""
+    d = asdict(s)
+    bias = d.pop("logit_bias")
+    return {**{k: v for k, v in d.items() if k not in ("temp", "n_probs")}, "temperature": s.temp,
+            "max_tokens": s.n_predict,
+            # NOTE: a banned token's -inf is null, as llama-server's JSON writes it
+            "logit_bias": [{"token": t, "bias": b if math.isfinite(b) else None} for t, b in bias],
+            "n_probs": req.probs_n, "stop": req.stops, "stream": req.stream, "cache_prompt": req.cache_prompt}
+
+
+def piece_event(text: str, n_prompt: int, n_predicted: int, probs: list[TokenLogprob] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": 0,
+                            "tokens_predicted": n_predicted, "tokens_evaluated": n_prompt}
+    if probs:
+        body["completion_probabilities"] = [p.to_dict() for p in probs]
+    return body
+
+
+def final_body(content: str, model: str, prompt: str, finish: str, stop_word: str | None, usage: Usage,
+               timings: Timings | None, generation: dict[str, Any],
+               probs: list[TokenLogprob] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "index": 0, "content": content, "tokens": [], "id_slot": 0, "stop": True, "model": model,
+        "tokens_predicted": usage.completion_tokens, "tokens_evaluated": usage.prompt_tokens,
+        "generation_settings": generation, "prompt": prompt, "has_new_line": "\n" in content, "truncated": False,
+        "stop_type": STOP_TYPE[finish], "stopping_word": stop_word or "",
+        "tokens_cached": usage.prompt_tokens + usage.completion_tokens,
+        "timings": (timings or Timings()).to_dict(),
+    }
+    if probs:
+        body["completion_probabilities"] = [p.to_dict() for p in probs]
+    return body

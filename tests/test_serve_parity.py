@@ -1,0 +1,421 @@
+"""`spark serve` where llama-server was (issue 24): every sampling field has its effect, logprobs
+in llama-server's shape, the fields Spark does not implement refused by name, system_fingerprint,
+the role chunk, timings, the context error's counts, llama.cpp's /tokenize, /detokenize and
+/props, X-Api-Key, and the server's --alias, -n, --temp and --seed defaults. The app-level cases
+run on a fake engine (fast tier); the rest on the real server process (model tier)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_chat import _FakeEngine
+from test_serve import COUNTING, KEY, N_CTX, _start, _stop, model, rpc  # noqa: F401 - fixtures
+
+from spark_cli.native.generate import TokenProbs
+from spark_cli.serve.app import ServerState, create_app
+from spark_cli.serve.learn import Learner
+from spark_cli.serve.protocol import Timings
+from spark_cli.serve.stats import ServerStats
+from spark_cli.serve.worker import Worker
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+ALIAS = "spark-demo"
+DEFAULT_N = 5  # the server's -n: what a request without max_tokens gets
+DEFAULT_SEED = 7
+HELLO = [{"role": "user", "content": "What is the capital of Japan?"}]
+STORY = "Once upon a time"  # a greedy story that each penalty changes within 12 tokens
+
+
+# ---------------------------------------------------------------- without a model
+
+
+def test_token_probs_are_the_softmax_of_the_logits():
+    logits = np.array([1.0, 3.0, 2.0, -1.0], dtype=np.float32)
+    p = TokenProbs.of(logits, token=2, n=2)
+    soft = np.exp(logits - 3.0) / np.exp(logits - 3.0).sum()
+    assert p.token == 2 and p.prob == pytest.approx(soft[2])
+    assert [t for t, _ in p.top] == [1, 2] and [q for _, q in p.top] == pytest.approx([soft[1], soft[2]])
+    assert TokenProbs.of(logits, token=0, n=0).top == ()
+
+
+@pytest.mark.parametrize("parallel,names", [(True, ["f", "g"]), (False, ["f"])])
+def test_parallel_tool_calls_false_keeps_the_first_call(parallel, names):
+    from spark_cli.serve.chat import ChatConfig, prepare
+    from spark_cli.serve.protocol import ChatRequest, parse
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in "fg"]
+    req = parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                         "parallel_tool_calls": parallel}).encode())
+    parser = prepare(req, ChatConfig()).parser("")
+    two = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    deltas = parser.feed(two) + parser.finish()
+    assert [c.name for c in parser.result().tool_calls] == names
+    assert {d.tool_call.index for d in deltas if d.tool_call is not None} == set(range(len(names)))
+
+
+def test_timings_are_llama_servers():
+    t = Timings(cache_n=3, prompt_n=10, prompt_seconds=0.5, predicted_n=4, predicted_seconds=2.0).to_dict()
+    assert t == {"cache_n": 3, "prompt_n": 10, "prompt_ms": 500.0, "prompt_per_token_ms": 50.0,
+                 "prompt_per_second": 20.0, "predicted_n": 4, "predicted_ms": 2000.0,
+                 "predicted_per_token_ms": 500.0, "predicted_per_second": 2.0}
+
+
+class _Engine(_FakeEngine):
+    n_vocab = 100
+
+    def bank_bytes(self) -> int:
+        return 0
+
+    def piece(self, t, special=False):
+        return super().piece(t)
+
+    def detokenize(self, tokens) -> str:
+        return "".join(self.piece(t).decode() for t in tokens)
+
+
+@contextlib.contextmanager
+def _client(**state):
+    from starlette.testclient import TestClient
+
+    stats = ServerStats()
+    worker = Worker(lambda: _Engine(n_ctx=64), set(), stats, Learner(Path("none.gguf"), None, enabled=False),
+                    max_queue=2)
+    worker.start()
+    try:
+        assert worker.ready.wait(30)
+        with TestClient(create_app(ServerState(worker, stats, "fake.gguf", **state)),
+                        base_url="http://127.0.0.1:8080", raise_server_exceptions=False) as tc:
+            yield tc
+    finally:
+        worker.shutdown(1)
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi there"}], "temperature": 0}
+
+
+@pytest.mark.parametrize("extra,where", [
+    ({"mirostat": 2}, "mirostat"),
+    ({"dry_multiplier": 0.8}, "dry_multiplier"),
+    ({"xtc_probability": 0.5}, "xtc_probability"),
+    ({"top_n_sigma": 1.0}, "top_n_sigma"),
+    ({"samplers": ["top_k", "temperature", "top_p"]}, "samplers"),  # not Spark's order
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"n": 3}, "n"),
+    ({"logit_bias": {"100": 5}}, "logit_bias"),  # past the vocabulary (checked by the engine thread)
+])
+def test_unimplemented_fields_are_refused_by_name(extra, where):
+    with _client() as tc:
+        r = tc.post("/v1/chat/completions", json={**CHAT, **extra})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == where and err["message"].startswith(where + ":")
+        assert err["type"] == "invalid_request_error"
+        # the values that ask for nothing are accepted, and fields outside the table are ignored as llama-server does
+        ok = tc.post("/v1/chat/completions", json={**CHAT, "mirostat": 0, "ignore_eos": False, "user": "u",
+                                                   "store": False, "metadata": {"a": "b"}})
+        assert ok.status_code == 200, ok.text
+
+
+def test_completions_refuse_echo_suffix_and_best_of():
+    with _client() as tc:
+        for extra in ({"echo": True}, {"suffix": "x"}, {"best_of": 2}):
+            r = tc.post("/v1/completions", json={"prompt": "hi", **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text
+        assert tc.post("/v1/completions", json={"prompt": "hi", "echo": False, "best_of": 1}).status_code == 200
+
+
+def test_x_api_key_beside_bearer():
+    with _client(api_key=KEY) as tc:
+        assert tc.post("/v1/chat/completions", json=CHAT, headers={"X-Api-Key": KEY}).status_code == 200
+        assert tc.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        r = tc.post("/v1/chat/completions", json=CHAT, headers={"X-Api-Key": "wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert tc.post("/tokenize", json={"content": "hi"}).status_code == 401
+
+
+def test_fake_answer_shapes():
+    """system_fingerprint, the role chunk as llama-server sends it, timings on the last chunk."""
+    with _client() as tc:
+        r = tc.post("/v1/chat/completions", json=CHAT).json()
+        assert r["system_fingerprint"].startswith("spark-") and r["timings"]["predicted_n"] == 3
+        assert r["choices"][0]["logprobs"] is None
+        with tc.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+        assert all(e["system_fingerprint"] == r["system_fingerprint"] for e in events)
+        assert [("timings" in e) for e in events] == [False] * (len(events) - 1) + [True]
+        assert events[-1]["choices"][0]["finish_reason"] == "stop" and events[-1]["timings"]["predicted_n"] == 3
+
+
+def test_context_overflow_carries_the_counts():
+    with _client() as tc:
+        r = tc.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w " * 80}]})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["type"] == "exceed_context_size_error"
+        assert err["n_ctx"] == 64 and err["n_prompt_tokens"] > 64
+
+
+def test_tokenize_and_detokenize_on_the_fake():
+    with _client() as tc:
+        ids = tc.post("/tokenize", json={"content": "hello there"}).json()["tokens"]
+        pieces = tc.post("/tokenize", json={"content": "hello there", "with_pieces": True}).json()["tokens"]
+        assert [p["id"] for p in pieces] == ids and [p["piece"] for p in pieces] == ["hello ", "there "]
+        assert tc.post("/detokenize", json={"tokens": ids}).json() == {"content": "hello there "}
+        for path, bad in (("/tokenize", {"content": 5}), ("/detokenize", {"tokens": [-1]}),
+                          ("/detokenize", {"tokens": [100]})):
+            r = tc.post(path, json=bad)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (path, r.text)
+
+
+def test_a_last_assistant_message_is_continued():
+    """llama-server's prefill: the prompt ends inside the assistant's message, which the answer continues."""
+    with _client() as tc:
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "well, so"}]
+        prompt = tc.post("/apply-template", json={"messages": msgs}).json()["prompt"]
+        assert prompt == "<user> hi <assistant> well, so"
+        fresh = tc.post("/apply-template", json={"messages": msgs[:1]}).json()["prompt"]
+        assert fresh == "<user> hi <assistant>"
+        called = [{**msgs[1], "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{}"}}]}]
+        r = tc.post("/v1/chat/completions", json={"messages": msgs[:1] + called})
+        assert r.status_code == 400 and "Cannot continue an assistant message that contains tool calls" in r.text
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        r = tc.post("/v1/chat/completions", json={"messages": msgs[:1], "tools": tools, "grammar": "root ::= \"a\""})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "Cannot use custom grammar constraints with tools."
+
+
+def test_reasoning_effort_reaches_the_template():
+    from spark_cli.serve.protocol import ChatRequest, parse
+
+    def kwargs(**extra):
+        return parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "x"}], **extra}).encode()
+                     ).template_kwargs()
+
+    assert kwargs(reasoning_effort="high") == {"reasoning_effort": "high"}
+    assert kwargs(reasoning_effort="none", chat_template_kwargs={"reasoning_effort": "low"}) == {
+        "enable_thinking": False}
+    assert kwargs(chat_template_kwargs={"enable_thinking": True}) == {"enable_thinking": True}
+
+
+def test_native_completion_shapes():
+    """llama.cpp's POST /completion: its final body, its stream (no [DONE]), token-id prompts."""
+    with _client() as tc:
+        r = tc.post("/completion", json={"prompt": "hello there", "temperature": 0})
+        body = r.json()
+        assert r.status_code == 200 and body["content"] == "yes of course " and body["stop"] is True
+        assert (body["tokens_predicted"], body["tokens_evaluated"], body["stop_type"]) == (3, 2, "eos")
+        assert body["prompt"] == "hello there" and body["timings"]["predicted_n"] == 3
+        assert body["generation_settings"]["temperature"] == 0 and "completion_probabilities" not in body
+        limited = tc.post("/completion", json={"prompt": "a b", "n_predict": 2, "logit_bias": [[5, False]]}).json()
+        assert limited["stop_type"] == "limit" and limited["generation_settings"]["logit_bias"] == [
+            {"token": 5, "bias": None}]
+        ids = tc.post("/completion", json={"prompt": [1, 2, "again"]}).json()
+        assert ids["tokens_evaluated"] == 3 and ids["prompt"].split() == ["hello", "there", "again"]
+        with tc.stream("POST", "/completion", json={"prompt": "hello", "stream": True}) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+        events = [json.loads(line[6:]) for line in lines]
+        assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True] and len(events) > 2
+        assert "".join(e["content"] for e in events) == "yes of course " and events[-1]["content"] == ""
+        assert [e["tokens_predicted"] for e in events[:-1]] == list(range(1, len(events)))
+        for bad, where in (({"prompt": ""}, "prompt"), ({"prompt": [100]}, "prompt: token 100"),
+                           ({"prompt": "x", "n_probs": -1}, "n_probs")):
+            r = tc.post("/completion", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(where), r.text
+
+
+# ---------------------------------------------------------------- the real server
+
+
+@pytest.fixture(scope="module")
+def server(model, rpc):  # noqa: F811 - test_serve's fixtures
+    srv = _start(model, rpc, model.parent, "--api-key", KEY, "--learn-every", "0", "--alias", ALIAS,
+                 "-n", str(DEFAULT_N), "--temp", "0", "--seed", str(DEFAULT_SEED))
+    yield srv
+    _stop(srv)
+
+
+def _complete(server, **body) -> dict:
+    with server.http() as h:
+        r = h.post("/v1/completions", json={"prompt": COUNTING, "temperature": 0, "max_tokens": 8, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _text(server, **body) -> str:
+    return _complete(server, **body)["choices"][0]["text"]
+
+
+@pytest.mark.model
+def test_chat_logprobs(server):
+    c = server.client()
+    r = c.chat.completions.create(model="x", messages=HELLO, temperature=0, max_tokens=6, logprobs=True,
+                                  top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        tops = [x.logprob for x in t.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and all(x <= 0 for x in tops)
+        assert sum(math.exp(x) for x in tops) <= 1 + 1e-6
+        assert t.logprob == pytest.approx(tops[0]) and t.token == t.top_logprobs[0].token  # greedy: the likeliest
+        assert bytes(t.bytes) == t.token.encode()
+    # streamed: each chunk carries the tokens it completes, the same ones
+    chunks = list(c.chat.completions.create(model="x", messages=HELLO, temperature=0, max_tokens=6, logprobs=True,
+                                            top_logprobs=3, stream=True))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+    # without logprobs: null, as OpenAI's
+    plain = c.chat.completions.create(model="x", messages=HELLO, temperature=0, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.model
+def test_completion_logprobs(server):
+    body = _complete(server, logprobs=2, max_tokens=4)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"] == 4
+    assert "".join(t["token"] for t in content) == body["choices"][0]["text"]
+    assert all(len(t["top_logprobs"]) == 2 and {"id", "token", "bytes", "logprob"} <= set(t) for t in content)
+
+
+@pytest.mark.model
+def test_sampling_fields_have_their_effect(server):
+    greedy = _complete(server, logprobs=1, max_tokens=8)
+    base = greedy["choices"][0]["text"]
+    first = greedy["choices"][0]["logprobs"]["content"][0]
+    # logit_bias: banning the greedy first token changes it; a big bias forces a token every step
+    banned = _complete(server, logit_bias={str(first["id"]): -100}, logprobs=0)["choices"][0]
+    assert banned["logprobs"]["content"][0]["id"] != first["id"] and banned["text"] != base
+    assert _text(server, logit_bias=[[first["id"], False]]) == banned["text"]  # false bans, as llama-server's
+    forced = _complete(server, logit_bias={str(first["id"]): 100}, max_tokens=3, logprobs=0)
+    assert [t["id"] for t in forced["choices"][0]["logprobs"]["content"]] == [first["id"]] * 3
+    # the penalties (the prompt counts as history, as llama-server's): each changes the greedy story
+    story = {"prompt": STORY, "max_tokens": 12}
+    plain = _text(server, **story)
+    for field in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repeat_penalty": 2.0}):
+        assert _text(server, **story, **field) != plain, field
+    assert _text(server, **story, repeat_penalty=2.0, repeat_last_n=0) == plain  # no window: no penalty
+    # seed: the same seed draws the same text; different seeds do not all agree
+    hot = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "max_tokens": 12}
+    assert _text(server, seed=11, **hot) == _text(server, seed=11, **hot)
+    assert len({_text(server, seed=s, **hot) for s in (1, 2, 3)}) > 1
+    # min_p 1 keeps only the likeliest token, typical_p near 0 only the most typical: seeds no longer matter
+    assert _text(server, seed=1, **{**hot, "min_p": 1.0}) == _text(server, seed=2, **{**hot, "min_p": 1.0}) == \
+        _text(server, max_tokens=12)
+    assert _text(server, seed=1, **{**hot, "typical_p": 0.001}) == _text(server, seed=2, **{**hot, "typical_p": 0.001})
+    # samplers: the ones left out are off (min_p 1 without min_p: the seeds matter again); llama-server's default
+    # order, its letters or names, is Spark's
+    no_min_p = {**hot, "min_p": 1.0, "samplers": ["penalties", "top_k", "typ_p", "top_p", "temperature"]}
+    assert len({_text(server, seed=s, **no_min_p) for s in (1, 2, 3)}) > 1
+    assert _text(server, seed=5, **hot, samplers="edskypmxt") == _text(server, seed=5, **hot)
+    # ignore_eos: an answer that ends by itself runs to its limit instead
+    with server.http() as h:
+        ends = {"messages": HELLO, "max_tokens": 24, "temperature": 0}  # greedy: 7 tokens, then the end
+        assert h.post("/v1/chat/completions", json=ends).json()["choices"][0]["finish_reason"] == "stop"
+        on = h.post("/v1/chat/completions", json={**ends, "ignore_eos": True}).json()
+    assert on["choices"][0]["finish_reason"] == "length" and on["usage"]["completion_tokens"] == 24
+    # llama-server's n_predict (over max_tokens), grammar and json_schema
+    assert _complete(server, n_predict=2)["usage"]["completion_tokens"] == 2
+    assert _text(server, grammar='root ::= "yes" | "no"', max_tokens=8) in ("yes", "no")
+    assert json.loads(_text(server, json_schema={"type": "object", "properties": {"a": {"type": "integer"}},
+                                                 "required": ["a"]}, max_tokens=40)).keys() == {"a"}
+
+
+@pytest.mark.model
+def test_cache_prompt_false_reuses_nothing(server):
+    msgs = {"messages": HELLO, "max_tokens": 2}
+    with server.http() as h:
+        h.post("/v1/chat/completions", json=msgs)
+        again = h.post("/v1/chat/completions", json=msgs).json()["usage"]
+        fresh = h.post("/v1/chat/completions", json={**msgs, "cache_prompt": False}).json()
+    assert again["prompt_tokens_details"]["cached_tokens"] == again["prompt_tokens"] - 1
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert fresh["timings"]["cache_n"] == 0 and fresh["timings"]["prompt_n"] == fresh["usage"]["prompt_tokens"]
+
+
+@pytest.mark.model
+def test_shapes_fingerprint_role_chunk_timings(server):
+    c = server.client()
+    r = c.chat.completions.create(model="x", messages=HELLO, temperature=0, max_tokens=4)
+    assert r.system_fingerprint and r.system_fingerprint.startswith("spark-")
+    t = r.model_extra["timings"]
+    assert t["predicted_n"] == r.usage.completion_tokens and t["predicted_ms"] > 0 and t["predicted_per_second"] > 0
+    assert t["prompt_n"] + t["cache_n"] == r.usage.prompt_tokens
+    with server.http() as h:
+        with h.stream("POST", "/v1/chat/completions", json={"messages": HELLO, "max_tokens": 4, "stream": True,
+                                                             "stream_options": {"include_usage": True}}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert {e["system_fingerprint"] for e in events} == {r.system_fingerprint}
+    assert "timings" in events[-1] and events[-1]["choices"] == [] and not any("timings" in e for e in events[:-1])
+    assert events[-1]["timings"]["predicted_n"] == events[-1]["usage"]["completion_tokens"]
+    # a last assistant message is continued: the prompt ends with its text, no end of turn after it
+    prefill = HELLO + [{"role": "assistant", "content": "The capital of Japan is"}]
+    with server.http() as h:
+        prompt = h.post("/apply-template", json={"messages": prefill}).json()["prompt"]
+        fresh = h.post("/apply-template", json={"messages": HELLO}).json()["prompt"]
+        more = h.post("/v1/chat/completions", json={"messages": prefill, "max_tokens": 3}).json()
+    assert prompt.startswith(fresh) and prompt.endswith("The capital of Japan is")
+    assert more["usage"]["prompt_tokens"] > len(fresh.split()) and more["choices"][0]["message"]["content"]
+    with server.http() as h:
+        over = h.post("/v1/completions", json={"prompt": "word " * 1500}).json()["error"]
+    assert over["type"] == "exceed_context_size_error" and over["n_ctx"] == N_CTX and over["n_prompt_tokens"] > N_CTX
+
+
+@pytest.mark.model
+def test_server_defaults_and_alias(server):
+    c = server.client()
+    assert [m.id for m in c.models.list().data] == [ALIAS]
+    r = c.completions.create(model=ALIAS, prompt=COUNTING, max_tokens=None)  # no limit given: -n
+    assert r.usage.completion_tokens == DEFAULT_N and r.model == ALIAS
+    # --temp 0: a request without a temperature is greedy
+    assert r.choices[0].text == _text(server, max_tokens=DEFAULT_N)
+    # --seed: a request without a seed draws with the server's, the same each time
+    hot = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "max_tokens": 12}
+    assert _text(server, **hot) == _text(server, **hot) == _text(server, seed=DEFAULT_SEED, **hot)
+
+
+@pytest.mark.model
+def test_native_completion(server):
+    with server.http() as h:
+        body = h.post("/completion", json={"prompt": COUNTING, "n_predict": 4, "temperature": 0, "n_probs": 2}).json()
+        assert body["content"] == _text(server, max_tokens=4) and body["stop_type"] == "limit"
+        probs = body["completion_probabilities"]
+        assert len(probs) == body["tokens_predicted"] == 4 and all(len(p["top_logprobs"]) == 2 for p in probs)
+        ids = h.post("/tokenize", json={"content": COUNTING}).json()["tokens"]
+        by_ids = h.post("/completion", json={"prompt": ids, "n_predict": 4, "temperature": 0}).json()
+        assert by_ids["content"] == body["content"] and by_ids["tokens_evaluated"] == len(ids)
+        assert by_ids["tokens_cached"] == len(ids) + 4
+        with h.stream("POST", "/completion", json={"prompt": COUNTING, "n_predict": 4, "temperature": 0,
+                                                   "stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+        assert "".join(e["content"] for e in events) == body["content"] and events[-1]["stop"] is True
+        assert events[-1]["timings"]["predicted_n"] == 4
+
+
+@pytest.mark.model
+def test_tokenize_detokenize_props(server):
+    with server.http() as h:
+        text = "Hello world, 1 2 3"
+        ids = h.post("/tokenize", json={"content": text}).json()["tokens"]
+        assert ids and all(isinstance(t, int) for t in ids)
+        assert h.post("/detokenize", json={"tokens": ids}).json() == {"content": text}
+        pieces = h.post("/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+        assert [p["id"] for p in pieces] == ids and "".join(p["piece"] for p in pieces) == text
+        bad = h.post("/detokenize", json={"tokens": [10 ** 9]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        assert h.post("/tokenize", json={"text": "x"}).status_code == 400  # content is required
+        props = h.get("/props").json()
+    assert props["model_alias"] == ALIAS and props["model_path"].endswith(server.model.name)
+    assert props["default_generation_settings"]["n_ctx"] == N_CTX and props["total_slots"] == 1
+    params = props["default_generation_settings"]["params"]
+    assert (params["temperature"], params["seed"], params["n_predict"]) == (0.0, DEFAULT_SEED, DEFAULT_N)
+    assert "{%" in props["chat_template"] and props["build_info"].startswith("spark-")
+    assert props["spark"]["placement"]["cached_moe_layers"] > 0
