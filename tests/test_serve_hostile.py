@@ -21,10 +21,7 @@ import pytest
 from conftest import cli_runner
 from test_chat import _FakeEngine
 
-from spark_cli.serve.app import ServerState, create_app
-from spark_cli.serve.learn import Learner
-from spark_cli.serve.stats import ServerStats
-from spark_cli.serve.worker import Worker
+from _serve_client import fake_client
 
 httpx = pytest.importorskip("httpx")
 
@@ -38,21 +35,8 @@ class _Engine(_FakeEngine):
         return 0
 
 
-@contextlib.contextmanager
 def _client(**state):
-    from starlette.testclient import TestClient
-
-    stats = ServerStats()
-    worker = Worker(lambda: _Engine(n_ctx=256), set(), stats, Learner(Path("none.gguf"), None, enabled=False),
-                    max_queue=2)
-    worker.start()
-    try:
-        assert worker.ready.wait(30)
-        with TestClient(create_app(ServerState(worker, stats, "fake.gguf", **state)),
-                        base_url="http://127.0.0.1:8080", raise_server_exceptions=False) as tc:
-            yield tc
-    finally:
-        worker.shutdown(1)
+    return fake_client(lambda: _Engine(n_ctx=256), **state)
 
 
 # ---------------------------------------------------------------- 4. auth defaults, Host, Origin, CORS

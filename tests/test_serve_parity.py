@@ -6,10 +6,8 @@ run on a fake engine (fast tier); the rest on the real server process (model tie
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,12 +15,9 @@ import pytest
 from test_chat import _FakeEngine
 from test_serve import COUNTING, KEY, N_CTX, _start, _stop, model, rpc  # noqa: F401 - fixtures
 
+from _serve_client import fake_client
 from spark_cli.native.generate import TokenProbs
-from spark_cli.serve.app import ServerState, create_app
-from spark_cli.serve.learn import Learner
 from spark_cli.serve.protocol import Timings
-from spark_cli.serve.stats import ServerStats
-from spark_cli.serve.worker import Worker
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -81,21 +76,8 @@ class _Engine(_FakeEngine):
         return "".join(self.piece(t).decode() for t in tokens)
 
 
-@contextlib.contextmanager
 def _client(**state):
-    from starlette.testclient import TestClient
-
-    stats = ServerStats()
-    worker = Worker(lambda: _Engine(n_ctx=64), set(), stats, Learner(Path("none.gguf"), None, enabled=False),
-                    max_queue=2)
-    worker.start()
-    try:
-        assert worker.ready.wait(30)
-        with TestClient(create_app(ServerState(worker, stats, "fake.gguf", **state)),
-                        base_url="http://127.0.0.1:8080", raise_server_exceptions=False) as tc:
-            yield tc
-    finally:
-        worker.shutdown(1)
+    return fake_client(lambda: _Engine(n_ctx=64), **state)
 
 
 CHAT = {"messages": [{"role": "user", "content": "hi there"}], "temperature": 0}
