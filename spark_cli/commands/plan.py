@@ -35,7 +35,7 @@ def policy_line(plan) -> str:
     """--policy auto's choice: each policy's replayed share of routed experts on the device."""
     if not plan.policy_replay:
         return (f"policy auto: no decode steps to replay: {plan.policy} (the default, the best on the demo "
-                "model's profiled traces)")
+                "model's bundled traces)")
     parts = ", ".join(f"{p} {100 * h:.1f}%" for p, h in plan.policy_replay.items())
     return f"policy auto: {parts} of routed experts on the device: [bold]{plan.policy}[/]"
 
