@@ -24,7 +24,9 @@ def _fixed(g, n_ctx: int) -> int:
 
 
 def _floor(g) -> int:
-    return sum((g.n_expert_used + 1) * g.layers[i].expert_bytes_per_expert for i in g.moe_layers)
+    """k slots and a guard per MoE layer, and the staging slices of the default miss path."""
+    stage = planner.staging_bytes(g, planner.stage_slices(g.n_expert, g.n_expert_used, "auto"))
+    return stage + sum((g.n_expert_used + 1) * g.layers[i].expert_bytes_per_expert for i in g.moe_layers)
 
 
 def _open(path, g, plan, endpoint, n_ctx, **flags) -> Engine:

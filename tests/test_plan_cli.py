@@ -41,7 +41,9 @@ def fixed_bytes(g, n_ctx: int = DEFAULT_CTX, type_k: str = "f16", type_v: str = 
 
 
 def floor_bytes(g) -> int:
-    return sum((g.n_expert_used + 1) * g.layers[i].expert_bytes_per_expert for i in g.moe_layers)
+    """k slots and a guard per MoE layer, and the staging slices the default miss path holds."""
+    stage = planner.staging_bytes(g, planner.stage_slices(g.n_expert, g.n_expert_used, "auto"))
+    return stage + sum((g.n_expert_used + 1) * g.layers[i].expert_bytes_per_expert for i in g.moe_layers)
 
 
 def partial_budget(g, share: float = 0.5) -> int:
@@ -58,7 +60,8 @@ def test_writes_plan_that_loads_and_fits(spark, small_model, geo, tmp_path) -> N
     assert p.breakdown["total"] <= budget
     modes = {l.mode for l in p.layers}
     assert modes == {"resident", "cached"}, modes  # half the experts: some layers of each
-    assert sum(l.device_bytes for l in p.layers) + p.breakdown["weights_global"] + p.breakdown["kv_cache"] \
+    staged = planner.staging_bytes(geo, p.stage_slices)  # shared by the cached layers, in expert_banks
+    assert sum(l.device_bytes for l in p.layers) + staged + p.breakdown["weights_global"] + p.breakdown["kv_cache"] \
         + p.breakdown["compute"] + p.breakdown["overhead"] == p.breakdown["total"]
     for text in ("placement per layer", "host + cache", "resident", "VRAM bill", "KV cache", "K f16 / V f16",
                  "expert banks", "free", "uniform prior", f"wrote {out}"):
@@ -251,7 +254,8 @@ def _tensor_bytes(path) -> int:
 def _accounted(p: planner.Plan, g) -> int:
     """Every tensor byte the plan places: device weights, layers (banks replaced by the
     experts they cache), plus the input embeddings llama.cpp keeps on the CPU."""
-    layers = sum(l.device_bytes + l.host_bytes for l in p.layers) - p.breakdown["expert_banks"]
+    banks = p.breakdown["expert_banks"] - planner.staging_bytes(g, p.stage_slices)  # the layers' own banks
+    layers = sum(l.device_bytes + l.host_bytes for l in p.layers) - banks
     untied = 0 if g.output_tied else g.token_embd_bytes
     nextn = sum(l.expert_bytes + l.nonexpert_bytes for l in g.layers if l.is_nextn)
     return p.breakdown["weights_global"] + untied + layers + nextn
