@@ -104,7 +104,7 @@ class _Recorder:
 
 SAME_PLACEMENT = [
     # (name, flags for both commands, --miss-path for both)
-    ("defaults", {}, "upload"),
+    ("defaults", {}, "auto"),
     ("q8_0 KV, ubatch 256, cpu miss path", {"type_k": "q8_0", "type_v": "q8_0", "n_ubatch": 256}, "cpu"),
 ]
 
@@ -143,7 +143,7 @@ def test_chat_vram_places_as_plan_vram_then_chat_plan(name, kv, miss_path, small
     placed_now = rec.placement()
 
     plan_file = tmp_path / "p.json"
-    plan_args = ["--miss-path", miss_path] if miss_path != "upload" else []  # upload: as auto is priced
+    plan_args = ["--miss-path", miss_path] if miss_path != "auto" else []  # auto: the default of both
     # the same device as chat: plan measures its bill there (dry run) as chat --vram does
     rc, _, err = plan(model, "--rpc", rpc_server.endpoint, "--vram", budget, "-c", n_ctx, *_kv_args(kv), *plan_args,
                       "--no-check", "-o", plan_file)

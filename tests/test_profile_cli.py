@@ -335,14 +335,14 @@ def test_simulate(run):
     assert not any(r["default"] for r in rows) or DEFAULT_POLICY in ("lru", "lfu-aged")
     rc, out, err = spark("profile", "simulate", run["trace"], "--miss-path", "gpu")
     assert rc == 2 and "--miss-path gpu" in err
-    # auto: the cpu path's hits, plus the per-expert split; free uploads stage every decode miss
-    # (one slice each), a CPU that costs nothing stages none
+    # auto: the cpu path's hits, plus the per-expert split of the misses not admitted; without
+    # admissions, free uploads stage every decode miss (one slice each), a CPU that costs nothing none
     rc, out, err = spark("profile", "simulate", run["trace"], "--slots", "4", "--miss-path", "auto",
-                         "--policy", "lru", "--miss-costs", "100,0,0", "--json")
+                         "--policy", "lru", "--miss-costs", "100,0,0", "--max-admit", "0", "--json")
     assert rc == 0, err
     free = json.loads(out)[0]
     rc, out, err = spark("profile", "simulate", run["trace"], "--slots", "4", "--miss-path", "cpu",
-                         "--policy", "lru", "--json")
+                         "--policy", "lru", "--max-admit", "0", "--json")
     cpu = json.loads(out)[0]
     assert free["hit_rate"] == cpu["hit_rate"] and free["staged_per_token"] > 0
     # every decode miss staged: k = 2 distinct experts per token and layer, the misses' share of them

@@ -225,16 +225,24 @@ void llama_expert_cache_slots::clear_stage() {
     n_staged = 0;
 }
 
-// The step's misses (after place_misses: a pending admission is still a miss), most entries
-// first (then lower id), go to staging slices while that ends the step sooner: the upload queue
-// and the CPU queue run side by side (concurrent) or one after the other. The split changes no
-// slot: a staged expert is uploaded again if it is admitted later.
+// The step's misses that are not admitted in it (an admitted one is computed on the CPU while its
+// upload runs: never uploaded twice in a step), most entries first (then lower id), go to staging
+// slices while that ends the step sooner: the upload queue and the CPU queue run side by side
+// (concurrent) or one after the other. The split changes no slot.
 void llama_expert_cache_slots::stage_misses(const llama_expert_cache_ids & ids, const llama_expert_cache_mode & m,
         llama_expert_cache_outcome & out) {
+    auto admitted = [&](int32_t e) {
+        for (int32_t a = 0; a < out.n_admit; ++a) {
+            if (admit[2 * a] == e) {
+                return true;
+            }
+        }
+        return false;
+    };
     int32_t n_miss = 0;
     for (int32_t i = 0; i < n_distinct; ++i) {
         const int32_t e = distinct[i];
-        if (expert_slot[e] < 0) {
+        if (expert_slot[e] < 0 && !admitted(e)) {
             entries[e] = 0;
             order[n_miss++] = e;
         }

@@ -16,9 +16,10 @@ Step rule (every policy, both miss paths; docs/design.md):
 
 Miss paths:
 - "upload": a miss is uploaded into a slot and is resident for this step (native today).
-- "auto": as "cpu", except that each step's misses are split per expert (`split_misses`):
-  the ones with most entries are uploaded into staging slices for that step only, while
-  that ends the step sooner by the layer's costs (`MissCosts`); the rest run on the CPU.
+- "auto": as "cpu", except that each step's misses not admitted in it are split per expert
+  (`split_misses`): the ones with most entries are uploaded into staging slices for that step
+  only, while that ends the step sooner by the layer's costs (`MissCosts`); the rest run on the
+  CPU (an admitted miss too: its upload runs in the background, never twice in a step).
   On the "upload" path a step too large for the slots stages its misses too (most entries
   first, no costs) while the staging slices last.
 - "cpu": a miss is computed on the CPU (`cpu_experts`); it may be *admitted* into a slot by
@@ -426,7 +427,9 @@ class LayerCache:
                 out.admitted.append((e, s))
         if self.n_stage and (self.miss_path == "auto" or (large and self.miss_path == "upload")):
             n = entries if entries is not None else dict.fromkeys(out.misses, 1)
-            out.staged = split_misses(out.misses, n, self.n_stage, self.costs, self.miss_path == "auto")
+            admitted = {e for e, _ in out.admitted}  # computed on the CPU while their upload runs
+            out.staged = split_misses([e for e in out.misses if e not in admitted], n, self.n_stage, self.costs,
+                                      self.miss_path == "auto")
         if self.counts and not readonly and self.params.window > 0:
             self.age += 1
             if self.age >= self.params.window:

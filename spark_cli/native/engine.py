@@ -663,6 +663,15 @@ class Engine:
             self.cache.reset_stats()
         self.records.clear()
 
+    def restart_cache(self) -> None:
+        """The expert cache as it was attached: pinned experts only, empty policy slots, the
+        options' miss paths, zero counters (after a calibration, so that it leaves no trace)."""
+        if self.cache_enabled and self.opts.cache_layers:
+            self.lib.lc.llama_synchronize(self.ctx)
+            self.cache.free()  # NOTE: before the new banks: both sets would not fit a full device
+            self._init_cache()
+            self.reset()
+
     def bank_bytes(self) -> int:
         return self.cache.device_bytes() if self.cache_enabled else 0
 

@@ -212,6 +212,7 @@ def calibration(engine, fingerprint: str, home: Path, layers: list[int]) -> tupl
     source = "cached calibration"
     if cal is None or set(cal.layers) != set(layers):
         measured = measure(engine, engine.tokenize(CALIB_TEXT))
+        engine.restart_cache()  # NOTE: a run that calibrates starts from the slots a cached calibration's run has
         # NOTE: stats come back for every MoE layer (zeros where uncached): keep the cached ones
         cal = Calibration(device, fingerprint, {il: c for il, c in measured.items() if il in layers}, threads)
         source = "calibrated now"
