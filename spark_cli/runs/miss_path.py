@@ -64,25 +64,27 @@ class Calibration:
     def costs(self) -> dict[int, MissCosts]:
         return {il: c.costs() for il, c in self.layers.items()}
 
+    def _median(self, field: str) -> str:
+        """The median over layers of one LayerCost field, in us ("n/a" when no layer measured it)."""
+        v = sorted(x for c in self.layers.values() if (x := getattr(c, field)) is not None)
+        return f"{v[len(v) // 2]:.0f} us" if v else "n/a"
+
+    def _threads(self) -> str:
+        return f"{self.cpu_threads} thread{'s' if self.cpu_threads != 1 else ''}"
+
     def why_auto(self) -> str:
         """One line: the per-expert rule and the medians of its costs."""
-        vals = lambda f: sorted(v for c in self.layers.values() if (v := f(c)) is not None)  # noqa: E731
-        med = lambda v: f"{v[len(v) // 2]:.0f} us" if v else "n/a"  # noqa: E731
         return (f"miss path auto: per expert and step on {len(self.layers)} cached layers (per missed expert: "
-                f"upload {med(vals(lambda c: c.upload_us))}, CPU {med(vals(lambda c: c.cpu_us))} at decode, "
-                f"{med(vals(lambda c: c.cpu_token_us))} more per token, on {self.cpu_threads} "
-                f"thread{'s' if self.cpu_threads != 1 else ''}; median over layers)")
+                f"upload {self._median('upload_us')}, CPU {self._median('cpu_us')} at decode, "
+                f"{self._median('cpu_token_us')} more per token, on {self._threads()}; median over layers)")
 
     def why(self) -> str:
         """One line: what was chosen and the medians it was chosen from."""
         picks = self.choose()
         n_cpu = sum(1 for p in picks.values() if p == "cpu")
-        up = sorted(c.upload_us for c in self.layers.values() if c.upload_us is not None)
-        cpu = sorted(c.cpu_us for c in self.layers.values() if c.cpu_us is not None)
-        med = lambda v: f"{v[len(v) // 2]:.0f} us" if v else "n/a"  # noqa: E731
         return (f"miss path layer: cpu on {n_cpu} of {len(picks)} cached layers, upload on {len(picks) - n_cpu} "
-                f"(per missed expert: upload {med(up)}, CPU {med(cpu)} on {self.cpu_threads} "
-                f"thread{'s' if self.cpu_threads != 1 else ''}; median over layers)")
+                f"(per missed expert: upload {self._median('upload_us')}, CPU {self._median('cpu_us')} on "
+                f"{self._threads()}; median over layers)")
 
     def to_dict(self) -> dict:
         return {"version": CALIB_VERSION, "device": self.device, "model_fingerprint": self.model_fingerprint,
