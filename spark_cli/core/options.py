@@ -35,13 +35,16 @@ class LoadFlags:
     rpc: str | None = None
     override_tensor: tuple[str, ...] = ()
     threads_batch: int | None = None  # -tb: threads for multi-token steps (default: -t)
+    parallel: int = 1  # -np: sequences (server slots) the context holds at once
+    kv_unified: bool = False  # -kvu: one KV buffer shared by every sequence (else -c is split between them)
 
     @classmethod
     def from_cli(cls, *, ctx_size: int | None = None, threads: int | None = None, type_k: str | None = None,
                  type_v: str | None = None, flash_attn: str = "auto", batch_size: int = 2048,
                  ubatch_size: int | None = None, no_mmap: bool = False, mlock: bool = False,
                  no_repack: bool = False, device: str | None = None, rpc: str | None = None,
-                 override_tensor: Sequence[str] | None = None, threads_batch: int | None = None) -> "LoadFlags":
+                 override_tensor: Sequence[str] | None = None, threads_batch: int | None = None,
+                 parallel: int = 1, kv_unified: bool = False) -> "LoadFlags":
         from . import vram
 
         fa = flash_attn.lower()
@@ -56,7 +59,8 @@ class LoadFlags:
                 vram.kv_type(value, flag)  # UsageError naming the flag
         type_k, type_v = (t.lower() if t is not None else None for t in (type_k, type_v))
         return cls(ctx_size, threads, type_k, type_v, fa, batch_size, ubatch_size, not no_mmap, mlock,
-                   not no_repack, device, rpc, tuple(override_tensor or ()), threads_batch)
+                   not no_repack, device, rpc, tuple(override_tensor or ()), threads_batch, parallel,
+                   kv_unified)
 
 
 def context_size(requested: int | None, trained: int, plan_ctx: int | None = None) -> int:

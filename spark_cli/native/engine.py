@@ -60,6 +60,8 @@ class EngineOptions:
     n_ctx: int = 2048
     n_batch: int = 512
     n_ubatch: int = 512
+    n_seq: int = 1                     # -np: sequences the context holds (llama.cpp's n_seq_max)
+    kv_unified: bool = False           # -kvu: one KV buffer for every sequence (else n_ctx / n_seq each)
     n_threads: int | None = None        # -t: decode steps (None: all cores)
     n_threads_batch: int | None = None  # -tb: multi-token steps (None: n_threads)
     device: str | None = None          # -dev: device names, comma-separated, or none (see devices.py)
@@ -231,6 +233,7 @@ class Engine:
         # NOTE: llama-server's default, and the planner's bill: sliding-window layers keep the window
         # plus one ubatch, not n_ctx (the C default, swa_full, allocates n_ctx cells for them too)
         cp.swa_full = False
+        cp.n_seq_max, cp.kv_unified = max(1, opts.n_seq), bool(opts.kv_unified)
         if opts.capture_topk or opts.capture_hidden:
             self._cb = lc.ggml_backend_sched_eval_callback(self._on_eval)
             cp.cb_eval = self._cb
@@ -246,7 +249,11 @@ class Engine:
                              hint="try a smaller --ctx-size")
         # NOTE: llama.cpp rounds n_ctx up (to 256) and caps n_batch at the requested -c: feed and
         # check prompts with the context's own figures, never the options'
-        self.n_ctx = lc.llama_n_ctx(self.ctx)
+        # NOTE: n_ctx is what one sequence may hold (llama.cpp's n_ctx_seq: -c / -np, or all of -c
+        # with --kv-unified); n_ctx_total the cells of every sequence together
+        self.n_ctx_total = lc.llama_n_ctx(self.ctx)
+        self.n_seq = lc.llama_n_seq_max(self.ctx)
+        self.n_ctx = lc.llama_n_ctx_seq(self.ctx)
         self.n_batch = max(1, min(lc.llama_n_batch(self.ctx), opts.n_batch))
         self.n_ubatch = max(1, min(lc.llama_n_ubatch(self.ctx), self.n_batch))
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)

@@ -115,7 +115,8 @@ def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | No
         expert_overrides=plan.overrides if plan is not None else None,
         tensor_overrides=parse_override_tensor(flags.override_tensor, geometry), count_experts=learn,
         type_k=flags.type_k or (plan.type_k if plan else "f16"), type_v=flags.type_v or (plan.type_v if plan else "f16"),
-        flash_attn=flags.flash_attn, use_mmap=flags.mmap, use_mlock=flags.mlock, repack=flags.repack)
+        flash_attn=flags.flash_attn, use_mmap=flags.mmap, use_mlock=flags.mlock, repack=flags.repack,
+        n_seq=flags.parallel, kv_unified=flags.kv_unified)
 
 
 def ubatch_size(flags: LoadFlags, plan: planner.Plan | None = None) -> int:
