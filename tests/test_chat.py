@@ -148,18 +148,26 @@ def test_one_shot_cache_matches_resident_and_learns(small_model, rpc_server, tmp
 
 
 class _FakeEngine:
-    """Word tokens, a fixed three-word reply; records evals and truncations."""
+    """Word tokens, a fixed three-word reply per sampler; records evals and truncations; a
+    sequence per slot (n_seq), as the engine's decode and truncate keep them."""
 
     EOG = 0
 
-    def __init__(self, n_ctx: int):
-        self.n_ctx, self.n_past, self.ctx, self.vocab = n_ctx, 0, None, None
+    def __init__(self, n_ctx: int, n_seq: int = 1):
+        self.n_ctx, self.ctx, self.vocab, self.n_seq, self.n_batch = n_ctx, None, None, n_seq, 512
+        self.pos = [0] * n_seq
         self.words: dict[str, int] = {}
         self.evals: list[int] = []
         self.truncations: list[int] = []
-        self._reply: list[int] = []
         self.bos_token = -1
         self.cache_enabled = False
+
+    @property
+    def n_past(self) -> int:
+        return self.pos[0]
+
+    def seq_pos(self, seq: int) -> int:
+        return self.pos[seq]
 
     def _id(self, w: str) -> int:
         return self.words.setdefault(w, len(self.words) + 1)
@@ -171,31 +179,41 @@ class _FakeEngine:
         return "".join(f"<{m['role']}> {m['content']} " for m in messages) + "<assistant>"
 
     def make_sampler(self, *a, **kw):
-        return SimpleNamespace(sample=self._sample, prime=lambda prompt: None, close=lambda: None)
+        reply: list[int] = []
 
-    def _sample(self, engine, logits):
-        if not self._reply:
-            self._reply = [self._id(w) for w in ("yes", "of", "course")] + [self.EOG]
-        return self._reply.pop(0)
+        def sample(engine, logits, row=-1):
+            if not reply:
+                reply.extend([self._id(w) for w in ("yes", "of", "course")] + [self.EOG])
+            return reply.pop(0)
+
+        return SimpleNamespace(sample=sample, prime=lambda prompt: None, close=lambda: None)
 
     def is_eog(self, t):
         return t == self.EOG
 
+    def decode(self, entries):
+        for _, seq, _ in entries:
+            assert self.pos[seq] < self.n_ctx
+            self.pos[seq] += 1
+        self.evals.append(len(entries))
+
     def eval(self, tokens, logits="last"):
         assert self.n_past + len(tokens) <= self.n_ctx
-        self.n_past += len(tokens)
-        self.evals.append(len(tokens))
+        self.decode([(t, 0, False) for t in tokens])
+
+    def logits_row(self, i):
+        return None
 
     def piece(self, t):
         return (next(w for w, i in self.words.items() if i == t) + " ").encode()
 
-    def truncate(self, n):
+    def truncate(self, n, seq=0):
         self.truncations.append(n)
-        self.n_past = min(self.n_past, n)
-        return self.n_past
+        self.pos[seq] = min(self.pos[seq], n)
+        return self.pos[seq]
 
     def reset(self):
-        self.n_past = 0
+        self.pos = [0] * self.n_seq
 
     def cache_stats(self):
         return {}
@@ -255,19 +273,19 @@ def test_crashed_answer_keeps_learned_counts(small_model, tmp_path):
         assert a.error is None and a.figures.generated_tokens == 3
         assert chat.learned.counts.sum() == 3 * per_token
 
-        real_eval, calls = eng.eval, []
+        real_decode, calls = eng.decode, []
 
-        def failing_eval(tokens, logits="last"):
-            calls.append(len(tokens))
-            if len(tokens) == 1 and calls.count(1) == 2:
+        def failing_decode(entries):
+            calls.append(len(entries))
+            if len(entries) == 1 and calls.count(1) == 2:
                 raise RuntimeError("injected failure")
-            return real_eval(tokens, logits)
+            return real_decode(entries)
 
-        eng.eval = failing_eval
+        eng.decode = failing_decode
         b = chat.answer("And of Italy?")
         assert b.error and "injected failure" in b.error and b.figures.stop == "error"
         assert chat.learned.counts.sum() == 4 * per_token  # the one token decoded before the failure
-        eng.eval = real_eval
+        eng.decode = real_decode
         c = chat.answer("And of Spain?")
         assert c.error is None and c.figures.reused_tokens == 0  # the KV cache was dropped
         n = 4 + c.figures.generated_tokens

@@ -16,7 +16,7 @@ class _Engine:
 
     def __init__(self, script: list[int], pieces: dict[int, bytes], n_ctx: int = 64):
         self.script, self.pieces, self.n_ctx = script, pieces, n_ctx
-        self.n_past, self.fed = 0, []
+        self.n_past, self.fed, self.n_batch = 0, [], 512
         self.cache_enabled = False
 
     def _row(self) -> np.ndarray:
@@ -32,6 +32,16 @@ class _Engine:
         self.fed += list(tokens)
         self.n_past += len(tokens)
         return self._row() if logits == "last" else np.stack([self._row()] * len(tokens))
+
+    def decode(self, entries):  # one sequence here: (token, 0, output)
+        assert all(seq == 0 for _, seq, _ in entries)
+        self.eval([t for t, _, _ in entries], logits="none")
+
+    def logits_row(self, i):
+        return self._row()
+
+    def seq_pos(self, seq):
+        return self.n_past
 
     def is_eog(self, t):
         return t == self.EOG

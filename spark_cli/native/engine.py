@@ -32,6 +32,10 @@ from ..core.chat_template import BoundTemplates, ChatTemplate, TemplateSet
 from ..core.gguf_info import ModelGeometry, load_geometry
 from ..core.placement import CPU, HOST, TensorOverride, cached_expert_overrides, stock_overrides
 
+class KVFullError(SparkError):
+    """llama_decode found no room in the KV cache for a batch (it evaluated nothing)."""
+
+
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
 LOAD_MODE_NONE, LOAD_MODE_MLOCK, LOAD_MODE_MMAP_MLOCK = 0, 2, 3  # enum llama_load_mode
 
@@ -168,7 +172,7 @@ class Engine:
         self._keep: list[object] = []
         self.records: list[TopkRecord] = []
         self.hidden: list[tuple[int, np.ndarray]] = []  # capture_hidden: (layer, [n_tokens, n_embd] f32)
-        self.n_past = 0
+        self._pos = [0]  # per sequence: positions held (the next token's position)
         self._last_il = 1 << 30  # eval-callback capture: layer seen last, to find ubatch starts
         self._scores: np.ndarray | None = None  # capture_scores: the last ffn_moe_probs* tensor seen
         self._ubatch_tokens = 0
@@ -254,6 +258,7 @@ class Engine:
         self.n_ctx_total = lc.llama_n_ctx(self.ctx)
         self.n_seq = lc.llama_n_seq_max(self.ctx)
         self.n_ctx = lc.llama_n_ctx_seq(self.ctx)
+        self._pos = [0] * self.n_seq
         self.n_batch = max(1, min(lc.llama_n_batch(self.ctx), opts.n_batch))
         self.n_ubatch = max(1, min(lc.llama_n_ubatch(self.ctx), self.n_batch))
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
@@ -418,69 +423,98 @@ class Engine:
     # -- evaluation -----------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget the KV cache (the expert cache keeps its slots)."""
+        """Forget the KV cache of every sequence (the expert cache keeps its slots)."""
         lc = self.lib.lc
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
-        self.n_past = 0
+        self._pos = [0] * self.n_seq
 
-    def truncate(self, n_keep: int) -> int:
-        """Drop KV entries from position n_keep on; returns the positions kept. A recurrent state
-        (qwen35moe, qwen3next) cannot be cut back, and a sliding-window cache (gpt-oss, laguna) may
-        have dropped the window before n_keep: then the memory is cleared and 0 is kept."""
+    @property
+    def n_past(self) -> int:
+        """Positions sequence 0 holds (the one sequence of chat, bench and profiling)."""
+        return self._pos[0]
+
+    def seq_pos(self, seq: int) -> int:
+        """Positions sequence `seq` holds: the next token's position."""
+        return self._pos[seq]
+
+    def seq_clear(self, seq: int) -> None:
+        """Forget one sequence's KV entries (and recurrent state); the others keep theirs."""
+        lc = self.lib.lc
+        lc.llama_memory_seq_rm(lc.llama_get_memory(self.ctx), seq, -1, -1)
+        self._pos[seq] = 0
+
+    def truncate(self, n_keep: int, seq: int = 0) -> int:
+        """Drop a sequence's KV entries from position n_keep on; returns the positions kept. A
+        recurrent state (qwen35moe, qwen3next) cannot be cut back, and a sliding-window cache
+        (gpt-oss, laguna) may have dropped the window before n_keep: then the sequence is cleared
+        and 0 is kept."""
         lc = self.lib.lc
         mem = lc.llama_get_memory(self.ctx)
-        if n_keep < self.n_past and not lc.llama_memory_seq_rm(mem, 0, n_keep, -1):
-            self.reset()
+        if n_keep < self._pos[seq] and not lc.llama_memory_seq_rm(mem, seq, n_keep, -1):
+            self.seq_clear(seq)
             return 0
-        self.n_past = min(self.n_past, n_keep)
+        self._pos[seq] = min(self._pos[seq], n_keep)
         n_swa = lc.llama_model_n_swa(self.model)
-        if self.n_past > 0 and n_swa > 0:
+        if self._pos[seq] > 0 and n_swa > 0:
             # llama-server's test: the window the next token attends to must still be cached
-            pos_min = lc.llama_memory_seq_pos_min(mem, 0)
-            if pos_min < 0 or pos_min > max(0, self.n_past - n_swa):
-                self.reset()
+            pos_min = lc.llama_memory_seq_pos_min(mem, seq)
+            if pos_min < 0 or pos_min > max(0, self._pos[seq] - n_swa):
+                self.seq_clear(seq)
                 return 0
-        return self.n_past
+        return self._pos[seq]
+
+    def decode(self, entries: Sequence[tuple[int, int, bool]]) -> None:
+        """One llama_decode of (token, sequence, output) entries, at most n_batch, each at its
+        sequence's next position; an output entry's logits row is its index (logits_row). No room
+        in the KV cache (--kv-unified, every sequence together): KVFullError, nothing evaluated."""
+        lc = self.lib.lc
+        b = self._batch
+        b.n_tokens = len(entries)
+        pos = list(self._pos)
+        for i, (tok, seq, out) in enumerate(entries):
+            b.token[i] = tok
+            b.pos[i] = pos[seq]
+            pos[seq] += 1
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = out
+        rc = lc.llama_decode(self.ctx, b)
+        if rc == 1:
+            raise KVFullError("the KV cache has no room for this batch", hint="raise -c or lower -np")
+        if rc != 0:
+            raise SparkError(f"llama_decode failed with {rc} ({_logs.last_error()})")
+        self._pos = pos
 
     def eval(self, tokens: Sequence[int], logits: str = "last") -> np.ndarray | None:
-        """Feed tokens (in n_batch chunks). logits: 'last' -> [n_vocab], 'all' -> [n, n_vocab], 'none',
-        'outputs' -> None, but every token is an output (llama.cpp then runs the last layer on
+        """Feed tokens to sequence 0 (in n_batch chunks). logits: 'last' -> [n_vocab], 'all' -> [n, n_vocab],
+        'none', 'outputs' -> None, but every token is an output (llama.cpp then runs the last layer on
         every token, so routing is recorded for all of them) without copying the logits."""
-        lc = self.lib.lc
         if self.n_past + len(tokens) > self.n_ctx:
             raise SparkError(f"the prompt needs {self.n_past + len(tokens)} tokens but the context holds {self.n_ctx}",
                              hint="raise --ctx-size or shorten the prompt")
         rows = []
-        b = self._batch
         nb = self.n_batch
+        every = logits in ("all", "outputs")
         for start in range(0, len(tokens), nb):
             chunk = tokens[start:start + nb]
             last_chunk = start + nb >= len(tokens)
-            b.n_tokens = len(chunk)
-            for i, t in enumerate(chunk):
-                b.token[i] = t
-                b.pos[i] = self.n_past + i
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = 0
-                b.logits[i] = logits in ("all", "outputs") or (logits == "last" and last_chunk and i == len(chunk) - 1)
-            rc = lc.llama_decode(self.ctx, b)
-            if rc != 0:
-                raise SparkError(f"llama_decode failed with {rc} ({_logs.last_error()})")
-            self.n_past += len(chunk)
+            self.decode([(t, 0, every or (logits == "last" and last_chunk and i == len(chunk) - 1))
+                         for i, t in enumerate(chunk)])
             if logits == "all":
                 for i in range(len(chunk)):
-                    rows.append(self._logits_row(i))
+                    rows.append(self.logits_row(i))
         if logits == "last":
-            return self._logits_row(len(tokens[-nb:]) - 1 if len(tokens) % nb == 0 else len(tokens) % nb - 1)
+            return self.logits_row(len(tokens[-nb:]) - 1 if len(tokens) % nb == 0 else len(tokens) % nb - 1)
         if logits == "all":
             return np.stack(rows)
         return None
 
     def last_logits(self) -> np.ndarray:
         """The logits row of the last output token evaluated."""
-        return self._logits_row(-1)
+        return self.logits_row(-1)
 
-    def _logits_row(self, i: int) -> np.ndarray:
+    def logits_row(self, i: int) -> np.ndarray:
+        """The logits of output entry `i` of the last decode (-1: its last output)."""
         ptr = self.lib.lc.llama_get_logits_ith(self.ctx, i)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import codecs
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
@@ -22,8 +22,8 @@ FINISH_REASONS = ("eog", "stop", "length", "context", "interrupted")
 
 
 class Sampler(Protocol):
-    def sample(self, engine, logits: np.ndarray | None) -> int:
-        """The next token, from `logits` (the last output row) or the context itself."""
+    def sample(self, engine, logits: np.ndarray | None, row: int = -1) -> int:
+        """The next token, from `logits` or else output row `row` of the context's last decode."""
 
     def prime(self, prompt: Sequence[int]) -> None:
         """Take `prompt` as the history that penalties look back on (samplers without any: nothing)."""
@@ -45,8 +45,8 @@ class NativeSampler:
         for tok in prompt[-self.window:]:
             self.lc.llama_sampler_accept(self.penalties, tok)
 
-    def sample(self, engine, logits: np.ndarray | None) -> int:
-        return int(self.lc.llama_sampler_sample(self.chain, engine.ctx, -1))
+    def sample(self, engine, logits: np.ndarray | None, row: int = -1) -> int:
+        return int(self.lc.llama_sampler_sample(self.chain, engine.ctx, row))
 
     def close(self) -> None:
         if self.chain is not None:
@@ -66,8 +66,8 @@ class Greedy:
 
     skip_eog: bool = False
 
-    def sample(self, engine, logits: np.ndarray | None) -> int:
-        row = engine.last_logits() if logits is None else logits
+    def sample(self, engine, logits: np.ndarray | None, row: int = -1) -> int:
+        row = engine.logits_row(row) if logits is None else logits
         tok = int(np.argmax(row))
         if self.skip_eog and engine.is_eog(tok):
             row = row.copy()
@@ -90,7 +90,7 @@ class Forced:
     tokens: Sequence[int]
     i: int = 0
 
-    def sample(self, engine, logits: np.ndarray | None) -> int:
+    def sample(self, engine, logits: np.ndarray | None, row: int = -1) -> int:
         tok = int(self.tokens[self.i])
         self.i += 1
         return tok
@@ -205,21 +205,194 @@ def _cache_total(engine, layers: set[int] | None) -> CacheStats:
     return CacheStats.total(s for il, s in engine.cache_stats().items() if layers is None or il in layers)
 
 
+class Decoding:
+    """One sequence's side of the loop: sample, apply the stop rules, turn evaluated tokens into
+    text (UTF-8-safe, stop strings held back). BatchLoop drives one per sequence."""
+
+    def __init__(self, engine, seq: int = 0, *, n_prompt: int, sampler: Sampler | None = None,
+                 max_tokens: int = -1, stop: StopRules = StopRules(), should_stop: Callable[[], bool] | None = None,
+                 keep_logits: bool = False, special: bool = False, n_probs: int | None = None):
+        self.engine, self.seq = engine, seq
+        self.sampler = sampler or Greedy()
+        self.max_tokens, self.stop, self.should_stop = max_tokens, stop, should_stop
+        self.keep_logits, self.special, self.n_probs = keep_logits, special, n_probs
+        self.n_prompt, self.n = n_prompt, 0
+        self.filt = StopFilter(stop.strings)
+        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.finish: str | None = None
+        self.t0 = time.perf_counter()  # the prompt's start
+        self.t1: float | None = None  # the first decode step's start
+        self.prompt_seconds = 0.0
+        self._probs: TokenProbs | None = None
+
+    def prompt_done(self) -> None:
+        """The prompt is evaluated: decoding starts now."""
+        self.t1 = time.perf_counter()
+        self.prompt_seconds = self.t1 - self.t0
+
+    def interrupted(self) -> bool:
+        return bool(self.should_stop and self.should_stop())
+
+    def choose(self, logits: np.ndarray | None, row: int = -1) -> int | None:
+        """The next token to evaluate, from `logits` or output row `row`; None: it ends (`finish`)."""
+        eng = self.engine
+        if 0 <= self.max_tokens <= self.n:
+            self.finish = "length"
+        elif self.interrupted():
+            self.finish = "interrupted"
+        elif eng.seq_pos(self.seq) >= eng.n_ctx:
+            self.finish = "context"
+        else:
+            tok = self.sampler.sample(eng, logits, row)
+            if self.n_probs is not None:
+                self._probs = TokenProbs.of(eng.logits_row(row) if logits is None else logits, tok, self.n_probs)
+            if self.stop.eog and eng.is_eog(tok):
+                self.finish = "eog"
+            elif tok in self.stop.token_ids:
+                self.finish = "stop"
+            else:
+                return tok
+        return None
+
+    def evaluated(self, tok: int, row: int) -> GenerationStep:
+        """The step of `tok`, now in the KV cache; its logits are output row `row`."""
+        self.n += 1
+        piece = self.engine.piece(tok, special=True) if self.special else self.engine.piece(tok)
+        text = self.filt.feed(self.dec.decode(piece))
+        if self.filt.hit:
+            self.finish = "stop"
+        probs, self._probs = self._probs, None
+        return GenerationStep(tok, text, self.n_prompt, self.prompt_seconds, self.n, time.perf_counter() - self.t1,
+                              logits=self.engine.logits_row(row) if self.keep_logits else None, probs=probs)
+
+    def end(self) -> GenerationStep:
+        """The last step: the text held back, and why it ended."""
+        tail = self.filt.feed(self.dec.decode(b"", final=True)) + self.filt.flush()
+        gen_seconds = time.perf_counter() - self.t1 if self.t1 is not None else 0.0
+        return GenerationStep(None, tail, self.n_prompt, self.prompt_seconds, self.n, gen_seconds,
+                              self.finish or "interrupted", stop_word=self.filt.matched)
+
+
+@dataclass
+class _Active:
+    dec: Decoding
+    emit: Callable[[GenerationStep], None]
+    pending: list[int]  # prompt tokens not evaluated yet
+    token: int | None = None  # sampled, evaluated at the next step
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one decode step held: one token per decoding sequence, and prompt tokens."""
+
+    decode_tokens: int
+    prompt_tokens: int
+    sequences: int  # sequences with a token in it
+
+
+class BatchLoop:
+    """The generation loop: continuous batching over the engine's sequences. Each step is one
+    llama_decode of the next token of every decoding sequence and, up to n_batch, chunks of the
+    prompts still pending; then each sequence with an output samples its next token (Decoding).
+    A sequence that ends emits its last step and leaves at once (its KV entries stay: the caller
+    owns them). Every token emitted has been evaluated; an end-of-generation or stop token never is."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.active: dict[int, _Active] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active)
+
+    def add(self, dec: Decoding, emit: Callable[[GenerationStep], None], prompt: Sequence[int] = (),
+            logits: np.ndarray | None = None) -> None:
+        """Start sequence dec.seq: evaluate `prompt` (from its current position), then decode. An
+        empty prompt continues from `logits`, or else the context's last output row."""
+        if dec.seq in self.active:
+            raise ValueError(f"sequence {dec.seq} is already generating")
+        a = _Active(dec, emit, list(prompt))
+        self.active[dec.seq] = a
+        if not a.pending:
+            dec.prompt_done()
+            self._next(a, logits, -1)
+
+    def step(self, before: Callable[[StepShape], None] | None = None) -> StepShape:
+        """One decode step (`before` sees its shape first); the steps go to each sequence's emit."""
+        for a in list(self.active.values()):
+            if a.pending and a.dec.interrupted():
+                a.dec.finish = "interrupted"
+                self._end(a)
+        entries, n_decode, n_seqs = self._gather()
+        shape = StepShape(n_decode, len(entries) - n_decode, n_seqs)
+        if not entries:
+            return shape
+        if before:
+            before(shape)
+        self.engine.decode(entries)
+        for i, (_, seq, out) in enumerate(entries):
+            a = self.active.get(seq)
+            if not out or a is None:
+                continue
+            if a.token is not None:
+                tok, a.token = a.token, None
+                a.emit(a.dec.evaluated(tok, i))
+                if a.dec.finish:
+                    self._end(a)
+                    continue
+            elif not a.pending:
+                a.dec.prompt_done()
+            else:
+                continue
+            self._next(a, None, i)
+        return shape
+
+    def end(self, seq: int, finish: str) -> None:
+        """End sequence `seq` now (its last step says `finish`)."""
+        a = self.active[seq]
+        a.dec.finish = finish
+        self._end(a)
+
+    def _gather(self) -> tuple[list[tuple[int, int, bool]], int, int]:
+        """This step's entries (every sampled token first, then prompt chunks while n_batch
+        allows), how many are sampled tokens, and how many sequences they belong to."""
+        entries = [(a.token, a.dec.seq, True) for a in self.active.values() if a.token is not None]
+        n_decode = n_seqs = len(entries)
+        room = self.engine.n_batch - n_decode
+        for a in self.active.values():
+            if not a.pending or room <= 0:
+                continue
+            chunk, a.pending = a.pending[:room], a.pending[room:]
+            entries += [(t, a.dec.seq, not a.pending and j == len(chunk) - 1) for j, t in enumerate(chunk)]
+            n_seqs += 1
+            room -= len(chunk)
+        return entries, n_decode, n_seqs
+
+    def _next(self, a: _Active, logits: np.ndarray | None, row: int) -> None:
+        a.token = a.dec.choose(logits, row)
+        if a.token is None:
+            self._end(a)
+
+    def _end(self, a: _Active) -> None:
+        del self.active[a.dec.seq]
+        a.emit(a.dec.end())
+
+
 def stream_generate(engine, prompt: Sequence[int], *, sampler: Sampler | None = None, max_tokens: int = -1,
                     stop: StopRules = StopRules(), should_stop: Callable[[], bool] | None = None,
                     prompt_logits: str = "last", on_prompt: Callable[[np.ndarray | None], None] | None = None,
                     keep_logits: bool = False, cache_layers: set[int] | None = None,
                     special: bool = False, n_probs: int | None = None) -> Iterator[GenerationStep]:
-    """Evaluate `prompt` (n_batch chunks; empty: continue from the context's last output), then
-    sample, evaluate and yield tokens until a stop rule, `max_tokens` (-1: none), a full context or
-    `should_stop()` ends it. `prompt_logits` 'all' hands every prompt row to `on_prompt` (called once
-    the prompt is evaluated, before any decode step); greedy when `sampler` is None. The last step
-    carries the cache figures of `cache_layers` (None: every layer) for the prompt and the decode.
-    `special`: control tokens are text too (tool-call formats whose markers are control tokens).
-    `n_probs` set: each step carries its token's probability and the top n_probs (TokenProbs)."""
-    sampler = sampler or Greedy()
-    filt = StopFilter(stop.strings)
-    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    """Evaluate `prompt` in sequence 0 (n_batch chunks; empty: continue from the context's last
+    output), then run the BatchLoop on that one sequence: sample, evaluate and yield tokens until a
+    stop rule, `max_tokens` (-1: none), a full context or `should_stop()` ends it. `prompt_logits`
+    'all' hands every prompt row to `on_prompt` (called once the prompt is evaluated, before any
+    decode step); greedy when `sampler` is None. The last step carries the cache figures of
+    `cache_layers` (None: every layer) for the prompt and the decode. `special`: control tokens are
+    text too (tool-call formats whose markers are control tokens). `n_probs` set: each step carries
+    its token's probability and the top n_probs (TokenProbs)."""
+    dec = Decoding(engine, 0, n_prompt=len(prompt), sampler=sampler, max_tokens=max_tokens, stop=stop,
+                   should_stop=should_stop, keep_logits=keep_logits, special=special, n_probs=n_probs)
     s0 = _cache_total(engine, cache_layers)
     t0 = time.perf_counter()
     last = engine.eval(list(prompt), logits=prompt_logits) if prompt else None
@@ -230,35 +403,15 @@ def stream_generate(engine, prompt: Sequence[int], *, sampler: Sampler | None = 
     if last is not None and last.ndim == 2:
         last = last[-1]
     s2 = _cache_total(engine, cache_layers)
-    n_prompt, n = len(prompt), 0
-    t1 = time.perf_counter()
-    finish = None
-    while finish is None:
-        if 0 <= max_tokens <= n:
-            finish = "length"
-        elif should_stop and should_stop():
-            finish = "interrupted"
-        elif engine.n_past >= engine.n_ctx:
-            finish = "context"
-        else:
-            tok = sampler.sample(engine, last)
-            probs = None
-            if n_probs is not None:
-                probs = TokenProbs.of(engine.last_logits() if last is None else last, tok, n_probs)
-            if stop.eog and engine.is_eog(tok):
-                finish = "eog"
-            elif tok in stop.token_ids:
-                finish = "stop"
-            else:
-                last = engine.eval([tok], logits="last")
-                n += 1
-                text = filt.feed(dec.decode(engine.piece(tok, special=True) if special else engine.piece(tok)))
-                if filt.hit:
-                    finish = "stop"
-                yield GenerationStep(tok, text, n_prompt, prompt_seconds, n, time.perf_counter() - t1,
-                                     logits=last if keep_logits else None, probs=probs)
-    tail = filt.feed(dec.decode(b"", final=True)) + filt.flush()
-    gen_seconds = time.perf_counter() - t1
-    s3 = _cache_total(engine, cache_layers)
-    yield GenerationStep(None, tail, n_prompt, prompt_seconds, n, gen_seconds, finish,
-                         prompt_cache=s1 - s0, cache=s3 - s2, stop_word=filt.matched)
+    out: list[GenerationStep] = []
+    loop = BatchLoop(engine)
+    loop.add(dec, out.append, logits=last)
+    dec.prompt_seconds = prompt_seconds  # the prompt's evaluation (the loop took over after it)
+    while True:
+        for step in out:
+            if step.finish:
+                yield replace(step, prompt_cache=s1 - s0, cache=_cache_total(engine, cache_layers) - s2)
+                return
+            yield step
+        out.clear()
+        loop.step()

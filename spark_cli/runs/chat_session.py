@@ -42,6 +42,13 @@ class Sampling:
     ban_eog: bool = False  # never sample an end-of-generation token (ignore_eos)
 
 
+def make_sampler(engine, s: Sampling):
+    """The engine's llama.cpp sampler chain for these settings (close it when done)."""
+    return engine.make_sampler(s.temp, s.top_k, s.top_p, s.seed, s.min_p, s.repeat_penalty, s.repeat_last_n,
+                               s.grammar, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                               typical_p=s.typical_p, logit_bias=s.logit_bias, ban_eog=s.ban_eog)
+
+
 CACHE_KEYS = ("hits", "misses", "uploads", "bytes_uploaded", "syncs", "blocking_upload_bytes",
               "async_upload_bytes", "cpu_expert_bytes")  # of `cache`, flat in to_dict
 PER_TOKEN_KEYS = ("syncs", "blocking_upload_bytes", "async_upload_bytes", "cpu_expert_bytes")
@@ -107,7 +114,16 @@ class _Learned:
     mark: np.ndarray | None = field(default=None, repr=False)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def prompt_tokens(engine, text: str) -> list[int]:
+    """A rendered chat prompt's tokens (special tokens parsed, one BOS)."""
+    toks = engine.tokenize(text, add_special=True, parse_special=True)
+    # NOTE: templates that write their own BOS would otherwise get two
+    if len(toks) > 1 and toks[0] == toks[1] and toks[0] == engine.bos_token:
+        toks = toks[1:]
+    return toks
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
@@ -131,11 +147,7 @@ class ChatSession:
         self.learned = _Learned()
         self._generating: list[int] | None = None  # tokens of the answer being decoded, for harvest_now
         self._kv: list[int] = []  # tokens whose KV entries are in the context, in order
-        s = sampling
-        self._sampler = engine.make_sampler(s.temp, s.top_k, s.top_p, s.seed, s.min_p, s.repeat_penalty,
-                                            s.repeat_last_n, s.grammar, presence_penalty=s.presence_penalty,
-                                            frequency_penalty=s.frequency_penalty, typical_p=s.typical_p,
-                                            logit_bias=s.logit_bias, ban_eog=s.ban_eog)
+        self._sampler = make_sampler(engine, sampling)
 
     # -- conversation state ----------------------------------------------------------------
 
@@ -165,12 +177,7 @@ class ChatSession:
         return self._prompt_tokens(self.engine.chat_prompt(messages))
 
     def _prompt_tokens(self, text: str) -> list[int]:
-        eng = self.engine
-        toks = eng.tokenize(text, add_special=True, parse_special=True)
-        # NOTE: templates that write their own BOS would otherwise get two
-        if len(toks) > 1 and toks[0] == toks[1] and toks[0] == eng.bos_token:
-            toks = toks[1:]
-        return toks
+        return prompt_tokens(self.engine, text)
 
     def _fit(self, user: str) -> tuple[list[int], int]:
         """(prompt tokens, oldest turns to drop) so that prompt + a reserve for the answer fits."""
@@ -209,7 +216,7 @@ class ChatSession:
                             cpu_threads=getattr(eng, "cpu_threads", None))
         if dropped and on_notice:
             on_notice("context full: dropped the oldest " + (f"{dropped} turns" if dropped > 1 else "turn"))
-        keep = _common_prefix(self._kv, toks)
+        keep = common_prefix(self._kv, toks)
         keep = min(keep, len(toks) - 1)  # evaluate at least one token to get fresh logits
         text_parts: list[str] = []
         generated: list[int] = []

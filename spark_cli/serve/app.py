@@ -195,7 +195,7 @@ async def props(request: Request) -> Response:
         "default_generation_settings": {"n_ctx": eng.n_ctx, "params": {
             "temperature": d.temp, "seed": d.seed, "n_predict": d.n_predict, "max_tokens": d.n_predict,
             **SAMPLING_DEFAULTS}},
-        "total_slots": 1,
+        "total_slots": len(st.worker.slots) or 1,
         "model_alias": st.model_name,
         "model_path": st.model_path,
         "chat_template": plain.source if plain is not None else "",
@@ -209,6 +209,13 @@ async def props(request: Request) -> Response:
     if tools is not None and tools is not plain:
         body["chat_template_tool_use"] = tools.source
     return JSONResponse(body)
+
+
+async def slots(request: Request) -> Response:
+    """llama-server's GET /slots: each slot, busy or idle, and what it holds."""
+    st: ServerState = request.app.state.spark
+    _engine(st)
+    return JSONResponse(st.worker.slots_info())
 
 
 async def models(request: Request) -> Response:
@@ -260,6 +267,7 @@ def create_app(state: ServerState) -> Any:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/props", props, methods=["GET"]),
+        Route("/slots", slots, methods=["GET"]),
         *ANTHROPIC_ROUTES,
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error,

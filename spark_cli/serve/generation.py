@@ -1,18 +1,16 @@
-"""One request's generation on the server's engine, through `spark chat`'s answer loop.
+"""One request's prompt on the server's engine: a chat rendered with the model's template
+(tools, prefill) or a completion's text or token ids, checked against one slot's context.
 
-`RequestSession` is a `ChatSession` whose prompt is the request's own (every message, or a
-raw completion prompt) instead of the session history, so KV prefix reuse, the generation loop
-(native/generate.py, which also cuts stop strings), cache figures and decode-count harvesting
-are the ones `spark chat` runs.
+The tokens are `spark chat`'s (chat_session.prompt_tokens); the generation itself is the
+engine's one loop (native/generate.BatchLoop), driven by the worker's slots.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
-from ..runs.chat_session import Answer, ChatSession, Sampling, _Learned
 from ..errors import SparkError
-from ..native.generate import TokenProbs
+from ..runs.chat_session import prompt_tokens
 
 
 class ContextError(SparkError):
@@ -30,13 +28,12 @@ def continued(prompt: str, content: str) -> str | None:
     return prompt[:k + len(content)] if k >= 0 else None
 
 
-class RequestSession(ChatSession):
-    """A ChatSession over a fixed prompt; `kv` is the server's record of the KV cache."""
+class RequestPrompt:
+    """A request's prompt tokens (`tokens`) and text, from a chat or a completion."""
 
-    def __init__(self, engine, sampling: Sampling, kv: list[int], cached_layers: set[int]):
-        super().__init__(engine, sampling, cached_layers=cached_layers)
-        self._kv = list(kv)
-        self._prompt: list[int] = []
+    def __init__(self, engine):
+        self.engine = engine
+        self.tokens: list[int] = []
 
     def set_chat(self, messages: list[dict], tools: list[dict] | None = None, extras: dict | None = None,
                  prefill: bool = False) -> str:
@@ -50,18 +47,14 @@ class RequestSession(ChatSession):
             text = continued(whole, messages[-1]["content"])
         if text is None:
             text = self.engine.chat_prompt(messages, tools=tools, extras=extras)
-        self._prompt = self._prompt_tokens(text)
+        self.tokens = prompt_tokens(self.engine, text)
         return text
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self._prompt)
 
     def set_text(self, prompt: str | Sequence[int | str]) -> str:
         """A completion's prompt: text, or llama-server's list of token ids and texts (only the
         first text gets the BOS); the prompt's text. A token id past the vocabulary: SparkError."""
         if isinstance(prompt, str):
-            self._prompt = self.engine.tokenize(prompt, add_special=True, parse_special=True)
+            self.tokens = self.engine.tokenize(prompt, add_special=True, parse_special=True)
             return prompt
         n_vocab = getattr(self.engine, "n_vocab", None)
         toks: list[int] = []
@@ -72,25 +65,14 @@ class RequestSession(ChatSession):
                 raise SparkError(f"prompt: token {part} is not in the vocabulary (0 to {n_vocab - 1})")
             else:
                 toks.append(part)
-        self._prompt = toks
+        self.tokens = toks
         return self.engine.detokenize(toks)
 
-    def _fit(self, user: str) -> tuple[list[int], int]:
+    def check_fits(self) -> None:
+        """ContextError when the prompt leaves no room in one slot's context."""
         n_ctx = self.engine.n_ctx
-        if len(self._prompt) >= n_ctx:
-            raise ContextError(f"the request needs {len(self._prompt)} prompt tokens but the context holds {n_ctx}",
-                               len(self._prompt), n_ctx,
-                               hint="shorten the messages or start spark serve with a larger -c")
-        return list(self._prompt), 0
-
-    def run(self, on_text: Callable[[str], None], should_stop: Callable[[], bool], stops: Sequence[str] = (),
-            special: bool = False, on_probs: Callable[[TokenProbs], None] | None = None) -> Answer:
-        """Generate; text that may begin a stop string is held back, and one ends the answer (stop).
-        With Sampling.n_probs, each token's probabilities go to on_probs before its text."""
-        self.learned = _Learned()  # this request's decode counts only
-        return self.answer("", on_text=on_text, should_stop=should_stop, stops=stops, special=special,
-                           on_probs=on_probs)
-
-    @property
-    def kv(self) -> list[int]:
-        return self._kv
+        if len(self.tokens) >= n_ctx:
+            raise ContextError(f"the request needs {len(self.tokens)} prompt tokens but the context holds {n_ctx}",
+                               len(self.tokens), n_ctx,
+                               hint="shorten the messages or start spark serve with a larger -c "
+                                    "(-c is split between the -np slots unless --kv-unified)")

@@ -21,6 +21,7 @@ class _Collector:
             ("llamacpp:prompt_seconds", "Prompt process time.", s.prompt_seconds),
             ("llamacpp:tokens_predicted", "Number of generation tokens processed.", s.predicted_tokens),
             ("llamacpp:tokens_predicted_seconds", "Predict process time.", s.predicted_seconds),
+            ("llamacpp:n_decode_total", "Total number of llama_decode() calls.", s.decodes),
             ("spark:requests", "Generations served (finished, stopped or cancelled).", s.requests),
             ("spark:requests_rejected", "Requests refused because the queue was full.", s.rejected),
             ("spark:expert_cache_hits", "Routed experts found on the device (distinct per step).", s.cache.hits),
@@ -36,6 +37,9 @@ class _Collector:
         gauges = (
             ("llamacpp:requests_processing", "Number of requests processing.", s.processing),
             ("llamacpp:requests_deferred", "Number of requests deferred.", s.deferred),
+            ("llamacpp:n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call.",
+             s.busy_slots_per_decode),
+            ("spark:slots", "Slots (-np): sequences decoded together.", s.slots),
             ("spark:expert_cache_hit_ratio", "hits / (hits + misses) since start (0 before any step).",
              s.hit_ratio),
             ("spark:device_bytes_planned", "Device bytes the placement plan budgets (0: no plan).",

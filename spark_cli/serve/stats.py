@@ -17,11 +17,18 @@ class Snapshot:
     predicted_seconds: float = 0.0
     requests: int = 0            # finished generations
     rejected: int = 0            # refused with a full queue
-    processing: int = 0
+    processing: int = 0          # busy slots
+    slots: int = 1
+    decodes: int = 0             # llama_decode calls
+    busy_slot_decodes: int = 0   # busy slots summed over them
     deferred: int = 0
     cache: CacheStats = field(default_factory=CacheStats)  # cached layers since the engine started
     device_bytes: int = 0        # held by the expert banks
     planned_bytes: int = 0       # the plan's device total
+
+    @property
+    def busy_slots_per_decode(self) -> float:
+        return self.busy_slot_decodes / self.decodes if self.decodes else 0.0
 
     @property
     def hit_ratio(self) -> float:
@@ -57,6 +64,16 @@ class ServerStats:
             self._s.cache = tot
             self._s.device_bytes = dev
             self._s.planned_bytes = self.planned_bytes
+
+    def set_slots(self, n: int) -> None:
+        with self._lock:
+            self._s.slots = n
+
+    def add_decode(self, busy: int) -> None:
+        """One llama_decode with `busy` slots generating."""
+        with self._lock:
+            self._s.decodes += 1
+            self._s.busy_slot_decodes += busy
 
     def set_processing(self, n: int) -> None:
         with self._lock:

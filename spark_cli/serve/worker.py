@@ -1,9 +1,12 @@
-"""The one thread that owns the engine: loads it, then serves queued requests in order.
+"""The one thread that owns the engine: loads it, then serves requests in its -np slots.
 
-Requests wait in a bounded FIFO queue (full: 503). Each runs to completion before the next
-starts, so answers never interleave; a job's `cancel` event stops its generation at the
-next token (client gone, shutdown). An engine failure is fatal: the job and every queued
-one get a 503, and `on_fatal` tells the process to exit non-zero.
+Requests wait in a bounded FIFO queue (full: 503) until a slot is free. Each slot is one
+sequence of the KV cache; every step decodes the next token of every busy slot, and chunks of
+the prompts still pending, in one llama_decode (continuous batching, native/generate.BatchLoop),
+so a slot that finishes takes the next request at once. Each job's events come from its own
+slot only. A job's `cancel` event ends it at the next step (client gone, shutdown) and frees its
+slot. An engine failure is fatal: every running and queued job gets a 503, and `on_fatal` tells
+the process to exit non-zero.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..native.generate import TokenProbs
-from ..runs.chat_session import Sampling
+from ..native.engine import KVFullError
+from ..native.generate import BatchLoop, Decoding, GenerationStep, StepShape, StopRules, TokenProbs
+from ..runs.chat_session import AnswerFigures, Sampling, make_sampler
 from ..errors import SparkError
-from .generation import ContextError, RequestSession
+from .generation import ContextError, RequestPrompt
 from .learn import Learner
+from .slots import DecodeCounts, Slot, pick_slot
 from .protocol import ApiError, Timings, TokenLogprob, Usage, unavailable
 from .stats import ServerStats
 
@@ -113,9 +118,10 @@ class Worker:
         self.ready = threading.Event()
         self.fatal: str | None = None
         self.closing = False
-        self.current: Job | None = None
-        self._session: RequestSession | None = None
-        self._kv: list[int] = []
+        self.slots: list[Slot] = []
+        self._loop: BatchLoop | None = None
+        self._counts: DecodeCounts | None = None
+        self._stopping = False
         self._thread = threading.Thread(target=self._main, name="spark-engine", daemon=True)
 
     # -- called from the web side ------------------------------------------------------------
@@ -138,15 +144,23 @@ class Worker:
             raise unavailable(f"the request queue is full ({self.queue.maxsize} waiting); retry later") from None
         self.stats.set_deferred(self.queue.qsize())
 
+    def running(self) -> list[Job]:
+        return [s.job for s in list(self.slots) if s.job is not None]
+
     def shutdown(self, grace: float) -> None:
-        """Take no more jobs, refuse the queued ones, give the running one `grace` seconds."""
+        """Take no more jobs, refuse the queued ones, give the running ones `grace` seconds."""
         self.closing = True
         self._refuse_queued(unavailable("the server is shutting down"))
-        job = self.current
-        if job is not None and not job.done.wait(grace):
-            job.cancel.set()
+        for job in self.running():
+            if not job.done.wait(grace):
+                job.cancel.set()
         self.queue.put(None)
         self._thread.join()
+
+    def slots_info(self) -> list[dict]:
+        """llama-server's GET /slots: one entry per slot."""
+        n_ctx = getattr(self.engine, "n_ctx", 0)
+        return [s.info(n_ctx) for s in list(self.slots)]
 
     # -- the engine thread ---------------------------------------------------------------------
 
@@ -160,79 +174,159 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - reported in one line, exit non-zero
             self._die(f"{type(e).__name__}: {e}", 2)
             return
+        eng = self.engine
+        self.slots = [Slot(i) for i in range(getattr(eng, "n_seq", 1))]
+        self.stats.set_slots(len(self.slots))
+        self._loop = BatchLoop(eng)
+        self._counts = DecodeCounts(eng, self.learner)
         self.ready.set()
-        while True:
-            job = self.queue.get()
+        while not self.fatal:
+            self._admit()
+            if not self._loop.busy:
+                if self._stopping:
+                    break
+                self._counts.flush()
+                job = self.queue.get()
+                self.stats.set_deferred(self.queue.qsize())
+                if job is None:
+                    break
+                self._start(job)
+                continue
+            self._step()
+        self._counts.flush()
+
+    def _admit(self) -> None:
+        """Start queued jobs while a slot is free."""
+        while not self._stopping and any(s.job is None for s in self.slots):
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                return
             self.stats.set_deferred(self.queue.qsize())
             if job is None:
-                break
-            if job.cancel.is_set():
-                job.done.set()
-                continue
-            self.current = job
-            try:
-                self._serve(job)
-            except Exception as e:  # noqa: BLE001 - a bug in one request must not take the server down
-                job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
-                self._kv = []
-                self.engine.reset()
-            finally:
-                self.current = None
-                job.done.set()
-            if self.fatal:
-                break
+                self._stopping = True
+                return
+            self._start(job)
 
-    def _serve(self, job: Job) -> None:
+    def _step(self) -> None:
+        busy = sum(1 for s in self.slots if s.job is not None)
+        try:
+            self._loop.step(before=lambda shape: self._before(shape, busy))
+        except KVFullError:
+            self._evict()
+        except SparkError as e:
+            self._engine_failed(e.one_line())
+        except Exception as e:  # noqa: BLE001 - reported as a failed engine, not a traceback
+            self._engine_failed(f"{type(e).__name__}: {e}")
+
+    def _before(self, shape: StepShape, busy: int) -> None:
+        self._counts.before(shape)
+        self.stats.add_decode(busy)
+
+    def _evict(self) -> None:
+        """No room in the unified KV cache for this step: the longest sequence ends (context)."""
+        slot = max((s for s in self.slots if s.job is not None), key=lambda s: self.engine.seq_pos(s.id))
+        self._loop.end(slot.id, "context")
+
+    def _start(self, job: Job) -> None:
+        """Prepare a job's prompt and put it in the free slot that holds most of it; a job that
+        cannot run (bad input, count_only) is answered here without a slot."""
+        if job.cancel.is_set():
+            job.done.set()
+            return
         eng = self.engine
+        try:
+            req = self._prompt(job)
+        except Exception as e:  # noqa: BLE001 - a bug in one request must not take the server down
+            job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
+            req = None
+        if req is None:
+            job.done.set()
+            return
+        toks, text = req
+        slot = pick_slot(self.slots, toks if job.cache_prompt else [])
+        keep = min(slot.common(toks), len(toks) - 1) if job.cache_prompt else 0
+        kept = eng.truncate(keep, seq=slot.id)
+        slot.begin(job, toks, kept)
+        sampler = make_sampler(eng, job.sampling)
+        sampler.prime(toks)
         chat = job.chat
-        bad = _bad_bias(job.sampling, getattr(eng, "n_vocab", None))
+        dec = Decoding(eng, slot.id, n_prompt=len(toks) - kept, sampler=sampler,
+                       max_tokens=job.sampling.n_predict, stop=StopRules(strings=tuple(job.stops)),
+                       should_stop=lambda: job.cancel.is_set() or bool(self.fatal),
+                       special=chat is not None and chat.fmt.special, n_probs=job.sampling.n_probs)
+        slot.sampler = sampler
+        slot.probs = _ProbsFeed(eng, job.sampling.n_probs is not None)
+        job.emit(Started(len(toks), text))
+        self.stats.set_processing(sum(1 for s in self.slots if s.job is not None))
+        self._loop.add(dec, lambda step: self._on_step(slot, step), prompt=toks[kept:])
+
+    def _prompt(self, job: Job) -> tuple[list[int], str] | None:
+        """The job's prompt tokens and text, or None once it has been answered (a 400, count_only)."""
+        bad = _bad_bias(job.sampling, getattr(self.engine, "n_vocab", None))
         if bad:
             job.emit(Failed(ApiError(400, bad, param="logit_bias")))
-            return
-        sess = RequestSession(eng, job.sampling, self._kv if job.cache_prompt else [], self.cached_layers)
+            return None
+        req = RequestPrompt(self.engine)
+        chat = job.chat
         try:
-            try:
-                if chat is not None:
-                    prompt = sess.set_chat(chat.messages, chat.tools, chat.extras, prefill=chat.prefill)
-                else:
-                    prompt = sess.set_text(job.text or "")
-                if job.count_only:
-                    job.emit(Started(sess.prompt_tokens, prompt))
-                    job.emit(Done("length", Usage(sess.prompt_tokens)))
-                    return
-                sess.check_fits("")
-            except ContextError as e:
-                job.emit(Failed(ApiError(400, e.message, "exceed_context_size_error",
-                                         extra={"n_prompt_tokens": e.n_prompt, "n_ctx": e.n_ctx})))
-                return
-            except SparkError as e:
-                job.emit(Failed(ApiError(400, e.one_line())))
-                return
-            n_prompt = sess.prompt_tokens
-            job.emit(Started(n_prompt, prompt))
-            self.stats.set_processing(1)
-            self._session = sess
-            probs = _ProbsFeed(eng, job.sampling.n_probs is not None)
-            ans = sess.run(lambda piece: job.emit(Text(piece, probs.take(), sess.n_generated)),
-                           lambda: job.cancel.is_set() or bool(self.fatal), stops=job.stops,
-                           special=chat is not None and chat.fmt.special, on_probs=probs.add)
-        finally:
-            self._session = None
-            self.stats.set_processing(0)
-            sess.close()
-        fig = ans.figures
-        self._kv = sess.kv
+            if chat is not None:
+                text = req.set_chat(chat.messages, chat.tools, chat.extras, prefill=chat.prefill)
+            else:
+                text = req.set_text(job.text or "")
+            if job.count_only:
+                job.emit(Started(len(req.tokens), text))
+                job.emit(Done("length", Usage(len(req.tokens))))
+                return None
+            req.check_fits()
+        except ContextError as e:
+            job.emit(Failed(ApiError(400, e.message, "exceed_context_size_error",
+                                     extra={"n_prompt_tokens": e.n_prompt, "n_ctx": e.n_ctx})))
+            return None
+        except SparkError as e:
+            job.emit(Failed(ApiError(400, e.one_line())))
+            return None
+        return req.tokens, text
+
+    def _on_step(self, slot: Slot, step: GenerationStep) -> None:
+        """A step of the slot's sequence: text to its job, or its end."""
+        job = slot.job
+        if step.token is not None:
+            slot.generated.append(step.token)
+        if step.probs is not None:
+            slot.probs.add(step.probs)
+        if step.text:
+            job.emit(Text(step.text, slot.probs.take(), len(slot.generated)))
+        if step.finish:
+            self._finish(slot, step)
+
+    def _finish(self, slot: Slot, step: GenerationStep) -> None:
+        job = slot.job
+        fig = AnswerFigures(prompt_tokens=step.prompt_tokens, reused_tokens=slot.reused,
+                            generated_tokens=step.generated_tokens, prompt_seconds=step.prompt_seconds,
+                            gen_seconds=step.gen_seconds, stop=step.finish)
+        slot.end(self.engine.seq_pos(slot.id))
+        self.stats.set_processing(sum(1 for s in self.slots if s.job is not None))
         self.stats.add_request(fig)
-        self.stats.set_cache(eng)
-        self.learner.add(sess.learned.counts, sess.learned.tokens)
-        usage = Usage(n_prompt, fig.reused_tokens, fig.generated_tokens)
-        if ans.error:
-            msg = f"the engine failed: {ans.error}"
-            job.emit(Failed(unavailable(msg)))
-            self._die(ans.error, 1)
-            return
-        job.emit(Done(fig.stop, usage, ans.stop_word, Timings(fig.reused_tokens, fig.prompt_tokens, fig.prompt_seconds,
-                                                          fig.generated_tokens, fig.gen_seconds)))
+        self.stats.set_cache(self.engine)
+        usage = Usage(fig.reused_tokens + fig.prompt_tokens, fig.reused_tokens, fig.generated_tokens)
+        if not self.fatal:
+            job.emit(Done(fig.stop, usage, step.stop_word, Timings(fig.reused_tokens, fig.prompt_tokens,
+                                                                   fig.prompt_seconds, fig.generated_tokens,
+                                                                   fig.gen_seconds)))
+        job.done.set()
+
+    def _engine_failed(self, message: str) -> None:
+        """A decode failed: every running job gets a 503 and the server exits (1)."""
+        self.harvest_now()
+        err = unavailable(f"the engine failed: {message}")
+        self.fatal = message
+        for slot in self.slots:
+            if slot.job is not None:
+                slot.job.emit(Failed(err))
+                slot.job.done.set()
+                slot.end(0)
+        self._die(message, 1)
 
     def _refuse_queued(self, err: ApiError) -> None:
         while True:
@@ -241,6 +335,7 @@ class Worker:
             except queue.Empty:
                 break
             if job is None:
+                self._stopping = True
                 continue
             job.emit(Failed(err))
             job.done.set()
@@ -250,18 +345,14 @@ class Worker:
         """The engine cannot go on (called from the thread that failed): 503 to everyone waiting."""
         self.fatal = message
         err = unavailable(message)
-        job = self.current
-        if job is not None:
+        for job in self.running():
             job.emit(Failed(err))
         self._refuse_queued(err)
 
     def harvest_now(self) -> None:
-        """Hand the running request's decode counts so far to the learner (the device is lost)."""
-        sess = self._session
-        if sess is not None:
-            sess.harvest_now()
-            self.learner.add(sess.learned.counts, sess.learned.tokens)
-            sess.learned.counts, sess.learned.tokens = None, 0
+        """Hand the decode counts so far to the learner (the device is lost)."""
+        if self._counts is not None:
+            self._counts.flush()
 
     def _die(self, message: str, code: int) -> None:
         self.fatal = message
@@ -269,7 +360,8 @@ class Worker:
         self.on_fatal(message, code)
 
     def close_engine(self) -> None:
+        for slot in self.slots:
+            slot.close()
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-
