@@ -224,25 +224,35 @@ LOG_ROUNDING = 5243
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("n_ctx, n_ubatch", [(512, 512), (4096, 512), (4096, 128)])
+@pytest.mark.parametrize("n_ctx, n_ubatch, n_seq, unified", [
+    (512, 512, 1, False), (4096, 512, 1, False), (4096, 128, 1, False),
+    (4096, 512, 3, False),  # -np 3: 3 streams of pad256(4096 / 3) = 1536 cells, 3 recurrent states
+    (4096, 512, 3, True),  # -np 3 --kv-unified: one stream of 4096, SWA rings of 3 windows + ubatch
+    (4096, 240, 3, True),  # the tiny models' 16-token windows: 3 x 16 + 240 pads to 512 cells, 16 + 240 to 256
+])
 @pytest.mark.parametrize("name", list(TINY_MODELS))
-def test_planned_kv_and_state_bytes_equal_llama_cpp(name, n_ctx, n_ubatch) -> None:
+def test_planned_kv_and_state_bytes_equal_llama_cpp(name, n_ctx, n_ubatch, n_seq, unified) -> None:
     """The planner's KV cache and recurrent state (vram.kv_cache_bytes: full-attention layers at
     n_ctx, sliding-window layers at window + ubatch, recurrent layers' f32 state, MLA's latent, MTP
-    blocks' own KV) against the KV and RS buffers llama.cpp allocates for the tiny model."""
+    blocks' own KV; with -np, one stream per sequence or one unified) against the KV and RS buffers
+    llama.cpp allocates for the tiny model, and its per-sequence and total context."""
     from spark_cli.core import vram
 
     path = build_tiny_model(name)
     g = load_geometry(path)
     opts = EngineOptions(path, n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch, device="cpu", repack=False,
-                         n_threads=1)
+                         n_threads=1, n_seq=n_seq, kv_unified=unified)
     with Engine(opts) as eng:
         bufs = eng.allocated_bytes()
+        contexts = (eng.n_ctx, eng.n_ctx_total, eng.n_seq)
+    per_seq = vram.kv_ctx_seq(n_ctx, n_seq, unified)
+    assert contexts == (per_seq, per_seq * vram.kv_streams(n_seq, unified), n_seq)
     kv = {k: v for k, v in bufs.items() if k.split()[0] in ("KV", "RS")}
     assert kv, f"{name}: llama.cpp logged no KV or RS buffer ({sorted(bufs)})"
     if g.recurrent_state_bytes:
         assert any(k.startswith("RS ") for k in kv), f"{name}: a hybrid model without a recurrent state buffer"
-    planned = vram.kv_cache_bytes(g, n_ctx, n_ubatch=n_ubatch)
+    planned = vram.kv_cache_bytes(g, n_ctx, n_ubatch=n_ubatch, n_seq=n_seq, unified=unified)
     allocated = sum(kv.values())
     assert abs(planned - allocated) <= LOG_ROUNDING * len(kv), \
-        f"{name} -c {n_ctx} -ub {n_ubatch}: planned {planned} B of KV and state, llama.cpp allocated {allocated} ({kv})"
+        f"{name} -c {n_ctx} -ub {n_ubatch} -np {n_seq}{' -kvu' if unified else ''}: planned {planned} B of " \
+        f"KV and state, llama.cpp allocated {allocated} ({kv})"

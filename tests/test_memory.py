@@ -75,6 +75,28 @@ def test_tiny_families_planned_is_measured_is_real(name, rpc_server):
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("name", ["gpt-oss", "qwen35moe"])  # sliding-window, hybrid
+def test_dry_run_measures_the_plans_sequences(name, rpc_server):
+    """-np 3: the fit loop's dry runs allocate 3 sequences' KV cache and state, what the plan bills;
+    a --plan run without -np measures the plan's 3 (session.engine_options), -np 1 fewer."""
+    from spark_cli.runs.tiny_models import build_tiny_model
+
+    path = build_tiny_model(name)
+    g = load_geometry(path)
+    flags = LoadFlags(rpc=rpc_server.endpoint, repack=False, parallel=3)
+    req = planner.PlanRequest(_budget(g), N_CTX, n_parallel=3)
+    plan = planner.plan_for(g, req, dry_run.measurer(path, g, flags, N_CTX)).plan
+    (dev,) = plan.measured_bill().device_names()
+    context = plan.measured_bill().device(dev)["context"]
+    assert plan.n_parallel == 3 and plan.breakdown["kv_cache"] == vram.kv_cache_bytes(g, N_CTX, n_seq=3)
+    assert context == plan.breakdown["kv_cache"]
+    plain = LoadFlags(rpc=rpc_server.endpoint, repack=False)
+    assert dry_run.measure(path, g, plan, plain, N_CTX).device(dev)["context"] == context
+    one = dry_run.measure(path, g, plan, dataclasses.replace(plain, parallel=1), N_CTX).device(dev)["context"]
+    assert one == vram.kv_cache_bytes(g, N_CTX) < context
+
+
+@pytest.mark.model
 def test_estimate_fits_but_measurement_does_not_fit_loop_shrinks(small_model, rpc_server, monkeypatch):
     """A compute estimate far under llama.cpp's: the estimate's plan measures over the budget,
     the fit loop gives up slots and pins until the measurement fits, and the result loads."""

@@ -35,6 +35,38 @@ def test_load_flags_from_cli() -> None:
         LoadFlags.from_cli(type_k="q3_k")
 
 
+def test_parallel_and_kv_unified_default_to_the_plans(tmp_path) -> None:
+    """-np/--kv-unified not given: 1 and off, or what a --plan was priced for; given: the flags."""
+    from dataclasses import replace
+
+    from spark_cli.core.planner import _make_plan
+    from spark_cli.runs import session
+
+    g = make_geometry(n_layer=3)
+    plan = replace(_make_plan(g, 1 << 40, 4096), n_parallel=4, kv_unified=True)
+    model = tmp_path / "m.gguf"
+    for flags, with_plan, want in (
+            (LoadFlags.from_cli(), None, (1, False)),
+            (LoadFlags.from_cli(), plan, (4, True)),
+            (LoadFlags.from_cli(parallel=2, kv_unified=False), plan, (2, False)),
+            (LoadFlags.from_cli(parallel=3, kv_unified=True), None, (3, True))):
+        opts = session.engine_options(model, g, with_plan, flags, n_ctx=4096)
+        assert (opts.n_seq, opts.kv_unified) == want
+    assert session.kv_settings(LoadFlags.from_cli(parallel=2)) == {
+        "type_k": "f16", "type_v": "f16", "n_ubatch": 512, "n_parallel": 2, "kv_unified": False}
+    # a --plan run with more sequences than the plan priced is told so (fewer, or -np 4 unified: not)
+    warn = session._sequences_warning
+    assert warn(g, plan, LoadFlags.from_cli()) is None
+    assert warn(g, plan, LoadFlags.from_cli(parallel=2)) is None
+    assert warn(g, plan, LoadFlags.from_cli(parallel=8)) is None  # one unified stream of n_ctx either way
+    hybrid = make_geometry(n_layer=3, kv_heads=(0, 2, 2), recurrent_state=4096)
+    assert warn(hybrid, plan, LoadFlags.from_cli(parallel=8)) == \
+        "-np 8 --kv-unified needs more KV cache than the plan's -np 4 --kv-unified: it takes more VRAM than planned"
+    swa = make_geometry(n_layer=3, swa=(True, False, False), sliding_window=128)
+    assert warn(swa, replace(plan, kv_unified=False), LoadFlags.from_cli(kv_unified=True)) is None
+    assert warn(swa, plan, LoadFlags.from_cli(kv_unified=False)) is not None  # 4 rings instead of one
+
+
 @pytest.mark.parametrize("device,rpc,names,endpoints", [
     (None, None, None, ()),
     ("auto", None, None, ()),

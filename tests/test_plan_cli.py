@@ -320,6 +320,30 @@ def test_help_shows_llama_cpp_spellings(spark) -> None:
     rc, stdout, _ = spark("-h")
     assert rc == 0
     for flag in ("--ctx-size", "-c", "-ctk", "-ctv", "--flash-attn", "-fa", "--batch-size", "-ub", "--no-mmap",
-                 "--mlock", "-dev", "--rpc", "-ot", "--threads", "--json", "--output", "--policy", "--check"):
+                 "--mlock", "-dev", "--rpc", "-ot", "--threads", "--json", "--output", "--policy", "--check",
+                 "--parallel", "-np", "--kv-unified", "-kvu"):
         assert flag in stdout, flag
     assert "--ctx," not in stdout and "--ctx " not in stdout  # the old spelling works but is not shown
+
+
+def test_plan_prices_parallel_sequences(spark) -> None:
+    """`spark plan -np 4` prices four sequences' KV cache and recurrent state (a hybrid tiny model:
+    the same 4096 attention cells in 4 streams or one unified, the state 4 times) and records them."""
+    from spark_cli.runs.tiny_models import build_tiny_model as build_family_model
+
+    path = build_family_model("qwen35moe")
+    g = load_geometry(path)
+    assert g.recurrent_state_bytes
+    kv = {}
+    for argv, n, unified in (([], 1, False), (["-np", "4"], 4, False), (["--parallel", "4", "-kvu"], 4, True),
+                             (["-np", "3", "--no-kv-unified"], 3, False)):
+        rc, stdout, stderr = spark(path, "--vram", "64GiB", "-c", 4096, *argv, "--json")
+        assert rc == 0, stderr
+        p = planner.Plan.from_json(stdout)
+        assert (p.n_parallel, p.kv_unified) == (n, unified)
+        assert p.breakdown["kv_cache"] == vram.kv_cache_bytes(g, 4096, n_seq=n, unified=unified)
+        kv[n, unified] = p.breakdown["kv_cache"]
+    assert kv[4, False] - kv[1, False] == kv[4, True] - kv[1, False] == 3 * g.recurrent_state_bytes
+    rc, stdout, stderr = spark(path, "--vram", "64GiB", "-c", 4096, "-np", "4")
+    assert rc == 0, stderr
+    assert "n_ctx 4096, 4 sequences" in stdout

@@ -383,3 +383,30 @@ def test_staging_slices_per_expert_shape() -> None:
     assert make_plan(g, full_bytes(g), 4096).stage_slices == 0
     again = Plan.from_json(auto.to_json())
     assert again.stage_slices == 8 and again == auto
+
+
+def test_parallel_sequences_are_priced_and_recorded() -> None:
+    """-np 4 prices four sequences: for a hybrid model at -c 4096 the attention layers keep the same
+    4096 cells (4 streams of 1024, or one unified stream), the recurrent state is held 4 times, so the
+    bill grows by exactly 3 states. n_parallel and kv_unified round-trip through the plan file; a plan
+    file from before them loads as 1 and false."""
+    state = 3 * MiB + 17
+    g = make_geometry(n_layer=4, n_expert=8, k=2, kv_heads=(0, 0, 0, 2), recurrent_state=state)
+    budget = fixed_bytes(g, 4096) + floor_bytes(g) + 200 * MiB
+    one = plan_for(g, PlanRequest(budget, 4096)).plan
+    assert (one.n_parallel, one.kv_unified) == (1, False)
+    for unified in (False, True):
+        four = plan_for(g, PlanRequest(budget, 4096, n_parallel=4, kv_unified=unified)).plan
+        assert (four.n_parallel, four.kv_unified) == (4, unified)
+        assert four.breakdown["kv_cache"] - one.breakdown["kv_cache"] == 3 * state
+        assert four.breakdown["kv_cache"] == vram.kv_cache_bytes(g, 4096, n_seq=4, unified=unified)
+        d = json.loads(four.to_json())
+        assert (d["n_parallel"], d["kv_unified"]) == (4, unified)
+        assert Plan.from_json(four.to_json()) == four
+    old = json.loads(one.to_json())
+    del old["n_parallel"], old["kv_unified"]
+    again = Plan.from_json(json.dumps(old))
+    assert (again.n_parallel, again.kv_unified) == (1, False) and again == one
+    for bad in ({"n_parallel": 0}, {"n_parallel": 257}, {"kv_unified": 1}):
+        with pytest.raises(PlanError, match=next(iter(bad))):
+            Plan.from_json(json.dumps({**old, **bad}))

@@ -72,6 +72,37 @@ def test_kv_sliding_window() -> None:
     assert kv_cache_bytes(swa, 256) == kv_cache_bytes(full, 256)
 
 
+@pytest.mark.parametrize("n_ctx,n_seq,unified,cells,streams", [
+    (4096, 1, False, 4096, 1),
+    (4096, 3, False, 1536, 3),  # pad256(4096 / 3): llama.cpp rounds n_ctx to 3 x 1536
+    (4096, 4, False, 1024, 4),
+    (4096, 3, True, 4096, 1),  # one stream of all of -c
+    (1000, 2, False, 512, 2),  # n_ctx padded first (1024), then split
+    (256, 256, False, 256, 256),  # llama.cpp's LLAMA_MAX_SEQ sequences of one 256-cell stream each
+])
+def test_kv_sequences_split_the_context(n_ctx, n_seq, unified, cells, streams) -> None:
+    """-np/--kv-unified as llama.cpp's llama_context and llama_kv_cache: n_ctx_seq cells per stream,
+    one stream per sequence unless unified; recurrent state once per sequence either way."""
+    from spark_cli.core.vram import kv_ctx_seq, kv_streams
+
+    assert (kv_ctx_seq(n_ctx, n_seq, unified), kv_streams(n_seq, unified)) == (cells, streams)
+    g = make_geometry(n_layer=4, kv_heads=(0, 0, 0, 2), recurrent_state=12345)
+    assert kv_cache_bytes(g, n_ctx, n_seq=n_seq, unified=unified) == cells * streams * 2 * 2 * 64 * 2 + n_seq * 12345
+
+
+def test_kv_sliding_window_with_sequences() -> None:
+    """The window's ring per stream: pad256(min(n_ctx_seq, window * (n_seq if unified else 1) + ubatch))."""
+    from spark_cli.core.vram import kv_cells
+
+    swa = make_geometry(n_layer=2, swa=(True, False), sliding_window=128)
+    per_cell = 2 * 2 * 64 * 2
+    assert kv_cells(swa, 4096, 0, 512, n_seq=3) == 768  # 128 + 512 in each of 3 streams of 1536
+    assert kv_cells(swa, 4096, 0, 512, n_seq=3, unified=True) == 1024  # 3 x 128 + 512, one stream
+    assert kv_cells(swa, 4096, 0, 512, n_seq=16) == 256  # capped at a stream's 256 cells
+    assert kv_cache_bytes(swa, 4096, n_seq=3) == 3 * (768 + 1536) * per_cell
+    assert kv_cache_bytes(swa, 4096, n_seq=3, unified=True) == (1024 + 4096) * per_cell
+
+
 def test_compute_buffer() -> None:
     tiny = make_geometry(n_vocab=10)
     assert compute_buffer_bytes(tiny, 512) == COMPUTE_FLOOR_BYTES

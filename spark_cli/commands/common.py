@@ -46,11 +46,13 @@ MODEL_FLAGS: dict[str, tuple[Any, Any]] = {
                                         help="physical batch size (default: 512, or the plan's); a prefill "
                                              "ubatch goes through the expert cache when ubatch x k fits its "
                                              "LRU slots")),
-    "parallel": (int, _opt(1, "--parallel", "-np", min=1, max=256,
-                           help="sequences the context holds at once: spark serve's slots, decoded together "
-                                "(-c is split between them unless --kv-unified)")),
-    "kv_unified": (bool, _opt(False, "--kv-unified", "-kvu", help="one KV cache shared by every sequence: "
-                                                                  "each may use all of -c")),
+    "parallel": (Optional[int], _opt(None, "--parallel", "-np", min=1, max=256, show_default=False,
+                                     help="sequences the context holds at once: spark serve's slots, decoded "
+                                          "together (-c is split between them unless --kv-unified); the plan "
+                                          "prices their KV cache and state (default: 1, or the plan's)")),
+    "kv_unified": (Optional[bool], _opt(None, "--kv-unified/--no-kv-unified", "-kvu/-no-kvu", show_default=False,
+                                        help="one KV cache shared by every sequence: each may use all of -c "
+                                             "(default: off, or the plan's)")),
     "no_mmap": (bool, _opt(False, "--no-mmap", help="read the model into memory instead of mapping it")),
     "mlock": (bool, _opt(False, "--mlock", help="keep the model in RAM (no swapping)")),
     "no_repack": (bool, _opt(False, "--no-repack", "-nr", help="disable weight repacking for the CPU (AMX, "

@@ -113,7 +113,8 @@ def budget_table(plan: Plan, budget_source: str) -> Table:
         ("resident experts", b["experts_resident"], None, f"{len(resident)} layers, all experts"),
         ("expert banks", b["expert_banks"], dev and dev["banks"],
          f"{len(cached)} cached layers: {pins} pinned + {slots - pins} LRU slots + {len(cached)} guard"),
-        ("KV cache", b["kv_cache"], dev and dev["context"], f"K {plan.type_k} / V {plan.type_v}, n_ctx {plan.n_ctx}"),
+        ("KV cache", b["kv_cache"], dev and dev["context"], f"K {plan.type_k} / V {plan.type_v}, n_ctx {plan.n_ctx}"
+         + (f", {plan.n_parallel} sequences" + (" (unified)" if plan.kv_unified else "") if plan.n_parallel > 1 else "")),
         ("compute buffer", b["compute"], dev and dev["compute"],
          f"{'measured' if measured_compute else 'estimate'}, n_ubatch {plan.n_ubatch}"),
         ("overhead", b["overhead"], None, "CUDA context, cuBLAS, allocator (estimate, not measurable)"),

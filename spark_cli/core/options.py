@@ -35,8 +35,9 @@ class LoadFlags:
     rpc: str | None = None
     override_tensor: tuple[str, ...] = ()
     threads_batch: int | None = None  # -tb: threads for multi-token steps (default: -t)
-    parallel: int = 1  # -np: sequences (server slots) the context holds at once
-    kv_unified: bool = False  # -kvu: one KV buffer shared by every sequence (else -c is split between them)
+    parallel: int | None = None  # -np: sequences (server slots) the context holds at once (None: 1, or the plan's)
+    kv_unified: bool | None = None  # -kvu: one KV buffer shared by every sequence, else -c is split between
+    # them (None: not given, so false, or the plan's)
 
     @classmethod
     def from_cli(cls, *, ctx_size: int | None = None, threads: int | None = None, type_k: str | None = None,
@@ -44,7 +45,7 @@ class LoadFlags:
                  ubatch_size: int | None = None, no_mmap: bool = False, mlock: bool = False,
                  no_repack: bool = False, device: str | None = None, rpc: str | None = None,
                  override_tensor: Sequence[str] | None = None, threads_batch: int | None = None,
-                 parallel: int = 1, kv_unified: bool = False) -> "LoadFlags":
+                 parallel: int | None = None, kv_unified: bool | None = None) -> "LoadFlags":
         from . import vram
 
         fa = flash_attn.lower()

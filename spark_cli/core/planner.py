@@ -57,6 +57,8 @@ Plan file (`spark plan -o`, read by `--plan`), JSON:
              cpu_moe_fits},
    "overrides": [{"pattern", "target"}, ...],   # tensor overrides the engine applies (placement.py)
    "stage_slices": int,   # optional (default 0): staging slices per expert shape
+   "n_parallel": int,     # optional (default 1): -np, the sequences the KV cache and state are priced for
+   "kv_unified": bool,    # optional (default false): --kv-unified, one KV stream for all of them
    "layers": [{"index", "mode", "pinned", "slots", "device_bytes", "host_bytes"}, ...]}
 mode: resident | cached | host (experts in host RAM, no bank) | dense | skipped (an MTP
 block llama.cpp does not load).
@@ -84,6 +86,7 @@ from .placement import TensorOverride, cached_expert_overrides, stock_overrides,
 from .simulator import DEFAULT_POLICY, MISS_PATH_CHOICES, ONLINE_POLICIES, LayerTrace, canonical_policy
 
 PLAN_VERSION = 2
+MAX_PARALLEL = 256  # llama.cpp's LLAMA_MAX_SEQ: -np at most
 MODES = ("resident", "cached", "host", "dense", "skipped")
 BREAKDOWN_KEYS = ("weights_global", "weights_layers_nonexpert", "experts_resident", "expert_banks",
                   "kv_cache", "compute", "overhead", "total")
@@ -257,6 +260,8 @@ class Plan:
     measured_device_bytes: int | None = None  # its total on the first device (banks included)
     fit_rounds: int = 0  # dry runs the fit loop took (0: not measured)
     policy_replay: dict[str, float] | None = None  # --policy auto: each policy's share of experts on the device
+    n_parallel: int = 1  # -np: sequences the KV cache and recurrent state are priced for (vram.kv_cache_bytes)
+    kv_unified: bool = False  # --kv-unified: one KV stream shared by them (else n_ctx / n_parallel each)
 
     def measured_bill(self) -> MeasuredBill | None:
         return MeasuredBill.from_dict(self.measured) if self.measured is not None else None
@@ -318,6 +323,9 @@ class Plan:
                    predicted_miss=f.float(d, "predicted_miss", "", optional=True, default=None),
                    miss_path=f.str(d, "miss_path", "", default="auto"),
                    stage_slices=f.int(d, "stage_slices", "", 0, INT32_MAX) if "stage_slices" in d else 0,
+                   # NOTE: plans from before -np priced one sequence and one stream
+                   n_parallel=f.int(d, "n_parallel", "", 1, MAX_PARALLEL) if "n_parallel" in d else 1,
+                   kv_unified=f.bool(d, "kv_unified", "") if "kv_unified" in d else False,
                    overrides=tuple(overrides),
                    **_measured_fields(f, d))
         seen: set[int] = set()
@@ -388,22 +396,26 @@ def unmeasured_overhead() -> int:
 
 
 def fixed_costs(g: ModelGeometry, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
-                n_ubatch: int = DEFAULT_UBATCH, compute: int | None = None) -> dict[str, int]:
+                n_ubatch: int = DEFAULT_UBATCH, compute: int | None = None, n_parallel: int = 1,
+                kv_unified: bool = False) -> dict[str, int]:
     """The device bill of everything but the routed experts, by item: the plan's and bench's.
-    `compute`: the measured compute buffers (a dry run's), else vram's estimate."""
+    `compute`: the measured compute buffers (a dry run's), else vram's estimate. The KV cache and
+    recurrent state are those of `n_parallel` sequences (-np, --kv-unified), as llama.cpp allocates."""
     return {
         "weights_global": g.device_global_bytes,
         "weights_layers_nonexpert": sum(l.nonexpert_bytes for l in g.layers if not l.is_nextn),
-        "kv_cache": vram.kv_cache_bytes(g, n_ctx, type_k, type_v, n_ubatch),
-        "compute": vram.compute_buffer_bytes(g, n_ctx, n_ubatch) if compute is None else compute,
+        "kv_cache": vram.kv_cache_bytes(g, n_ctx, type_k, type_v, n_ubatch, n_parallel, kv_unified),
+        "compute": vram.compute_buffer_bytes(g, n_ctx, n_ubatch, n_parallel, kv_unified) if compute is None
+        else compute,
         "overhead": vram.DEVICE_OVERHEAD_BYTES,
     }
 
 
 def fixed_bytes(g: ModelGeometry, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
-                n_ubatch: int = DEFAULT_UBATCH) -> int:
+                n_ubatch: int = DEFAULT_UBATCH, n_parallel: int = 1, kv_unified: bool = False) -> int:
     """Device bytes of everything but the routed experts (weights, KV cache, compute, overhead)."""
-    return sum(fixed_costs(g, n_ctx, type_k, type_v, n_ubatch).values())
+    return sum(fixed_costs(g, n_ctx, type_k, type_v, n_ubatch, n_parallel=n_parallel,
+                           kv_unified=kv_unified).values())
 
 
 def stock_baseline(g: ModelGeometry, budget_bytes: int, fixed_bytes: int) -> StockBaseline:
@@ -481,19 +493,21 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
                profile_counts: np.ndarray | None = None, type_k: str = "f16", type_v: str = "f16",
                max_slots_per_layer: int | None = None, n_ubatch: int = DEFAULT_UBATCH, *,
                miss_fn: MissFn | None = None, allow_pins: bool = True, policy: str = DEFAULT_POLICY,
-               miss_path: str = "auto", compute_bytes: int | None = None) -> Plan:
+               miss_path: str = "auto", compute_bytes: int | None = None, n_parallel: int = 1,
+               kv_unified: bool = False) -> Plan:
     """The greedy for `budget_bytes` of device memory (see the module docstring); plan_for's.
 
     profile_counts: [n_layer, n_expert] decode routing counts; None = uniform prior.
     miss_fn(layer, pins, slots): replayed miss share, called at most once per triple; None:
     pins only, k policy slots per layer. allow_pins=False: policy slots only.
-    `policy` and `miss_path` are recorded in the plan.
+    `policy` and `miss_path` are recorded in the plan, and so are `n_parallel` and `kv_unified`
+    (-np, --kv-unified: the sequences the KV cache is priced for).
     """
     g = geometry
-    fixed = fixed_costs(g, n_ctx, type_k, type_v, n_ubatch, compute_bytes)
+    fixed = fixed_costs(g, n_ctx, type_k, type_v, n_ubatch, compute_bytes, n_parallel, kv_unified)
     fixed_total = sum(fixed.values())
     moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
-    _check_fixed_fits(fixed, budget_bytes, n_ctx, sum(l.expert_bias_bytes for l in moe))
+    _check_fixed_fits(fixed, budget_bytes, n_ctx, sum(l.expert_bias_bytes for l in moe), n_parallel)
     counts = _checked_counts(g, profile_counts)
     states = _layer_states(g, moe, counts, max_slots_per_layer, miss_fn, allow_pins)
     stage = stage_slices(g.n_expert, g.n_expert_used, miss_path)
@@ -522,19 +536,22 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
                 n_ubatch=n_ubatch, layers=tuple(layers), breakdown=breakdown,
                 predicted_cold_hit=(sum(cold) / len(cold) if cold else 0.0) if counts is not None else None,
                 stock=stock_baseline(g, budget_bytes, fixed_total), policy=policy, miss_path=miss_path,
-                stage_slices=stage, overrides=cached_expert_overrides(g, [l.index for l in layers if l.mode == "cached"])
+                stage_slices=stage, n_parallel=n_parallel, kv_unified=kv_unified,
+                overrides=cached_expert_overrides(g, [l.index for l in layers if l.mode == "cached"])
                 + stock_overrides(l.index for l in layers if l.mode == "host"))
 
 
-def _check_fixed_fits(fixed: dict[str, int], budget_bytes: int, n_ctx: int, all_bias: int) -> None:
+def _check_fixed_fits(fixed: dict[str, int], budget_bytes: int, n_ctx: int, all_bias: int,
+                      n_parallel: int = 1) -> None:
     """PlanError when not even stock --cpu-moe fits: the model without experts is over the budget."""
     need = sum(fixed.values()) - all_bias
     if need > budget_bytes:
         parts = ", ".join(f"{k} {units.gib(v)}" for k, v in fixed.items())
+        seqs = f", -np {n_parallel}" if n_parallel > 1 else ""
         raise PlanError(
             f"--vram {units.gib(budget_bytes)}: the model without experts needs {units.gib(need)} "
-            f"({parts}; n_ctx {n_ctx}); over by {units.shortfall(need - budget_bytes)}",
-            hint="lower --ctx-size, quantize the KV cache (-ctk q8_0) or raise --vram")
+            f"({parts}; n_ctx {n_ctx}{seqs}); over by {units.shortfall(need - budget_bytes)}",
+            hint=f"lower --ctx-size{' or -np' if seqs else ''}, quantize the KV cache (-ctk q8_0) or raise --vram")
 
 
 def _checked_counts(g: ModelGeometry, profile_counts: np.ndarray | None) -> np.ndarray | None:
@@ -659,6 +676,8 @@ class PlanRequest:
     miss_path: str = "auto"  # recorded in the plan; cpu and auto replay the cpu path, upload and layer the upload path
     max_admit: int | None = None  # cpu path admissions per decode step (None: k)
     compute_bytes: int | None = None  # measured compute buffers of the device (the fit loop's); None: estimate
+    n_parallel: int = 1  # -np: sequences the KV cache and recurrent state hold
+    kv_unified: bool = False  # --kv-unified: one KV stream for all of them
 
     @property
     def replay_path(self) -> str:
@@ -787,7 +806,7 @@ def _plan_once(geometry: ModelGeometry, request: PlanRequest) -> PlanResult:
     if r.miss_path not in MISS_PATHS:
         raise PlanError(f"miss path {r.miss_path!r}: unknown", hint="use " + ", ".join(MISS_PATHS))
     kw = dict(type_k=r.type_k, type_v=r.type_v, n_ubatch=r.n_ubatch, policy=policy, miss_path=r.miss_path,
-              compute_bytes=r.compute_bytes)
+              compute_bytes=r.compute_bytes, n_parallel=r.n_parallel, kv_unified=r.kv_unified)
     trace = r.trace if r.trace is not None and r.trace.n_decode else None
     if trace is None:
         return PlanResult(_make_plan(geometry, r.budget_bytes, r.n_ctx, r.profile_counts, **kw))
@@ -857,7 +876,8 @@ def _plan_by_replay(geometry: ModelGeometry, budget_bytes: int, n_ctx: int, trac
                     profile_counts: np.ndarray | None = None, policy: str = DEFAULT_POLICY, type_k: str = "f16",
                     type_v: str = "f16", n_ubatch: int = DEFAULT_UBATCH, replay_path: str = "upload",
                     max_admit: int | None = None, miss_path: str = "auto",
-                    compute_bytes: int | None = None) -> tuple[Plan, list[Candidate]]:
+                    compute_bytes: int | None = None, n_parallel: int = 1,
+                    kv_unified: bool = False) -> tuple[Plan, list[Candidate]]:
     """Price pins against policy slots per layer by replaying `trace` (decode steps)
     through the policy that will run, and keep the best of three plans for the budget:
 
@@ -877,7 +897,7 @@ def _plan_by_replay(geometry: ModelGeometry, budget_bytes: int, n_ctx: int, trac
     rp = _LayerReplay(trace, None if counts is None else np.asarray(counts, dtype=np.float64), policy,
                       replay_path, max_admit)
     common = dict(profile_counts=counts, type_k=type_k, type_v=type_v, n_ubatch=n_ubatch, policy=policy,
-                  miss_path=miss_path, compute_bytes=compute_bytes)
+                  miss_path=miss_path, compute_bytes=compute_bytes, n_parallel=n_parallel, kv_unified=kv_unified)
     plans = [
         ("replay", _make_plan(geometry, budget_bytes, n_ctx, miss_fn=rp.miss, **common)),
         ("pins+k", _make_plan(geometry, budget_bytes, n_ctx, **common)),

@@ -63,25 +63,47 @@ def row_bytes(ggml_type: str, n: int) -> int:
     return -(-n // t.block) * t.block_bytes
 
 
-def kv_cells(geometry: ModelGeometry, n_ctx: int, layer: int, n_ubatch: int = 512) -> int:
-    """KV cells a layer keeps: n_ctx padded, or for a sliding-window layer the window plus
-    one ubatch (llama.cpp's non-full SWA cache), whichever is smaller."""
+def kv_ctx_seq(n_ctx: int, n_seq: int = 1, unified: bool = False) -> int:
+    """Cells of one KV stream (llama.cpp's n_ctx_seq, llama-context.cpp): n_ctx padded to 256; with
+    several sequences and no --kv-unified, each has its own stream of pad256(n_ctx / n_seq) cells."""
     cells = _pad(max(n_ctx, 1), KV_CELL_PAD)
+    if unified or n_seq <= 1:
+        return cells
+    cells = _pad(cells // n_seq, KV_CELL_PAD)
+    if cells == 0:
+        raise UsageError(f"--parallel {n_seq}: more sequences than -c {n_ctx} has cells")
+    return cells
+
+
+def kv_streams(n_seq: int = 1, unified: bool = False) -> int:
+    """KV streams llama.cpp allocates: one per sequence, or one shared with --kv-unified."""
+    return 1 if unified else max(1, n_seq)
+
+
+def kv_cells(geometry: ModelGeometry, n_ctx: int, layer: int, n_ubatch: int = 512, n_seq: int = 1,
+             unified: bool = False) -> int:
+    """KV cells one stream of a layer keeps (kv_cache_bytes multiplies by kv_streams): n_ctx_seq
+    (kv_ctx_seq), or for a sliding-window layer pad256(min(n_ctx_seq, window * (n_seq if unified,
+    else 1) + n_ubatch)) (llama.cpp's non-full SWA cache, llama-kv-cache-iswa.cpp)."""
+    cells = kv_ctx_seq(n_ctx, n_seq, unified)
     if geometry.sliding_window and geometry.swa_layers and geometry.swa_layers[layer]:
-        cells = min(cells, _pad(geometry.sliding_window + n_ubatch, KV_CELL_PAD))
+        window = geometry.sliding_window * (max(1, n_seq) if unified else 1)
+        cells = _pad(min(cells, window + n_ubatch), KV_CELL_PAD)
     return cells
 
 
 def kv_cache_bytes(geometry: ModelGeometry, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
-                   n_ubatch: int = 512) -> int:
-    """KV cache of one sequence on the device, plus the recurrent state of hybrid models.
+                   n_ubatch: int = 512, n_seq: int = 1, unified: bool = False) -> int:
+    """KV cache of `n_seq` sequences (-np) on the device, plus the recurrent state of hybrid models.
 
-    Per layer with attention: cells * (row(type_k, n_head_kv * key_length)
+    Per layer with attention: kv_cells * kv_streams * (row(type_k, n_head_kv * key_length)
     + row(type_v, n_head_kv * value_length)). MLA models (deepseek2 GGUFs with
     `attention.key_length_mla`) cache only the latent: key_length = kv_lora_rank + rope
     dims with one KV head, and no V, as llama.cpp does. Old MLA-less deepseek2 files
-    fall through the general formula. Recurrent layers add their f32 state instead.
+    fall through the general formula. Recurrent layers add their f32 state instead, one per
+    sequence whether or not the KV cache is unified (llama.cpp's rs_size = max(1, n_seq_max)).
     """
+    streams = kv_streams(n_seq, unified)
     total = 0
     for il in range(geometry.n_layer):
         if geometry.kv_heads:
@@ -92,17 +114,19 @@ def kv_cache_bytes(geometry: ModelGeometry, n_ctx: int, type_k: str = "f16", typ
             continue
         k = row_bytes(type_k, heads * geometry.key_length)
         v = 0 if geometry.is_mla else row_bytes(type_v, heads * geometry.value_length)
-        total += kv_cells(geometry, n_ctx, il, n_ubatch) * (k + v)
-    return total + geometry.recurrent_state_bytes
+        total += kv_cells(geometry, n_ctx, il, n_ubatch, n_seq, unified) * streams * (k + v)
+    return total + geometry.recurrent_state_bytes * max(1, n_seq)
 
 
-def compute_buffer_bytes(geometry: ModelGeometry, n_ctx: int, n_ubatch: int = 512) -> int:
+def compute_buffer_bytes(geometry: ModelGeometry, n_ctx: int, n_ubatch: int = 512, n_seq: int = 1,
+                         unified: bool = False) -> int:
     """Estimate of llama.cpp's device compute buffer for a worst-case ubatch.
 
     llama.cpp reserves the graph of one full ubatch with every token an output, and
     its allocator reuses memory between nodes, so the peak is roughly:
       logits   n_ubatch * n_vocab * 4            (usually the largest term)
-      mask     n_ctx_padded * n_ubatch * 2       (f16 KQ mask)
+      mask     n_ctx_seq * n_ubatch * 2          (f16 KQ mask: one stream's cells per token,
+                                                 kv_ctx_seq)
       hidden   n_ubatch * n_embd * 4 * 6         (residual, norms, projections)
       + the larger of attention (n_ubatch * n_head * head_dim * 4 * 3, flash attention
         assumed, as llama.cpp enables it on CUDA by default) and the MoE FFN
@@ -113,7 +137,7 @@ def compute_buffer_bytes(geometry: ModelGeometry, n_ctx: int, n_ubatch: int = 51
     g = geometry
     nt = max(n_ubatch, 1)
     logits = nt * g.n_vocab * 4
-    mask = _pad(max(n_ctx, 1), KV_CELL_PAD) * nt * 2
+    mask = kv_ctx_seq(n_ctx, n_seq, unified) * nt * 2
     hidden = nt * g.n_embd * 4 * 6
     attn = nt * g.n_head * max(g.key_length, g.value_length) * 4 * 3
     moe = nt * g.n_expert_used * g.n_ff_exp * 4 * 3 + nt * g.n_expert * 4 * 2

@@ -11,7 +11,7 @@ Configurations (every one sized for the same budget):
               (pins against slots priced by replaying the profile's ring, calibration included)
   cpu         everything on the CPU: the only configuration without a GPU-type device
 
-Every configuration is sized with the run's -ctk/-ctv/-ub (planner.fixed_bytes), as the plans are.
+Every configuration is sized with the run's -ctk/-ctv/-ub/-np/--kv-unified (planner.fixed_bytes), as the plans are.
 
 Each run: prompt processing of `n_prompt` corpus tokens, then greedy generation of `n_gen`
 tokens after a corpus prompt (end-of-generation tokens are skipped so every configuration
@@ -125,19 +125,21 @@ class Config:
 
 
 def residency_budget(g: ModelGeometry, n_ctx: int, share: float, type_k: str = "f16", type_v: str = "f16",
-                     n_ubatch: int = DEFAULT_UBATCH) -> int:
+                     n_ubatch: int = DEFAULT_UBATCH, n_parallel: int = 1, kv_unified: bool = False) -> int:
     """A budget that holds `share` of the expert bytes beside everything else (planner.fixed_bytes
-    with the run's KV types and ubatch)."""
-    return planner.fixed_bytes(g, n_ctx, type_k, type_v, n_ubatch) + int(share * g.total_expert_bytes)
+    with the run's KV types, ubatch and sequences)."""
+    return (planner.fixed_bytes(g, n_ctx, type_k, type_v, n_ubatch, n_parallel, kv_unified)
+            + int(share * g.total_expert_bytes))
 
 
 def make_configs(g: ModelGeometry, budget: int, n_ctx: int, names: Sequence[str],
                  plan_step: planner.Plan | PlanError | None, plan_cache: planner.Plan | PlanError | None,
                  ceiling: bool = False, *, type_k: str = "f16", type_v: str = "f16",
-                 n_ubatch: int = DEFAULT_UBATCH, plan_layer: planner.Plan | PlanError | None = None) -> list[Config]:
+                 n_ubatch: int = DEFAULT_UBATCH, plan_layer: planner.Plan | PlanError | None = None,
+                 n_parallel: int = 1, kv_unified: bool = False) -> list[Config]:
     """The configurations asked for, each ready or marked "does not fit" (with why); stock ones
-    sized with the KV types and ubatch the plans were made for."""
-    fixed = planner.fixed_bytes(g, n_ctx, type_k, type_v, n_ubatch)
+    sized with the KV types, ubatch and sequences (-np, --kv-unified) the plans were made for."""
+    fixed = planner.fixed_bytes(g, n_ctx, type_k, type_v, n_ubatch, n_parallel, kv_unified)
     stock = planner.stock_baseline(g, budget, fixed)
     moe = g.moe_layers
     out = []
@@ -521,7 +523,8 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
     from ..core.profile import RoutingProfile
 
     g, path, ctx = report.geometry, report.model, report.n_ctx
-    kv = dict(type_k=base.type_k, type_v=base.type_v, n_ubatch=base.n_ubatch)
+    kv = dict(type_k=base.type_k, type_v=base.type_v, n_ubatch=base.n_ubatch, n_parallel=base.n_seq,
+              kv_unified=base.kv_unified)
     status = status or (lambda text: None)
     spark = any(n.startswith("spark") for n in names)
     plan_step = plan_cache = plan_layer = None

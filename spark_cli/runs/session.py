@@ -17,7 +17,7 @@ from typing import Callable
 
 from ..native import devices
 from . import dry_run, host_ram
-from ..core import planner, profile_store, units
+from ..core import planner, profile_store, units, vram
 from ..files.atomic import lock_timeout_default
 from ..core.trace import DECODE
 from ..native.engine import CacheLayer, Engine, EngineOptions
@@ -83,25 +83,40 @@ def profile_counts(info: ProfileInfo) -> np.ndarray | None:
 
 
 def kv_settings(flags: LoadFlags) -> dict:
-    """-ctk/-ctv/-ub as a placement is priced for them (the engine runs the same: engine_options)."""
-    return {"type_k": flags.type_k or "f16", "type_v": flags.type_v or "f16", "n_ubatch": ubatch_size(flags)}
+    """-ctk/-ctv/-ub/-np/--kv-unified as a placement is priced for them (the engine runs the same:
+    engine_options)."""
+    return {"type_k": flags.type_k or "f16", "type_v": flags.type_v or "f16", "n_ubatch": ubatch_size(flags),
+            "n_parallel": n_parallel(flags), "kv_unified": kv_unified(flags)}
+
+
+def n_parallel(flags: LoadFlags, plan: planner.Plan | None = None) -> int:
+    """-np if given, else the plan's, else 1."""
+    return flags.parallel or (plan.n_parallel if plan is not None else 1)
+
+
+def kv_unified(flags: LoadFlags, plan: planner.Plan | None = None) -> bool:
+    """--kv-unified/--no-kv-unified if given, else the plan's, else off."""
+    if flags.kv_unified is not None:
+        return flags.kv_unified
+    return plan.kv_unified if plan is not None else False
 
 
 def plan_request(info: ProfileInfo, budget: int, n_ctx: int, *, type_k: str = "f16", type_v: str = "f16",
-                 n_ubatch: int = DEFAULT_UBATCH, trace=None, policy: str | None = None,
-                 miss_path: str | None = None) -> planner.PlanRequest:
+                 n_ubatch: int = DEFAULT_UBATCH, n_parallel: int = 1, kv_unified: bool = False, trace=None,
+                 policy: str | None = None, miss_path: str | None = None) -> planner.PlanRequest:
     """What a placing command asks planner.plan_for: the profile's counts, and to replay
     `trace` (a --trace) or else the profile's ring of recent decode steps."""
     if trace is None and info.profile is not None:
         trace = info.profile.recent_trace()
     return planner.PlanRequest(budget, n_ctx, type_k, type_v, n_ubatch, profile_counts(info), trace,
-                               policy or planner.AUTO_POLICY, miss_path or "auto")
+                               policy or planner.AUTO_POLICY, miss_path or "auto", n_parallel=n_parallel,
+                               kv_unified=kv_unified)
 
 
 def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | None, flags: LoadFlags, *,
                    n_ctx: int, learn: bool = True) -> EngineOptions:
     """Engine options that realise a plan (cached layers get banks; resident ones stay whole)
-    with llama.cpp's flags; -ctk/-ctv and -ub default to the plan's."""
+    with llama.cpp's flags; -ctk/-ctv, -ub, -np and --kv-unified default to the plan's."""
     cache = []
     if plan is not None:
         cache = [CacheLayer(l.index, l.slots, tuple(l.pinned), policy=plan.policy)
@@ -116,7 +131,7 @@ def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | No
         tensor_overrides=parse_override_tensor(flags.override_tensor, geometry), count_experts=learn,
         type_k=flags.type_k or (plan.type_k if plan else "f16"), type_v=flags.type_v or (plan.type_v if plan else "f16"),
         flash_attn=flags.flash_attn, use_mmap=flags.mmap, use_mlock=flags.mlock, repack=flags.repack,
-        n_seq=flags.parallel, kv_unified=flags.kv_unified)
+        n_seq=n_parallel(flags, plan), kv_unified=kv_unified(flags, plan))
 
 
 def ubatch_size(flags: LoadFlags, plan: planner.Plan | None = None) -> int:
@@ -219,6 +234,9 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
         if out.n_ctx > file_plan.n_ctx:
             out.warnings.append(f"--ctx-size {out.n_ctx} is above the plan's {file_plan.n_ctx}: "
                                 "the KV cache takes more VRAM than planned")
+        seq_warning = _sequences_warning(geometry, file_plan, flags)
+        if seq_warning:
+            out.warnings.append(seq_warning)
         # NOTE: measured now, with this run's flags and context: a stale plan (another context size,
         # another device, less free memory) is refused here, before anything loads
         bill = dry_run.measure(model, geometry, file_plan, flags, out.n_ctx)
@@ -236,6 +254,21 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
     if ram_warning:
         out.warnings.append(ram_warning)
     return out
+
+
+def _sequences_warning(geometry: ModelGeometry, plan: planner.Plan, flags: LoadFlags) -> str | None:
+    """A warning when this run's -np/--kv-unified need more KV cache or state than the plan priced."""
+    n, unified = n_parallel(flags, plan), kv_unified(flags, plan)
+    if (n, unified) == (plan.n_parallel, plan.kv_unified):
+        return None
+    args = (plan.n_ctx, plan.type_k, plan.type_v, plan.n_ubatch)
+    if vram.kv_cache_bytes(geometry, *args, n, unified) <= vram.kv_cache_bytes(geometry, *args, plan.n_parallel,
+                                                                             plan.kv_unified):
+        return None
+    def show(n: int, u: bool) -> str:
+        return f"-np {n}" + (" --kv-unified" if u else "")
+    return (f"{show(n, unified)} needs more KV cache than the plan's {show(plan.n_parallel, plan.kv_unified)}: "
+            "it takes more VRAM than planned")
 
 
 def open_geometry(model: Path) -> ModelGeometry:
