@@ -237,6 +237,7 @@ class Run:
     parser: OutputParser | None = None
     with_probs: bool = False
     sampling: Sampling | None = None  # what it samples with
+    slot: int = 0  # the server slot that serves it
     usage: Usage | None = None
     timings: Timings | None = None
     stop_word: str | None = None
@@ -347,4 +348,5 @@ async def open_run(request: Request, req: GenerationRequest, worker: Worker, mod
         raise first.error
     assert isinstance(first, Started)
     return Run(feed, Envelope(prepared is not None, req.model or model, config.fingerprint), first.prompt_tokens,
-               first.prompt, prepared.parser(first.prompt) if prepared else None, req.n_probs is not None, sampling)
+               first.prompt, prepared.parser(first.prompt) if prepared else None, req.n_probs is not None, sampling,
+               first.slot)

@@ -52,8 +52,9 @@ def settings(s: Sampling, req: NativeCompletionRequest) -> dict[str, Any]:
             "n_probs": req.probs_n, "stop": req.stops, "stream": req.stream, "cache_prompt": req.cache_prompt}
 
 
-def piece_event(text: str, n_prompt: int, n_predicted: int, probs: list[TokenLogprob] | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": 0,
+def piece_event(text: str, n_prompt: int, n_predicted: int, probs: list[TokenLogprob] | None,
+                id_slot: int = 0) -> dict[str, Any]:
+    body: dict[str, Any] = {"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": id_slot,
                             "tokens_predicted": n_predicted, "tokens_evaluated": n_prompt}
     if probs:
         body["completion_probabilities"] = [p.to_dict() for p in probs]
@@ -62,9 +63,9 @@ def piece_event(text: str, n_prompt: int, n_predicted: int, probs: list[TokenLog
 
 def final_body(content: str, model: str, prompt: str, finish: str, stop_word: str | None, usage: Usage,
                timings: Timings | None, generation: dict[str, Any],
-               probs: list[TokenLogprob] | None) -> dict[str, Any]:
+               probs: list[TokenLogprob] | None, id_slot: int = 0) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "index": 0, "content": content, "tokens": [], "id_slot": 0, "stop": True, "model": model,
+        "index": 0, "content": content, "tokens": [], "id_slot": id_slot, "stop": True, "model": model,
         "tokens_predicted": usage.completion_tokens, "tokens_evaluated": usage.prompt_tokens,
         "generation_settings": generation, "prompt": prompt, "has_new_line": "\n" in content, "truncated": False,
         "stop_type": STOP_TYPE[finish], "stopping_word": stop_word or "",

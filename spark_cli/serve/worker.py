@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 class Started:
     prompt_tokens: int
     prompt: str = ""  # the prompt's text (a chat's as rendered)
+    slot: int = 0  # the slot (KV sequence) that serves it
 
 
 @dataclass
@@ -257,7 +258,7 @@ class Worker:
                        special=chat is not None and chat.fmt.special, n_probs=job.sampling.n_probs)
         slot.sampler = sampler
         slot.probs = _ProbsFeed(eng, job.sampling.n_probs is not None)
-        job.emit(Started(len(toks), text))
+        job.emit(Started(len(toks), text, slot.id))
         self.stats.set_processing(sum(1 for s in self.slots if s.job is not None))
         self._loop.add(dec, lambda step: self._on_step(slot, step), prompt=toks[kept:])
 
