@@ -215,6 +215,9 @@ class _FakeEngine:
     def reset(self):
         self.pos = [0] * self.n_seq
 
+    def seq_clear(self, seq):
+        self.pos[seq] = 0
+
     def cache_stats(self):
         return {}
 

@@ -225,9 +225,17 @@ class Worker:
         self.stats.add_decode(busy)
 
     def _evict(self) -> None:
-        """No room in the unified KV cache for this step: the longest sequence ends (context)."""
-        slot = max((s for s in self.slots if s.job is not None), key=lambda s: self.engine.seq_pos(s.id))
-        self._loop.end(slot.id, "context")
+        """No room in the unified KV cache for this step: the idle slot used longest ago forgets its
+        cached tokens; with none left, the running sequence that holds most ends (context)."""
+        eng = self.engine
+        idle = [s for s in self.slots if s.job is None and eng.seq_pos(s.id) > 0]
+        if idle:
+            slot = min(idle, key=lambda s: s.last_used)
+        else:
+            slot = max((s for s in self.slots if s.job is not None), key=lambda s: eng.seq_pos(s.id))
+            self._loop.end(slot.id, "context")
+        eng.seq_clear(slot.id)
+        slot.kv = []
 
     def _start(self, job: Job) -> None:
         """Prepare a job's prompt and put it in the free slot that holds most of it; a job that
