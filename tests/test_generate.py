@@ -155,3 +155,28 @@ def eng_text(model, tokens) -> str:
 
     with Engine(EngineOptions(model, n_ctx=64, device="none", repack=False)) as eng:
         return eng.detokenize(tokens)
+
+
+def test_a_step_without_room_leaves_the_prompts_as_they_were():
+    """llama_decode found no room (KVFullError): nothing was evaluated, so the next step feeds the
+    same prompt chunk again and the sequence's tokens are those of an undisturbed run."""
+    from spark_cli.native.engine import KVFullError
+    from spark_cli.native.generate import BatchLoop, Decoding
+
+    class Full(_Engine):
+        refusals = 1
+
+        def decode(self, entries):
+            if self.refusals:
+                self.refusals -= 1
+                raise KVFullError("no room")
+            super().decode(entries)
+
+    eng, steps = Full([1, 2, 1], PIECES), []
+    loop = BatchLoop(eng)
+    loop.add(Decoding(eng, 0, n_prompt=3), steps.append, prompt=[7, 7, 7])
+    with pytest.raises(KVFullError):
+        loop.step()
+    while loop.busy:
+        loop.step()
+    assert eng.fed == [7, 7, 7, 1, 2, 1] and [s.token for s in steps] == [1, 2, 1, None]

@@ -43,14 +43,17 @@ class _Learner:
 def test_only_steps_that_only_decode_are_learned():
     eng, learner = _Counting(), _Learner()
     dc = DecodeCounts(eng, learner)
-    dc.before(StepShape(0, 30, 1))  # a prompt: not learned
-    eng.now += 30
-    dc.before(StepShape(3, 0, 3))  # three slots decode
-    eng.now += 3
-    dc.before(StepShape(3, 0, 3))
-    eng.now += 3
-    dc.before(StepShape(2, 10, 3))  # a prompt chunk joins: the run ends, this step uncounted
-    eng.now += 12
+    def step(shape: StepShape, decoded: bool = True) -> None:
+        dc.before(shape)
+        if decoded:
+            eng.now += shape.decode_tokens + shape.prompt_tokens
+            dc.after(shape)
+
+    step(StepShape(0, 30, 1))  # a prompt: not learned
+    step(StepShape(3, 0, 3))  # three slots decode
+    step(StepShape(3, 0, 3), decoded=False)  # no room in the KV cache: nothing evaluated
+    step(StepShape(3, 0, 3))
+    step(StepShape(2, 10, 3))  # a prompt chunk joins: the run ends, this step uncounted
     dc.flush()
     assert len(learner.got) == 1 and learner.got[0][1] == 6 and learner.got[0][0].sum() == 6 * 8
 

@@ -323,13 +323,15 @@ class BatchLoop:
             if a.pending and a.dec.interrupted():
                 a.dec.finish = "interrupted"
                 self._end(a)
-        entries, n_decode, n_seqs = self._gather()
-        shape = StepShape(n_decode, len(entries) - n_decode, n_seqs)
+        entries, n_decode, chunks = self._gather()
+        shape = StepShape(n_decode, len(entries) - n_decode, n_decode + len(chunks))
         if not entries:
             return shape
         if before:
             before(shape)
-        self.engine.decode(entries)
+        self.engine.decode(entries)  # NOTE: it evaluates all or nothing: the prompts move on after it
+        for a, n in chunks:
+            a.pending = a.pending[n:]
         for i, (_, seq, out) in enumerate(entries):
             a = self.active.get(seq)
             if not out or a is None:
@@ -353,20 +355,22 @@ class BatchLoop:
         a.dec.finish = finish
         self._end(a)
 
-    def _gather(self) -> tuple[list[tuple[int, int, bool]], int, int]:
+    def _gather(self) -> tuple[list[tuple[int, int, bool]], int, list[tuple[_Active, int]]]:
         """This step's entries (every sampled token first, then prompt chunks while n_batch
-        allows), how many are sampled tokens, and how many sequences they belong to."""
+        allows), how many are sampled tokens, and the prompt chunks taken (sequence, tokens)."""
         entries = [(a.token, a.dec.seq, True) for a in self.active.values() if a.token is not None]
-        n_decode = n_seqs = len(entries)
+        n_decode = len(entries)
         room = self.engine.n_batch - n_decode
+        chunks: list[tuple[_Active, int]] = []
         for a in self.active.values():
             if not a.pending or room <= 0:
                 continue
-            chunk, a.pending = a.pending[:room], a.pending[room:]
-            entries += [(t, a.dec.seq, not a.pending and j == len(chunk) - 1) for j, t in enumerate(chunk)]
-            n_seqs += 1
-            room -= len(chunk)
-        return entries, n_decode, n_seqs
+            n = min(room, len(a.pending))
+            last = n == len(a.pending)
+            entries += [(t, a.dec.seq, last and j == n - 1) for j, t in enumerate(a.pending[:n])]
+            chunks.append((a, n))
+            room -= n
+        return entries, n_decode, chunks
 
     def _next(self, a: _Active, logits: np.ndarray | None, row: int) -> None:
         a.token = a.dec.choose(logits, row)

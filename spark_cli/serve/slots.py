@@ -84,12 +84,16 @@ class DecodeCounts:
         return (self.engine.routing_counts(DECODE) + self.engine.routing_counts(PREFILL)).astype(np.float64)
 
     def before(self, shape: StepShape) -> None:
+        """A step is about to be decoded: one with prompt tokens ends the run (uncounted)."""
         if shape.prompt_tokens:
             self.flush()
-            return
-        if self.mark is None:
+        elif self.mark is None:
             self.mark = self._now()
-        self.tokens += shape.decode_tokens
+
+    def after(self, shape: StepShape) -> None:
+        """The step was decoded."""
+        if not shape.prompt_tokens:
+            self.tokens += shape.decode_tokens
 
     def flush(self) -> None:
         """Hand the run so far to the learner."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..native.engine import KVFullError
-from ..native.generate import BatchLoop, Decoding, GenerationStep, StepShape, StopRules, TokenProbs
+from ..native.generate import BatchLoop, Decoding, GenerationStep, StopRules, TokenProbs
 from ..runs.chat_session import AnswerFigures, Sampling, make_sampler
 from ..errors import SparkError
 from .generation import ContextError, RequestPrompt
@@ -212,17 +212,16 @@ class Worker:
     def _step(self) -> None:
         busy = sum(1 for s in self.slots if s.job is not None)
         try:
-            self._loop.step(before=lambda shape: self._before(shape, busy))
+            shape = self._loop.step(before=self._counts.before)
+            if shape.decode_tokens or shape.prompt_tokens:
+                self._counts.after(shape)
+                self.stats.add_decode(busy)
         except KVFullError:
             self._evict()
         except SparkError as e:
             self._engine_failed(e.one_line())
         except Exception as e:  # noqa: BLE001 - reported as a failed engine, not a traceback
             self._engine_failed(f"{type(e).__name__}: {e}")
-
-    def _before(self, shape: StepShape, busy: int) -> None:
-        self._counts.before(shape)
-        self.stats.add_decode(busy)
 
     def _evict(self) -> None:
         """No room in the unified KV cache for this step: the idle slot used longest ago forgets its
