@@ -123,9 +123,8 @@ def test_each_device_spends_its_own_budget():
         b = d.breakdown
         staged = b["weights_layers_nonexpert"] + b["experts_resident"] + b["expert_banks"] - sum(l.device_bytes
                                                                                             for l in mine)
-        cached = any(l.mode == "cached" for l in mine)
-        assert staged == (planner.staging_bytes(g, plan.stage_slices, [g.layers[l.index] for l in mine])
-                          if cached else 0)
+        cached = [g.layers[l.index] for l in mine if l.mode == "cached"]  # the native arenas' shapes
+        assert staged == planner.staging_bytes(g, plan.stage_slices, cached)
         assert d.breakdown["overhead"] > 0 and d.breakdown["compute"] > 0
     assert plan.devices[1].breakdown["weights_global"] == g.device_global_bytes  # the output layer's device
     assert plan.devices[0].breakdown["weights_global"] == 0

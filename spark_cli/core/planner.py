@@ -695,10 +695,15 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
         hosts = [_host_layers(on[d], dev_states[d], fixed_total[d], budgets[d]) for d in range(n_dev)]
     for d in range(n_dev):
         _spend(dev_states[d], hosts[d][0], budgets[d] - hosts[d][1])
+        if n_dev > 1 and staged[d]:
+            _spend_staging_left(g, stage, on[d], dev_states[d], hosts[d][0], fixed_total[d], budgets[d])
     host = set().union(*(h for h, _ in hosts))
     layers, cold, spent = _layer_plans(g, states, host, ldev, n_dev)
     cached_on = [any(l.mode == "cached" and l.device == d for l in layers) for d in range(n_dev)]
     staged = [staged[d] if cached_on[d] else 0 for d in range(n_dev)]
+    if n_dev > 1:  # NOTE: the native arenas: one per device and shape of its cached layers, each with the slices
+        staged = [staging_bytes(g, stage, [g.layers[l.index] for l in layers if l.mode == "cached" and l.device == d])
+                  for d in range(n_dev)]
     if not any(cached_on):
         stage = 0  # every layer became resident
     devs = []
@@ -811,6 +816,22 @@ def _spend(states: dict[int, "_Layer"], host: set[int], left: int) -> None:
             break
         left -= s.cost() - before
         push(s)
+
+
+def _spend_staging_left(g: ModelGeometry, stage: int, moe: list, states: dict[int, "_Layer"], host: set[int],
+                        fixed_total: int, budget: int) -> None:
+    """Over several devices a device's staging slices are those of its cached layers' shapes (the
+    native arenas), which the greedy reserved for every shape of its layers: it goes on with what
+    that leaves (the same prefix, longer; a cached layer can only become resident, so the shapes
+    and the staging only shrink)."""
+    for _ in range(len(moe) + 1):
+        cached = [l for l in moe if l.index not in host and not states[l.index].resident]
+        used = (fixed_total + staging_bytes(g, stage, cached) - sum(l.expert_bias_bytes for l in moe if l.index in host)
+                + sum(states[l.index].cost() for l in moe if l.index not in host))
+        before = [(s.pins, s.lru, s.resident) for s in states.values()]
+        _spend({i: s for i, s in states.items() if i not in host}, host, budget - used)
+        if [(s.pins, s.lru, s.resident) for s in states.values()] == before:
+            return
 
 
 def _layer_plans(g: ModelGeometry, states: dict[int, "_Layer"], host: set[int], layer_dev: tuple[int, ...],
