@@ -140,5 +140,5 @@ def make_split(budgets: Sequence[int], names: Sequence[str], tensor_split: Seque
                          hint="give one per device, in -dev order")
     ts = tuple(tensor_split or ()) + (0.0,) * (n - len(tensor_split or ()))
     if not any(ts):
-        ts = tuple(float(b >> 20) for b in budgets)
+        ts = tuple(float(max(1, b >> 20)) for b in budgets)
     return Split(budgets, names, as_float32(ts), "layer", main_gpu)
