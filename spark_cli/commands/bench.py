@@ -36,6 +36,9 @@ def _budget(vram_text: str | None, residency: float | None, geometry, ctx: int, 
         return (bench.residency_budget(geometry, ctx, residency, **(kv or {})),
                 f"--residency {residency:g}: everything else + {100 * residency:.0f}% of the expert bytes")
     b = session.resolve_budget(vram_text, devs)
+    if len(b.per_device) > 1:
+        raise UsageError(f"bench compares placements on one device; {len(b.per_device)} are selected",
+                         hint="pick one with -dev (spark plan, chat and serve place a model over several)")
     return b.bytes, b.source
 
 

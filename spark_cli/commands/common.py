@@ -61,6 +61,18 @@ MODEL_FLAGS: dict[str, tuple[Any, Any]] = {
                                    help="comma-separated devices to use (spark devices lists them), or none "
                                         "for the CPU only (default: the first GPU, or the --rpc servers)")),
     "rpc": (Optional[str], _opt(None, "--rpc", show_default=False, help=RPC_HELP)),
+    "split_mode": (Optional[str], _opt(None, "--split-mode", "-sm", show_default=False,
+                                       help="how to use several devices: layer (each layer, with its experts and "
+                                            "banks, on one device, as llama.cpp splits layers) or none (the whole "
+                                            "model on the --main-gpu device); row is not supported (default: "
+                                            "layer, or the plan's)")),
+    "tensor_split": (Optional[str], _opt(None, "--tensor-split", "-ts", show_default=False,
+                                         help="proportions of the layers per device, in -dev order, e.g. 3,1 "
+                                              "(default: proportional to each device's --vram budget, or the "
+                                              "plan's)")),
+    "main_gpu": (Optional[int], _opt(None, "--main-gpu", "-mg", show_default=False,
+                                     help="with -sm none: the device (index in -dev order) that holds the model "
+                                          "(default: 0, or the plan's)")),
     "n_gpu_layers": (Optional[str], _opt(None, "--n-gpu-layers", "-ngl", "--gpu-layers", show_default=False,
                                          help="accepted for llama.cpp's command lines and ignored: Spark places "
                                               "layers and experts itself (--vram, --plan)")),

@@ -156,14 +156,15 @@ def register(app: typer.Typer) -> None:
             raise UsageError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
         check_choice(miss_path)
         if vram_text:
-            from ..core.units import parse_size
+            from ..core.units import parse_sizes
 
-            parse_size(vram_text, "--vram")  # a flag error before the model is read
+            parse_sizes(vram_text, flag="--vram")  # a flag error before the model is read
         path = model_or_demo(model)
         geometry = session.open_geometry(path)
         # NOTE: --vram needs no device; a device (when there is one) measures the bill
         devs = _devices(flags, vram_text, measure)
-        budget = session.resolve_budget(vram_text, devs)
+        sel = devices.parse(flags.device, flags.rpc)
+        budget = session.resolve_budget(vram_text, devs, () if devs or sel.cpu_only else tuple(sel.names or ()))
         ctx = context_size(flags.ctx_size, geometry.context_length)
         if not geometry.known_family:
             say.print(f"[yellow]warning:[/] architecture {geometry.arch!r} is not in models.toml: experts "
@@ -180,7 +181,7 @@ def register(app: typer.Typer) -> None:
         info, routing = _routing(info, geometry, trace, trace_path)
         # NOTE: the same request chat and serve make for --vram (session.resolve_placement)
         req = session.plan_request(info, budget.bytes, ctx, trace=trace, policy=pol, miss_path=miss_path,
-                                   **session.kv_settings(flags))
+                                   split=session.resolve_split(flags, budget), **session.kv_settings(flags))
         replay_src = f"the trace {trace_path.name}" if trace_path else "the profile's recent decode steps"
         from ..runs import dry_run, host_ram
 

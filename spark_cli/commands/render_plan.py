@@ -35,7 +35,13 @@ class LayerRun:
 
 
 def _key(l: LayerPlan) -> tuple:
-    return (l.mode, len(l.pinned), l.slots, l.device_bytes, l.host_bytes)
+    return (l.mode, len(l.pinned), l.slots, l.device_bytes, l.host_bytes, l.device)
+
+
+def device_label(plan: Plan, d: int) -> str:
+    """A device of the plan as the tables name it."""
+    name = plan.per_device[d].name if d < len(plan.per_device) else ""
+    return name or f"device {d}"
 
 
 def layer_runs(plan: Plan, compress_over: int = COMPRESS_OVER) -> list[LayerRun]:
@@ -72,6 +78,9 @@ def layer_table(plan: Plan, compress_over: int = COMPRESS_OVER) -> Table:
     t.add_column("placement")
     t.add_column("pinned", justify="right")
     t.add_column("LRU slots", justify="right")
+    several = len(plan.per_device) > 1
+    if several:
+        t.add_column("on")
     t.add_column("device", justify="right")
     t.add_column("host", justify="right")
     for run in layer_runs(plan, compress_over):
@@ -80,16 +89,74 @@ def layer_table(plan: Plan, compress_over: int = COMPRESS_OVER) -> Table:
                 "host": "host only (as --n-cpu-moe)"}.get(l.mode, l.mode)
         style = {"resident": "green", "cached": "cyan", "host": "yellow", "skipped": "dim"}.get(l.mode, "")
         many = run.first != run.last
+        on = [device_label(plan, l.device)] if several else []
         t.add_row(run.label, f"[{style}]{mode}[/]" if style else mode, _pinned_text(run),
-                  str(l.lru_slots) if l.mode == "cached" else "-",
+                  str(l.lru_slots) if l.mode == "cached" else "-", *on,
                   fmt_bytes(l.device_bytes) + (" each" if many else ""),
                   (fmt_bytes(l.host_bytes) + (" each" if many else "")) if l.host_bytes else "-")
     return t
 
 
+def devices_table(plan: Plan, budget_source: str) -> Table:
+    """The VRAM bill of a plan over several devices: per device, planned and (when the plan was
+    measured) what the dry run measured on it, against that device's own budget."""
+    devs = plan.per_device
+    measured = any(d.measured is not None for d in devs)
+    out = f" (output layer on {device_label(plan, plan.output_device)})"
+    t = Table(title="VRAM bill per device" + (": planned and measured" if measured else "") + out,
+              title_justify="left", caption=f"budgets: {budget_source}; split: "
+              + ("-sm none" if plan.split_mode == "none" else
+                 "-ts " + ",".join(f"{v:g}" for v in plan.tensor_split)),
+              caption_justify="left")
+    t.add_column("component")
+    for i, _ in enumerate(devs):
+        t.add_column(f"{device_label(plan, i)} planned", justify="right")
+        if measured:
+            t.add_column("measured", justify="right")
+    layers = [[l for l in plan.layers if l.device == i and l.mode in ("resident", "cached", "host")]
+              for i in range(len(devs))]
+    rows = [("weights + resident experts", lambda b: b["weights_global"] + b["weights_layers_nonexpert"]
+             + b["experts_resident"], "model"),  # NOTE: llama.cpp counts them as one
+            ("expert banks", lambda b: b["expert_banks"], "banks"),
+            ("KV cache", lambda b: b["kv_cache"], "context"),
+            ("compute buffer", lambda b: b["compute"], "compute"),
+            ("overhead", lambda b: b["overhead"], None)]
+    for name, planned, kind in rows:
+        cells = [name]
+        for d in devs:
+            cells.append(fmt_bytes(planned(d.breakdown)))
+            if measured:
+                cells.append(fmt_bytes(d.measured[kind]) if d.measured is not None and kind else "")
+        t.add_row(*cells)
+    t.add_section()
+    for name, f, g in (("[bold]total[/]", lambda d: d.breakdown["total"],
+                        lambda d: d.measured["total"] + d.breakdown["overhead"]),
+                       ("free", lambda d: d.budget_bytes - d.breakdown["total"],
+                        lambda d: d.budget_bytes - d.measured["total"] - d.breakdown["overhead"]),
+                       ("budget", lambda d: d.budget_bytes, None)):
+        cells = [name]
+        for d in devs:
+            cells.append(fmt_bytes(f(d)))
+            if measured:
+                cells.append(fmt_bytes(g(d)) if g is not None and d.measured is not None else "")
+        t.add_row(*cells)
+    cells = ["MoE layers resident / cached / host"]
+    for i, _ in enumerate(devs):
+        ls = layers[i]
+        cells.append(f"{sum(l.mode == 'resident' for l in ls)} / {sum(l.mode == 'cached' for l in ls)} / "
+                     f"{sum(l.mode == 'host' for l in ls)}")
+        if measured:
+            cells.append("")
+    t.add_row(*cells)
+    return t
+
+
 def budget_table(plan: Plan, budget_source: str) -> Table:
     """The VRAM bill: every component of the breakdown against the budget, and beside it what
-    the dry run measured on the device (llama.cpp's breakdown) when the plan was measured."""
+    the dry run measured on the device (llama.cpp's breakdown) when the plan was measured.
+    Several devices: devices_table."""
+    if len(plan.per_device) > 1:
+        return devices_table(plan, budget_source)
     b, budget = plan.breakdown, plan.budget_bytes
     bill = plan.measured_bill()
     dev = bill.device(bill.device_names()[0]) if bill is not None and bill.device_names() else None
@@ -141,8 +208,15 @@ def measured_line(plan: Plan) -> str:
         return ("not measured (no device for a dry run: pass --rpc or -dev): the compute buffer "
                 "and overhead are estimates")
     parts = [f"{n} {fmt_bytes(bill.device(n)['total'])}" for n in bill.device_names()]
+    rounds = f"{plan.fit_rounds} round{'s' * (plan.fit_rounds != 1)}"
+    if len(plan.per_device) > 1:
+        per = ", ".join(f"{device_label(plan, i)} {fmt_bytes(d.measured['total']) if d.measured else '-'} of "
+                        f"{fmt_bytes(d.breakdown['total'] - d.breakdown['overhead'])} planned"
+                        for i, d in enumerate(plan.per_device))
+        return (f"measured by a dry run (llama.cpp no_alloc, {rounds}), without the overhead: {per}; "
+                f"host {fmt_bytes(bill.host()['total'])}")
     planned = plan.breakdown["total"] - plan.breakdown["overhead"]
-    return (f"measured by a dry run (llama.cpp no_alloc, {plan.fit_rounds} round{'s' * (plan.fit_rounds != 1)}): "
+    return (f"measured by a dry run (llama.cpp no_alloc, {rounds}): "
             f"{', '.join(parts)} on the device, planned {fmt_bytes(planned)}, "
             f"host {fmt_bytes(bill.host()['total'])}")
 

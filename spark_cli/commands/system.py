@@ -16,15 +16,20 @@ def register(app: typer.Typer) -> None:
         host: str = typer.Option("127.0.0.1", "--host", "-H", help="address to bind"),
         port: int = typer.Option(50052, "--port", "-p", help="port to listen on"),
         threads: int = typer.Option(0, "--threads", "-t", help="CPU threads (0: all cores)"),
+        mem: str = typer.Option(None, "--mem", "-m", help="memory the device reports to clients, e.g. 16GiB "
+                                "(default: this machine's RAM); a stand-in for a card of that size, nothing is "
+                                "limited"),
     ) -> None:
         """Serve this machine's backend over ggml RPC in the foreground (like llama.cpp's rpc-server)."""
+        from ..core.units import parse_size
         from ..native.rpc import listen_address, serve
 
+        size = parse_size(mem, "--mem") if mem else None
         listen_address(host, port)  # refused before the banner
         if host not in ("127.0.0.1", "localhost", "::1"):
             console.print(f"[yellow]warning:[/] serving on {host}: the RPC protocol has no authentication")
         console.print(f"spark rpc-server on {host}:{port} (Ctrl-C to stop)")
-        serve(host, port, threads or None)
+        serve(host, port, threads or None, size)
 
     @app.command("devices")
     def devices_cmd(

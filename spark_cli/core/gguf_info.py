@@ -92,6 +92,7 @@ class ModelGeometry:
     sliding_window: int = 0
     is_mla: bool = False  # K cache holds the compressed latent, no V cache
     recurrent_state_bytes: int = 0  # f32 recurrent state of all recurrent layers, one sequence
+    recurrent_layers: tuple[bool, ...] = ()  # per layer: holds a recurrent state (MTP blocks excluded)
     n_layer_nextn: int = 0
     chat_templates: tuple[tuple[str, str], ...] = ()  # every tokenizer.chat_template[.NAME] key and its text
 
@@ -353,6 +354,7 @@ def _geometry(path: Path, shards: list[_Shard], require_moe: bool) -> ModelGeome
         token_embd_bytes=scan.token_embd, output_tied=not scan.has_output, kv_heads=kv_heads,
         swa_layers=_swa_layers(key, fam, n_layer, n_swa), sliding_window=n_swa,
         is_mla=bool(key("attention.key_length_mla")), recurrent_state_bytes=recurrent_state, n_layer_nextn=n_nextn,
+        recurrent_layers=tuple(bool(recurrent[i] and not layers[i].is_nextn) for i in range(n_layer)),
         chat_templates=tuple((k, v) for k, v in kv.items()
                              if k.startswith("tokenizer.chat_template") and isinstance(v, str)),
     )

@@ -18,7 +18,7 @@ FLASH_ATTN_VALUES = ("on", "off", "auto")
 
 @dataclass(frozen=True)
 class LoadFlags:
-    """What -c, -t/-tb, -ctk/-ctv, -fa, -b/-ub, --no-mmap, --mlock, -nr, -dev, --rpc and -ot asked for
+    """What -c, -t/-tb, -ctk/-ctv, -fa, -b/-ub, --no-mmap, --mlock, -nr, -dev, --rpc, -ts/-sm/-mg and -ot asked for
     (None: the default, or the plan's)."""
 
     ctx_size: int | None = None
@@ -38,6 +38,9 @@ class LoadFlags:
     parallel: int | None = None  # -np: sequences (server slots) the context holds at once (None: 1, or the plan's)
     kv_unified: bool | None = None  # -kvu: one KV buffer shared by every sequence, else -c is split between
     # them (None: not given, so false, or the plan's)
+    tensor_split: tuple[float, ...] | None = None  # -ts: layer proportions per device (None: the budgets, or the plan's)
+    split_mode: str | None = None  # -sm: layer | none (None: layer, or the plan's)
+    main_gpu: int | None = None  # -mg: the device -sm none keeps (None: 0, or the plan's)
 
     @classmethod
     def from_cli(cls, *, ctx_size: int | None = None, threads: int | None = None, type_k: str | None = None,
@@ -45,8 +48,9 @@ class LoadFlags:
                  ubatch_size: int | None = None, no_mmap: bool = False, mlock: bool = False,
                  no_repack: bool = False, device: str | None = None, rpc: str | None = None,
                  override_tensor: Sequence[str] | None = None, threads_batch: int | None = None,
-                 parallel: int | None = None, kv_unified: bool | None = None) -> "LoadFlags":
-        from . import vram
+                 parallel: int | None = None, kv_unified: bool | None = None, tensor_split: str | None = None,
+                 split_mode: str | None = None, main_gpu: int | None = None) -> "LoadFlags":
+        from . import split, vram
 
         fa = flash_attn.lower()
         if fa in ("1", "true", "enabled"):
@@ -59,9 +63,12 @@ class LoadFlags:
             if value is not None:
                 vram.kv_type(value, flag)  # UsageError naming the flag
         type_k, type_v = (t.lower() if t is not None else None for t in (type_k, type_v))
+        mode = split.parse_split_mode(split_mode) if split_mode is not None else None
+        if main_gpu is not None and main_gpu < 0:
+            raise UsageError(f"--main-gpu {main_gpu}: expected a device index >= 0 (-dev none for the CPU only)")
         return cls(ctx_size, threads, type_k, type_v, fa, batch_size, ubatch_size, not no_mmap, mlock,
                    not no_repack, device, rpc, tuple(override_tensor or ()), threads_batch, parallel,
-                   kv_unified)
+                   kv_unified, split.parse_tensor_split(tensor_split), mode, main_gpu)
 
 
 def context_size(requested: int | None, trained: int, plan_ctx: int | None = None) -> int:

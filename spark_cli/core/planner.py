@@ -84,6 +84,7 @@ from .gguf_info import ModelGeometry
 from .options import DEFAULT_UBATCH
 from .placement import TensorOverride, cached_expert_overrides, stock_overrides, stock_patterns
 from .simulator import DEFAULT_POLICY, MISS_PATH_CHOICES, ONLINE_POLICIES, LayerTrace, canonical_policy
+from .split import SPLIT_MODES, Split, single
 
 PLAN_VERSION = 2
 MAX_PARALLEL = 256  # llama.cpp's LLAMA_MAX_SEQ: -np at most
@@ -109,11 +110,12 @@ def stage_slices(n_expert: int, k: int, miss_path: str) -> int:
     return 0 if miss_path in ("cpu", "layer") else min(n_expert, STAGE_STEPS * k)
 
 
-def staging_bytes(g: ModelGeometry, slices: int) -> int:
+def staging_bytes(g: ModelGeometry, slices: int, layers: list | None = None) -> int:
     """Device bytes of `slices` staging slices for each distinct expert shape of the MoE layers
-    (the native cache shares them among the cached layers of one shape)."""
+    (the native cache shares them among the cached layers of one shape on one device; `layers`:
+    those of one device, default all)."""
     shapes = {tuple((t.kind, t.ggml_type, t.bytes_per_expert) for t in l.experts): l.expert_bytes_per_expert
-              for l in g.layers if l.is_moe and not l.is_nextn}
+              for l in (g.layers if layers is None else layers) if l.is_moe and not l.is_nextn}
     return slices * sum(shapes.values())
 MissFn = Callable[[int, int, int], float]  # (layer, pins, policy slots) -> miss share
 
@@ -126,10 +128,21 @@ class LayerPlan:
     slots: int  # cached: S = P pinned + S - P LRU slots (guard slice not counted)
     device_bytes: int  # layer weights + experts or bank on the device
     host_bytes: int  # expert weights kept in host RAM
+    device: int = 0  # index into Plan.devices: the device llama.cpp's layer split puts it on
 
     @property
     def lru_slots(self) -> int:
         return self.slots - len(self.pinned)
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """One device of a plan: its budget, its planned bill and what a dry run measured on it."""
+
+    name: str  # ggml's device name (CUDA0, RPC0, ...); "" where planned without the device
+    budget_bytes: int
+    breakdown: dict[str, int]  # BREAKDOWN_KEYS: the part of the plan's bill on this device
+    measured: dict[str, int] | None = None  # bill.MeasuredBill.device: model, context, compute, banks, total
 
 
 @dataclass(frozen=True)
@@ -262,6 +275,27 @@ class Plan:
     policy_replay: dict[str, float] | None = None  # --policy auto: each policy's share of experts on the device
     n_parallel: int = 1  # -np: sequences the KV cache and recurrent state are priced for (vram.kv_cache_bytes)
     kv_unified: bool = False  # --kv-unified: one KV stream shared by them (else n_ctx / n_parallel each)
+    devices: tuple[DevicePlan, ...] = ()  # per device, -dev order (empty: one device, budget_bytes and breakdown)
+    tensor_split: tuple[float, ...] = ()  # the proportions llama.cpp splits the layers by (split.py); () one device
+    split_mode: str = "layer"  # -sm: layer, or none (the whole model on the main_gpu device)
+    main_gpu: int = 0  # -mg: the device -sm none keeps, among the run's selected devices
+    output_device: int = 0  # index into devices: where the output layer (norm, matrix) lands
+
+    @property
+    def per_device(self) -> tuple[DevicePlan, ...]:
+        """Every device of the plan (a plan without `devices`: one, with the plan's budget and bill)."""
+        if self.devices:
+            return self.devices
+        bill = self.measured_bill()
+        names = bill.device_names() if bill is not None else []
+        return (DevicePlan(names[0] if names else "", self.budget_bytes, dict(self.breakdown),
+                           bill.device(names[0]) if names else None),)
+
+    def split(self) -> Split:
+        """The Split the engine realises this plan with (split.py)."""
+        devs = self.per_device
+        return Split(tuple(d.budget_bytes for d in devs), tuple(d.name for d in devs), tuple(self.tensor_split),
+                     self.split_mode, self.main_gpu)
 
     def measured_bill(self) -> MeasuredBill | None:
         return MeasuredBill.from_dict(self.measured) if self.measured is not None else None
@@ -296,7 +330,8 @@ class Plan:
                                  pinned=tuple(f.int_list(l, "pinned", f"layers[{n}]", 0, INT32_MAX)),
                                  slots=f.int(l, "slots", f"layers[{n}]", 0, INT32_MAX),
                                  device_bytes=f.int(l, "device_bytes", f"layers[{n}]", 0, INT64_MAX),
-                                 host_bytes=f.int(l, "host_bytes", f"layers[{n}]", 0, INT64_MAX))
+                                 host_bytes=f.int(l, "host_bytes", f"layers[{n}]", 0, INT64_MAX),
+                                 device=f.int(l, "device", f"layers[{n}]", 0, INT32_MAX) if "device" in l else 0)
                        for n, l in enumerate(f.list(d, "layers", "")))
         s = f.dict(d, "stock", "")
         stock = StockBaseline(f.int(s, "n_cpu_moe", "stock", 0, INT32_MAX), f.bool(s, "fits", "stock"),
@@ -327,7 +362,7 @@ class Plan:
                    n_parallel=f.int(d, "n_parallel", "", 1, MAX_PARALLEL) if "n_parallel" in d else 1,
                    kv_unified=f.bool(d, "kv_unified", "") if "kv_unified" in d else False,
                    overrides=tuple(overrides),
-                   **_measured_fields(f, d))
+                   **_measured_fields(f, d), **_device_fields(f, d))
         seen: set[int] = set()
         for n, l in enumerate(plan.layers):
             if l.index in seen:
@@ -338,6 +373,13 @@ class Plan:
         for l in plan.layers:
             if l.mode not in MODES:
                 raise PlanError(f"{source}: layers[{l.index}].mode: unknown mode {l.mode!r}")
+            if l.device >= len(plan.per_device):
+                raise PlanError(f"{source}: layers[{l.index}].device: device {l.device}, the plan has "
+                                f"{len(plan.per_device)}")
+        if plan.output_device >= len(plan.per_device):
+            raise PlanError(f"{source}: output_device: device {plan.output_device}, the plan has {len(plan.per_device)}")
+        if plan.measured is not None:
+            plan = replace(plan, measured_device_bytes=measured_total(plan, plan.measured_bill()))
         if plan.policy not in ONLINE_POLICIES and plan.policy != "lru-pinned":
             raise PlanError(f"{source}: policy: unknown cache policy {plan.policy!r}",
                             hint=f"use one of {', '.join(ONLINE_POLICIES)}")
@@ -390,6 +432,77 @@ def _measured_fields(f: "_Fields", d: dict) -> dict[str, Any]:
             "fit_rounds": f.int(d, "fit_rounds", "", 0, INT32_MAX)}
 
 
+def _device_fields(f: "_Fields", d: dict) -> dict[str, Any]:
+    """The optional fields of a plan over several devices (split.py), checked."""
+    out: dict[str, Any] = {}
+    if "devices" in d:
+        devs = []
+        for n, e in enumerate(f.list(d, "devices", "")):
+            where = f"devices[{n}]"
+            bd = f.dict(e, "breakdown", where)
+            m = e.get("measured") if isinstance(e, dict) else None
+            if m is not None and not (isinstance(m, dict) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                    and v >= 0 for v in m.values())):
+                raise PlanError(f"{f.source}: {where}.measured: expected an object of byte counts")
+            devs.append(DevicePlan(f.str(e, "name", where), f.int(e, "budget_bytes", where, 0, INT64_MAX),
+                                   {k: f.int(bd, k, f"{where}.breakdown", 0, INT64_MAX) for k in BREAKDOWN_KEYS},
+                                   dict(m) if m is not None else None))
+        if not devs:
+            raise PlanError(f"{f.source}: devices: empty", hint="make the plan again with `spark plan`")
+        out["devices"] = tuple(devs)
+    if "tensor_split" in d:
+        ts = f.list(d, "tensor_split", "")
+        out["tensor_split"] = tuple(f.float(ts, i, "tensor_split") for i in range(len(ts)))
+        if any(v < 0 for v in out["tensor_split"]):
+            raise PlanError(f"{f.source}: tensor_split: proportions must be >= 0")
+    if "split_mode" in d:
+        mode = f.str(d, "split_mode", "")
+        if mode not in SPLIT_MODES:
+            raise PlanError(f"{f.source}: split_mode: expected none or layer, got {mode!r}")
+        out["split_mode"] = mode
+    if "main_gpu" in d:
+        out["main_gpu"] = f.int(d, "main_gpu", "", 0, INT32_MAX)
+    if "output_device" in d:
+        out["output_device"] = f.int(d, "output_device", "", 0, INT32_MAX)
+    return out
+
+
+def bill_device_name(bill: MeasuredBill, names: list[str] | tuple[str, ...], d: int) -> str | None:
+    """The device of `bill` that is the plan's device `d`: by its name, else (planned without the
+    device, or another run numbered it otherwise) the d-th device llama.cpp reported; None: none."""
+    seen = bill.device_names()
+    name = names[d] if d < len(names) else ""
+    if name in seen:
+        return name
+    return seen[d] if d < len(seen) else None
+
+
+def device_bill(bill: MeasuredBill, names: list[str] | tuple[str, ...], d: int) -> dict[str, int]:
+    """What `bill` measured on the plan's device `d` (bill_device_name; zeros where none)."""
+    name = bill_device_name(bill, names, d)
+    if name is None:
+        return {"model": 0, "context": 0, "compute": 0, "banks": 0, "total": 0}
+    return bill.device(name)
+
+
+def measured_total(plan: "Plan", bill: MeasuredBill | None) -> int | None:
+    """The measured device bytes of the plan: its device's total, or the sum over its devices."""
+    if bill is None:
+        return None
+    names = [x.name for x in plan.per_device]
+    return sum(device_bill(bill, names, d)["total"] for d in range(len(names)))
+
+
+def with_measured(plan: "Plan", bill: MeasuredBill, fit_rounds: int | None = None) -> "Plan":
+    """The plan with a dry run's bill: in total and on each of its devices."""
+    names = [x.name for x in plan.per_device]
+    devs = tuple(replace(x, name=x.name or bill_device_name(bill, names, d) or "", measured=device_bill(bill, names, d))
+                 for d, x in enumerate(plan.per_device)) if plan.devices else ()
+    out = replace(plan, measured=bill.to_dict(), devices=devs,
+                  fit_rounds=plan.fit_rounds if fit_rounds is None else fit_rounds)
+    return replace(out, measured_device_bytes=measured_total(out, bill))
+
+
 def unmeasured_overhead() -> int:
     """Device bytes a dry run cannot see (CUDA context, cuBLAS workspace, pools): the estimate's."""
     return vram.DEVICE_OVERHEAD_BYTES
@@ -411,6 +524,39 @@ def fixed_costs(g: ModelGeometry, n_ctx: int, type_k: str = "f16", type_v: str =
     }
 
 
+def device_fixed_costs(g: ModelGeometry, layer_dev: tuple[int, ...], n_dev: int, n_ctx: int, type_k: str = "f16",
+                       type_v: str = "f16", n_ubatch: int = DEFAULT_UBATCH,
+                       compute: int | tuple[int, ...] | None = None, n_parallel: int = 1,
+                       kv_unified: bool = False) -> list[dict[str, int]]:
+    """fixed_costs per device of a layer split (`layer_dev`: split.layer_devices, the output layer
+    last): each layer's non-expert weights, KV cache and recurrent state on its device, the global
+    weights on the output layer's, a compute buffer and the overhead on every device that holds a
+    layer. The compute estimate counts the logits on the output device only; `compute`: the
+    measured compute buffers, one per device. One device: fixed_costs."""
+    if n_dev == 1:
+        c = compute[0] if isinstance(compute, tuple) else compute
+        return [fixed_costs(g, n_ctx, type_k, type_v, n_ubatch, c, n_parallel, kv_unified)]
+    out = [{"weights_global": 0, "weights_layers_nonexpert": 0, "kv_cache": 0, "compute": 0, "overhead": 0}
+           for _ in range(n_dev)]
+    out[layer_dev[g.n_layer]]["weights_global"] = g.device_global_bytes
+    kv = vram.kv_layer_bytes(g, n_ctx, type_k, type_v, n_ubatch, n_parallel, kv_unified)
+    for l in g.layers:
+        if not l.is_nextn:
+            out[layer_dev[l.index]]["weights_layers_nonexpert"] += l.nonexpert_bytes
+        out[layer_dev[l.index]]["kv_cache"] += kv[l.index]
+    used = set(layer_dev)
+    for d in range(n_dev):
+        if d not in used:
+            continue
+        out[d]["overhead"] = vram.DEVICE_OVERHEAD_BYTES
+        if isinstance(compute, tuple):
+            out[d]["compute"] = compute[d]
+        else:
+            out[d]["compute"] = vram.compute_buffer_bytes(g, n_ctx, n_ubatch, n_parallel, kv_unified,
+                                                          logits=d == layer_dev[g.n_layer])
+    return out
+
+
 def fixed_bytes(g: ModelGeometry, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
                 n_ubatch: int = DEFAULT_UBATCH, n_parallel: int = 1, kv_unified: bool = False) -> int:
     """Device bytes of everything but the routed experts (weights, KV cache, compute, overhead)."""
@@ -421,16 +567,28 @@ def fixed_bytes(g: ModelGeometry, n_ctx: int, type_k: str = "f16", type_v: str =
 def stock_baseline(g: ModelGeometry, budget_bytes: int, fixed_bytes: int) -> StockBaseline:
     """Smallest N for llama.cpp's `--n-cpu-moe N` (expert tensors, biases included, of
     layers 0..N-1 on the CPU) whose device bytes fit, and `--cpu-moe` (all of them)."""
+    return stock_baseline_split(g, (budget_bytes,), (fixed_bytes,), (0,) * (g.n_layer + 1))
+
+
+def stock_baseline_split(g: ModelGeometry, budgets: tuple[int, ...], fixed: tuple[int, ...],
+                         layer_dev: tuple[int, ...]) -> StockBaseline:
+    """stock_baseline over a layer split: N fits when every device fits its own budget; the
+    device bytes are the sum over the devices."""
     loaded = [l for l in g.layers if not l.is_nextn]
 
-    def device(n: int) -> int:
-        return fixed_bytes + sum(l.expert_bytes if l.index >= n else -l.expert_bias_bytes for l in loaded)
+    def device(n: int) -> list[int]:
+        out = list(fixed)
+        for l in loaded:
+            out[layer_dev[l.index]] += l.expert_bytes if l.index >= n else -l.expert_bias_bytes
+        return out
+
+    def fits(n: int) -> bool:
+        return all(u <= b for u, b in zip(device(n), budgets))
 
     n_max = 1 + max((l.index for l in loaded if l.is_moe), default=-1)
-    n = next((i for i in range(n_max + 1) if device(i) <= budget_bytes), n_max)
+    n = next((i for i in range(n_max + 1) if fits(i)), n_max)
     pats = stock_patterns(range(n))
-    all_cpu = device(n_max)
-    return StockBaseline(n, device(n) <= budget_bytes, device(n), pats, all_cpu, all_cpu <= budget_bytes)
+    return StockBaseline(n, fits(n), sum(device(n)), pats, sum(device(n_max)), fits(n_max))
 
 
 def hottest_first(row: np.ndarray) -> list[int]:
@@ -493,8 +651,8 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
                profile_counts: np.ndarray | None = None, type_k: str = "f16", type_v: str = "f16",
                max_slots_per_layer: int | None = None, n_ubatch: int = DEFAULT_UBATCH, *,
                miss_fn: MissFn | None = None, allow_pins: bool = True, policy: str = DEFAULT_POLICY,
-               miss_path: str = "auto", compute_bytes: int | None = None, n_parallel: int = 1,
-               kv_unified: bool = False) -> Plan:
+               miss_path: str = "auto", compute_bytes: int | tuple[int, ...] | None = None, n_parallel: int = 1,
+               kv_unified: bool = False, split: Split | None = None) -> Plan:
     """The greedy for `budget_bytes` of device memory (see the module docstring); plan_for's.
 
     profile_counts: [n_layer, n_expert] decode routing counts; None = uniform prior.
@@ -502,54 +660,86 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
     pins only, k policy slots per layer. allow_pins=False: policy slots only.
     `policy` and `miss_path` are recorded in the plan, and so are `n_parallel` and `kv_unified`
     (-np, --kv-unified: the sequences the KV cache is priced for).
+    `split`: several devices (split.py): each layer is billed to the device llama.cpp's layer
+    split puts it on, and each device spends its own budget (split.budgets; budget_bytes unused)
+    on the layers it holds: the greedy sequence restricted to a device's layers is that device's
+    prefix, so every device keeps the monotone hot set. `compute_bytes`: one per device then.
     """
     g = geometry
-    fixed = fixed_costs(g, n_ctx, type_k, type_v, n_ubatch, compute_bytes, n_parallel, kv_unified)
-    fixed_total = sum(fixed.values())
+    sp = split if split is not None else single(budget_bytes)
+    n_dev, budgets = sp.n_devices, sp.budgets
+    ldev = sp.layer_devices(g.n_layer)
+    fixed = device_fixed_costs(g, ldev, n_dev, n_ctx, type_k, type_v, n_ubatch, compute_bytes, n_parallel,
+                               kv_unified)
+    fixed_total = [sum(f.values()) for f in fixed]
     moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
-    _check_fixed_fits(fixed, budget_bytes, n_ctx, sum(l.expert_bias_bytes for l in moe), n_parallel)
+    on = [[l for l in moe if ldev[l.index] == d] for d in range(n_dev)]
+    bias = [sum(l.expert_bias_bytes for l in on[d]) for d in range(n_dev)]
+    for d in range(n_dev):
+        _check_fixed_fits(fixed[d], budgets[d], n_ctx, bias[d], n_parallel, sp.names[d] if n_dev > 1 else "")
     counts = _checked_counts(g, profile_counts)
     states = _layer_states(g, moe, counts, max_slots_per_layer, miss_fn, allow_pins)
+    dev_states = [{l.index: states[l.index] for l in on[d]} for d in range(n_dev)]
     stage = stage_slices(g.n_expert, g.n_expert_used, miss_path)
-    staged = staging_bytes(g, stage)
-    # NOTE: the staging slices are part of the cache floor: a plan that caches a layer holds them
-    all_bias = sum(l.expert_bias_bytes for l in moe)
-    every_resident = fixed_total + sum(l.n_expert * l.expert_bytes_per_expert for l in moe)
-    if fixed_total + staged - all_bias > budget_bytes or every_resident <= budget_bytes:
-        stage, staged = 0, 0
-    host, need = _host_layers(moe, states, fixed_total + staged, budget_bytes)
-    if staged and len(host) == len(moe):
-        stage, staged = 0, 0  # no layer is cached: nothing stages
-        host, need = _host_layers(moe, states, fixed_total, budget_bytes)
-    _spend(states, host, budget_bytes - need)
-    layers, cold, spent = _layer_plans(g, states, host)
-    if not any(l.mode == "cached" for l in layers):
-        stage, staged = 0, 0  # every layer became resident
-    breakdown = {"weights_global": fixed["weights_global"],
-                 "weights_layers_nonexpert": fixed["weights_layers_nonexpert"] - spent["host_bias"],
-                 "experts_resident": spent["resident"], "expert_banks": spent["banks"] + staged,
-                 "kv_cache": fixed["kv_cache"],
-                 "compute": fixed["compute"], "overhead": fixed["overhead"]}
-    breakdown["total"] = sum(breakdown.values())
-    assert breakdown["total"] <= budget_bytes, "planner overspent its budget"
-    return Plan(model=g.identity(), budget_bytes=budget_bytes, n_ctx=n_ctx, type_k=type_k, type_v=type_v,
+    # NOTE: the staging slices are part of the cache floor: a device that caches a layer holds them
+    # (the native cache gives every device's arena of a shape the same n_stage slices)
+    staged = [staging_bytes(g, stage, on[d]) for d in range(n_dev)]
+    every_resident = [fixed_total[d] + sum(l.n_expert * l.expert_bytes_per_expert for l in on[d])
+                      for d in range(n_dev)]
+    if any(fixed_total[d] + staged[d] - bias[d] > budgets[d] for d in range(n_dev)):
+        stage, staged = 0, [0] * n_dev
+    staged = [0 if every_resident[d] <= budgets[d] else staged[d] for d in range(n_dev)]
+    hosts = [_host_layers(on[d], dev_states[d], fixed_total[d] + staged[d], budgets[d]) for d in range(n_dev)]
+    if any(staged[d] and len(hosts[d][0]) == len(on[d]) for d in range(n_dev)):
+        stage, staged = 0, [0] * n_dev  # a device caches no layer: staging would take the floor of the rest
+        hosts = [_host_layers(on[d], dev_states[d], fixed_total[d], budgets[d]) for d in range(n_dev)]
+    for d in range(n_dev):
+        _spend(dev_states[d], hosts[d][0], budgets[d] - hosts[d][1])
+        if n_dev > 1 and staged[d]:
+            _spend_staging_left(g, stage, on[d], dev_states[d], hosts[d][0], fixed_total[d], budgets[d])
+    host = set().union(*(h for h, _ in hosts))
+    layers, cold, spent = _layer_plans(g, states, host, ldev, n_dev)
+    cached_on = [any(l.mode == "cached" and l.device == d for l in layers) for d in range(n_dev)]
+    staged = [staged[d] if cached_on[d] else 0 for d in range(n_dev)]
+    if n_dev > 1:  # NOTE: the native arenas: one per device and shape of its cached layers, each with the slices
+        staged = [staging_bytes(g, stage, [g.layers[l.index] for l in layers if l.mode == "cached" and l.device == d])
+                  for d in range(n_dev)]
+    if not any(cached_on):
+        stage = 0  # every layer became resident
+    devs = []
+    for d in range(n_dev):
+        bd = {"weights_global": fixed[d]["weights_global"],
+              "weights_layers_nonexpert": fixed[d]["weights_layers_nonexpert"] - spent[d]["host_bias"],
+              "experts_resident": spent[d]["resident"], "expert_banks": spent[d]["banks"] + staged[d],
+              "kv_cache": fixed[d]["kv_cache"], "compute": fixed[d]["compute"], "overhead": fixed[d]["overhead"]}
+        bd["total"] = sum(bd.values())
+        assert bd["total"] <= budgets[d], "planner overspent its budget"
+        devs.append(DevicePlan(sp.names[d], budgets[d], bd))
+    breakdown = {k: sum(x.breakdown[k] for x in devs) for k in BREAKDOWN_KEYS}
+    stock = stock_baseline(g, budgets[0], fixed_total[0]) if n_dev == 1 else \
+        stock_baseline_split(g, budgets, tuple(fixed_total), ldev)
+    return Plan(model=g.identity(), budget_bytes=sum(budgets), n_ctx=n_ctx, type_k=type_k, type_v=type_v,
                 n_ubatch=n_ubatch, layers=tuple(layers), breakdown=breakdown,
                 predicted_cold_hit=(sum(cold) / len(cold) if cold else 0.0) if counts is not None else None,
-                stock=stock_baseline(g, budget_bytes, fixed_total), policy=policy, miss_path=miss_path,
+                stock=stock, policy=policy, miss_path=miss_path,
                 stage_slices=stage, n_parallel=n_parallel, kv_unified=kv_unified,
                 overrides=cached_expert_overrides(g, [l.index for l in layers if l.mode == "cached"])
-                + stock_overrides(l.index for l in layers if l.mode == "host"))
+                + stock_overrides(l.index for l in layers if l.mode == "host"),
+                devices=tuple(devs), tensor_split=sp.tensor_split if n_dev > 1 else (), split_mode=sp.mode,
+                main_gpu=sp.main_gpu, output_device=ldev[g.n_layer])
 
 
 def _check_fixed_fits(fixed: dict[str, int], budget_bytes: int, n_ctx: int, all_bias: int,
-                      n_parallel: int = 1) -> None:
-    """PlanError when not even stock --cpu-moe fits: the model without experts is over the budget."""
+                      n_parallel: int = 1, device: str = "") -> None:
+    """PlanError when not even stock --cpu-moe fits: the model without experts is over the budget
+    (`device`: of that device, for a layer split)."""
     need = sum(fixed.values()) - all_bias
     if need > budget_bytes:
         parts = ", ".join(f"{k} {units.gib(v)}" for k, v in fixed.items())
         seqs = f", -np {n_parallel}" if n_parallel > 1 else ""
+        on = f" on {device}" if device else ""
         raise PlanError(
-            f"--vram {units.gib(budget_bytes)}: the model without experts needs {units.gib(need)} "
+            f"--vram {units.gib(budget_bytes)}{on}: the model without experts needs {units.gib(need)}{on} "
             f"({parts}; n_ctx {n_ctx}{seqs}); over by {units.shortfall(need - budget_bytes)}",
             hint=f"lower --ctx-size{' or -np' if seqs else ''}, quantize the KV cache (-ctk q8_0) or raise --vram")
 
@@ -590,7 +780,8 @@ def _layer_states(g: ModelGeometry, moe: list, counts: np.ndarray | None, max_sl
 
 def _host_layers(moe: list, states: dict[int, "_Layer"], fixed_total: int, budget_bytes: int) -> tuple[set[int], int]:
     """Below the cache floor: the lowest-numbered MoE layers keep their experts (and expert
-    biases) in host RAM, as stock --n-cpu-moe does, until the rest fits. (host layers, bytes needed)"""
+    biases) in host RAM, as stock --n-cpu-moe does, until the rest fits. (host layers, bytes needed)
+    `moe` and `states`: the layers of one device."""
     host: set[int] = set()
     need = fixed_total + sum(s.cost() for s in states.values())
     for l in moe:
@@ -627,34 +818,51 @@ def _spend(states: dict[int, "_Layer"], host: set[int], left: int) -> None:
         push(s)
 
 
-def _layer_plans(g: ModelGeometry, states: dict[int, "_Layer"], host: set[int]
-                 ) -> tuple[list[LayerPlan], list[float], dict[str, int]]:
-    """Every layer's LayerPlan, the predicted cold share per MoE layer, and the bytes spent
-    (banks, resident experts, expert biases left on the host)."""
+def _spend_staging_left(g: ModelGeometry, stage: int, moe: list, states: dict[int, "_Layer"], host: set[int],
+                        fixed_total: int, budget: int) -> None:
+    """Over several devices a device's staging slices are those of its cached layers' shapes (the
+    native arenas), which the greedy reserved for every shape of its layers: it goes on with what
+    that leaves (the same prefix, longer; a cached layer can only become resident, so the shapes
+    and the staging only shrink)."""
+    for _ in range(len(moe) + 1):
+        cached = [l for l in moe if l.index not in host and not states[l.index].resident]
+        used = (fixed_total + staging_bytes(g, stage, cached) - sum(l.expert_bias_bytes for l in moe if l.index in host)
+                + sum(states[l.index].cost() for l in moe if l.index not in host))
+        before = [(s.pins, s.lru, s.resident) for s in states.values()]
+        _spend({i: s for i, s in states.items() if i not in host}, host, budget - used)
+        if [(s.pins, s.lru, s.resident) for s in states.values()] == before:
+            return
+
+
+def _layer_plans(g: ModelGeometry, states: dict[int, "_Layer"], host: set[int], layer_dev: tuple[int, ...],
+                 n_dev: int = 1) -> tuple[list[LayerPlan], list[float], list[dict[str, int]]]:
+    """Every layer's LayerPlan, the predicted cold share per MoE layer, and the bytes spent per
+    device (banks, resident experts, expert biases left on the host)."""
     layers: list[LayerPlan] = []
-    spent = {"banks": 0, "resident": 0, "host_bias": 0}
+    spent = [{"banks": 0, "resident": 0, "host_bias": 0} for _ in range(n_dev)]
     cold: list[float] = []
     for l in g.layers:
+        d = layer_dev[l.index]
         if l.is_nextn:
-            layers.append(LayerPlan(l.index, "skipped", (), 0, 0, 0))
+            layers.append(LayerPlan(l.index, "skipped", (), 0, 0, 0, d))
         elif not l.is_moe:
-            layers.append(LayerPlan(l.index, "dense", (), 0, l.nonexpert_bytes, 0))
+            layers.append(LayerPlan(l.index, "dense", (), 0, l.nonexpert_bytes, 0, d))
         elif l.index in host:
-            spent["host_bias"] += l.expert_bias_bytes
+            spent[d]["host_bias"] += l.expert_bias_bytes
             cold.append(1.0)
             layers.append(LayerPlan(l.index, "host", (), 0, l.nonexpert_bytes - l.expert_bias_bytes,
-                                    l.expert_bytes + l.expert_bias_bytes))
+                                    l.expert_bytes + l.expert_bias_bytes, d))
         elif states[l.index].resident:
             s = states[l.index]
-            spent["resident"] += s.cost()
+            spent[d]["resident"] += s.cost()
             cold.append(0.0)
-            layers.append(LayerPlan(l.index, "resident", (), 0, l.nonexpert_bytes + s.cost(), 0))
+            layers.append(LayerPlan(l.index, "resident", (), 0, l.nonexpert_bytes + s.cost(), 0, d))
         else:
             s = states[l.index]
-            spent["banks"] += s.cost()
+            spent[d]["banks"] += s.cost()
             cold.append(float(max(s.unpinned[s.pins], 0.0)))
             layers.append(LayerPlan(l.index, "cached", tuple(s.order[: s.pins]), s.pins + s.lru,
-                                    l.nonexpert_bytes + s.cost(), l.expert_bytes))
+                                    l.nonexpert_bytes + s.cost(), l.expert_bytes, d))
     return layers, cold, spent
 
 
@@ -675,13 +883,18 @@ class PlanRequest:
     policy: str = DEFAULT_POLICY  # simulator.ONLINE_POLICIES
     miss_path: str = "auto"  # recorded in the plan; cpu and auto replay the cpu path, upload and layer the upload path
     max_admit: int | None = None  # cpu path admissions per decode step (None: k)
-    compute_bytes: int | None = None  # measured compute buffers of the device (the fit loop's); None: estimate
+    compute_bytes: int | tuple[int, ...] | None = None  # measured compute buffers per device (the fit loop's); None: estimate
     n_parallel: int = 1  # -np: sequences the KV cache and recurrent state hold
     kv_unified: bool = False  # --kv-unified: one KV stream for all of them
+    split: Split | None = None  # several devices (split.py): their budgets (which budget_bytes sums) and layer split
 
     @property
     def replay_path(self) -> str:
         return replay_path(self.miss_path)
+
+    def devices(self) -> Split:
+        """The devices planned for: the split, or one device of budget_bytes."""
+        return self.split if self.split is not None else single(self.budget_bytes)
 
 
 @dataclass(frozen=True)
@@ -751,13 +964,17 @@ def _choose_policy(res: PlanResult, request: PlanRequest) -> PlanResult:
 
 
 def _fit(geometry: ModelGeometry, request: PlanRequest, measure: Measure) -> PlanResult:
-    target = request.budget_bytes - unmeasured_overhead()  # what the measured bill may take
+    sp = request.devices()
+    n, budgets = sp.n_devices, sp.budgets
+    target = [b - unmeasured_overhead() for b in budgets]  # what the measured bill may take, per device
     step = min((l.expert_bytes_per_expert for l in geometry.layers if l.is_moe and l.expert_bytes_per_expert),
                default=1)
-    spend, compute, margin, best, seen = request.budget_bytes, None, 0, None, {}
+    spend, compute, margin, best, seen = budgets, None, [0] * n, None, {}
+    names = list(sp.names)
     for rnd in range(1, MAX_FIT_ROUNDS + 1):
         try:
-            res = _plan_once(geometry, replace(request, budget_bytes=spend, compute_bytes=compute))
+            res = _plan_once(geometry, replace(request, budget_bytes=sum(spend), compute_bytes=compute,
+                                               split=replace(sp, budgets=tuple(spend))))
         except PlanError:
             if best is None and rnd == 1:
                 raise
@@ -765,37 +982,39 @@ def _fit(geometry: ModelGeometry, request: PlanRequest, measure: Measure) -> Pla
         key = (res.plan.layers, compute)
         bill = seen[key] if key in seen else measure(res.plan)
         seen[key] = bill
-        used, measured = bill.device_bytes(), _first_device(bill)
+        measured = [device_bill(bill, names, d) for d in range(n)]
+        used = [m["total"] for m in measured]
         if compute is not None:  # planned with measured compute buffers: the plan's sums are the bill
-            if used <= target and (best is None or used > best[1].device_bytes()):
-                best = (res, bill, rnd)
-            elif used > target:
-                margin += used - target  # the compute buffers grew with the placement: give up more
-        if best is not None and best[2] == rnd and target - used < step:
+            if all(u <= t for u, t in zip(used, target)) and (best is None or sum(used) > sum(best[3])):
+                best = (res, bill, rnd, used)
+            for d in range(n):
+                if used[d] > target[d]:
+                    margin[d] += used[d] - target[d]  # the compute buffers grew with the placement: give up more
+        if best is not None and best[2] == rnd and all(t - u < step for u, t in zip(used, target)):
             break
         # NOTE: the next round plans with the measured compute buffers, and takes what the rest of the
-        # bill measured over (or under) the plan's own sums off (or onto) the budget it spends
-        planned = res.plan.breakdown
-        rest = (used - measured["compute"]) - (planned["total"] - planned["overhead"] - planned["compute"])
-        nxt = (request.budget_bytes - rest - margin, measured["compute"])
-        if nxt == (spend, compute):
+        # bill measured over (or under) the plan's own sums off (or onto) the budget each device spends
+        nxt_spend = []
+        for d, dp in enumerate(res.plan.per_device):
+            planned = dp.breakdown
+            rest = (used[d] - measured[d]["compute"]) - (planned["total"] - planned["overhead"] - planned["compute"])
+            nxt_spend.append(budgets[d] - rest - margin[d])
+        nxt = (tuple(nxt_spend), tuple(m["compute"] for m in measured) if n > 1 else measured[0]["compute"])
+        if nxt == (tuple(spend), compute):
             break
         spend, compute = nxt
     if best is None:
-        name = (bill.device_names() or ["the device"])[0]
-        raise PlanError(f"--vram {units.gib(request.budget_bytes)}: measured by a dry run, the placement needs "
-                        f"{units.gib(used)} on {name} plus {units.fmt_bytes(unmeasured_overhead())} overhead: "
-                        f"over by {units.shortfall(used - target)}",
+        d = next((i for i in range(n) if used[i] > target[i]), 0)
+        seen_names = bill.device_names()
+        name = names[d] or (seen_names[d] if d < len(seen_names) else "the device")
+        raise PlanError(f"--vram {units.gib(budgets[d])}: measured by a dry run, the placement needs "
+                        f"{units.gib(used[d])} on {name} plus {units.fmt_bytes(unmeasured_overhead())} overhead: "
+                        f"over by {units.shortfall(used[d] - target[d])}",
                         hint="lower --ctx-size or -ub, quantize the KV cache (-ctk q8_0) or raise --vram")
-    res, bill, rnd = best
-    plan = replace(res.plan, budget_bytes=request.budget_bytes, measured=bill.to_dict(),
-                   measured_device_bytes=bill.device_bytes(), fit_rounds=rnd)
+    res, bill, rnd, _ = best
+    devs = tuple(replace(x, budget_bytes=budgets[d]) for d, x in enumerate(res.plan.per_device))
+    plan = with_measured(replace(res.plan, budget_bytes=request.budget_bytes, devices=devs), bill, rnd)
     return replace(res, plan=plan)
-
-
-def _first_device(bill: MeasuredBill) -> dict[str, int]:
-    names = bill.device_names()
-    return bill.device(names[0]) if names else {"model": 0, "context": 0, "compute": 0, "banks": 0, "total": 0}
 
 
 def _plan_once(geometry: ModelGeometry, request: PlanRequest) -> PlanResult:
@@ -806,7 +1025,7 @@ def _plan_once(geometry: ModelGeometry, request: PlanRequest) -> PlanResult:
     if r.miss_path not in MISS_PATHS:
         raise PlanError(f"miss path {r.miss_path!r}: unknown", hint="use " + ", ".join(MISS_PATHS))
     kw = dict(type_k=r.type_k, type_v=r.type_v, n_ubatch=r.n_ubatch, policy=policy, miss_path=r.miss_path,
-              compute_bytes=r.compute_bytes, n_parallel=r.n_parallel, kv_unified=r.kv_unified)
+              compute_bytes=r.compute_bytes, n_parallel=r.n_parallel, kv_unified=r.kv_unified, split=r.split)
     trace = r.trace if r.trace is not None and r.trace.n_decode else None
     if trace is None:
         return PlanResult(_make_plan(geometry, r.budget_bytes, r.n_ctx, r.profile_counts, **kw))
@@ -876,8 +1095,8 @@ def _plan_by_replay(geometry: ModelGeometry, budget_bytes: int, n_ctx: int, trac
                     profile_counts: np.ndarray | None = None, policy: str = DEFAULT_POLICY, type_k: str = "f16",
                     type_v: str = "f16", n_ubatch: int = DEFAULT_UBATCH, replay_path: str = "upload",
                     max_admit: int | None = None, miss_path: str = "auto",
-                    compute_bytes: int | None = None, n_parallel: int = 1,
-                    kv_unified: bool = False) -> tuple[Plan, list[Candidate]]:
+                    compute_bytes: int | tuple[int, ...] | None = None, n_parallel: int = 1,
+                    kv_unified: bool = False, split: Split | None = None) -> tuple[Plan, list[Candidate]]:
     """Price pins against policy slots per layer by replaying `trace` (decode steps)
     through the policy that will run, and keep the best of three plans for the budget:
 
@@ -897,7 +1116,8 @@ def _plan_by_replay(geometry: ModelGeometry, budget_bytes: int, n_ctx: int, trac
     rp = _LayerReplay(trace, None if counts is None else np.asarray(counts, dtype=np.float64), policy,
                       replay_path, max_admit)
     common = dict(profile_counts=counts, type_k=type_k, type_v=type_v, n_ubatch=n_ubatch, policy=policy,
-                  miss_path=miss_path, compute_bytes=compute_bytes, n_parallel=n_parallel, kv_unified=kv_unified)
+                  miss_path=miss_path, compute_bytes=compute_bytes, n_parallel=n_parallel, kv_unified=kv_unified,
+                  split=split)
     plans = [
         ("replay", _make_plan(geometry, budget_bytes, n_ctx, miss_fn=rp.miss, **common)),
         ("pins+k", _make_plan(geometry, budget_bytes, n_ctx, **common)),

@@ -37,6 +37,23 @@ def parse_size(text: str | int, flag: str = "--vram") -> int:
     return value
 
 
+def parse_sizes(text: str, n_devices: int | None = None, flag: str = "--vram") -> tuple[int, ...]:
+    """One size per device, comma-separated in -dev order ('16GiB,12GiB'); one size means each
+    device gets it. `n_devices` None: as many as written. UsageError naming `flag` otherwise."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if any(not p for p in parts):
+        raise UsageError(f"{flag} {text}: an empty size", hint="write one size per device, e.g. 16GiB,12GiB")
+    sizes = tuple(parse_size(p, flag) for p in parts)
+    if n_devices is None:
+        return sizes
+    if len(sizes) == 1:
+        return sizes * max(1, n_devices)
+    if len(sizes) != n_devices:
+        raise UsageError(f"{flag} {text}: {len(sizes)} sizes for {n_devices} device{'s' * (n_devices != 1)}",
+                         hint="give one size per device in -dev order, or one size for each")
+    return sizes
+
+
 def gib(n: int) -> str:
     """Bytes as '12.34 GiB' for messages."""
     return f"{n / GiB:.2f} GiB"

@@ -102,24 +102,41 @@ def kv_cache_bytes(geometry: ModelGeometry, n_ctx: int, type_k: str = "f16", typ
     dims with one KV head, and no V, as llama.cpp does. Old MLA-less deepseek2 files
     fall through the general formula. Recurrent layers add their f32 state instead, one per
     sequence whether or not the KV cache is unified (llama.cpp's rs_size = max(1, n_seq_max)).
+    The sum of kv_layer_bytes over the layers.
     """
+    return sum(kv_layer_bytes(geometry, n_ctx, type_k, type_v, n_ubatch, n_seq, unified))
+
+
+def kv_layer_bytes(geometry: ModelGeometry, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
+                   n_ubatch: int = 512, n_seq: int = 1, unified: bool = False) -> list[int]:
+    """kv_cache_bytes per layer (llama.cpp keeps each layer's KV cells and recurrent state on the
+    layer's device). A geometry without per-layer recurrent flags (built by hand) puts the whole
+    recurrent state on layer 0."""
+    g = geometry
     streams = kv_streams(n_seq, unified)
-    total = 0
-    for il in range(geometry.n_layer):
-        if geometry.kv_heads:
-            heads = geometry.kv_heads[il]
+    out = [0] * g.n_layer
+    for il in range(g.n_layer):
+        if g.kv_heads:
+            heads = g.kv_heads[il]
         else:  # geometries built by hand: every loaded layer has attention
-            heads = 0 if geometry.layers[il].is_nextn else geometry.n_head_kv
+            heads = 0 if g.layers[il].is_nextn else g.n_head_kv
         if heads <= 0:
             continue
-        k = row_bytes(type_k, heads * geometry.key_length)
-        v = 0 if geometry.is_mla else row_bytes(type_v, heads * geometry.value_length)
-        total += kv_cells(geometry, n_ctx, il, n_ubatch, n_seq, unified) * streams * (k + v)
-    return total + geometry.recurrent_state_bytes * max(1, n_seq)
+        k = row_bytes(type_k, heads * g.key_length)
+        v = 0 if g.is_mla else row_bytes(type_v, heads * g.value_length)
+        out[il] = kv_cells(g, n_ctx, il, n_ubatch, n_seq, unified) * streams * (k + v)
+    state = g.recurrent_state_bytes * max(1, n_seq)
+    rec = [il for il, r in enumerate(g.recurrent_layers) if r]
+    if state and rec and state % len(rec) == 0:
+        for il in rec:
+            out[il] += state // len(rec)
+    elif state and out:
+        out[0] += state
+    return out
 
 
 def compute_buffer_bytes(geometry: ModelGeometry, n_ctx: int, n_ubatch: int = 512, n_seq: int = 1,
-                         unified: bool = False) -> int:
+                         unified: bool = False, logits: bool = True) -> int:
     """Estimate of llama.cpp's device compute buffer for a worst-case ubatch.
 
     llama.cpp reserves the graph of one full ubatch with every token an output, and
@@ -132,11 +149,12 @@ def compute_buffer_bytes(geometry: ModelGeometry, n_ctx: int, n_ubatch: int = 51
         assumed, as llama.cpp enables it on CUDA by default) and the MoE FFN
         (n_ubatch * k * n_ff_exp * 4 * 3 + router n_ubatch * n_expert * 4 * 2),
     and never less than COMPUTE_FLOOR_BYTES. Within ~20% of what llama.cpp prints for
-    the models we measured; the overhead constant absorbs the rest.
+    the models we measured; the overhead constant absorbs the rest. `logits` False: a device
+    without the output layer (another device of a layer split computes the logits).
     """
     g = geometry
     nt = max(n_ubatch, 1)
-    logits = nt * g.n_vocab * 4
+    logits = nt * g.n_vocab * 4 if logits else 0
     mask = kv_ctx_seq(n_ctx, n_seq, unified) * nt * 2
     hidden = nt * g.n_embd * 4 * 6
     attn = nt * g.n_head * max(g.key_length, g.value_length) * 4 * 3

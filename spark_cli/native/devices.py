@@ -3,8 +3,9 @@
 Spelled as llama.cpp spells it: `-dev/--device` is a comma-separated list of device names
 (`spark devices` lists them) or `none` (CPU only); `--rpc HOST:PORT[,...]` registers RPC
 servers, whose devices are used when no -dev is given. Without either: the first GPU-type
-device that is not an RPC endpoint, or none. Expert banks and the VRAM budget belong to the
-first selected device. Plan, chat, bench, profile and the engine all select through here.
+device that is not an RPC endpoint, or none. Several devices split the layers as llama.cpp does
+(core/split.py): each layer's expert bank lives on that layer's device, and each device has its
+own budget (--vram per device). Plan, chat, bench, profile and the engine all select through here.
 """
 
 from __future__ import annotations

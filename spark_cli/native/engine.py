@@ -20,6 +20,7 @@ import numpy as np
 
 from . import devices as devices_mod
 from . import faults, llama_lib
+from ..core import split as split_mod
 from ..core import vram
 from ..errors import DeviceError, ModelFileError, NativeError, SparkError, UsageError
 from ..core.bill import MeasuredBill
@@ -70,6 +71,9 @@ class EngineOptions:
     n_threads_batch: int | None = None  # -tb: multi-token steps (None: n_threads)
     device: str | None = None          # -dev: device names, comma-separated, or none (see devices.py)
     rpc: list[str] = field(default_factory=list)
+    tensor_split: tuple[float, ...] | None = None  # -ts: layer proportions per device (None: llama.cpp's, by free memory)
+    split_mode: str = "layer"          # -sm layer | none (row, tensor: refused; core/split.py)
+    main_gpu: int = 0                  # -mg: the device -sm none keeps, among the selected ones
     host_layers: list[int] = field(default_factory=list)  # stock --n-cpu-moe: these layers' experts on the CPU
     cache_layers: list[CacheLayer] = field(default_factory=list)
     expert_overrides: tuple[TensorOverride, ...] | None = None  # a plan's; None: derived from cache_layers
@@ -80,7 +84,9 @@ class EngineOptions:
     capture_topk: bool = False         # eval-callback capture of ffn_moe_topk-<il> (no native needed)
     capture_scores: bool = False       # with capture_topk: each record's selection scores (ffn_moe_probs*)
     capture_hidden: str | None = None  # eval-callback capture of f32 tensors `<name>-<il>` (e.g. ffn_norm)
-    device_budget: int = 0             # bytes the expert banks may take (0: device free memory)
+    # NOTE: one value for every device; 0 (each device's own free memory less a margin) is the right
+    # one over several devices: the plan checks each device against its own budget before this
+    device_budget: int = 0             # bytes the expert banks may take per device (0: its free memory)
     stage_slices: int = 0              # staging slices per expert shape (a plan's stage_slices)
     type_k: str = "f16"
     type_v: str = "f16"
@@ -108,6 +114,7 @@ class EngineOptions:
 _SCORES_RE = re.compile(rb"ffn_moe_probs(?:_biased|_masked)?-\d+")
 _OVERRIDE_RE = re.compile(r"tensor (?P<name>\S+) \(.*\) buffer type overridden to (?P<buft>\S+)")
 _SPLITS_RE = re.compile(r"graph.*: nodes = [^,]+, splits = (\d+)(?: / (\d+))?,")
+_LAYER_DEV_RE = re.compile(r"load_tensors: layer\s+(?P<il>\d+) assigned to device (?P<dev>[^,\s]+)")
 _BUFFER_RE = re.compile(r"(?P<buf>\S+)\s+(?P<kind>model|KV|RS|compute|output) buffer size\s*=\s*(?P<mib>[\d.]+) MiB")
 
 
@@ -192,12 +199,25 @@ class Engine:
         if opts.flash_attn not in FLASH_ATTN:
             raise UsageError(f"--flash-attn {opts.flash_attn}: expected on, off or auto")
 
-        self.devices = devices_mod.select(devices_mod.parse(opts.device, opts.rpc))
+        selected = devices_mod.select(devices_mod.parse(opts.device, opts.rpc))
+        mode = split_mod.parse_split_mode(opts.split_mode)
+        if selected and not 0 <= opts.main_gpu < len(selected):
+            raise UsageError(f"--main-gpu {opts.main_gpu}: {len(selected)} device{'s' * (len(selected) != 1)} selected")
+        # -sm none: llama.cpp keeps the main device alone (llama_prepare_model_devices)
+        self.devices = [selected[opts.main_gpu]] if mode == "none" and selected else selected
         mp = lc.llama_model_default_params()
-        dev_arr = (ctypes.c_void_p * (len(self.devices) + 1))(*[d.handle for d in self.devices], None)
+        dev_arr = (ctypes.c_void_p * (len(selected) + 1))(*[d.handle for d in selected], None)
         self._keep.append(dev_arr)
         mp.devices = ctypes.cast(dev_arr, ctypes.c_void_p)
         mp.n_gpu_layers = -1 if self.devices else 0
+        mp.split_mode, mp.main_gpu = split_mod.SPLIT_MODES[mode], opts.main_gpu
+        if opts.tensor_split and len(selected) > 1:
+            n_max = int(lc.llama_max_devices())
+            if len(opts.tensor_split) > min(n_max, len(selected)):
+                raise UsageError(f"--tensor-split: {len(opts.tensor_split)} proportions for {len(selected)} devices")
+            ts = (ctypes.c_float * n_max)(*opts.tensor_split)
+            self._keep.append(ts)
+            mp.tensor_split = ts
         self._set_overrides(mp, self._overrides())
         # NOTE: the cache copies expert slices byte for byte: host weights must keep plain layout
         mp.use_extra_bufts = bool(opts.repack and not opts.cache_layers and repack_is_safe())
@@ -743,6 +763,16 @@ class Engine:
             if m:
                 key = f"{m.group('kind')} {m.group('buf')}"
                 out[key] = out.get(key, 0) + round(float(m.group('mib')) * (1 << 20))
+        return out
+
+    def layer_devices(self) -> dict[int, str]:
+        """Layer -> device llama.cpp assigned it to (its dev_layer; the output layer is n_layer), from
+        its load log."""
+        out = {}
+        for line in self.load_log():
+            m = _LAYER_DEV_RE.search(line)
+            if m:
+                out[int(m.group("il"))] = m.group("dev")
         return out
 
     def overridden_tensors(self) -> dict[str, str]:

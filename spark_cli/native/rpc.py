@@ -94,8 +94,30 @@ def listen_address(host: str, port: int) -> str:
     return host
 
 
-def serve(host: str, port: int, threads: int | None = None) -> None:
-    """Serve this machine's CPU backend over RPC in the foreground (like llama.cpp's rpc-server)."""
+# ggml_backend_device_i.get_memory(dev, size_t * free, size_t * total)
+_GET_MEMORY = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
+_GET_MEMORY_SLOT = 2  # its index among the function pointers at the start of struct ggml_backend_device
+_reporters: list[object] = []  # the callbacks, alive as long as the server
+
+
+def report_memory(handle: int, size: int) -> None:
+    """Make the device at `handle` (this process's CPU device) report `size` bytes free and total:
+    the memory an RPC server's device announces to its clients (llama.cpp's rpc-server once had
+    `-m MEM`). Its get_memory entry (struct ggml_backend_device starts with its function table,
+    ggml-backend-impl.h) is replaced in this process; nothing is allocated or limited."""
+
+    def get_memory(dev, free, total) -> None:
+        free[0] = total[0] = size
+
+    cb = _GET_MEMORY(get_memory)
+    _reporters.append(cb)
+    slot = ctypes.c_void_p.from_address(handle + _GET_MEMORY_SLOT * ctypes.sizeof(ctypes.c_void_p))
+    slot.value = ctypes.cast(cb, ctypes.c_void_p).value
+
+
+def serve(host: str, port: int, threads: int | None = None, mem: int | None = None) -> None:
+    """Serve this machine's CPU backend over RPC in the foreground (like llama.cpp's rpc-server);
+    `mem`: the memory (bytes) its device reports to clients (report_memory), else the host's RAM."""
     host = listen_address(host, port)
     lib = llama_lib.load()
     if not lib.rpc_available:
@@ -104,6 +126,8 @@ def serve(host: str, port: int, threads: int | None = None) -> None:
     cpu = [d for d in llama_lib.devices() if d.type == "CPU"]
     if not cpu:
         raise DeviceError("rpc-server: no CPU backend device found")
+    if mem:
+        report_memory(cpu[0].handle, mem)
     devs = (ctypes.c_void_p * 1)(cpu[0].handle)
     lib.rpc_start_server(f"{host}:{port}".encode(), None, threads or os.cpu_count() or 1, 1, devs)
     raise DeviceError(f"rpc-server: could not serve on {host}:{port}", hint="is the port already in use?")
@@ -131,6 +155,7 @@ class RpcServer:
     host: str = "127.0.0.1"
     port: int = 0
     threads: int | None = None
+    mem: int | None = None  # bytes its device reports free and total (None: the host's RAM)
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -142,6 +167,8 @@ class RpcServer:
         cmd = [sys.executable, "-m", "spark_cli.native.rpc_main", "--host", self.host, "--port", str(self.port)]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
+        if self.mem:
+            cmd += ["--mem", str(self.mem)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.time() + timeout

@@ -17,7 +17,7 @@ from typing import Callable
 
 from ..native import devices
 from . import dry_run, host_ram
-from ..core import planner, profile_store, units, vram
+from ..core import planner, profile_store, split as split_mod, units, vram
 from ..files.atomic import lock_timeout_default
 from ..core.trace import DECODE
 from ..native.engine import CacheLayer, Engine, EngineOptions
@@ -103,14 +103,16 @@ def kv_unified(flags: LoadFlags, plan: planner.Plan | None = None) -> bool:
 
 def plan_request(info: ProfileInfo, budget: int, n_ctx: int, *, type_k: str = "f16", type_v: str = "f16",
                  n_ubatch: int = DEFAULT_UBATCH, n_parallel: int = 1, kv_unified: bool = False, trace=None,
-                 policy: str | None = None, miss_path: str | None = None) -> planner.PlanRequest:
+                 policy: str | None = None, miss_path: str | None = None,
+                 split: split_mod.Split | None = None) -> planner.PlanRequest:
     """What a placing command asks planner.plan_for: the profile's counts, and to replay
-    `trace` (a --trace) or else the profile's ring of recent decode steps."""
+    `trace` (a --trace) or else the profile's ring of recent decode steps. `split`: several
+    devices (resolve_split), whose budgets `budget` sums."""
     if trace is None and info.profile is not None:
         trace = info.profile.recent_trace()
     return planner.PlanRequest(budget, n_ctx, type_k, type_v, n_ubatch, profile_counts(info), trace,
                                policy or planner.AUTO_POLICY, miss_path or "auto", n_parallel=n_parallel,
-                               kv_unified=kv_unified)
+                               kv_unified=kv_unified, split=split)
 
 
 def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | None, flags: LoadFlags, *,
@@ -121,10 +123,16 @@ def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | No
     if plan is not None:
         cache = [CacheLayer(l.index, l.slots, tuple(l.pinned), policy=plan.policy)
                  for l in plan.layers if l.mode == "cached"]
+    # NOTE: a plan's layer split is the one llama.cpp makes: it gets the plan's proportions
+    if plan is not None:
+        ts, mode, mg = plan.tensor_split or None, plan.split_mode, plan.main_gpu
+    else:
+        ts, mode, mg = flags.tensor_split, flags.split_mode or "layer", flags.main_gpu or 0
     return EngineOptions(
         model, n_ctx=n_ctx, n_batch=flags.batch_size, n_ubatch=ubatch_size(flags, plan), n_threads=flags.threads,
         n_threads_batch=flags.threads_batch,
         device=flags.device, rpc=parse_endpoints(flags.rpc), cache_layers=cache,
+        tensor_split=tuple(ts) if ts else None, split_mode=mode, main_gpu=mg,
         stage_slices=plan.stage_slices if plan is not None else 0,
         host_layers=[l.index for l in plan.layers if l.mode == "host"] if plan is not None else [],
         expert_overrides=plan.overrides if plan is not None else None,
@@ -169,31 +177,80 @@ def fold_into_profile(model: Path, geometry: ModelGeometry, counts: np.ndarray |
 
 @dataclass(frozen=True)
 class Budget:
-    bytes: int
+    bytes: int  # over every device (one device: its budget)
     source: str  # where it came from, for messages
-    free: int | None = None  # the device's free memory, when it was read
+    free: int | None = None  # the first device's free memory, when it was read
+    per_device: tuple[int, ...] = ()  # one per device, -dev order
+    names: tuple[str, ...] = ()  # their names ("" where planned without the device)
 
 
-def resolve_budget(vram_text: str | None, devs: list) -> Budget:
-    """--vram, else the first selected device's free memory less devices.BUDGET_MARGIN."""
-    free = total = None
-    if devs:
-        free, total = devices.free_memory(devs[0])
-        if not total:
-            free = None
+def resolve_budget(vram_text: str | None, devs: list, names: tuple[str, ...] = ()) -> Budget:
+    """--vram (one size per device in -dev order, or one for each), else each selected device's
+    free memory less devices.BUDGET_MARGIN. Without a device (planning without measuring), the
+    devices are `names` (-dev's) if given, else one per --vram size."""
+    frees = []
+    for d in devs:
+        free, total = devices.free_memory(d)
+        frees.append(free if total else None)
     if vram_text:
-        return Budget(units.parse_size(vram_text, flag="--vram"), f"--vram {vram_text}", free)
+        sizes = units.parse_sizes(vram_text, len(devs) or len(names) or None, flag="--vram")
+        names = tuple(d.name for d in devs) or tuple(names) or ("",) * len(sizes)
+        return Budget(sum(sizes), f"--vram {vram_text}", frees[0] if frees else None, sizes, names)
     if not devs:
         raise PlanError("no GPU-type device: --vram is required for a dry run",
                         hint="e.g. --vram 16GiB, or pick a device with -dev/--rpc")
-    if free is None:
-        raise PlanError(f"{devs[0].name} did not report its free memory", hint="pass --vram, e.g. --vram 16GiB")
-    budget = devices.budget_from_free(free)
-    if budget <= 0:
-        raise PlanError(f"{devs[0].name} has only {units.fmt_bytes(free)} free, less than the "
-                        f"{units.fmt_bytes(devices.BUDGET_MARGIN)} margin", hint="free the device or pass --vram")
-    return Budget(budget, f"{devs[0].name} free {units.fmt_bytes(free)} minus a {units.fmt_bytes(devices.BUDGET_MARGIN)} margin",
-                  free)
+    sizes, sources = [], []
+    for d, free in zip(devs, frees):
+        if free is None:
+            raise PlanError(f"{d.name} did not report its free memory", hint="pass --vram, e.g. --vram 16GiB")
+        budget = devices.budget_from_free(free)
+        if budget <= 0:
+            raise PlanError(f"{d.name} has only {units.fmt_bytes(free)} free, less than the "
+                            f"{units.fmt_bytes(devices.BUDGET_MARGIN)} margin", hint="free the device or pass --vram")
+        sizes.append(budget)
+        sources.append(f"{d.name} free {units.fmt_bytes(free)}")
+    return Budget(sum(sizes), f"{', '.join(sources)} minus a {units.fmt_bytes(devices.BUDGET_MARGIN)} margin"
+                  + (" each" if len(devs) > 1 else ""), frees[0], tuple(sizes), tuple(d.name for d in devs))
+
+
+def resolve_split(flags: LoadFlags, budget: Budget) -> split_mod.Split | None:
+    """The devices a plan spreads over (-sm, -ts, -mg with the budgets); None: one device."""
+    sp = split_mod.make_split(budget.per_device or (budget.bytes,), budget.names or ("",),
+                              flags.tensor_split, flags.split_mode or "layer", flags.main_gpu or 0)
+    return sp if sp.n_devices > 1 or sp.mode == "none" else None
+
+
+def used_devices(devs: list, plan: planner.Plan | None) -> list:
+    """The selected devices a plan runs on (-sm none: the main device alone)."""
+    if plan is not None and plan.split_mode == "none" and devs:
+        return [devs[min(plan.main_gpu, len(devs) - 1)]]
+    return devs
+
+
+def _check_plan_devices(plan: planner.Plan, devs: list, flags: LoadFlags, source: str) -> None:
+    """PlanError when a plan file was made for other devices than this run selects, or -sm/-ts/-mg
+    ask for another split than the plan's (its layers and bills are per device)."""
+    names = [d.name for d in plan.per_device]
+    if plan.split_mode == "none":
+        if plan.main_gpu >= len(devs):
+            raise PlanError(f"{source}: made for -sm none -mg {plan.main_gpu}; this run selects {len(devs)} "
+                            f"device{'s' * (len(devs) != 1)}", hint="select the same devices with -dev/--rpc")
+    elif len(names) != len(devs):
+        raise PlanError(f"{source}: made for {len(names)} device{'s' * (len(names) != 1)} "
+                        f"({', '.join(n or '?' for n in names)}); this run selects {len(devs)} "
+                        f"({', '.join(d.name for d in devs)})",
+                        hint="select the same devices with -dev/--rpc, or make the plan again with `spark plan`")
+    asked = []
+    if flags.split_mode is not None and flags.split_mode != plan.split_mode:
+        asked.append(f"-sm {flags.split_mode}")
+    if flags.main_gpu is not None and plan.split_mode == "none" and flags.main_gpu != plan.main_gpu:
+        asked.append(f"-mg {flags.main_gpu}")
+    if (flags.tensor_split is not None and len(devs) > 1 and plan.split_mode == "layer"
+            and split_mod.as_float32(flags.tensor_split) != tuple(plan.tensor_split)):
+        asked.append("-ts " + ",".join(f"{v:g}" for v in flags.tensor_split))
+    if asked:
+        raise PlanError(f"{source}: {' '.join(asked)} asks for another layer split than the plan's",
+                        hint="drop the flag, or make the plan again with `spark plan` and these flags")
 
 
 @dataclass
@@ -237,15 +294,20 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
         seq_warning = _sequences_warning(geometry, file_plan, flags)
         if seq_warning:
             out.warnings.append(seq_warning)
+        _check_plan_devices(file_plan, devs, flags, f"--plan {plan_path}")
+        if file_plan.devices:  # the plan's device d is this run's d-th (an RPC server's name may differ)
+            file_plan = dataclasses.replace(file_plan, devices=tuple(
+                dataclasses.replace(x, name=d.name) for x, d in zip(file_plan.devices, used_devices(devs, file_plan))))
         # NOTE: measured now, with this run's flags and context: a stale plan (another context size,
         # another device, less free memory) is refused here, before anything loads
         bill = dry_run.measure(model, geometry, file_plan, flags, out.n_ctx)
-        dry_run.check_fits(bill, devs, f"--plan {plan_path}")
-        out.plan = dataclasses.replace(file_plan, measured=bill.to_dict(), measured_device_bytes=bill.device_bytes())
+        dry_run.check_fits(bill, used_devices(devs, file_plan), f"--plan {plan_path}")
+        out.plan = planner.with_measured(file_plan, bill)
     else:
         n_ctx = context_size(flags.ctx_size, geometry.context_length)
         budget = resolve_budget(vram_text, devs)
-        req = plan_request(info, budget.bytes, n_ctx, miss_path=miss_path, **kv_settings(flags))
+        req = plan_request(info, budget.bytes, n_ctx, miss_path=miss_path, split=resolve_split(flags, budget),
+                           **kv_settings(flags))
         plan = planner.plan_for(geometry, req, dry_run.measurer(model, geometry, flags, n_ctx)).plan
         out = Placement(devs, plan, n_ctx, budget.source)
     if not any(l.mode in ("resident", "cached", "host") for l in out.plan.layers):
