@@ -141,7 +141,8 @@ def register(app: typer.Typer) -> None:
 
         def ready() -> None:
             err_console.print(f"spark serve: {path.name} on http://{bound_host}:{bound_port}/v1 "
-                              f"(queue {max_queue}; {'learning' if learn else 'not learning'}; Ctrl-C stops)", soft_wrap=True)
+                              f"({len(worker.slots)} slot{'s' if len(worker.slots) != 1 else ''}, queue {max_queue}; "
+                              f"{'learning' if learn else 'not learning'}; Ctrl-C stops)", soft_wrap=True)
 
         out = serve(state, learner, sock, on_ready=ready, read_timeout=read_timeout, max_connections=max_connections)
         if out.folded_tokens:
