@@ -13,6 +13,7 @@ import pytest
 
 from spark_cli.core.gguf_info import load_geometry
 from spark_cli.core.simulator import MissCosts
+from spark_cli.core.trace import DECODE
 from spark_cli.native.engine import CacheLayer, Engine, EngineOptions
 from spark_cli.native.generate import BatchLoop, Decoding, Greedy, StopRules
 from spark_cli.runs.tiny_models import build_tiny_model
@@ -93,8 +94,10 @@ def test_batched_sequences_match_alone(model, n_seq, costs, small_model, rpc_ser
     with Engine(EngineOptions(path, cache_layers=layers, stage_slices=4 if costs else 0, **opts)) as eng:
         if costs is not None:
             eng.set_miss_costs({c.il: costs for c in layers})
-        alone, together = _run(eng, prompts, False), _run(eng, prompts, True)
-        stats = eng.cache_stats()
+        alone = _run(eng, prompts, False)
+        eng.reset_stats()
+        together = _run(eng, prompts, True)
+        stats, decoded = eng.cache_stats(), eng.routing_counts(DECODE).sum()
     # the cache's contract, with the same batching: bit for bit the all-resident run
     for (t, l), (rt, rl), n in zip(together, stock_together, lengths):
         assert t == rt and np.array_equal(l, rl), f"{model}: {n}-token prompt, batched, max |d| {np.abs(l - rl).max()}"
@@ -106,6 +109,10 @@ def test_batched_sequences_match_alone(model, n_seq, costs, small_model, rpc_ser
     if bound == 0:
         assert [t for t, _ in together] == [t for t, _ in alone]
     assert sum(s.misses for s in stats.values()) > 0 and sum(s.hits for s in stats.values()) > 0
+    # a step of one token per sequence is a decode step: counted as decode, and it admits
+    g = load_geometry(path)
+    assert decoded >= n_seq * (N_DECODE - 2) * g.n_expert_used * len(g.moe_layers)
+    assert sum(s.async_uploads for s in stats.values()) > 0
     if costs is not None:
         assert sum(s.staged_uploads for s in stats.values()) > 0
 

@@ -637,6 +637,7 @@ ggml_tensor * llama_expert_cache::build(
     }
     const int64_t k        = selected_experts->ne[0];
     const int64_t n_tokens = selected_experts->ne[1];
+    // NOTE: the hook passes 1 for a decode step, one token per sequence (several with -np)
     const int phase = n_ubatch_tokens == 1 ? LLAMA_EXPERT_CACHE_PHASE_DECODE : LLAMA_EXPERT_CACHE_PHASE_PREFILL;
     L->building_remap = L->building_partial = L->building_mask = L->building_count = nullptr;
     L->building_cur = cur;

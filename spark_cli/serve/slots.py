@@ -70,8 +70,9 @@ def pick_slot(slots: list[Slot], prompt: Sequence[int]) -> Slot:
 
 class DecodeCounts:
     """Routing counts of the steps that only decode (one token per busy slot), handed to the
-    learner: native counts a step of several tokens as prefill, so both phases are read around
-    each run of such steps; a step with prompt tokens ends the run, uncounted."""
+    learner, read around each run of such steps (both phases: native counts a step of one token
+    per sequence as decode, a step with a prompt chunk as prefill); a step with prompt tokens ends
+    the run, uncounted."""
 
     def __init__(self, engine, learner):
         self.engine, self.learner = engine, learner
