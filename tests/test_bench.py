@@ -313,3 +313,136 @@ def test_plot_shows_prompt_and_generation_side_by_side(geo, tmp_path) -> None:
     png = tmp_path / "b.png"
     bench_cmd._plot(rep, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.model
+def test_parallel_sequences_together_and_one_after_another(spark, model_link, corpus, rpc_server, tmp_path) -> None:
+    """-np 2: every configuration opened with 2 sequences decodes 2 corpus prompts together and
+    one after another; the same greedy tokens either way, and through the cache as all resident."""
+    out, png = tmp_path / "np.json", tmp_path / "np.png"
+    n_seq, n_gen = 2, 4
+    rc, stdout, stderr = spark(model_link, "--rpc", rpc_server.endpoint, "--residency", "0.6", "--ceiling",
+                               "--corpus", corpus, "-p", "32", "-n", n_gen, "-r", "1", "--parallel", n_seq,
+                               "--configs", "resident,cpu-moe,n-cpu-moe,spark", "-o", out, "--plot", png,
+                               "--no-learn")
+    assert rc == 0, stderr
+    d = json.loads(out.read_text())
+    assert d["n_parallel"] == n_seq
+    by = {c["name"]: c for c in d["configs"]}
+    assert list(by) == ["resident", "cpu-moe", "n-cpu-moe", "spark"]
+    for name, c in by.items():
+        assert c["status"] == "ok", (name, c["reason"])
+        assert len(c["runs"]) == 1 and c["runs"][0]["tg_tokens"] == n_gen  # the single-sequence runs as before
+        p = c["parallel"]
+        assert p is not None and p["n_seq"] == n_seq, name
+        assert len(p["prompt_lengths"]) == n_seq and all(n >= 2 for n in p["prompt_lengths"])
+        for phase in ("serial", "together"):
+            f = p[phase]
+            assert [r["tokens"] for r in f["runs"]] == [n_seq * n_gen] and f["decode_tokens"] == n_seq * n_gen
+            assert all(r["seconds"] > 0 and r["tok_s"] > 0 for r in f["runs"]), (name, phase)
+            assert f["tok_s"]["median"] > 0
+            if c["kind"] == "spark":
+                assert 0 <= f["hit_rate"] <= 1 and f["hits"] + f["misses"] > 0, (name, phase)
+                assert f["uploads_per_token"] == pytest.approx(f["uploads"] / (n_seq * n_gen))
+            else:
+                assert f["hit_rate"] is None and f["uploads_per_token"] == 0
+        assert p["serial"]["runs"][0]["steps"] == n_seq * n_gen  # one token a step, each alone
+        assert p["together"]["runs"][0]["steps"] == n_gen  # n_seq tokens a step
+        assert p["ratio"] == pytest.approx(p["together"]["tok_s"]["median"] / p["serial"]["tok_s"]["median"])
+    # the batch loop is exact: each sequence's greedy tokens together equal its tokens alone
+    spark_p, res_p = by["spark"]["parallel"], by["resident"]["parallel"]
+    assert spark_p["tokens_match"] is True
+    assert spark_p["together_digest"] == spark_p["serial_digest"]
+    # and the cache's contract, with the same batching: the all-resident run's tokens
+    assert spark_p["together_digest"] == res_p["together_digest"]
+    assert spark_p["serial_digest"] == res_p["serial_digest"]
+    assert "2 sequences: together against one after another" in stdout and "hit rate 2 seq" in stdout
+    assert "tokens decoded together equal those decoded alone" in stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _parallel_report(geo, n_seq: int = 4) -> bench.Report:
+    """The wide report with -np figures on every measured configuration."""
+    from spark_cli.native.expert_cache import CacheStats
+
+    rep = _wide_report(geo)
+    rep.n_parallel = n_seq
+    for r in rep.results:
+        if not r.runs:
+            continue
+        cache = CacheStats(hits=900, misses=100, uploads=60) if r.config.kind == "spark" else CacheStats()
+        r.parallel = bench.ParallelResult(n_seq, [40] * n_seq,
+                                          serial=[bench.BatchRun(n_seq * 128, 4.5, n_seq * 128, cache)] * 2,
+                                          together=[bench.BatchRun(n_seq * 128, t, 128, cache) for t in (1.5, 1.0)],
+                                          tokens_match=True)
+    return rep
+
+
+def test_parallel_table_fits_120_columns(geo) -> None:
+    from rich.console import Console
+
+    rep = _parallel_report(geo)
+    con = Console(width=120, record=True, color_system=None)
+    con.print(bench_cmd.parallel_table(rep))
+    text = con.export_text()
+    assert "…" not in text, text
+    lines = [line.rstrip() for line in text.splitlines()]
+    assert max(len(line) for line in lines) <= 120, text
+    boxed = [line for line in lines if line[:1] in "┏┃┡│├└"]
+    assert len(boxed) >= 8 and all(line[-1] in "┓┃┩│┤┘" for line in boxed), text  # not cropped at 120
+    assert "all resident (over budget)" in text and "stock --n-cpu-moe 12" in text  # labels whole
+    for word in ("together", "serial", "ratio", "seq", "uploads/tok"):
+        assert word in text, word
+    rows = bench.parallel_rows(rep)
+    spark = next(r for r in rows if r["configuration"] == "Spark + cache")
+    # medians of the runs' rates: together 512 tokens in 1.5 s and 1.0 s, serial in 4.5 s
+    together = (512 / 1.5 + 512 / 1.0) / 2
+    assert spark["tg together"] == f"{together:.1f}" and spark["tg serial"] == f"{512 / 4.5:.1f}"
+    assert spark["ratio"] == f"{together / (512 / 4.5):.2f}x" and spark["hit rate 4 seq"] == "90.0%"
+    assert spark["uploads/tok 4"] == bench._num(60 * 2 / (2 * 512))
+    stock = next(r for r in rows if r["configuration"] == "stock --cpu-moe")
+    assert stock["hit rate 1 seq"] == "-" and stock["uploads/tok 1"] == "0.00"
+    d = rep.to_dict()
+    assert d["n_parallel"] == 4 and d["configs"][-1]["parallel"] is None  # did not run
+    p = d["configs"][-2]["parallel"]
+    assert p["together"]["decode_tokens"] == 2 * 512 and p["together"]["hit_rate"] == pytest.approx(0.9)
+    assert len(bench.to_markdown(rep).split("\n\n")) == 3  # speeds, accounting, -np
+    assert bench_cmd._parallel_lines(rep) == ["Spark, step slots: each sequence's tokens decoded together equal "
+                                              "those decoded alone",
+                                              "Spark + cache: each sequence's tokens decoded together equal "
+                                              "those decoded alone"]
+    # tokens that differ batched as stock's do: llama.cpp's batches, not the cache
+    for r in rep.results:
+        if r.parallel is not None:
+            r.parallel.tokens_match, r.parallel.serial_digest, r.parallel.together_digest = False, "a", "b"
+    lines = bench_cmd._parallel_lines(rep)
+    assert len(lines) == 2 and all("as all resident (over budget)'s do" in line for line in lines)
+    rep.result("resident").parallel.together_digest = "c"
+    rep.result("cpu-moe").parallel.together_digest = "c"
+    rep.result("n-cpu-moe").parallel.together_digest = "c"
+    assert all("[yellow]" in line for line in bench_cmd._parallel_lines(rep))
+
+
+def test_plot_adds_a_parallel_panel(geo) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    rep = _parallel_report(geo)
+    fig = bench_cmd.speed_figure(rep)
+    try:
+        axes = fig.get_axes()
+        assert len(axes) == 3 and "4 sequences" in axes[2].get_xlabel()
+        measured = [r for r in rep.results if r.runs]
+        widths = [bar.get_width() for bar in axes[2].patches]
+        together = (512 / 1.5 + 512 / 1.0) / 2  # the median of the runs' rates
+        assert widths == pytest.approx([together] * len(measured) + [512 / 4.5] * len(measured))
+        assert axes[2].get_ylim() == pytest.approx(axes[0].get_ylim())  # rows level with the others
+    finally:
+        plt.close(fig)
+
+
+def test_parallel_prompts_are_distinct() -> None:
+    w = bench.Workload([1, 2, 3], [1, 5, 6, 7], [[1, 8, 9]], prompts=[[1, 5, 6, 7], [1, 8, 9]])
+    ps = w.parallel_prompts(5, max_len=3)
+    assert ps[0] == [1, 5, 6] and ps[1] == [1, 8, 9]
+    assert len({tuple(p) for p in ps}) == 5 and all(2 <= len(p) <= 3 for p in ps[:4])

@@ -52,6 +52,13 @@ ACCOUNTING_CAPTION = ("per token: tg per generated token (decode steps), pp per 
                       "-: not measured or not modelled")
 
 
+def parallel_caption(n: int) -> str:
+    return (f"-np {n}: {n} corpus prompts, -n tokens each, greedy; tg: aggregate tok/s of the all-decode steps "
+            f"(tokens decoded / their wall time, median of the runs), together: the {n} sequences in one batch "
+            f"(one token each per step), serial: one after another, each alone; ratio: together / serial; "
+            f"hit rate and uploads per decoded token: the expert cache in those steps (1: serial, {n}: together)")
+
+
 def _rich_table(title: str, caption: str, data: list[dict[str, str]]) -> "Table":
     """An empty table with the columns of display rows `data` (the first left-aligned, the rest
     right), each at least as wide as its header's longest word: rich wraps a header, never cuts it."""
@@ -86,6 +93,42 @@ def accounting_table(report: "Report") -> "Table":
     return t
 
 
+def parallel_table(report: "Report") -> "Table":
+    """(c) -np N: N sequences decoded together against one after another."""
+    from ..runs.bench import parallel_rows
+
+    data = parallel_rows(report)
+    t = _rich_table(f"{report.n_parallel} sequences: together against one after another",
+                    parallel_caption(report.n_parallel), data)
+    if t.columns:  # the labels whole: the headers wrap instead
+        t.columns[0].no_wrap = True
+    for r in data:
+        t.add_row(*r.values())
+    return t
+
+
+def _parallel_lines(report) -> list[str]:
+    """-np N: do Spark's sequences decode the same tokens together as alone, and as stock's?"""
+    out = []
+    for r in report.results:
+        p = r.parallel
+        if r.config.kind != "spark" or p is None or p.tokens_match is None or r.same_as:
+            continue
+        if p.tokens_match:
+            out.append(f"{r.config.label}: each sequence's tokens decoded together equal those decoded alone")
+            continue
+        ref = next((x for x in report.results if x.config.kind != "spark" and x.parallel is not None
+                    and (x.parallel.serial_digest, x.parallel.together_digest) == (p.serial_digest, p.together_digest)),
+                   None)
+        if ref is not None:  # NOTE: llama.cpp itself is not batch-invariant; the cache matches it batch for batch
+            out.append(f"{r.config.label}: tokens decoded together differ from those decoded alone, as "
+                       f"{ref.config.label}'s do (llama.cpp's batched steps are not bit-identical to single ones); "
+                       f"the same tokens as {ref.config.label} either way")
+        else:
+            out.append(f"[yellow]{r.config.label}: tokens decoded together differ from those decoded alone[/]")
+    return out
+
+
 def _summary_lines(report) -> list[str]:
     from .render_plan import fmt_bytes
 
@@ -93,7 +136,9 @@ def _summary_lines(report) -> list[str]:
     out = [f"budget {fmt_bytes(report.budget_bytes)} ({report.budget_source}); "
            f"{len(g.moe_layers)} MoE layers x {g.n_expert} experts (top-{g.n_expert_used}), "
            f"{fmt_bytes(g.total_expert_bytes)} of experts; pp {report.n_prompt} tokens, "
-           f"tg {report.n_gen} tokens, median (min-max) of {report.repetitions}"]
+           f"tg {report.n_gen} tokens, median (min-max) of {report.repetitions}"
+           + (f"; -np {report.n_parallel}: {report.n_parallel} sequences per configuration"
+              if report.n_parallel > 1 else "")]
     spark = report.result("spark")
     if spark is not None and spark.config.plan is not None:
         s = spark.config.summary(g)
@@ -112,6 +157,7 @@ def _summary_lines(report) -> list[str]:
         same = digests["spark"] == digests["resident"]
         out.append("generated tokens: Spark's equal the all-resident run's" if same else
                    "[yellow]generated tokens: Spark's differ from the all-resident run's[/]")
+    out += _parallel_lines(report)
     from ..runs.bench import footnotes
 
     return footnotes(report) + out + list(report.notes)
@@ -135,6 +181,8 @@ def _write_outputs(report, as_json: bool, json_path: Path | None, md: bool, plot
         console.print(speed_table(report))
         if any(r.runs for r in report.results):
             console.print(accounting_table(report))
+        if any(r.parallel is not None for r in report.results):
+            console.print(parallel_table(report))
         for line in _summary_lines(report):
             console.print(line, soft_wrap=True)
     if json_path is not None:
@@ -193,18 +241,57 @@ def _speed_panel(ax: "Axes", done: list["Result"], what: str, xlabel: str) -> No
     ax.set_xlim(0, max((s.max for s in spreads), default=0) * 1.25 or 1)  # room for the labels
 
 
+def _parallel_panel(ax: "Axes", done: list["Result"], n: int, ylim: tuple[float, float]) -> None:
+    """-np N: two bars per configuration, aggregate generation tok/s together (solid) and one
+    after another (hatched), medians; rows level with the other panels' (ylim)."""
+    import numpy as np
+
+    def med(runs) -> float:
+        from ..runs.bench import ParallelResult
+
+        s = ParallelResult.spread(runs)
+        return s.median if s is not None else 0.0
+
+    pos = np.arange(len(done))
+    colors = [_bar_color(r.config.kind) for r in done]
+    together = [med(r.parallel.together) if r.parallel else 0.0 for r in done]
+    serial = [med(r.parallel.serial) if r.parallel else 0.0 for r in done]
+    a = ax.barh(pos - 0.2, together, height=0.4, color=colors)
+    b = ax.barh(pos + 0.2, serial, height=0.4, color=colors, alpha=0.45, hatch="//")
+    for bars, vals in ((a, together), (b, serial)):
+        ax.bar_label(bars, labels=[f"{v:.1f}" for v in vals], padding=4, fontsize=8)
+    ax.set_yticks(pos, labels=[r.config.label for r in done])
+    ax.tick_params(axis="y", labelleft=False)
+    ax.set_ylim(ylim)
+    ax.set_xlabel(f"generation tokens/s, {n} sequences (aggregate, median)")
+    ax.set_xlim(0, max(together + serial, default=0) * 1.45 or 1)  # room for the labels and the legend
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(facecolor="white", edgecolor="black", label=f"{n} together"),
+                       Patch(facecolor="white", edgecolor="black", hatch="//", label="one after another")],
+              fontsize=7, loc="best")
+
+
 def speed_figure(report: "Report") -> "Figure":
-    """Prompt processing and generation tok/s side by side, one bar per measured configuration."""
+    """Prompt processing and generation tok/s side by side, one bar per measured configuration;
+    with -np N a third panel: N sequences together against one after another."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     done = [r for r in report.results if r.tg is not None and r.pp is not None]
-    fig, axes = plt.subplots(1, len(PHASES), sharey=True, figsize=(11, 0.6 * max(len(done), 2) + 1.4))
+    par = any(r.parallel is not None for r in done)
+    n_panels = len(PHASES) + par
+    fig, axes = plt.subplots(1, n_panels, figsize=(5.5 * n_panels, 0.6 * max(len(done), 2) + 1.4))
+    for ax in axes[1:len(PHASES)]:
+        ax.sharey(axes[0])
+        ax.tick_params(axis="y", labelleft=False)
     for ax, (what, xlabel) in zip(axes, PHASES):
         _speed_panel(ax, done, what, xlabel)
     axes[0].invert_yaxis()  # shared: the first configuration on top in both
+    if par:
+        _parallel_panel(axes[-1], done, report.n_parallel, axes[0].get_ylim())
     fig.suptitle(f"{report.model.name} on {report.device}, budget {report.budget_bytes / 2**30:.2f} GiB", fontsize=9)
     fig.tight_layout()
     return fig
@@ -245,7 +332,8 @@ def register(app: typer.Typer) -> None:
         output: Path = typer.Option(None, "--output", "-o", help="write the full report as JSON here"),
         md: bool = typer.Option(False, "--md", help="print a markdown table (for an issue) instead of the rich one"),
         plot: Path = typer.Option(None, "--plot", help="write bar charts of prompt processing and generation "
-                                  "tok/s, side by side (PNG)"),
+                                  "tok/s, side by side (PNG); with -np N > 1 a third: N sequences together "
+                                  "against one after another"),
         configs: str = typer.Option(None, "--configs", help="comma-separated subset of: resident, cpu-moe, "
                                     "n-cpu-moe, spark-step, spark (the default), and spark-layer (the per-layer "
                                     "miss rule before per-expert misses)"),
@@ -256,7 +344,12 @@ def register(app: typer.Typer) -> None:
         flags: LoadFlags = None,
     ) -> None:
         """Tokens/s of Spark against stock llama.cpp offload and the all-resident ceiling, same budget.
-        --rpc auto starts a local RPC stand-in GPU for the run."""
+        --rpc auto starts a local RPC stand-in GPU for the run.
+
+        With -np/--parallel N > 1 every configuration is opened with N sequences and sized for them;
+        after the usual single-sequence runs, each repetition also decodes N corpus prompts (-n tokens
+        each) one after another and then all N together in one batch: aggregate generation tok/s of
+        both, their ratio, and the cache's hit rate and uploads per token (a third table and panel)."""
         from ..runs import bench, session
         from ..native import devices, faults
         from ..native import rpc as rpc_mod
@@ -307,7 +400,7 @@ def register(app: typer.Typer) -> None:
                              "compare the cold-hit and upload figures")
             report = bench.Report(path, g, budget, source, ctx, n_prompt, n_gen, reps,
                                   devs[0].name if devs else "CPU", str(corpus_path or "bundled corpus"), notes=notes,
-                                  cpu_threads=(base.threads, base.threads_batch))
+                                  cpu_threads=(base.threads, base.threads_batch), n_parallel=base.n_seq)
             if any(n.startswith("spark") for n in names):
                 info = session.load_profile(path, g)
                 if info.warning():

@@ -18,6 +18,13 @@ tokens after a corpus prompt (end-of-generation tokens are skipped so every conf
 decodes the same number of tokens). Cache figures: the decode steps (per generated token) and
 the prompt-processing evals (per prompt token), apart; the generation prompt's own prefill is in
 neither.
+
+With -np N > 1 every configuration is opened with N sequences (and sized for them), and after
+the single-sequence runs each repetition also decodes N distinct corpus prompts through one
+BatchLoop (`measure_parallel`): first one after another, each alone in the loop ("serial"),
+then all N together. Both count only the all-decode steps (no prompt token in the step; the
+prompts are cut to fit one step together): tokens decoded in them over their wall time.
+
 Pure of rich and typer: the command renders.
 """
 
@@ -33,10 +40,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..core import planner, units
+from ..core import planner, units, vram
 from ..core.trace import DECODE
 from ..native.engine import CacheLayer, CacheStats, Engine, EngineOptions
-from ..native.generate import GenerationStep, Greedy, StopRules
+from ..native.generate import BatchLoop, Decoding, GenerationStep, Greedy, StepShape, StopRules
 from ..errors import PlanError, ProfileError, SparkError, UsageError
 from ..core.gguf_info import ModelGeometry
 from ..core.options import DEFAULT_UBATCH
@@ -207,6 +214,17 @@ class Workload:
     gen_prompt: list[int]  # generation starts after this
     calibration: list[list[int]]  # prompts for the routing trace (other documents than gen_prompt)
     note: str = ""
+    prompts: list[list[int]] = field(default_factory=list)  # every document's prompt, gen_prompt first (-np)
+
+    def parallel_prompts(self, n_seq: int, max_len: int) -> list[list[int]]:
+        """N distinct prompts of at most max_len tokens: the documents' prompts in turn (gen_prompt
+        first); past the last, again with one more token cut from the end each round."""
+        pool = [p for p in (self.prompts or [self.gen_prompt]) if len(p) >= 2] or [self.gen_prompt]
+        out = []
+        for i in range(n_seq):
+            p = pool[i % len(pool)][:max(max_len, 2)]
+            out.append(p[:max(len(p) - i // len(pool), 1)])
+        return out
 
 
 def _first_turn(messages: list[dict]) -> list[dict]:
@@ -245,7 +263,8 @@ def make_workload(engine: Engine, documents: Sequence, n_prompt: int) -> Workloa
     gen = text[:64] if gi is None else prompts[gi] if documents[gi].is_chat else prompts[gi][:64]
     calib = [p[:CALIB_PROMPT_TOKENS] for i, p in enumerate(prompts) if i != gi and len(p) >= 2][:CALIB_PROMPTS]
     calib = calib or [text[:CALIB_PROMPT_TOKENS]]
-    return Workload(text[:n_prompt], gen, calib, note)
+    pool = [gen] + [p[:CALIB_PROMPT_TOKENS] for i, p in enumerate(prompts) if i != gi and len(p) >= 2]
+    return Workload(text[:n_prompt], gen, calib, note, pool)
 
 
 # ---------------------------------------------------------------- measurement
@@ -302,6 +321,7 @@ class Result:
     same_as: str = ""  # identical placement measured under another name
     counts: np.ndarray | None = field(default=None, repr=False)  # decode routing counts
     ratios: dict[str, float | None] = field(default_factory=dict)
+    parallel: "ParallelResult | None" = None  # -np N > 1: N sequences together and one after another
 
     @property
     def prompt_tokens(self) -> int:
@@ -315,6 +335,63 @@ class Result:
     @property
     def tg(self) -> Spread | None:
         return Spread.of([r.tg_tok_s for r in self.runs])
+
+
+@dataclass(frozen=True)
+class BatchRun:
+    """One pass of the N sequences through the batch loop (together, or one after another): the
+    all-decode steps (no prompt token in them), their decoded tokens, wall time and cache counters."""
+
+    tokens: int
+    seconds: float
+    steps: int
+    cache: CacheStats = field(default_factory=CacheStats)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class ParallelResult:
+    """-np N: each repetition's N sequences decoded one after another (serial) and together."""
+
+    n_seq: int
+    prompt_lengths: list[int] = field(default_factory=list)
+    serial: list[BatchRun] = field(default_factory=list)
+    together: list[BatchRun] = field(default_factory=list)
+    tokens_match: bool | None = None  # each sequence's greedy tokens together == alone, every repetition
+    serial_digest: str = ""  # of every sequence's tokens, in order (first repetition)
+    together_digest: str = ""
+
+    @staticmethod
+    def spread(runs: list[BatchRun]) -> Spread | None:
+        return Spread.of([r.tok_s for r in runs])
+
+    @property
+    def ratio(self) -> float | None:
+        """Median aggregate tok/s together over the median one after another."""
+        a, b = self.spread(self.together), self.spread(self.serial)
+        return a.median / b.median if a is not None and b is not None and b.median > 0 else None
+
+    def phase(self, runs: list[BatchRun], cached: bool) -> dict:
+        c = CacheStats.total(r.cache for r in runs)
+        n = sum(r.tokens for r in runs)
+        return {"runs": [{"tokens": r.tokens, "seconds": r.seconds, "steps": r.steps, "tok_s": r.tok_s}
+                         for r in runs],
+                "tok_s": _spread(self.spread(runs)), "decode_tokens": n,
+                "hits": c.hits, "misses": c.misses, "uploads": c.uploads, "bytes_uploaded": c.bytes_uploaded,
+                "staged_uploads": c.staged_uploads, "staged_upload_bytes": c.staged_upload_bytes,
+                "cpu_experts": c.cpu_experts,
+                # as the single-sequence figures: hits / (hits + misses), admissions (uploads) per token
+                "hit_rate": c.hit_rate if cached else None,
+                "uploads_per_token": (c.uploads / n if n else None) if cached else 0.0}
+
+    def to_dict(self, cached: bool) -> dict:
+        return {"n_seq": self.n_seq, "prompt_lengths": list(self.prompt_lengths),
+                "serial": self.phase(self.serial, cached), "together": self.phase(self.together, cached),
+                "ratio": self.ratio, "tokens_match": self.tokens_match,
+                "serial_digest": self.serial_digest or None, "together_digest": self.together_digest or None}
 
 
 def cold_figures(r: Result, g: ModelGeometry) -> dict[str, float | None]:
@@ -428,6 +505,100 @@ def cache_total(eng: Engine) -> CacheStats:
     return CacheStats.total(eng.cache_stats().values())
 
 
+def _digest(tokens: Sequence[int]) -> str:
+    return hashlib.sha1(np.asarray(tokens, np.int32).tobytes()).hexdigest()[:12]
+
+
+def _drive(eng: Engine, loop: BatchLoop, on_step: Callable[[StepShape], None] | None = None) -> BatchRun:
+    """Step the loop until every sequence has ended. Timed and counted: the all-decode steps
+    (one token per decoding sequence, no prompt token), from the first such step's start to the
+    end of the last step of its run of them (cache counters read outside the timing)."""
+    tokens = steps = 0
+    seconds = 0.0
+    cache = CacheStats()
+    block: tuple[CacheStats, float] | None = None  # (counters, start) of the all-decode steps under way
+
+    def close() -> None:
+        nonlocal block, seconds, cache
+        if block is not None:
+            t = time.perf_counter()
+            seconds += t - block[1]
+            cache += cache_total(eng) - block[0]
+            block = None
+
+    def before(shape: StepShape) -> None:
+        nonlocal block
+        if shape.prompt_tokens:
+            close()
+        elif block is None:
+            s0 = cache_total(eng)
+            block = (s0, time.perf_counter())
+
+    while loop.busy:
+        shape = loop.step(before)
+        if shape.decode_tokens and not shape.prompt_tokens:
+            tokens += shape.decode_tokens
+            steps += 1
+        if on_step:
+            on_step(shape)
+    close()
+    return BatchRun(tokens, seconds, steps, cache)
+
+
+def decode_parallel(eng: Engine, prompts: Sequence[Sequence[int]], n_gen: int, together: bool,
+                    on_step: Callable[[StepShape], None] | None = None) -> tuple[BatchRun, list[list[int]]]:
+    """Greedy decode of n_gen tokens after each prompt, prompt i in sequence i (every sequence
+    cleared first): all added to one BatchLoop (together), or each alone in it, one after another
+    (each cleared when it ends).
+    The run's all-decode steps (_drive), and each sequence's tokens."""
+    eng.reset()
+    loop = BatchLoop(eng)
+    toks: list[list[int]] = [[] for _ in prompts]
+    runs: list[BatchRun] = []
+
+    def add(i: int) -> None:
+        def emit(step: GenerationStep, i: int = i) -> None:
+            if step.token is not None:
+                toks[i].append(step.token)
+
+        loop.add(Decoding(eng, i, n_prompt=len(prompts[i]), sampler=GREEDY, max_tokens=n_gen, stop=NO_EOG), emit,
+                 prompt=list(prompts[i]))
+
+    for i in range(len(prompts)):
+        add(i)
+        if not together:
+            runs.append(_drive(eng, loop, on_step))
+            eng.seq_clear(i)  # alone: no other sequence's cells in a unified KV cache either
+    if together:
+        runs.append(_drive(eng, loop, on_step))
+    return BatchRun(sum(r.tokens for r in runs), sum(r.seconds for r in runs), sum(r.steps for r in runs),
+                    CacheStats.total(r.cache for r in runs)), toks
+
+
+def parallel_prompt_length(eng: Engine, n_seq: int, n_gen: int) -> int:
+    """The longest prompt N sequences can each take: all N prompts in one step (n_batch), and
+    prompt + n_gen in each sequence's context (with --kv-unified: in the one they share)."""
+    per_seq = min(eng.n_ctx, eng.n_ctx_total // max(n_seq, 1)) - n_gen - 1
+    return max(1, min(CALIB_PROMPT_TOKENS, eng.n_batch // max(n_seq, 1), per_seq))
+
+
+def measure_parallel(eng: Engine, work: Workload, n_gen: int, par: ParallelResult,
+                     on_step: Callable[[StepShape], None] | None = None) -> None:
+    """One repetition of the -np measurement: N distinct prompts, decoded one after another (serial),
+    then together; appends to `par` and checks each sequence's tokens together against alone."""
+    prompts = work.parallel_prompts(par.n_seq, parallel_prompt_length(eng, par.n_seq, n_gen))
+    par.prompt_lengths = [len(p) for p in prompts]
+    serial, alone = decode_parallel(eng, prompts, n_gen, together=False, on_step=on_step)
+    par.serial.append(serial)
+    together, batched = decode_parallel(eng, prompts, n_gen, together=True, on_step=on_step)
+    par.together.append(together)
+    same = batched == alone
+    par.tokens_match = same if par.tokens_match is None else par.tokens_match and same
+    if not par.serial_digest:
+        par.serial_digest = _digest([t for seq in alone for t in seq])
+        par.together_digest = _digest([t for seq in batched for t in seq])
+
+
 def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, n_gen: int,
             result: Result, progress: Progress | None = None, learn: bool = True,
             home: Path | None = None, fingerprint: str = "") -> Result:
@@ -442,7 +613,8 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
                                stage_slices=cfg.plan.stage_slices if spark and cfg.plan is not None else 0,
                                expert_overrides=cfg.expert_overrides if spark else None,
                                count_experts=spark and learn, trace=False, capture_topk=False)
-    total = repetitions * (len(work.pp_tokens) + n_gen)
+    n_seq = max(1, opts.n_seq)
+    total = repetitions * (len(work.pp_tokens) + n_gen + (2 * n_seq * n_gen if n_seq > 1 else 0))
     done = 0
     result.status = "running"
     try:
@@ -484,7 +656,7 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
                 tg_s = last.gen_seconds
                 done += n_gen
                 if rep == 0:
-                    result.tokens_digest = hashlib.sha1(np.asarray(toks, np.int32).tobytes()).hexdigest()[:12]
+                    result.tokens_digest = _digest(toks)
                 if spark:
                     result.cache += last.cache
                     result.prompt_cache += pp_cache
@@ -494,6 +666,18 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
                             result.counts = c if result.counts is None else result.counts + c
                 result.decode_tokens += n_gen
                 result.runs.append(Run(len(work.pp_tokens), pp_s, n_gen, tg_s))
+            if eng.n_seq > 1:
+                # NOTE: after the single-sequence runs, whose routing counts are folded: these are not
+                result.parallel = ParallelResult(eng.n_seq)
+
+                def on_step(shape: StepShape) -> None:
+                    nonlocal done
+                    done += shape.decode_tokens
+                    if progress:
+                        progress(cfg.name, done, total)
+
+                for _ in range(repetitions):
+                    measure_parallel(eng, work, n_gen, result.parallel, on_step)
             result.bank_bytes = eng.bank_bytes()
         result.status = "ok"
     except KeyboardInterrupt:
@@ -535,8 +719,11 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
         work = make_workload(eng, documents, report.n_prompt)
         need = max(len(work.pp_tokens), len(work.gen_prompt) + report.n_gen + 1,
                    max(len(p) + CALIB_DECODE + 1 for p in work.calibration))
-        if need > ctx:
-            raise UsageError(f"--ctx-size {ctx}: the runs need {need} tokens of context", hint=f"use -c {need}")
+        seq_ctx = min(ctx, vram.kv_ctx_seq(ctx, base.n_seq, base.kv_unified))  # one sequence's: -c / -np
+        if need > seq_ctx:
+            per = f" ({seq_ctx} per sequence of -np {base.n_seq})" if seq_ctx < ctx else ""
+            c = need * base.n_seq if per else need
+            raise UsageError(f"--ctx-size {ctx}{per}: the runs need {need} tokens of context", hint=f"use -c {c}")
         if spark:
             status("calibration (routing trace, CPU)")
             trace = calibrate(eng, g, work.calibration, progress=progress)
@@ -625,6 +812,7 @@ class Report:
     baseline: str | None = None  # best stock configuration by generation median
     cpu_threads: tuple[int, int] | None = None  # (-t, -tb) of every configuration's engine
     ceiling: str | None = None
+    n_parallel: int = 1  # -np: sequences every configuration is opened with (> 1: Result.parallel)
 
     def result(self, name: str) -> Result | None:
         return next((r for r in self.results if r.config.name == name), None)
@@ -681,13 +869,14 @@ class Report:
                 "upload_seconds": r.cache.upload_us / 1e6,
                 "tokens_digest": r.tokens_digest or None,
                 "ratios": dict(r.ratios),
+                "parallel": r.parallel.to_dict(c.kind == "spark") if r.parallel is not None else None,
             })
         return {
             "version": REPORT_VERSION,
             "model": {"path": str(self.model), "name": self.model.name, **g.identity(),
                       "n_moe_layers": len(g.moe_layers), "expert_bytes": g.total_expert_bytes},
             "device": self.device, "budget_bytes": self.budget_bytes, "budget_source": self.budget_source,
-            "n_ctx": self.n_ctx, "n_prompt": self.n_prompt, "n_gen": self.n_gen,
+            "n_ctx": self.n_ctx, "n_prompt": self.n_prompt, "n_gen": self.n_gen, "n_parallel": self.n_parallel,
             "repetitions": self.repetitions, "corpus": self.corpus,
             "cpu_threads": self.cpu_threads[0] if self.cpu_threads else None,
             "cpu_threads_batch": self.cpu_threads[1] if self.cpu_threads else None,
@@ -744,6 +933,30 @@ def speed_rows(report: Report) -> list[dict[str, str]]:
         elif r.status != "ok":
             row["configuration"] += f" ({r.status})"
         out.append(row)
+    return out
+
+
+def _rate(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def parallel_rows(report: Report) -> list[dict[str, str]]:
+    """-np N: aggregate generation tok/s of N sequences together and one after another (medians),
+    their ratio, and the cache's hit rate and uploads per decoded token in each; one row per
+    configuration that measured them."""
+    n = report.n_parallel
+    out = []
+    for r in report.results:
+        p = r.parallel
+        if p is None or not (p.serial or p.together):
+            continue
+        cached = r.config.kind == "spark"
+        one, many = p.phase(p.serial, cached), p.phase(p.together, cached)
+        tg = {k: (s.median if (s := p.spread(runs)) else None) for k, runs in (("1", p.serial), ("n", p.together))}
+        out.append({"configuration": r.config.label, "tg together": _rate(tg["n"]), "tg serial": _rate(tg["1"]),
+                    "ratio": fmt_ratio(p.ratio), "hit rate 1 seq": _pct(one["hit_rate"]),
+                    f"hit rate {n} seq": _pct(many["hit_rate"]), "uploads/tok 1": _num(one["uploads_per_token"]),
+                    f"uploads/tok {n}": _num(many["uploads_per_token"])})
     return out
 
 
@@ -804,5 +1017,7 @@ def markdown_table(table: list[dict[str, str]]) -> str:
 
 
 def to_markdown(report: Report) -> str:
-    """The speeds table, then (after a blank line) the per-token accounting where something ran."""
-    return "\n\n".join(t for t in (markdown_table(speed_rows(report)), markdown_table(accounting_rows(report))) if t)
+    """The speeds table, then (after a blank line) the per-token accounting where something ran,
+    then the -np table where N sequences were measured."""
+    return "\n\n".join(t for t in (markdown_table(speed_rows(report)), markdown_table(accounting_rows(report)),
+                                   markdown_table(parallel_rows(report))) if t)
