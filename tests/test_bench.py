@@ -249,20 +249,26 @@ def _wide_report(geo) -> bench.Report:
     return rep
 
 
-def test_both_tables_fit_120_columns_with_whole_headers(geo) -> None:
+def _whole_at_120(table) -> str:
+    """A rich table's text at 120 columns, asserted neither ellipsised nor cropped."""
     from rich.console import Console
 
+    con = Console(width=120, record=True, color_system=None)
+    con.print(table)
+    text = con.export_text()
+    assert "…" not in text, text
+    lines = [line.rstrip() for line in text.splitlines()]
+    assert max(len(line) for line in lines) <= 120, text
+    boxed = [line for line in lines if line[:1] in "┏┃┡│├└"]
+    assert len(boxed) >= 8 and all(line[-1] in "┓┃┩│┤┘" for line in boxed), text  # not cropped at 120
+    return text
+
+
+def test_both_tables_fit_120_columns_with_whole_headers(geo) -> None:
     rep = _wide_report(geo)
     for table, must in ((bench_cmd.speed_table(rep), ("pp tok/s", "tg tok/s", "tg/stock", "tg/ceiling")),
                         (bench_cmd.accounting_table(rep), ("syncs", "blocking", "async", "staged", "CPU", "cold-hit"))):
-        con = Console(width=120, record=True, color_system=None)
-        con.print(table)
-        text = con.export_text()
-        assert "…" not in text, text
-        lines = [line.rstrip() for line in text.splitlines()]
-        assert max(len(line) for line in lines) <= 120, text
-        boxed = [line for line in lines if line[:1] in "┏┃┡│├└"]
-        assert len(boxed) >= 8 and all(line[-1] in "┓┃┩│┤┘" for line in boxed), text  # not cropped at 120
+        text = _whole_at_120(table)
         for word in must:
             assert word in text, word
 
@@ -379,17 +385,8 @@ def _parallel_report(geo, n_seq: int = 4) -> bench.Report:
 
 
 def test_parallel_table_fits_120_columns(geo) -> None:
-    from rich.console import Console
-
     rep = _parallel_report(geo)
-    con = Console(width=120, record=True, color_system=None)
-    con.print(bench_cmd.parallel_table(rep))
-    text = con.export_text()
-    assert "…" not in text, text
-    lines = [line.rstrip() for line in text.splitlines()]
-    assert max(len(line) for line in lines) <= 120, text
-    boxed = [line for line in lines if line[:1] in "┏┃┡│├└"]
-    assert len(boxed) >= 8 and all(line[-1] in "┓┃┩│┤┘" for line in boxed), text  # not cropped at 120
+    text = _whole_at_120(bench_cmd.parallel_table(rep))
     assert "all resident (over budget)" in text and "stock --n-cpu-moe 12" in text  # labels whole
     for word in ("together", "serial", "ratio", "seq", "uploads/tok"):
         assert word in text, word

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from test_chat import _FakeEngine
+from test_serve_parity import _Engine
 from _serve_client import fake_client
 
 from spark_cli.native.engine import KVFullError
@@ -58,10 +58,8 @@ def test_only_steps_that_only_decode_are_learned():
     assert len(learner.got) == 1 and learner.got[0][1] == 6 and learner.got[0][0].sum() == 6 * 8
 
 
-class _Cells(_FakeEngine):
+class _Cells(_Engine):
     """A unified KV cache of `cells` cells shared by every sequence."""
-
-    n_vocab = 100
 
     def __init__(self, cells: int):
         super().__init__(n_ctx=256, n_seq=2)
@@ -71,15 +69,6 @@ class _Cells(_FakeEngine):
         if sum(self.pos) + len(entries) > self.cells:
             raise KVFullError("the KV cache has no room for this batch")
         super().decode(entries)
-
-    def bank_bytes(self) -> int:
-        return 0
-
-    def piece(self, t, special=False):
-        return super().piece(t)
-
-    def detokenize(self, tokens) -> str:
-        return "".join(self.piece(t).decode() for t in tokens)
 
 
 def _ask(tc, words: str, max_tokens: int = 8):
