@@ -401,3 +401,70 @@ def test_tokenize_detokenize_props(server):
     assert (params["temperature"], params["seed"], params["n_predict"]) == (0.0, DEFAULT_SEED, DEFAULT_N)
     assert "{%" in props["chat_template"] and props["build_info"].startswith("spark-")
     assert props["spark"]["placement"]["cached_moe_layers"] > 0
+
+
+# ---------------------------------------------------------------- metrics and per-token fields (fake engine)
+
+# llama-server's series (tools/server/server-task.cpp, to_metrics), as its test_metrics.py checks them
+LLAMACPP_COUNTERS = ("prompt_tokens_total", "prompt_tokens_cached_total", "prompt_seconds_total",
+                     "tokens_predicted_total", "tokens_predicted_seconds_total", "n_decode_total", "n_tokens_max",
+                     "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                     "spec_decode_num_drafts_total")
+LLAMACPP_GAUGES = ("prompt_tokens_seconds", "predicted_tokens_seconds", "requests_processing", "requests_deferred",
+                   "n_busy_slots_per_decode")
+
+
+def _prometheus(text: str) -> tuple[dict[str, str], dict[str, float]]:
+    """{name: type} and {name: value} of the unlabelled series, read as llama.cpp's suite reads them."""
+    types, values = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            types[name] = kind
+        elif line and not line.startswith("#") and "{" not in line:
+            name, value = line.split(" ", 1)
+            assert name in types, f"{name} has no # TYPE line"
+            values[name] = float(value)
+    return types, values
+
+
+def test_metrics_are_llama_servers_series():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with _client() as tc:
+        timings = [tc.post("/completion", json={"prompt": "hello there world", "n_predict": 4}).json()["timings"]
+                   for _ in range(2)]
+        r = tc.get("/metrics")
+        assert r.status_code == 200 and int(r.headers["Process-Start-Time-Unix"]) > 0
+        types, values = _prometheus(r.text)
+        for names, kind in ((LLAMACPP_COUNTERS, "counter"), (LLAMACPP_GAUGES, "gauge")):
+            for name in names:
+                assert types[f"llamacpp:{name}"] == kind and f"# HELP llamacpp:{name} " in r.text, name
+        v = {k.removeprefix("llamacpp:"): x for k, x in values.items()}
+        # the reused prompt tokens are counted apart, as in the answers' timings
+        assert timings[1]["cache_n"] > 0
+        assert v["prompt_tokens_total"] == sum(t["prompt_n"] for t in timings)
+        assert v["prompt_tokens_cached_total"] == sum(t["cache_n"] for t in timings)
+        assert v["tokens_predicted_total"] == sum(t["predicted_n"] for t in timings)
+        assert v["n_tokens_max"] == max(t["cache_n"] + t["prompt_n"] + t["predicted_n"] for t in timings)
+        assert v["n_decode_total"] > 0 and v["requests_processing"] == 0 and v["n_busy_slots_per_decode"] == 1
+        assert v["prompt_tokens_seconds"] > 0 and v["predicted_tokens_seconds"] > 0
+        assert all(v[n] == 0 for n in LLAMACPP_COUNTERS if n.startswith("spec_"))
+        # the throughput gauges are over the window since the last scrape (none since); counters go on
+        again = {k.removeprefix("llamacpp:"): x for k, x in _prometheus(tc.get("/metrics").text)[1].items()}
+        assert again["prompt_tokens_seconds"] == 0 and again["predicted_tokens_seconds"] == 0
+        assert again["prompt_tokens_total"] == v["prompt_tokens_total"]
+        # and prometheus_client reads the whole page, Spark's series after llama-server's
+        families = {fam.name for fam in text_string_to_metric_families(r.text)}  # counters without _total
+        assert {"llamacpp:n_tokens_max", "llamacpp:prompt_tokens", "spark:expert_cache_hits"} <= families
+
+
+def test_metrics_and_slots_endpoints_can_be_off():
+    """--no-metrics / --no-slots: llama-server's 501 for an endpoint its flag left off."""
+    with _client(metrics=False, slots_endpoint=False) as tc:
+        for path, flag in (("/metrics", "--metrics"), ("/slots", "--slots")):
+            r = tc.get(path)
+            err = r.json()["error"]
+            assert r.status_code == 501 and err["type"] == "not_supported_error" and flag in err["message"], r.text
+    with _client() as tc:
+        assert tc.get("/metrics").status_code == 200 and tc.get("/slots").status_code == 200

@@ -39,6 +39,8 @@ class ServerState:
     chat: ChatConfig = field(default_factory=ChatConfig)  # the model's tool-call format, --reasoning-format
     model_path: str = ""  # the GGUF served (/props)
     placement: dict[str, Any] = field(default_factory=dict)  # Spark's placement summary (/props)
+    metrics: bool = True  # GET /metrics served (--no-metrics: 501, as llama-server without --metrics)
+    slots_endpoint: bool = True  # GET /slots served (--no-slots: 501, as llama-server's)
 
 
 def _error(e: ApiError, path: str = "") -> JSONResponse:
@@ -141,6 +143,11 @@ async def apply_template(request: Request) -> Response:
     return JSONResponse({"prompt": run.prompt})
 
 
+def not_supported(message: str) -> ApiError:
+    """llama-server's ERROR_TYPE_NOT_SUPPORTED: an endpoint turned off by a flag."""
+    return ApiError(501, message, "not_supported_error")
+
+
 def _engine(st: ServerState) -> Any:
     """The loaded engine, for what reads only the vocabulary and the model (tokenize, /props)."""
     w = st.worker
@@ -214,6 +221,8 @@ async def props(request: Request) -> Response:
 async def slots(request: Request) -> Response:
     """llama-server's GET /slots: each slot, busy or idle, and what it holds."""
     st: ServerState = request.app.state.spark
+    if not st.slots_endpoint:
+        raise not_supported("This server does not support slots endpoint. Start it with `--slots`")
     _engine(st)
     return JSONResponse(st.worker.slots_info())
 
@@ -234,7 +243,11 @@ async def health(request: Request) -> Response:
 
 
 async def metrics_page(request: Request) -> Response:
-    return Response(metrics.render(request.app.state.registry), media_type=metrics.CONTENT_TYPE)
+    st: ServerState = request.app.state.spark
+    if not st.metrics:
+        raise not_supported("This server does not support metrics endpoint. Start it with `--metrics`")
+    return Response(request.app.state.metrics.render(), media_type=metrics.CONTENT_TYPE,
+                    headers={"Process-Start-Time-Unix": str(st.started)})
 
 
 async def _on_api_error(request: Request, e: Exception) -> Response:
@@ -274,5 +287,5 @@ def create_app(state: ServerState) -> Any:
                                                        Exception: _on_crash})
     state.started = state.started or int(time.time())
     app.state.spark = state
-    app.state.registry = metrics.registry_for(state.stats)
+    app.state.metrics = metrics.Metrics(state.stats)
     return Guard(app, key=state.api_key, host=state.host, allowed_hosts=state.allowed_hosts, cors=state.cors)
