@@ -468,3 +468,28 @@ def test_metrics_and_slots_endpoints_can_be_off():
             assert r.status_code == 501 and err["type"] == "not_supported_error" and flag in err["message"], r.text
     with _client() as tc:
         assert tc.get("/metrics").status_code == 200 and tc.get("/slots").status_code == 200
+
+
+def _events(tc, path: str, body: dict) -> list[dict]:
+    with tc.stream("POST", path, json={**body, "stream": True}) as s:
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def test_timings_per_token_and_return_tokens():
+    with _client() as tc:
+        body = tc.post("/completion", json={"prompt": "hello there", "temperature": 0, "return_tokens": True}).json()
+        assert len(body["tokens"]) == body["tokens_predicted"] == 3 and all(type(t) is int for t in body["tokens"])
+        assert tc.post("/completion", json={"prompt": "hello there"}).json()["tokens"] == []
+        events = _events(tc, "/completion", {"prompt": "hello", "return_tokens": True, "timings_per_token": True})
+        pieces, last = events[:-1], events[-1]
+        assert pieces and all(e["tokens"] and e["timings"]["predicted_n"] == e["tokens_predicted"] for e in pieces)
+        assert [t for e in pieces for t in e["tokens"]] == last["tokens"] and last["timings"]["predicted_n"] == 3
+        assert all("timings" not in e and e["tokens"] == [] for e in _events(tc, "/completion", {"prompt": "hi"})[:-1])
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "hi"})):
+            events = _events(tc, path, {**body, "timings_per_token": True})
+            first = 1 if path == "/v1/chat/completions" else 0  # the role chunk has none, as llama-server's
+            assert "timings" not in events[0] or first == 0
+            assert all("timings" in e for e in events[first:]), events
+            # return_tokens is /completion's: the OpenAI endpoints refuse it by name
+            r = tc.post(path, json={**body, "return_tokens": True})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "return_tokens"

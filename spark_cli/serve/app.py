@@ -114,14 +114,17 @@ def _native_final(run: Run, req: NativeCompletionRequest, content: str) -> dict[
     assert run.usage is not None and run.sampling is not None
     return llama_api.final_body(content, req.model or run.env.model, run.prompt, run.finish, run.stop_word,
                                 run.usage, run.timings, llama_api.settings(run.sampling, req),
-                                run.probs if run.with_probs else None, run.slot)
+                                run.probs if run.with_probs else None, run.slot,
+                                run.tokens if req.return_tokens else None)
 
 
 async def _native_stream(run: Run, req: NativeCompletionRequest) -> AsyncIterator[bytes]:
     try:
         async for ev in run.events():
             if isinstance(ev, Text):
-                yield sse(llama_api.piece_event(ev.text, run.prompt_tokens, ev.n_generated, ev.probs, run.slot))
+                yield sse(llama_api.piece_event(ev.text, run.prompt_tokens, ev.n_generated, ev.probs, run.slot,
+                                                list(ev.tokens) if req.return_tokens else None,
+                                                ev.timings if req.timings_per_token else None))
         yield sse(_native_final(run, req, ""))
     except ApiError as e:
         yield sse(e.body())

@@ -2,7 +2,7 @@
 framework, no llama_cpp; the route (app.py) runs it through the one boundary (chat.open_run).
 
 In: `prompt` as text, token ids or a list of both; `n_predict`, `stream`, `cache_prompt`,
-`n_probs` and the sampling fields the OpenAI endpoints take. Out: llama-server's bodies:
+`n_probs`, `return_tokens`, `timings_per_token` and the sampling fields the OpenAI endpoints take. Out: llama-server's bodies:
 `content`, `tokens_predicted`, `tokens_evaluated`, `stop_type` (eos | word | limit | none),
 `stopping_word`, `generation_settings`, `timings`, `completion_probabilities` (n_probs > 0).
 Streamed: one `{"content", "stop": false, ...}` event per piece, then the final body with
@@ -24,7 +24,10 @@ STOP_TYPE = {"eog": "eos", "stop": "word", "length": "limit", "context": "limit"
 
 
 class NativeCompletionRequest(GenerationRequest):
+    OWN = frozenset({"return_tokens"})
+
     prompt: Union[str, list[Union[int, str]]]
+    return_tokens: bool = False  # `tokens`: the generated token ids (streamed: each piece's)
     probs_n: int = Field(0, ge=0, le=100, alias="n_probs")  # >0: each token's probability and the top n
 
     @field_validator("prompt")
@@ -53,9 +56,11 @@ def settings(s: Sampling, req: NativeCompletionRequest) -> dict[str, Any]:
 
 
 def piece_event(text: str, n_prompt: int, n_predicted: int, probs: list[TokenLogprob] | None,
-                id_slot: int = 0) -> dict[str, Any]:
-    body: dict[str, Any] = {"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": id_slot,
-                            "tokens_predicted": n_predicted, "tokens_evaluated": n_prompt}
+                id_slot: int = 0, tokens: list[int] | None = None, timings: Timings | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"index": 0, "content": text, "tokens": list(tokens or []), "stop": False,
+                            "id_slot": id_slot, "tokens_predicted": n_predicted, "tokens_evaluated": n_prompt}
+    if timings is not None:
+        body["timings"] = timings.to_dict()
     if probs:
         body["completion_probabilities"] = [p.to_dict() for p in probs]
     return body
@@ -63,9 +68,9 @@ def piece_event(text: str, n_prompt: int, n_predicted: int, probs: list[TokenLog
 
 def final_body(content: str, model: str, prompt: str, finish: str, stop_word: str | None, usage: Usage,
                timings: Timings | None, generation: dict[str, Any],
-               probs: list[TokenLogprob] | None, id_slot: int = 0) -> dict[str, Any]:
+               probs: list[TokenLogprob] | None, id_slot: int = 0, tokens: list[int] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "index": 0, "content": content, "tokens": [], "id_slot": id_slot, "stop": True, "model": model,
+        "index": 0, "content": content, "tokens": list(tokens or []), "id_slot": id_slot, "stop": True, "model": model,
         "tokens_predicted": usage.completion_tokens, "tokens_evaluated": usage.prompt_tokens,
         "generation_settings": generation, "prompt": prompt, "has_new_line": "\n" in content, "truncated": False,
         "stop_type": STOP_TYPE[finish], "stopping_word": stop_word or "",

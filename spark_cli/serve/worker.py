@@ -42,6 +42,8 @@ class Text:
     text: str
     probs: list[TokenLogprob] | None = None  # of the tokens this text completes (asked for: n_probs)
     n_generated: int = 0  # tokens generated so far
+    tokens: tuple[int, ...] = ()  # the generated tokens this text completes
+    timings: Timings | None = None  # the request's so far (timings_per_token)
 
 
 @dataclass
@@ -297,7 +299,11 @@ class Worker:
         if step.probs is not None:
             slot.probs.add(step.probs)
         if step.text:
-            job.emit(Text(step.text, slot.probs.take(), len(slot.generated)))
+            n = len(slot.generated)
+            job.emit(Text(step.text, slot.probs.take(), n, tuple(slot.generated[slot.sent:]),
+                          Timings(slot.reused, step.prompt_tokens, step.prompt_seconds, step.generated_tokens,
+                                  step.gen_seconds)))
+            slot.sent = n
         if step.finish:
             self._finish(slot, step)
 
