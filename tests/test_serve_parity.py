@@ -493,3 +493,25 @@ def test_timings_per_token_and_return_tokens():
             # return_tokens is /completion's: the OpenAI endpoints refuse it by name
             r = tc.post(path, json={**body, "return_tokens": True})
             assert r.status_code == 400 and r.json()["error"]["param"] == "return_tokens"
+
+
+def test_native_prompt_batches_and_json_prompts():
+    """llama-server's prompt forms: a list without token ids is a batch (a list of bodies, each
+    with its index); {"prompt_string": ...} is a prompt; media is refused (no multimodal model);
+    /completions is /completion, as llama-server routes it."""
+    with _client() as tc:
+        one = tc.post("/completion", json={"prompt": "hello there", "temperature": 0}).json()
+        r = tc.post("/completion", json={"prompt": ["hello there", [1, 2], {"prompt_string": "hello there"}],
+                                         "temperature": 0})
+        bodies = r.json()
+        assert r.status_code == 200 and [b["index"] for b in bodies] == [0, 1, 2]
+        assert bodies[0]["content"] == bodies[2]["content"] == one["content"] and bodies[1]["tokens_evaluated"] == 2
+        assert tc.post("/completion", json={"prompt": {"prompt_string": "hello there"}, "temperature": 0}).json()[
+            "content"] == one["content"]
+        native = tc.post("/completions", json={"prompt": "hello there", "temperature": 0}).json()
+        assert native["content"] == one["content"] and native["stop_type"] == one["stop_type"] and "choices" not in native
+        for bad, why in (({"prompt": {"prompt_string": "x", "multimodal_data": ["aGk="]}}, "Multimodal data"),
+                         ({"prompt": [[1], {"other": 1}]}, "a JSON prompt"),
+                         ({"prompt": ["a", "b"], "stream": True}, "stream: ")):
+            r = tc.post("/completion", json=bad)
+            assert r.status_code == 400 and why in r.json()["error"]["message"], r.text

@@ -95,6 +95,10 @@ async def native_completion(request: Request) -> Response:
     st: ServerState = request.app.state.spark
     try:
         req = parse(NativeCompletionRequest, await read_body(request, st.max_body))
+        prompts = req.prompts
+        if len(prompts) > 1:
+            return await _native_batch(request, req, prompts)
+        req = req.model_copy(update={"prompt": prompts[0]})
         run = await open_run(request, req, st.worker, st.model_name, st.chat)
     except ClientGone:
         return Response(status_code=499)
@@ -108,6 +112,24 @@ async def native_completion(request: Request) -> Response:
         return Response(status_code=499)
     finally:
         run.close()
+
+
+async def _native_batch(request: Request, req: NativeCompletionRequest, prompts: list) -> Response:
+    """Several prompts in one /completion: a list of bodies, each with its `index`, as llama-server's."""
+    st: ServerState = request.app.state.spark
+    if req.stream:
+        raise ApiError(400, "stream: spark serve streams one prompt per request (send the prompts apart, or "
+                            "without stream)", param="stream")
+    bodies = []
+    for i, prompt in enumerate(prompts):
+        one = req.model_copy(update={"prompt": prompt})
+        run = await open_run(request, one, st.worker, st.model_name, st.chat)
+        try:
+            parts = [ev.text async for ev in run.events() if isinstance(ev, Text)]
+        finally:
+            run.close()
+        bodies.append({**_native_final(run, one, "".join(parts)), "index": i})
+    return JSONResponse(bodies)
 
 
 def _native_final(run: Run, req: NativeCompletionRequest, content: str) -> dict[str, Any]:
@@ -277,7 +299,7 @@ def create_app(state: ServerState) -> Any:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
-        Route("/completions", completions, methods=["POST"]),
+        Route("/completions", native_completion, methods=["POST"]),  # llama-server's: /completion's
         Route("/apply-template", apply_template, methods=["POST"]),
         Route("/completion", native_completion, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),

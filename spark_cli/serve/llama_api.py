@@ -1,7 +1,8 @@
 """llama.cpp's own completion API, `POST /completion`: the request and its bodies. Pure: no web
 framework, no llama_cpp; the route (app.py) runs it through the one boundary (chat.open_run).
 
-In: `prompt` as text, token ids or a list of both; `n_predict`, `stream`, `cache_prompt`,
+In: `prompt` as text, token ids or a list of both, `{"prompt_string": ...}`, or several of these in
+a list without token ids (llama-server's rule: a batch, answered with a list of bodies); `n_predict`, `stream`, `cache_prompt`,
 `n_probs`, `return_tokens`, `timings_per_token` and the sampling fields the OpenAI endpoints take. Out: llama-server's bodies:
 `content`, `tokens_predicted`, `tokens_evaluated`, `stop_type` (eos | word | limit | none),
 `stopping_word`, `generation_settings`, `timings`, `completion_probabilities` (n_probs > 0).
@@ -20,24 +21,57 @@ from pydantic import Field, field_validator
 from ..runs.chat_session import Sampling
 from .protocol import GenerationRequest, Timings, TokenLogprob, Usage
 
+Prompt = Union[str, list[Union[int, str]]]  # one prompt: text, or token ids and texts
+JSON_PROMPT, JSON_MEDIA = "prompt_string", "multimodal_data"
+
+
+def sub_prompts(prompt: Any) -> list[Prompt]:
+    """llama-server's tokenize_input_prompts: a list without token ids is several prompts (each
+    text, token ids and texts, or {"prompt_string": ...}); anything else is one. ValueError for
+    media (no multimodal model) or an element of another kind."""
+    many = isinstance(prompt, list) and not any(isinstance(p, int) for p in prompt)
+    return [_one_prompt(p) for p in (prompt if many else [prompt])]
+
+
+def _one_prompt(p: Any) -> Prompt:
+    if isinstance(p, dict):
+        if JSON_MEDIA in p:
+            raise ValueError("Multimodal data provided, but model does not support multimodal requests.")
+        p = p.get(JSON_PROMPT)
+        if not isinstance(p, (str, list)):
+            raise ValueError(f'a JSON prompt is {{"{JSON_PROMPT}": text or token ids}}')
+    if isinstance(p, list) and not all(isinstance(q, (int, str)) for q in p):
+        raise ValueError('"prompt" elements must be a string, a list of tokens, a JSON object containing a '
+                         'prompt string, or a list of mixed strings & tokens.')
+    return p
+
+
 STOP_TYPE = {"eog": "eos", "stop": "word", "length": "limit", "context": "limit", "interrupted": "none"}
 
 
 class NativeCompletionRequest(GenerationRequest):
     OWN = frozenset({"return_tokens"})
 
-    prompt: Union[str, list[Union[int, str]]]
+    prompt: Union[str, dict, list[Union[int, str, dict, list[Union[int, str]]]]]
     return_tokens: bool = False  # `tokens`: the generated token ids (streamed: each piece's)
     probs_n: int = Field(0, ge=0, le=100, alias="n_probs")  # >0: each token's probability and the top n
 
     @field_validator("prompt")
     @classmethod
-    def _some(cls, v: Union[str, list[Union[int, str]]]) -> Union[str, list[Union[int, str]]]:
-        if not v or (isinstance(v, list) and all(isinstance(p, str) and not p for p in v)):
+    def _some(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
             raise ValueError("the prompt is empty")
-        if isinstance(v, list) and any(isinstance(p, int) and p < 0 for p in v):
-            raise ValueError("token ids are >= 0")
+        for p in sub_prompts(v):
+            if not p or (isinstance(p, list) and all(isinstance(q, str) and not q for q in p)):
+                raise ValueError("the prompt is empty")
+            if isinstance(p, list) and any(isinstance(q, int) and q < 0 for q in p):
+                raise ValueError("token ids are >= 0")
         return v
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """The prompts of this request: one, or a batch."""
+        return sub_prompts(self.prompt)
 
     @property
     def n_probs(self) -> int | None:
