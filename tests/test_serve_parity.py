@@ -65,6 +65,7 @@ def test_timings_are_llama_servers():
 
 class _Engine(_FakeEngine):
     n_vocab = 100
+    eog_tokens = [_FakeEngine.EOG]
 
     def bank_bytes(self) -> int:
         return 0
@@ -515,3 +516,16 @@ def test_native_prompt_batches_and_json_prompts():
                          ({"prompt": ["a", "b"], "stream": True}, "stream: ")):
             r = tc.post("/completion", json=bad)
             assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+
+
+def test_ignore_eos_lists_its_biases():
+    """generation_settings.logit_bias shows the -inf (null) biases ignore_eos puts on the
+    end-of-generation tokens, after the request's own, as llama-server's."""
+    with _client() as tc:
+        def bias(**extra):
+            return tc.post("/completion", json={"prompt": "hi", "n_predict": 2, **extra}).json()[
+                "generation_settings"]["logit_bias"]
+
+        assert bias(ignore_eos=True) == [{"token": 0, "bias": None}]
+        assert bias(ignore_eos=False) == [] == bias()
+        assert bias(ignore_eos=True, logit_bias=[[5, 1.0]]) == [{"token": 5, "bias": 1.0}, {"token": 0, "bias": None}]

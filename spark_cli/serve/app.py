@@ -103,11 +103,11 @@ async def native_completion(request: Request) -> Response:
     except ClientGone:
         return Response(status_code=499)
     if req.stream:
-        return StreamingResponse(_native_stream(run, req), media_type="text/event-stream",
+        return StreamingResponse(_native_stream(st, run, req), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     try:
         parts = [ev.text async for ev in run.events() if isinstance(ev, Text)]
-        return JSONResponse(_native_final(run, req, "".join(parts)))
+        return JSONResponse(_native_final(st, run, req, "".join(parts)))
     except ClientGone:
         return Response(status_code=499)
     finally:
@@ -128,26 +128,28 @@ async def _native_batch(request: Request, req: NativeCompletionRequest, prompts:
             parts = [ev.text async for ev in run.events() if isinstance(ev, Text)]
         finally:
             run.close()
-        bodies.append({**_native_final(run, one, "".join(parts)), "index": i})
+        bodies.append({**_native_final(st, run, one, "".join(parts)), "index": i})
     return JSONResponse(bodies)
 
 
-def _native_final(run: Run, req: NativeCompletionRequest, content: str) -> dict[str, Any]:
+def _native_final(st: ServerState, run: Run, req: NativeCompletionRequest, content: str) -> dict[str, Any]:
     assert run.usage is not None and run.sampling is not None
+    # NOTE: ignore_eos's -inf biases are listed in generation_settings, as llama-server's
+    eog = getattr(st.worker.engine, "eog_tokens", ()) if run.sampling.ban_eog else ()
     return llama_api.final_body(content, req.model or run.env.model, run.prompt, run.finish, run.stop_word,
-                                run.usage, run.timings, llama_api.settings(run.sampling, req),
+                                run.usage, run.timings, llama_api.settings(run.sampling, req, eog),
                                 run.probs if run.with_probs else None, run.slot,
                                 run.tokens if req.return_tokens else None)
 
 
-async def _native_stream(run: Run, req: NativeCompletionRequest) -> AsyncIterator[bytes]:
+async def _native_stream(st: ServerState, run: Run, req: NativeCompletionRequest) -> AsyncIterator[bytes]:
     try:
         async for ev in run.events():
             if isinstance(ev, Text):
                 yield sse(llama_api.piece_event(ev.text, run.prompt_tokens, ev.n_generated, ev.probs, run.slot,
                                                 list(ev.tokens) if req.return_tokens else None,
                                                 ev.timings if req.timings_per_token else None))
-        yield sse(_native_final(run, req, ""))
+        yield sse(_native_final(st, run, req, ""))
     except ApiError as e:
         yield sse(e.body())
     except ClientGone:

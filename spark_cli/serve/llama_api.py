@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 from pydantic import Field, field_validator
 
@@ -78,10 +78,13 @@ class NativeCompletionRequest(GenerationRequest):
         return self.probs_n or None
 
 
-def settings(s: Sampling, req: NativeCompletionRequest) -> dict[str, Any]:
-    """`generation_settings`: what this request sampled with (the server's defaults filled in)."""
+def settings(s: Sampling, req: NativeCompletionRequest, eog: Sequence[int] = ()) -> dict[str, Any]:
+    """`generation_settings`: what this request sampled with (the server's defaults filled in);
+    `eog`: the end-of-generation tokens ignore_eos bans, listed with the biases as llama-server's."""
     d = asdict(s)
-    bias = d.pop("logit_bias")
+    bias = list(d.pop("logit_bias"))
+    given = {t for t, _ in bias}
+    bias += [(t, float("-inf")) for t in eog if t not in given]
     return {**{k: v for k, v in d.items() if k not in ("temp", "n_probs")}, "temperature": s.temp,
             "max_tokens": s.n_predict,
             # NOTE: a banned token's -inf is null, as llama-server's JSON writes it
