@@ -144,6 +144,7 @@ def test_context_overflow_carries_the_counts():
         err = r.json()["error"]
         assert r.status_code == 400 and err["type"] == "exceed_context_size_error"
         assert err["n_ctx"] == 64 and err["n_prompt_tokens"] > 64
+        assert "exceeds the available context size (64 tokens)" in err["message"]  # llama-server's words
 
 
 def test_tokenize_and_detokenize_on_the_fake():
@@ -529,3 +530,14 @@ def test_ignore_eos_lists_its_biases():
         assert bias(ignore_eos=True) == [{"token": 0, "bias": None}]
         assert bias(ignore_eos=False) == [] == bias()
         assert bias(ignore_eos=True, logit_bias=[[5, 1.0]]) == [{"token": 5, "bias": 1.0}, {"token": 0, "bias": None}]
+
+
+def test_native_body_truncated_when_the_context_filled():
+    from spark_cli.serve.llama_api import final_body
+    from spark_cli.serve.protocol import Usage
+
+    def body(finish):
+        return final_body("x", "m", "p", finish, None, Usage(3, 0, 1), None, {}, None)
+
+    assert body("context")["truncated"] is True and body("context")["stop_type"] == "limit"
+    assert not any(body(f)["truncated"] for f in ("eog", "stop", "length", "interrupted"))

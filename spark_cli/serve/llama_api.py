@@ -109,7 +109,8 @@ def final_body(content: str, model: str, prompt: str, finish: str, stop_word: st
     body: dict[str, Any] = {
         "index": 0, "content": content, "tokens": list(tokens or []), "id_slot": id_slot, "stop": True, "model": model,
         "tokens_predicted": usage.completion_tokens, "tokens_evaluated": usage.prompt_tokens,
-        "generation_settings": generation, "prompt": prompt, "has_new_line": "\n" in content, "truncated": False,
+        "generation_settings": generation, "prompt": prompt, "has_new_line": "\n" in content,
+        "truncated": finish == "context",  # the context filled up (llama-server's, without context shift)
         "stop_type": STOP_TYPE[finish], "stopping_word": stop_word or "",
         "tokens_cached": usage.prompt_tokens + usage.completion_tokens,
         "timings": (timings or Timings()).to_dict(),
