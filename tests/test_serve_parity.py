@@ -541,3 +541,22 @@ def test_native_body_truncated_when_the_context_filled():
 
     assert body("context")["truncated"] is True and body("context")["stop_type"] == "limit"
     assert not any(body(f)["truncated"] for f in ("eog", "stop", "length", "interrupted"))
+
+
+def test_a_grammar_llama_cpp_refuses_is_that_requests_400():
+    """A sampler llama.cpp cannot build (an invalid GBNF) answers that request with a 400; the
+    engine thread goes on serving (it used to die, and every later request hung)."""
+    from spark_cli.errors import SparkError
+
+    class Picky(_Engine):
+        def make_sampler(self, *args, **kw):
+            if args[7]:  # the grammar
+                raise SparkError("llama.cpp refused the grammar (failed to parse grammar)")
+            return super().make_sampler(*args, **kw)
+
+    with fake_client(lambda: Picky(n_ctx=64)) as tc:
+        for _ in range(2):
+            r = tc.post("/v1/chat/completions", json={**CHAT, "grammar": "root ::= this is (not valid GBNF"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
+            assert "refused the grammar" in r.json()["error"]["message"]
+            assert tc.post("/v1/chat/completions", json=CHAT).status_code == 200

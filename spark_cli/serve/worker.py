@@ -247,11 +247,16 @@ class Worker:
             job.done.set()
             return
         toks, text = req
+        try:
+            sampler = make_sampler(eng, job.sampling)
+        except SparkError as e:  # a grammar llama.cpp refuses: this request's 400, the engine goes on
+            job.emit(Failed(ApiError(400, e.one_line(), param="grammar" if job.sampling.grammar else None)))
+            job.done.set()
+            return
         slot = pick_slot(self.slots, toks if job.cache_prompt else [])
         keep = min(slot.common(toks), len(toks) - 1) if job.cache_prompt else 0
         kept = eng.truncate(keep, seq=slot.id)
         slot.begin(job, toks, kept)
-        sampler = make_sampler(eng, job.sampling)
         sampler.prime(toks)
         chat = job.chat
         dec = Decoding(eng, slot.id, n_prompt=len(toks) - kept, sampler=sampler,
