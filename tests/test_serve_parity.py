@@ -486,7 +486,8 @@ def test_timings_per_token_and_return_tokens():
         pieces, last = events[:-1], events[-1]
         assert pieces and all(e["tokens"] and e["timings"]["predicted_n"] == e["tokens_predicted"] for e in pieces)
         assert [t for e in pieces for t in e["tokens"]] == last["tokens"] and last["timings"]["predicted_n"] == 3
-        assert all("timings" not in e and e["tokens"] == [] for e in _events(tc, "/completion", {"prompt": "hi"})[:-1])
+        plain = _events(tc, "/completion", {"prompt": "hi"})  # pieces carry their tokens anyway, as llama-server's
+        assert all("timings" not in e and e["tokens"] for e in plain[:-1]) and plain[-1]["tokens"] == []
         for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "hi"})):
             events = _events(tc, path, {**body, "timings_per_token": True})
             first = 1 if path == "/v1/chat/completions" else 0  # the role chunk has none, as llama-server's
@@ -560,3 +561,20 @@ def test_a_grammar_llama_cpp_refuses_is_that_requests_400():
             assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
             assert "refused the grammar" in r.json()["error"]["message"]
             assert tc.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_logit_bias_by_text():
+    """llama-server's logit_bias keys may be text ({"text": bias} or [["text", bias]]): each of its
+    tokens gets the bias."""
+    from spark_cli.runs.chat_session import Sampling
+    from spark_cli.serve.protocol import ChatRequest, parse
+    from spark_cli.serve.worker import resolve_bias
+
+    eng = _Engine(n_ctx=64)
+    for bias in ({" of course ": -100, "7": 2}, [[" of course ", -100], [7, 2]]):
+        req = parse(ChatRequest, json.dumps({**CHAT, "logit_bias": bias}).encode())
+        assert req.bias == ((" of course ", -100.0), (7, 2.0))
+        got = resolve_bias(Sampling(logit_bias=req.bias), eng).logit_bias
+        assert got == ((eng._id("of"), -100.0), (eng._id("course"), -100.0), (7, 2.0))
+    with _client() as tc:
+        assert tc.post("/completion", json={"prompt": "hi", "logit_bias": [["yes", False]]}).status_code == 200

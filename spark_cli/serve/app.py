@@ -147,7 +147,7 @@ async def _native_stream(st: ServerState, run: Run, req: NativeCompletionRequest
         async for ev in run.events():
             if isinstance(ev, Text):
                 yield sse(llama_api.piece_event(ev.text, run.prompt_tokens, ev.n_generated, ev.probs, run.slot,
-                                                list(ev.tokens) if req.return_tokens else None,
+                                                list(ev.tokens),  # NOTE: always, as llama-server's pieces
                                                 ev.timings if req.timings_per_token else None))
         yield sse(_native_final(st, run, req, ""))
     except ApiError as e:

@@ -53,7 +53,7 @@ class NativeCompletionRequest(GenerationRequest):
     OWN = frozenset({"return_tokens"})
 
     prompt: Union[str, dict, list[Union[int, str, dict, list[Union[int, str]]]]]
-    return_tokens: bool = False  # `tokens`: the generated token ids (streamed: each piece's)
+    return_tokens: bool = False  # the final body's `tokens`: the generated ids (a streamed piece has its own always)
     probs_n: int = Field(0, ge=0, le=100, alias="n_probs")  # >0: each token's probability and the top n
 
     @field_validator("prompt")

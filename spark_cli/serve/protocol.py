@@ -215,8 +215,10 @@ def _refuse_unsupported(data: Any, extra: dict[str, tuple[Any, ...]], own: froze
             raise ApiError(400, f"{name}: not supported by spark serve{only}", param=name)
 
 
-def _bias_pairs(v: Any) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias} or llama-server's [[token id, bias], ...]; a bias of false bans the token."""
+def _bias_pairs(v: Any) -> tuple[tuple[int | str, float], ...]:
+    """OpenAI's {"token id": bias} or llama-server's [[token id, bias], ...]; a bias of false bans the token.
+    A text in place of a token id stays text: each of its tokens gets the bias (llama-server's; the
+    engine thread tokenizes it, worker.resolve_bias)."""
     items = list(v.items()) if isinstance(v, dict) else v
     if not isinstance(items, list) or len(items) > MAX_LOGIT_BIAS:
         raise ValueError(f"must be an object of token id: bias (at most {MAX_LOGIT_BIAS})")
@@ -227,7 +229,7 @@ def _bias_pairs(v: Any) -> tuple[tuple[int, float], ...]:
         tok, bias = item
         if isinstance(tok, str) and tok.strip().lstrip("-").isdigit():
             tok = int(tok)
-        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+        if not isinstance(tok, (int, str)) or isinstance(tok, bool) or isinstance(tok, int) and tok < 0:
             raise ValueError(f"{tok!r} is not a token id")
         if bias is False:
             out.append((tok, float("-inf")))
@@ -308,7 +310,7 @@ class GenerationRequest(_Strict):
         return list(self.stop or [])
 
     @property
-    def bias(self) -> tuple[tuple[int, float], ...]:
+    def bias(self) -> tuple[tuple[int | str, float], ...]:
         return _bias_pairs(self.logit_bias) if self.logit_bias is not None else ()
 
     def _asked_limit(self) -> int | None:

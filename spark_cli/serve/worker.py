@@ -11,6 +11,7 @@ the process to exit non-zero.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -77,6 +78,18 @@ class Job:
     cache_prompt: bool = True  # False: reuse nothing from the KV cache
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+
+
+def resolve_bias(sampling: Sampling, engine) -> Sampling:
+    """llama-server's text keys of logit_bias: every token of the text (tokenized without special
+    tokens) gets the bias."""
+    if not any(isinstance(t, str) for t, _ in sampling.logit_bias):
+        return sampling
+    pairs: list[tuple[int, float]] = []
+    for t, b in sampling.logit_bias:
+        toks = engine.tokenize(t, add_special=False, parse_special=False) if isinstance(t, str) else [t]
+        pairs += [(tok, b) for tok in toks]
+    return dataclasses.replace(sampling, logit_bias=tuple(pairs))
 
 
 def _bad_bias(sampling: Sampling, n_vocab: int | None) -> str | None:
@@ -239,6 +252,7 @@ class Worker:
             return
         eng = self.engine
         try:
+            job.sampling = resolve_bias(job.sampling, eng)
             req = self._prompt(job)
         except Exception as e:  # noqa: BLE001 - a bug in one request must not take the server down
             job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
