@@ -578,3 +578,13 @@ def test_logit_bias_by_text():
         assert got == ((eng._id("of"), -100.0), (eng._id("course"), -100.0), (7, 2.0))
     with _client() as tc:
         assert tc.post("/completion", json={"prompt": "hi", "logit_bias": [["yes", False]]}).status_code == 200
+
+
+def test_chat_input_tokens():
+    """llama-server's /v1/chat/completions/input_tokens: the prompt's tokens, nothing generated."""
+    with _client() as tc:
+        answer = tc.post("/v1/chat/completions", json=CHAT).json()
+        for path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"):
+            r = tc.post(path, json=CHAT)
+            assert r.status_code == 200 and r.json() == {"input_tokens": answer["usage"]["prompt_tokens"]}
+        assert tc.post("/v1/chat/completions/input_tokens", json={"messages": []}).status_code == 400

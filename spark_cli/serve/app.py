@@ -170,6 +170,18 @@ async def apply_template(request: Request) -> Response:
     return JSONResponse({"prompt": run.prompt})
 
 
+async def count_chat_tokens(request: Request) -> Response:
+    """llama-server's POST /v1/chat/completions/input_tokens: the tokens a chat body's prompt takes."""
+    st: ServerState = request.app.state.spark
+    try:
+        req = parse(ChatRequest, await read_body(request, st.max_body))
+        run = await open_run(request, req, st.worker, st.model_name, st.chat, count_only=True)
+    except ClientGone:
+        return Response(status_code=499)
+    run.close()
+    return JSONResponse({"input_tokens": run.prompt_tokens})
+
+
 def not_supported(message: str) -> ApiError:
     """llama-server's ERROR_TYPE_NOT_SUPPORTED: an endpoint turned off by a flag."""
     return ApiError(501, message, "not_supported_error")
@@ -303,6 +315,8 @@ def create_app(state: ServerState) -> Any:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/completions", native_completion, methods=["POST"]),  # llama-server's: /completion's
         Route("/apply-template", apply_template, methods=["POST"]),
+        Route("/v1/chat/completions/input_tokens", count_chat_tokens, methods=["POST"]),
+        Route("/chat/completions/input_tokens", count_chat_tokens, methods=["POST"]),
         Route("/completion", native_completion, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
