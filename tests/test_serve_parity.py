@@ -438,6 +438,7 @@ def test_metrics_are_llama_servers_series():
                    for _ in range(2)]
         r = tc.get("/metrics")
         assert r.status_code == 200 and int(r.headers["Process-Start-Time-Unix"]) > 0
+        assert b"Process-Start-Time-Unix" in [k for k, _ in r.headers.raw]  # llama-server's spelling
         types, values = _prometheus(r.text)
         for names, kind in ((LLAMACPP_COUNTERS, "counter"), (LLAMACPP_GAUGES, "gauge")):
             for name in names:

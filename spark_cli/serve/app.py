@@ -285,8 +285,10 @@ async def metrics_page(request: Request) -> Response:
     st: ServerState = request.app.state.spark
     if not st.metrics:
         raise not_supported("This server does not support metrics endpoint. Start it with `--metrics`")
-    return Response(request.app.state.metrics.render(), media_type=metrics.CONTENT_TYPE,
-                    headers={"Process-Start-Time-Unix": str(st.started)})
+    resp = Response(request.app.state.metrics.render(), media_type=metrics.CONTENT_TYPE)
+    # NOTE: spelled as llama-server spells it (Starlette lowercases names; some clients compare case)
+    resp.raw_headers.append((b"Process-Start-Time-Unix", str(st.started).encode()))
+    return resp
 
 
 async def _on_api_error(request: Request, e: Exception) -> Response:
