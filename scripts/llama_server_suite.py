@@ -163,15 +163,19 @@ def tally(raw: dict, files) -> dict:
 
 
 def run(files, *, suite: Path, per_test: float, total: float, python: str, model: str | None,
-        drop: str | None) -> dict:
+        drop: str | None, select: str | None = None) -> dict:
     missing = missing_modules(python, REQUIRED)
     if missing:
         return {"error": f"the suite needs {', '.join(missing)} (not installed for {python})",
                 "missing": missing}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="llama-server-suite-") as tmp:
-        work = Path(tmp) / "tests"
+        # NOTE: llama.cpp's layout, so the tests' ../../../models/templates/*.jinja resolve (read only: linked)
+        work = Path(tmp) / "llama.cpp" / "tools" / "server" / "tests"
         shutil.copytree(suite, work, ignore=shutil.ignore_patterns("tmp", "__pycache__", ".pytest_cache"))
+        models = suite.resolve().parents[2] / "models"
+        if models.is_dir():
+            (Path(tmp) / "llama.cpp" / "models").symlink_to(models, target_is_directory=True)
         (work / "tmp").mkdir(exist_ok=True)
         stubs = missing_modules(python, STUBBED)
         stub_dir = Path(tmp) / "stubs"
@@ -190,7 +194,7 @@ def run(files, *, suite: Path, per_test: float, total: float, python: str, model
         if drop:
             env["SPARK_SHIM_DROP"] = drop
         cmd = [python, "-m", "pytest", "-p", "_spark_suite_plugin", "-m", "not slow", "-q", "-rN",
-               "-p", "no:cacheprovider", *(f"unit/{f}" for f in files)]
+               "-p", "no:cacheprovider", *(["-k", select] if select else []), *(f"unit/{f}" for f in files)]
         net = isolated()
         if net:
             cmd = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *cmd]
@@ -247,11 +251,12 @@ def main(argv=None) -> int:
     ap.add_argument("--python", default=sys.executable, help="the Python with Spark's and the suite's packages")
     ap.add_argument("--model", help="the GGUF the shim serves (default: the tiny llama; 'demo': the demo model)")
     ap.add_argument("--drop", help="spark serve flags the shim leaves out (a Spark without them)")
+    ap.add_argument("-k", dest="select", help="only the tests pytest -k EXPR selects")
     ap.add_argument("-o", "--out", type=Path, help="write the JSON here")
     a = ap.parse_args(argv)
     files = tuple(f.strip() for f in a.files.split(",")) if a.files else DEFAULT_FILES
     res = run(files, suite=a.suite or find_suite(), per_test=a.per_test, total=a.total, python=a.python,
-              model=a.model, drop=a.drop)
+              model=a.model, drop=a.drop, select=a.select)
     if a.out:
         a.out.write_text(json.dumps(res, indent=1) + "\n")
     if "error" in res:
