@@ -181,7 +181,7 @@ def test_stop_filter(pieces, stops, want, matched):
     (b'{"messages": [{"role": "user", "content": "x"}], "samplers": ["top_k", "mirostat"]}',
      "samplers: unknown sampler 'mirostat'"),
     (b'{"messages": [{"role": "user", "content": "x"}], "samplers": "tk"}', "samplers: spark serve runs"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"the": 1}}', "logit_bias:"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"the": "x"}}', "logit_bias:"),
     (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1e400}}', "logit_bias: token 5"),
     (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "top_logprobs requires logprobs"),
     (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": true}', "top_logprobs:"),

@@ -65,6 +65,7 @@ def test_timings_are_llama_servers():
 
 class _Engine(_FakeEngine):
     n_vocab = 100
+    eog_tokens = [_FakeEngine.EOG]
 
     def bank_bytes(self) -> int:
         return 0
@@ -143,6 +144,7 @@ def test_context_overflow_carries_the_counts():
         err = r.json()["error"]
         assert r.status_code == 400 and err["type"] == "exceed_context_size_error"
         assert err["n_ctx"] == 64 and err["n_prompt_tokens"] > 64
+        assert "exceeds the available context size (64 tokens)" in err["message"]  # llama-server's words
 
 
 def test_tokenize_and_detokenize_on_the_fake():
@@ -401,3 +403,189 @@ def test_tokenize_detokenize_props(server):
     assert (params["temperature"], params["seed"], params["n_predict"]) == (0.0, DEFAULT_SEED, DEFAULT_N)
     assert "{%" in props["chat_template"] and props["build_info"].startswith("spark-")
     assert props["spark"]["placement"]["cached_moe_layers"] > 0
+
+
+# ---------------------------------------------------------------- metrics and per-token fields (fake engine)
+
+# llama-server's series (tools/server/server-task.cpp, to_metrics), as its test_metrics.py checks them
+LLAMACPP_COUNTERS = ("prompt_tokens_total", "prompt_tokens_cached_total", "prompt_seconds_total",
+                     "tokens_predicted_total", "tokens_predicted_seconds_total", "n_decode_total", "n_tokens_max",
+                     "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                     "spec_decode_num_drafts_total")
+LLAMACPP_GAUGES = ("prompt_tokens_seconds", "predicted_tokens_seconds", "requests_processing", "requests_deferred",
+                   "n_busy_slots_per_decode")
+
+
+def _prometheus(text: str) -> tuple[dict[str, str], dict[str, float]]:
+    """{name: type} and {name: value} of the unlabelled series, read as llama.cpp's suite reads them."""
+    types, values = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            types[name] = kind
+        elif line and not line.startswith("#") and "{" not in line:
+            name, value = line.split(" ", 1)
+            assert name in types, f"{name} has no # TYPE line"
+            values[name] = float(value)
+    return types, values
+
+
+def test_metrics_are_llama_servers_series():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with _client() as tc:
+        timings = [tc.post("/completion", json={"prompt": "hello there world", "n_predict": 4}).json()["timings"]
+                   for _ in range(2)]
+        r = tc.get("/metrics")
+        assert r.status_code == 200 and int(r.headers["Process-Start-Time-Unix"]) > 0
+        assert b"Process-Start-Time-Unix" in [k for k, _ in r.headers.raw]  # llama-server's spelling
+        types, values = _prometheus(r.text)
+        for names, kind in ((LLAMACPP_COUNTERS, "counter"), (LLAMACPP_GAUGES, "gauge")):
+            for name in names:
+                assert types[f"llamacpp:{name}"] == kind and f"# HELP llamacpp:{name} " in r.text, name
+        v = {k.removeprefix("llamacpp:"): x for k, x in values.items()}
+        # the reused prompt tokens are counted apart, as in the answers' timings
+        assert timings[1]["cache_n"] > 0
+        assert v["prompt_tokens_total"] == sum(t["prompt_n"] for t in timings)
+        assert v["prompt_tokens_cached_total"] == sum(t["cache_n"] for t in timings)
+        assert v["tokens_predicted_total"] == sum(t["predicted_n"] for t in timings)
+        assert v["n_tokens_max"] == max(t["cache_n"] + t["prompt_n"] + t["predicted_n"] for t in timings)
+        assert v["n_decode_total"] > 0 and v["requests_processing"] == 0 and v["n_busy_slots_per_decode"] == 1
+        assert v["prompt_tokens_seconds"] > 0 and v["predicted_tokens_seconds"] > 0
+        assert all(v[n] == 0 for n in LLAMACPP_COUNTERS if n.startswith("spec_"))
+        # the throughput gauges are over the window since the last scrape (none since); counters go on
+        again = {k.removeprefix("llamacpp:"): x for k, x in _prometheus(tc.get("/metrics").text)[1].items()}
+        assert again["prompt_tokens_seconds"] == 0 and again["predicted_tokens_seconds"] == 0
+        assert again["prompt_tokens_total"] == v["prompt_tokens_total"]
+        # and prometheus_client reads the whole page, Spark's series after llama-server's
+        families = {fam.name for fam in text_string_to_metric_families(r.text)}  # counters without _total
+        assert {"llamacpp:n_tokens_max", "llamacpp:prompt_tokens", "spark:expert_cache_hits"} <= families
+
+
+def test_metrics_and_slots_endpoints_can_be_off():
+    """--no-metrics / --no-slots: llama-server's 501 for an endpoint its flag left off."""
+    with _client(metrics=False, slots_endpoint=False) as tc:
+        for path, flag in (("/metrics", "--metrics"), ("/slots", "--slots")):
+            r = tc.get(path)
+            err = r.json()["error"]
+            assert r.status_code == 501 and err["type"] == "not_supported_error" and flag in err["message"], r.text
+    with _client() as tc:
+        assert tc.get("/metrics").status_code == 200 and tc.get("/slots").status_code == 200
+
+
+def _events(tc, path: str, body: dict) -> list[dict]:
+    with tc.stream("POST", path, json={**body, "stream": True}) as s:
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def test_timings_per_token_and_return_tokens():
+    with _client() as tc:
+        body = tc.post("/completion", json={"prompt": "hello there", "temperature": 0, "return_tokens": True}).json()
+        assert len(body["tokens"]) == body["tokens_predicted"] == 3 and all(type(t) is int for t in body["tokens"])
+        assert tc.post("/completion", json={"prompt": "hello there"}).json()["tokens"] == []
+        events = _events(tc, "/completion", {"prompt": "hello", "return_tokens": True, "timings_per_token": True})
+        pieces, last = events[:-1], events[-1]
+        assert pieces and all(e["tokens"] and e["timings"]["predicted_n"] == e["tokens_predicted"] for e in pieces)
+        assert [t for e in pieces for t in e["tokens"]] == last["tokens"] and last["timings"]["predicted_n"] == 3
+        plain = _events(tc, "/completion", {"prompt": "hi"})  # pieces carry their tokens anyway, as llama-server's
+        assert all("timings" not in e and e["tokens"] for e in plain[:-1]) and plain[-1]["tokens"] == []
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "hi"})):
+            events = _events(tc, path, {**body, "timings_per_token": True})
+            first = 1 if path == "/v1/chat/completions" else 0  # the role chunk has none, as llama-server's
+            assert "timings" not in events[0] or first == 0
+            assert all("timings" in e for e in events[first:]), events
+            # return_tokens is /completion's: the OpenAI endpoints refuse it by name
+            r = tc.post(path, json={**body, "return_tokens": True})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "return_tokens"
+
+
+def test_native_prompt_batches_and_json_prompts():
+    """llama-server's prompt forms: a list without token ids is a batch (a list of bodies, each
+    with its index); {"prompt_string": ...} is a prompt; media is refused (no multimodal model);
+    /completions is /completion, as llama-server routes it."""
+    with _client() as tc:
+        one = tc.post("/completion", json={"prompt": "hello there", "temperature": 0}).json()
+        r = tc.post("/completion", json={"prompt": ["hello there", [1, 2], {"prompt_string": "hello there"}],
+                                         "temperature": 0})
+        bodies = r.json()
+        assert r.status_code == 200 and [b["index"] for b in bodies] == [0, 1, 2]
+        assert bodies[0]["content"] == bodies[2]["content"] == one["content"] and bodies[1]["tokens_evaluated"] == 2
+        assert tc.post("/completion", json={"prompt": {"prompt_string": "hello there"}, "temperature": 0}).json()[
+            "content"] == one["content"]
+        native = tc.post("/completions", json={"prompt": "hello there", "temperature": 0}).json()
+        assert native["content"] == one["content"] and native["stop_type"] == one["stop_type"] and "choices" not in native
+        for bad, why in (({"prompt": {"prompt_string": "x", "multimodal_data": ["aGk="]}}, "Multimodal data"),
+                         ({"prompt": [[1], {"other": 1}]}, "a JSON prompt"),
+                         ({"prompt": ["a", "b"], "stream": True}, "stream: ")):
+            r = tc.post("/completion", json=bad)
+            assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+
+
+def test_ignore_eos_lists_its_biases():
+    """generation_settings.logit_bias shows the -inf (null) biases ignore_eos puts on the
+    end-of-generation tokens, after the request's own, as llama-server's."""
+    with _client() as tc:
+        def bias(**extra):
+            return tc.post("/completion", json={"prompt": "hi", "n_predict": 2, **extra}).json()[
+                "generation_settings"]["logit_bias"]
+
+        assert bias(ignore_eos=True) == [{"token": 0, "bias": None}]
+        assert bias(ignore_eos=False) == [] == bias()
+        assert bias(ignore_eos=True, logit_bias=[[5, 1.0]]) == [{"token": 5, "bias": 1.0}, {"token": 0, "bias": None}]
+
+
+def test_native_body_truncated_when_the_context_filled():
+    from spark_cli.serve.llama_api import final_body
+    from spark_cli.serve.protocol import Usage
+
+    def body(finish):
+        return final_body("x", "m", "p", finish, None, Usage(3, 0, 1), None, {}, None)
+
+    assert body("context")["truncated"] is True and body("context")["stop_type"] == "limit"
+    assert not any(body(f)["truncated"] for f in ("eog", "stop", "length", "interrupted"))
+
+
+def test_a_grammar_llama_cpp_refuses_is_that_requests_400():
+    """A sampler llama.cpp cannot build (an invalid GBNF) answers that request with a 400; the
+    engine thread goes on serving (it used to die, and every later request hung)."""
+    from spark_cli.errors import SparkError
+
+    class Picky(_Engine):
+        def make_sampler(self, *args, **kw):
+            if args[7]:  # the grammar
+                raise SparkError("llama.cpp refused the grammar (failed to parse grammar)")
+            return super().make_sampler(*args, **kw)
+
+    with fake_client(lambda: Picky(n_ctx=64)) as tc:
+        for _ in range(2):
+            r = tc.post("/v1/chat/completions", json={**CHAT, "grammar": "root ::= this is (not valid GBNF"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
+            assert "refused the grammar" in r.json()["error"]["message"]
+            assert tc.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_logit_bias_by_text():
+    """llama-server's logit_bias keys may be text ({"text": bias} or [["text", bias]]): each of its
+    tokens gets the bias."""
+    from spark_cli.runs.chat_session import Sampling
+    from spark_cli.serve.protocol import ChatRequest, parse
+    from spark_cli.serve.worker import resolve_bias
+
+    eng = _Engine(n_ctx=64)
+    for bias in ({" of course ": -100, "7": 2}, [[" of course ", -100], [7, 2]]):
+        req = parse(ChatRequest, json.dumps({**CHAT, "logit_bias": bias}).encode())
+        assert req.bias == ((" of course ", -100.0), (7, 2.0))
+        got = resolve_bias(Sampling(logit_bias=req.bias), eng).logit_bias
+        assert got == ((eng._id("of"), -100.0), (eng._id("course"), -100.0), (7, 2.0))
+    with _client() as tc:
+        assert tc.post("/completion", json={"prompt": "hi", "logit_bias": [["yes", False]]}).status_code == 200
+
+
+def test_chat_input_tokens():
+    """llama-server's /v1/chat/completions/input_tokens: the prompt's tokens, nothing generated."""
+    with _client() as tc:
+        answer = tc.post("/v1/chat/completions", json=CHAT).json()
+        for path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"):
+            r = tc.post(path, json=CHAT)
+            assert r.status_code == 200 and r.json() == {"input_tokens": answer["usage"]["prompt_tokens"]}
+        assert tc.post("/v1/chat/completions/input_tokens", json={"messages": []}).status_code == 400

@@ -72,6 +72,9 @@ def register(app: typer.Typer) -> None:
                                    "(0: greedy)"),
         seed: int = typer.Option(-1, "--seed", "-s", min=-1, max=(1 << 32) - 1,
                                  help="sampling seed when a request gives none (-1: random per request)"),
+        metrics_on: bool = typer.Option(True, "--metrics/--no-metrics", help="serve GET /metrics (llama-server "
+                                        "serves it only with --metrics; Spark by default)"),
+        slots_on: bool = typer.Option(True, "--slots/--no-slots", help="serve GET /slots (as llama-server's)"),
         flags: LoadFlags = None,
     ) -> None:
         """Serve the model over HTTP with OpenAI's API, as llama-server does."""
@@ -133,7 +136,8 @@ def register(app: typer.Typer) -> None:
                                     geometry.arch, reasoning_format, defaults=Defaults(temp, seed, n_predict))
         state = ServerState(worker, stats, alias or path.name, api_key=api_key or None, host=host,
                             allowed_hosts=hosts, cors=origins, chat=chat, model_path=str(path),
-                            placement=_placement(devices, plan, cached, budget_source, cpu_reason, miss_path))
+                            placement=_placement(devices, plan, cached, budget_source, cpu_reason, miss_path),
+                            metrics=metrics_on, slots_endpoint=slots_on)
         where = f"{devices[0].name}" if devices else f"CPU ({cpu_reason})"
         placement = (f"{len(cached)} cached MoE layers, plan {budget_source}" if plan is not None
                      else "stock CPU path")

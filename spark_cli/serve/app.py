@@ -39,6 +39,8 @@ class ServerState:
     chat: ChatConfig = field(default_factory=ChatConfig)  # the model's tool-call format, --reasoning-format
     model_path: str = ""  # the GGUF served (/props)
     placement: dict[str, Any] = field(default_factory=dict)  # Spark's placement summary (/props)
+    metrics: bool = True  # GET /metrics served (--no-metrics: 501, as llama-server without --metrics)
+    slots_endpoint: bool = True  # GET /slots served (--no-slots: 501, as llama-server's)
 
 
 def _error(e: ApiError, path: str = "") -> JSONResponse:
@@ -93,34 +95,61 @@ async def native_completion(request: Request) -> Response:
     st: ServerState = request.app.state.spark
     try:
         req = parse(NativeCompletionRequest, await read_body(request, st.max_body))
+        prompts = req.prompts
+        if len(prompts) > 1:
+            return await _native_batch(request, req, prompts)
+        req = req.model_copy(update={"prompt": prompts[0]})
         run = await open_run(request, req, st.worker, st.model_name, st.chat)
     except ClientGone:
         return Response(status_code=499)
     if req.stream:
-        return StreamingResponse(_native_stream(run, req), media_type="text/event-stream",
+        return StreamingResponse(_native_stream(st, run, req), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     try:
         parts = [ev.text async for ev in run.events() if isinstance(ev, Text)]
-        return JSONResponse(_native_final(run, req, "".join(parts)))
+        return JSONResponse(_native_final(st, run, req, "".join(parts)))
     except ClientGone:
         return Response(status_code=499)
     finally:
         run.close()
 
 
-def _native_final(run: Run, req: NativeCompletionRequest, content: str) -> dict[str, Any]:
+async def _native_batch(request: Request, req: NativeCompletionRequest, prompts: list) -> Response:
+    """Several prompts in one /completion: a list of bodies, each with its `index`, as llama-server's."""
+    st: ServerState = request.app.state.spark
+    if req.stream:
+        raise ApiError(400, "stream: spark serve streams one prompt per request (send the prompts apart, or "
+                            "without stream)", param="stream")
+    bodies = []
+    for i, prompt in enumerate(prompts):
+        one = req.model_copy(update={"prompt": prompt})
+        run = await open_run(request, one, st.worker, st.model_name, st.chat)
+        try:
+            parts = [ev.text async for ev in run.events() if isinstance(ev, Text)]
+        finally:
+            run.close()
+        bodies.append({**_native_final(st, run, one, "".join(parts)), "index": i})
+    return JSONResponse(bodies)
+
+
+def _native_final(st: ServerState, run: Run, req: NativeCompletionRequest, content: str) -> dict[str, Any]:
     assert run.usage is not None and run.sampling is not None
+    # NOTE: ignore_eos's -inf biases are listed in generation_settings, as llama-server's
+    eog = getattr(st.worker.engine, "eog_tokens", ()) if run.sampling.ban_eog else ()
     return llama_api.final_body(content, req.model or run.env.model, run.prompt, run.finish, run.stop_word,
-                                run.usage, run.timings, llama_api.settings(run.sampling, req),
-                                run.probs if run.with_probs else None, run.slot)
+                                run.usage, run.timings, llama_api.settings(run.sampling, req, eog),
+                                run.probs if run.with_probs else None, run.slot,
+                                run.tokens if req.return_tokens else None)
 
 
-async def _native_stream(run: Run, req: NativeCompletionRequest) -> AsyncIterator[bytes]:
+async def _native_stream(st: ServerState, run: Run, req: NativeCompletionRequest) -> AsyncIterator[bytes]:
     try:
         async for ev in run.events():
             if isinstance(ev, Text):
-                yield sse(llama_api.piece_event(ev.text, run.prompt_tokens, ev.n_generated, ev.probs, run.slot))
-        yield sse(_native_final(run, req, ""))
+                yield sse(llama_api.piece_event(ev.text, run.prompt_tokens, ev.n_generated, ev.probs, run.slot,
+                                                list(ev.tokens),  # NOTE: always, as llama-server's pieces
+                                                ev.timings if req.timings_per_token else None))
+        yield sse(_native_final(st, run, req, ""))
     except ApiError as e:
         yield sse(e.body())
     except ClientGone:
@@ -139,6 +168,23 @@ async def apply_template(request: Request) -> Response:
         return Response(status_code=499)
     run.close()
     return JSONResponse({"prompt": run.prompt})
+
+
+async def count_chat_tokens(request: Request) -> Response:
+    """llama-server's POST /v1/chat/completions/input_tokens: the tokens a chat body's prompt takes."""
+    st: ServerState = request.app.state.spark
+    try:
+        req = parse(ChatRequest, await read_body(request, st.max_body))
+        run = await open_run(request, req, st.worker, st.model_name, st.chat, count_only=True)
+    except ClientGone:
+        return Response(status_code=499)
+    run.close()
+    return JSONResponse({"input_tokens": run.prompt_tokens})
+
+
+def not_supported(message: str) -> ApiError:
+    """llama-server's ERROR_TYPE_NOT_SUPPORTED: an endpoint turned off by a flag."""
+    return ApiError(501, message, "not_supported_error")
 
 
 def _engine(st: ServerState) -> Any:
@@ -214,6 +260,8 @@ async def props(request: Request) -> Response:
 async def slots(request: Request) -> Response:
     """llama-server's GET /slots: each slot, busy or idle, and what it holds."""
     st: ServerState = request.app.state.spark
+    if not st.slots_endpoint:
+        raise not_supported("This server does not support slots endpoint. Start it with `--slots`")
     _engine(st)
     return JSONResponse(st.worker.slots_info())
 
@@ -234,7 +282,13 @@ async def health(request: Request) -> Response:
 
 
 async def metrics_page(request: Request) -> Response:
-    return Response(metrics.render(request.app.state.registry), media_type=metrics.CONTENT_TYPE)
+    st: ServerState = request.app.state.spark
+    if not st.metrics:
+        raise not_supported("This server does not support metrics endpoint. Start it with `--metrics`")
+    resp = Response(request.app.state.metrics.render(), media_type=metrics.CONTENT_TYPE)
+    # NOTE: spelled as llama-server spells it (Starlette lowercases names; some clients compare case)
+    resp.raw_headers.append((b"Process-Start-Time-Unix", str(st.started).encode()))
+    return resp
 
 
 async def _on_api_error(request: Request, e: Exception) -> Response:
@@ -261,8 +315,10 @@ def create_app(state: ServerState) -> Any:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
-        Route("/completions", completions, methods=["POST"]),
+        Route("/completions", native_completion, methods=["POST"]),  # llama-server's: /completion's
         Route("/apply-template", apply_template, methods=["POST"]),
+        Route("/v1/chat/completions/input_tokens", count_chat_tokens, methods=["POST"]),
+        Route("/chat/completions/input_tokens", count_chat_tokens, methods=["POST"]),
         Route("/completion", native_completion, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
@@ -274,5 +330,5 @@ def create_app(state: ServerState) -> Any:
                                                        Exception: _on_crash})
     state.started = state.started or int(time.time())
     app.state.spark = state
-    app.state.registry = metrics.registry_for(state.stats)
+    app.state.metrics = metrics.Metrics(state.stats)
     return Guard(app, key=state.api_key, host=state.host, allowed_hosts=state.allowed_hosts, cors=state.cors)

@@ -218,9 +218,10 @@ def _sampling(req: GenerationRequest, defaults: Defaults, grammar: str | None) -
                     typical_p=req.typical_p, logit_bias=req.bias, n_probs=req.n_probs, ban_eog=req.ignore_eos)
 
 
-def _delta_chunk(env: Envelope, d: ChatDelta, probs: list[TokenLogprob] | None) -> dict[str, Any]:
+def _delta_chunk(env: Envelope, d: ChatDelta, probs: list[TokenLogprob] | None,
+                 timings: Timings | None = None) -> dict[str, Any]:
     return env.delta(d.content, d.reasoning_content, d.tool_call.to_openai() if d.tool_call is not None else None,
-                     probs)
+                     probs, timings)
 
 
 @dataclass
@@ -244,6 +245,9 @@ class Run:
     finish: str = ""  # the engine's: eog | stop | length | context | interrupted
     finish_reason: str | None = None
     probs: list[TokenLogprob] = field(default_factory=list)
+    per_token_timings: bool = False  # timings_per_token: every chunk carries the timings so far
+    tokens: list[int] = field(default_factory=list)  # the generated tokens handed out so far
+    _timings_now: Timings | None = None  # the last text's
 
     def _probs(self, got: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
         """A whole answer's logprobs: a list (maybe empty) when asked for, else None."""
@@ -265,6 +269,8 @@ class Run:
                 self.timings = ev.timings
             if isinstance(ev, Text):
                 self.probs += ev.probs or []
+                self.tokens += ev.tokens
+                self._timings_now = ev.timings
             if isinstance(ev, (Text, Done)):
                 yield ev
             if isinstance(ev, Done):
@@ -314,10 +320,11 @@ class Run:
         if self.parser is not None:
             yield self.env.role_chunk()
         async for ev in events:
+            now = self._timings_now if self.per_token_timings else None
             if isinstance(ev, Text):
-                yield self.env.chunk(text=ev.text, probs=self._chunk_probs(ev.probs))
+                yield self.env.chunk(text=ev.text, probs=self._chunk_probs(ev.probs), timings=now)
             elif isinstance(ev, tuple):
-                yield _delta_chunk(self.env, ev[0], self._chunk_probs(ev[1]))
+                yield _delta_chunk(self.env, ev[0], self._chunk_probs(ev[1]), now)
             else:
                 yield self.env.chunk(finish=self.finish_reason, timings=None if include_usage else self.timings)
                 if include_usage:
@@ -349,4 +356,4 @@ async def open_run(request: Request, req: GenerationRequest, worker: Worker, mod
     assert isinstance(first, Started)
     return Run(feed, Envelope(prepared is not None, req.model or model, config.fingerprint), first.prompt_tokens,
                first.prompt, prepared.parser(first.prompt) if prepared else None, req.n_probs is not None, sampling,
-               first.slot)
+               first.slot, per_token_timings=req.timings_per_token)

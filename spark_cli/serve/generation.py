@@ -72,7 +72,9 @@ class RequestPrompt:
         """ContextError when the prompt leaves no room in one slot's context."""
         n_ctx = self.engine.n_ctx
         if len(self.tokens) >= n_ctx:
-            raise ContextError(f"the request needs {len(self.tokens)} prompt tokens but the context holds {n_ctx}",
+            # NOTE: llama-server's words: clients match "exceeds the available context size"
+            raise ContextError(f"request ({len(self.tokens)} tokens) exceeds the available context size ({n_ctx} "
+                               "tokens), try increasing it",
                                len(self.tokens), n_ctx,
                                hint="shorten the messages or start spark serve with a larger -c "
                                     "(-c is split between the -np slots unless --kv-unified)")

@@ -1,8 +1,9 @@
 """llama.cpp's own completion API, `POST /completion`: the request and its bodies. Pure: no web
 framework, no llama_cpp; the route (app.py) runs it through the one boundary (chat.open_run).
 
-In: `prompt` as text, token ids or a list of both; `n_predict`, `stream`, `cache_prompt`,
-`n_probs` and the sampling fields the OpenAI endpoints take. Out: llama-server's bodies:
+In: `prompt` as text, token ids or a list of both, `{"prompt_string": ...}`, or several of these in
+a list without token ids (llama-server's rule: a batch, answered with a list of bodies); `n_predict`, `stream`, `cache_prompt`,
+`n_probs`, `return_tokens`, `timings_per_token` and the sampling fields the OpenAI endpoints take. Out: llama-server's bodies:
 `content`, `tokens_predicted`, `tokens_evaluated`, `stop_type` (eos | word | limit | none),
 `stopping_word`, `generation_settings`, `timings`, `completion_probabilities` (n_probs > 0).
 Streamed: one `{"content", "stop": false, ...}` event per piece, then the final body with
@@ -13,38 +14,77 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 from pydantic import Field, field_validator
 
 from ..runs.chat_session import Sampling
 from .protocol import GenerationRequest, Timings, TokenLogprob, Usage
 
+Prompt = Union[str, list[Union[int, str]]]  # one prompt: text, or token ids and texts
+JSON_PROMPT, JSON_MEDIA = "prompt_string", "multimodal_data"
+
+
+def sub_prompts(prompt: Any) -> list[Prompt]:
+    """llama-server's tokenize_input_prompts: a list without token ids is several prompts (each
+    text, token ids and texts, or {"prompt_string": ...}); anything else is one. ValueError for
+    media (no multimodal model) or an element of another kind."""
+    many = isinstance(prompt, list) and not any(isinstance(p, int) for p in prompt)
+    return [_one_prompt(p) for p in (prompt if many else [prompt])]
+
+
+def _one_prompt(p: Any) -> Prompt:
+    if isinstance(p, dict):
+        if JSON_MEDIA in p:
+            raise ValueError("Multimodal data provided, but model does not support multimodal requests.")
+        p = p.get(JSON_PROMPT)
+        if not isinstance(p, (str, list)):
+            raise ValueError(f'a JSON prompt is {{"{JSON_PROMPT}": text or token ids}}')
+    if isinstance(p, list) and not all(isinstance(q, (int, str)) for q in p):
+        raise ValueError('"prompt" elements must be a string, a list of tokens, a JSON object containing a '
+                         'prompt string, or a list of mixed strings & tokens.')
+    return p
+
+
 STOP_TYPE = {"eog": "eos", "stop": "word", "length": "limit", "context": "limit", "interrupted": "none"}
 
 
 class NativeCompletionRequest(GenerationRequest):
-    prompt: Union[str, list[Union[int, str]]]
+    OWN = frozenset({"return_tokens"})
+
+    prompt: Union[str, dict, list[Union[int, str, dict, list[Union[int, str]]]]]
+    return_tokens: bool = False  # the final body's `tokens`: the generated ids (a streamed piece has its own always)
     probs_n: int = Field(0, ge=0, le=100, alias="n_probs")  # >0: each token's probability and the top n
 
     @field_validator("prompt")
     @classmethod
-    def _some(cls, v: Union[str, list[Union[int, str]]]) -> Union[str, list[Union[int, str]]]:
-        if not v or (isinstance(v, list) and all(isinstance(p, str) and not p for p in v)):
+    def _some(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
             raise ValueError("the prompt is empty")
-        if isinstance(v, list) and any(isinstance(p, int) and p < 0 for p in v):
-            raise ValueError("token ids are >= 0")
+        for p in sub_prompts(v):
+            if not p or (isinstance(p, list) and all(isinstance(q, str) and not q for q in p)):
+                raise ValueError("the prompt is empty")
+            if isinstance(p, list) and any(isinstance(q, int) and q < 0 for q in p):
+                raise ValueError("token ids are >= 0")
         return v
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """The prompts of this request: one, or a batch."""
+        return sub_prompts(self.prompt)
 
     @property
     def n_probs(self) -> int | None:
         return self.probs_n or None
 
 
-def settings(s: Sampling, req: NativeCompletionRequest) -> dict[str, Any]:
-    """`generation_settings`: what this request sampled with (the server's defaults filled in)."""
+def settings(s: Sampling, req: NativeCompletionRequest, eog: Sequence[int] = ()) -> dict[str, Any]:
+    """`generation_settings`: what this request sampled with (the server's defaults filled in);
+    `eog`: the end-of-generation tokens ignore_eos bans, listed with the biases as llama-server's."""
     d = asdict(s)
-    bias = d.pop("logit_bias")
+    bias = list(d.pop("logit_bias"))
+    given = {t for t, _ in bias}
+    bias += [(t, float("-inf")) for t in eog if t not in given]
     return {**{k: v for k, v in d.items() if k not in ("temp", "n_probs")}, "temperature": s.temp,
             "max_tokens": s.n_predict,
             # NOTE: a banned token's -inf is null, as llama-server's JSON writes it
@@ -53,9 +93,11 @@ def settings(s: Sampling, req: NativeCompletionRequest) -> dict[str, Any]:
 
 
 def piece_event(text: str, n_prompt: int, n_predicted: int, probs: list[TokenLogprob] | None,
-                id_slot: int = 0) -> dict[str, Any]:
-    body: dict[str, Any] = {"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": id_slot,
-                            "tokens_predicted": n_predicted, "tokens_evaluated": n_prompt}
+                id_slot: int = 0, tokens: list[int] | None = None, timings: Timings | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"index": 0, "content": text, "tokens": list(tokens or []), "stop": False,
+                            "id_slot": id_slot, "tokens_predicted": n_predicted, "tokens_evaluated": n_prompt}
+    if timings is not None:
+        body["timings"] = timings.to_dict()
     if probs:
         body["completion_probabilities"] = [p.to_dict() for p in probs]
     return body
@@ -63,11 +105,12 @@ def piece_event(text: str, n_prompt: int, n_predicted: int, probs: list[TokenLog
 
 def final_body(content: str, model: str, prompt: str, finish: str, stop_word: str | None, usage: Usage,
                timings: Timings | None, generation: dict[str, Any],
-               probs: list[TokenLogprob] | None, id_slot: int = 0) -> dict[str, Any]:
+               probs: list[TokenLogprob] | None, id_slot: int = 0, tokens: list[int] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "index": 0, "content": content, "tokens": [], "id_slot": id_slot, "stop": True, "model": model,
+        "index": 0, "content": content, "tokens": list(tokens or []), "id_slot": id_slot, "stop": True, "model": model,
         "tokens_predicted": usage.completion_tokens, "tokens_evaluated": usage.prompt_tokens,
-        "generation_settings": generation, "prompt": prompt, "has_new_line": "\n" in content, "truncated": False,
+        "generation_settings": generation, "prompt": prompt, "has_new_line": "\n" in content,
+        "truncated": finish == "context",  # the context filled up (llama-server's, without context shift)
         "stop_type": STOP_TYPE[finish], "stopping_word": stop_word or "",
         "tokens_cached": usage.prompt_tokens + usage.completion_tokens,
         "timings": (timings or Timings()).to_dict(),

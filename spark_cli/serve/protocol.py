@@ -171,7 +171,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "mirostat": (0,), "dynatemp_range": (0, 0.0), "top_n_sigma": (-1, -1.0), "xtc_probability": (0, 0.0),
     "dry_multiplier": (0, 0.0), "lora": ([],), "n_keep": (0, -1),
     "min_keep": (0,), "n_indent": (0,), "n_cache_reuse": (0,), "post_sampling_probs": (False,),
-    "timings_per_token": (False,), "return_tokens": (False,), "response_fields": ([],), "t_max_predict_ms": (0,),
+    "return_tokens": (False,), "response_fields": ([],), "t_max_predict_ms": (0,),
     "id_slot": (-1, 0), "functions": (), "function_call": (), "audio": (), "prediction": (),
     "web_search_options": (), "modalities": (["text"],),
 }
@@ -202,18 +202,23 @@ def _sampler_codes(v: Union[str, list[str]]) -> str:
     return kept
 
 
-def _refuse_unsupported(data: Any, extra: dict[str, tuple[Any, ...]]) -> None:
+def _refuse_unsupported(data: Any, extra: dict[str, tuple[Any, ...]], own: frozenset[str] = frozenset()) -> None:
+    """A 400 naming the first field of UNSUPPORTED or `extra` (not in `own`: the endpoint's) that asks for something."""
     if not isinstance(data, dict):
         return
     for name, neutral in {**UNSUPPORTED, **extra}.items():
+        if name in own:
+            continue
         v = data.get(name)
         if v is not None and not any(v == n and isinstance(v, bool) == isinstance(n, bool) for n in neutral):
             only = f" (only {json.dumps(neutral[0])}, which asks for nothing)" if neutral else ""
             raise ApiError(400, f"{name}: not supported by spark serve{only}", param=name)
 
 
-def _bias_pairs(v: Any) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias} or llama-server's [[token id, bias], ...]; a bias of false bans the token."""
+def _bias_pairs(v: Any) -> tuple[tuple[int | str, float], ...]:
+    """OpenAI's {"token id": bias} or llama-server's [[token id, bias], ...]; a bias of false bans the token.
+    A text in place of a token id stays text: each of its tokens gets the bias (llama-server's; the
+    engine thread tokenizes it, worker.resolve_bias)."""
     items = list(v.items()) if isinstance(v, dict) else v
     if not isinstance(items, list) or len(items) > MAX_LOGIT_BIAS:
         raise ValueError(f"must be an object of token id: bias (at most {MAX_LOGIT_BIAS})")
@@ -224,7 +229,7 @@ def _bias_pairs(v: Any) -> tuple[tuple[int, float], ...]:
         tok, bias = item
         if isinstance(tok, str) and tok.strip().lstrip("-").isdigit():
             tok = int(tok)
-        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+        if not isinstance(tok, (int, str)) or isinstance(tok, bool) or isinstance(tok, int) and tok < 0:
             raise ValueError(f"{tok!r} is not a token id")
         if bias is False:
             out.append((tok, float("-inf")))
@@ -239,6 +244,7 @@ class GenerationRequest(_Strict):
     """What chat and completion bodies share: OpenAI's fields and llama-server's sampling ones."""
 
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {}  # per endpoint, beside UNSUPPORTED
+    OWN: ClassVar[frozenset[str]] = frozenset()  # fields of UNSUPPORTED this endpoint implements
 
     model: str | None = None  # NOTE: one model is served; the name is echoed back, as llama-server does
     max_tokens: int | None = Field(None, ge=1, le=(1 << 31) - 1)
@@ -263,11 +269,12 @@ class GenerationRequest(_Strict):
     samplers: Union[str, list[str], None] = None  # llama-server's: which samplers run (SAMPLER_ORDER)
     grammar: str | None = Field(None, min_length=1)  # llama-server's: GBNF the output must match
     json_schema: dict | None = None  # llama-server's: JSON the output must match
+    timings_per_token: bool = False  # llama-server's: every streamed chunk carries the timings so far
 
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        _refuse_unsupported(data, cls.REFUSED)
+        _refuse_unsupported(data, cls.REFUSED, cls.OWN)
         return data
 
     @field_validator("n")
@@ -303,7 +310,7 @@ class GenerationRequest(_Strict):
         return list(self.stop or [])
 
     @property
-    def bias(self) -> tuple[tuple[int, float], ...]:
+    def bias(self) -> tuple[tuple[int | str, float], ...]:
         return _bias_pairs(self.logit_bias) if self.logit_bias is not None else ()
 
     def _asked_limit(self) -> int | None:
@@ -642,7 +649,7 @@ class Envelope:
         return _timed({**self._base("chat.completion"), "choices": [choice], "usage": usage.to_dict()}, timings)
 
     def delta(self, content: str = "", reasoning: str = "", tool_call: dict[str, Any] | None = None,
-              probs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+              probs: list[TokenLogprob] | None = None, timings: Timings | None = None) -> dict[str, Any]:
         """One chat stream chunk of content, reasoning_content or a tool_calls fragment."""
         delta: dict[str, Any] = {}
         if content:
@@ -652,7 +659,7 @@ class Envelope:
         if tool_call is not None:
             delta["tool_calls"] = [tool_call]
         choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": logprobs_body(probs)}
-        return {**self._base("chat.completion.chunk"), "choices": [choice], "usage": None}
+        return _timed({**self._base("chat.completion.chunk"), "choices": [choice], "usage": None}, timings)
 
     def role_chunk(self) -> dict[str, Any]:
         """A chat stream's first chunk, as llama-server sends it: the role, content null."""

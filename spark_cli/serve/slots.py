@@ -22,6 +22,7 @@ class Slot:
     prompt: list[int] = field(default_factory=list)  # the running job's prompt
     reused: int = 0  # prompt tokens kept from the KV cache
     generated: list[int] = field(default_factory=list)
+    sent: int = 0  # generated tokens handed out with a text (worker.Text)
     sampler: Any = None
     probs: Any = None
     n_task: int = 0  # jobs served so far
@@ -31,7 +32,7 @@ class Slot:
         return common_prefix(self.kv, list(prompt))
 
     def begin(self, job: Any, prompt: list[int], kept: int) -> None:
-        self.job, self.prompt, self.reused, self.generated = job, prompt, kept, []
+        self.job, self.prompt, self.reused, self.generated, self.sent = job, prompt, kept, [], 0
         self.kv = self.kv[:kept]
         self.n_task += 1
 

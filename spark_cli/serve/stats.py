@@ -1,5 +1,11 @@
 """Server figures for /metrics: llama-server's request and token counters, and the expert
-cache's totals read from the engine after each request (never while it decodes)."""
+cache's totals read from the engine after each request (never while it decodes).
+
+As llama-server's: prompt tokens reused from the KV cache are counted apart (they cost no
+decode), and the throughput gauges are averaged over the window since the last scrape of
+/metrics (take_rates). Spark decodes every generated token, the last one included, so a
+generation's rate is its n tokens over its n decode steps (llama-server's leaves the last one
+undecoded and counts n - 1 steps)."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from ..native.expert_cache import CacheStats
 @dataclass
 class Snapshot:
     prompt_tokens: int = 0       # evaluated (not reused from the KV cache)
+    prompt_cached: int = 0       # reused from the KV cache
     prompt_seconds: float = 0.0
     predicted_tokens: int = 0
     predicted_seconds: float = 0.0
@@ -22,6 +29,9 @@ class Snapshot:
     decodes: int = 0             # llama_decode calls
     busy_slot_decodes: int = 0   # busy slots summed over them
     deferred: int = 0
+    n_tokens_max: int = 0        # the longest sequence served (prompt + generation)
+    window_prompt: tuple[int, float] = (0, 0.0)   # (tokens, seconds) since the last scrape
+    window_predict: tuple[int, float] = (0, 0.0)  # (generated tokens, seconds) since the last scrape
     cache: CacheStats = field(default_factory=CacheStats)  # cached layers since the engine started
     device_bytes: int = 0        # held by the expert banks
     planned_bytes: int = 0       # the plan's device total
@@ -29,6 +39,16 @@ class Snapshot:
     @property
     def busy_slots_per_decode(self) -> float:
         return self.busy_slot_decodes / self.decodes if self.decodes else 0.0
+
+    @property
+    def prompt_tokens_seconds(self) -> float:
+        n, t = self.window_prompt
+        return n / t if t > 0 else 0.0
+
+    @property
+    def predicted_tokens_seconds(self) -> float:
+        n, t = self.window_predict
+        return n / t if t > 0 else 0.0
 
     @property
     def hit_ratio(self) -> float:
@@ -52,9 +72,22 @@ class ServerStats:
             s = self._s
             s.requests += 1
             s.prompt_tokens += fig.prompt_tokens
+            s.prompt_cached += fig.reused_tokens
             s.prompt_seconds += fig.prompt_seconds
             s.predicted_tokens += fig.generated_tokens
             s.predicted_seconds += fig.gen_seconds
+            s.n_tokens_max = max(s.n_tokens_max, fig.reused_tokens + fig.prompt_tokens + fig.generated_tokens)
+            n, t = s.window_prompt
+            s.window_prompt = (n + fig.prompt_tokens, t + fig.prompt_seconds)
+            n, t = s.window_predict
+            s.window_predict = (n + fig.generated_tokens, t + fig.gen_seconds)
+
+    def take_rates(self) -> Snapshot:
+        """A snapshot for a scrape of /metrics; the throughput window starts again."""
+        with self._lock:
+            out = replace(self._s)
+            self._s.window_prompt, self._s.window_predict = (0, 0.0), (0, 0.0)
+            return out
 
     def set_cache(self, engine) -> None:
         """Totals over the cached layers since the engine started (pinned uploads included)."""

@@ -11,6 +11,7 @@ the process to exit non-zero.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ class Text:
     text: str
     probs: list[TokenLogprob] | None = None  # of the tokens this text completes (asked for: n_probs)
     n_generated: int = 0  # tokens generated so far
+    tokens: tuple[int, ...] = ()  # the generated tokens this text completes
+    timings: Timings | None = None  # the request's so far (timings_per_token)
 
 
 @dataclass
@@ -75,6 +78,18 @@ class Job:
     cache_prompt: bool = True  # False: reuse nothing from the KV cache
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+
+
+def resolve_bias(sampling: Sampling, engine) -> Sampling:
+    """llama-server's text keys of logit_bias: every token of the text (tokenized without special
+    tokens) gets the bias."""
+    if not any(isinstance(t, str) for t, _ in sampling.logit_bias):
+        return sampling
+    pairs: list[tuple[int, float]] = []
+    for t, b in sampling.logit_bias:
+        toks = engine.tokenize(t, add_special=False, parse_special=False) if isinstance(t, str) else [t]
+        pairs += [(tok, b) for tok in toks]
+    return dataclasses.replace(sampling, logit_bias=tuple(pairs))
 
 
 def _bad_bias(sampling: Sampling, n_vocab: int | None) -> str | None:
@@ -244,6 +259,7 @@ class Worker:
             return
         eng = self.engine
         try:
+            job.sampling = resolve_bias(job.sampling, eng)
             req = self._prompt(job)
         except Exception as e:  # noqa: BLE001 - a bug in one request must not take the server down
             job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
@@ -252,11 +268,16 @@ class Worker:
             job.done.set()
             return
         toks, text = req
+        try:
+            sampler = make_sampler(eng, job.sampling)
+        except SparkError as e:  # a grammar llama.cpp refuses: this request's 400, the engine goes on
+            job.emit(Failed(ApiError(400, e.one_line(), param="grammar" if job.sampling.grammar else None)))
+            job.done.set()
+            return
         slot = pick_slot(self.slots, toks if job.cache_prompt else [])
         keep = min(slot.common(toks), len(toks) - 1) if job.cache_prompt else 0
         kept = eng.truncate(keep, seq=slot.id)
         slot.begin(job, toks, kept)
-        sampler = make_sampler(eng, job.sampling)
         sampler.prime(toks)
         chat = job.chat
         dec = Decoding(eng, slot.id, n_prompt=len(toks) - kept, sampler=sampler,
@@ -304,7 +325,11 @@ class Worker:
         if step.probs is not None:
             slot.probs.add(step.probs)
         if step.text:
-            job.emit(Text(step.text, slot.probs.take(), len(slot.generated)))
+            n = len(slot.generated)
+            job.emit(Text(step.text, slot.probs.take(), n, tuple(slot.generated[slot.sent:]),
+                          Timings(slot.reused, step.prompt_tokens, step.prompt_seconds, step.generated_tokens,
+                                  step.gen_seconds)))
+            slot.sent = n
         if step.finish:
             self._finish(slot, step)
 
