@@ -92,6 +92,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi there"}], "temperature": 0}
     ({"samplers": ["top_k", "temperature", "top_p"]}, "samplers"),  # not Spark's order
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"n": 3}, "n"),
+    ({"return_progress": True}, "return_progress"),
     ({"logit_bias": {"100": 5}}, "logit_bias"),  # past the vocabulary (checked by the engine thread)
 ])
 def test_unimplemented_fields_are_refused_by_name(extra, where):

@@ -173,7 +173,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "min_keep": (0,), "n_indent": (0,), "n_cache_reuse": (0,), "post_sampling_probs": (False,),
     "return_tokens": (False,), "response_fields": ([],), "t_max_predict_ms": (0,),
     "id_slot": (-1, 0), "functions": (), "function_call": (), "audio": (), "prediction": (),
-    "web_search_options": (), "modalities": (["text"],),
+    "web_search_options": (), "modalities": (["text"],), "return_progress": (False,),
 }
 MAX_LOGIT_BIAS = 1024  # entries at most
 
