@@ -158,8 +158,8 @@ async def _native_stream(st: ServerState, run: Run, req: NativeCompletionRequest
         run.close()
 
 
-async def apply_template(request: Request) -> Response:
-    """llama-server's POST /apply-template: the prompt a chat body renders to."""
+async def _counted_chat(request: Request) -> Run | Response:
+    """A chat body rendered and counted, nothing generated (499: the client left)."""
     st: ServerState = request.app.state.spark
     try:
         req = parse(ChatRequest, await read_body(request, st.max_body))
@@ -167,19 +167,19 @@ async def apply_template(request: Request) -> Response:
     except ClientGone:
         return Response(status_code=499)
     run.close()
-    return JSONResponse({"prompt": run.prompt})
+    return run
+
+
+async def apply_template(request: Request) -> Response:
+    """llama-server's POST /apply-template: the prompt a chat body renders to."""
+    run = await _counted_chat(request)
+    return run if isinstance(run, Response) else JSONResponse({"prompt": run.prompt})
 
 
 async def count_chat_tokens(request: Request) -> Response:
     """llama-server's POST /v1/chat/completions/input_tokens: the tokens a chat body's prompt takes."""
-    st: ServerState = request.app.state.spark
-    try:
-        req = parse(ChatRequest, await read_body(request, st.max_body))
-        run = await open_run(request, req, st.worker, st.model_name, st.chat, count_only=True)
-    except ClientGone:
-        return Response(status_code=499)
-    run.close()
-    return JSONResponse({"input_tokens": run.prompt_tokens})
+    run = await _counted_chat(request)
+    return run if isinstance(run, Response) else JSONResponse({"input_tokens": run.prompt_tokens})
 
 
 def not_supported(message: str) -> ApiError:
