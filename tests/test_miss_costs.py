@@ -8,7 +8,10 @@ from dataclasses import dataclass
 import pytest
 
 from spark_cli.core.simulator import MissCosts
-from spark_cli.runs.miss_path import Calibration, LayerCost, initial_path, per_token_us
+from spark_cli.native.expert_cache import CacheStats
+from spark_cli.native.llama_lib import Device
+from spark_cli.runs.miss_path import (Calibration, LayerCost, LayerSample, device_key, initial_path, per_token_us,
+                                      pooled_costs)
 
 
 @dataclass
@@ -49,4 +52,47 @@ def test_calibration_round_trips_and_names_both_rules():
     assert cal.why().startswith("miss path layer:") and cal.why_auto().startswith("miss path auto:")
     assert (initial_path("auto"), initial_path("layer"), initial_path("upload")) == ("cpu", "cpu", "upload")
     with pytest.raises(ValueError):
-        Calibration.from_dict({**cal.to_dict(), "version": 2})  # an older calibration is measured again
+        Calibration.from_dict({**cal.to_dict(), "version": 3})  # an older calibration is measured again
+
+
+def _sample(nb: int, up: tuple[int, int] | None, dec: tuple[int, int] | None,
+            prompt: tuple[int, int, int] | None) -> LayerSample:
+    """A layer's counters: upload (us, misses), cpu decode (us, experts), cpu prompt (us, experts, entries)."""
+    u = CacheStats(upload_us=up[0], misses=up[1], blocking_upload_bytes=nb * up[1]) if up else None
+    c = CacheStats(cpu_us=dec[0], cpu_experts=dec[1], cpu_expert_bytes=nb * dec[1]) if dec else None
+    p = CacheStats(cpu_us=prompt[0], cpu_experts=prompt[1], cpu_entries=prompt[2],
+                   cpu_expert_bytes=nb * prompt[1]) if prompt else None
+    return LayerSample(u, c, p)
+
+
+def test_costs_are_pooled_per_expert_shape():
+    big, small = 6 << 20, 2 << 20
+    costs = pooled_costs({
+        # one shape, three layers: alone, layer 0's prompt step says 0 per token and layer 1's decode
+        # says 500 us; summed, the shape costs (400 + 100 * 3) / 4 = 175 us at decode
+        0: _sample(big, (800, 1), (400, 1), (300, 3, 3 * 1)),  # 3 experts, one token each
+        1: _sample(big, (1000, 2), (100, 1), (2000, 2, 20)),
+        2: _sample(big, (900, 3), (300, 2), None),
+        # another shape: priced from its own layers only
+        3: _sample(small, (200, 2), (100, 2), (500, 2, 10)),
+        # a layer that saw no miss on any path: no costs (the cpu side)
+        4: LayerSample(None, None, None),
+    })
+    assert costs[0] == costs[1] == costs[2]
+    c = costs[0]
+    assert c.upload_us == pytest.approx(2700 / 6) and c.cpu_us == pytest.approx(800 / 4)
+    # the prompt steps summed: 5 experts, 23 tokens, 2300 us; d = 200 = a + b, 5 a + 23 b = 2300
+    assert c.cpu_token_us == pytest.approx((2300 - 5 * 200) / (23 - 5))
+    assert c.costs().cpu_ns > 0  # layer 0 alone would never stage a prompt's expert
+    assert per_token_us(400.0, PromptStats(300.0, 3, 3)) is None
+    s = costs[3]
+    assert (s.upload_us, s.cpu_us) == (100.0, 50.0) and s.cpu_token_us == pytest.approx((500 - 2 * 50) / 8)
+    assert costs[4] == LayerCost(None, None) and costs[4].costs() == MissCosts()
+
+
+def test_a_stand_in_calibration_is_reused_on_another_port():
+    rpc = Device(0, "RPC0", "127.0.0.1:40001", "GPU", 1 << 30, 1 << 30, 0)
+    again = Device(0, "RPC0", "127.0.0.1:40002", "GPU", 1 << 30, 1 << 30, 0)
+    assert device_key(rpc) == device_key(again) == "RPC0 127.0.0.1"
+    vk = Device(0, "Vulkan0", "llvmpipe (LLVM 15.0.6, 256 bits)", "GPU", 1 << 30, 1 << 30, 0)
+    assert device_key(vk) == "Vulkan0 llvmpipe (LLVM 15.0.6, 256 bits)"

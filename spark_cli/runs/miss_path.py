@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -19,7 +20,7 @@ from ..core.simulator import MISS_PATH_CHOICES, MISS_PATHS, MissCosts
 from ..files.atomic import atomic_write_text
 from ..errors import SparkError, UsageError
 
-CALIB_VERSION = 3  # 2: measured at a thread count; 3: the CPU cost per token of a prompt step
+CALIB_VERSION = 4  # 2: measured at a thread count; 3: the CPU cost per token of a prompt step; 4: pooled per shape
 CALIB_DECODE = 8  # decode tokens measured per miss path
 
 
@@ -126,9 +127,10 @@ def save(path: Path, cal: Calibration) -> None:
 
 def measure(engine, prompt: Sequence[int], n_decode: int = CALIB_DECODE) -> dict[int, LayerCost]:
     """Decode n_decode greedy tokens after `prompt` once per miss path and read the native
-    counters: blocking upload time per uploaded miss, CPU time per CPU-computed miss in decode
-    steps, and on the cpu path the prompt step's CPU time, experts and tokens (its per-token
-    part). Leaves the engine on the cpu path with its KV cache and counters reset."""
+    counters (blocking upload time per uploaded miss; CPU time per CPU-computed miss in decode
+    steps; on the cpu path the prompt step's CPU time, experts and tokens), then price every
+    cached layer from its expert shape's pooled figures (`pooled_costs`). Leaves the engine on
+    the cpu path with its KV cache and counters reset."""
     from ..native.generate import StopRules
 
     per_path: dict[str, dict] = {}
@@ -149,16 +151,67 @@ def measure(engine, prompt: Sequence[int], n_decode: int = CALIB_DECODE) -> dict
         per_path[path] = engine.cache_stats()
     engine.reset()
     engine.reset_stats()
+    cached = sorted(c.il for c in engine.opts.cache_layers)
+    return pooled_costs({il: LayerSample(per_path["upload"].get(il), per_path["cpu"].get(il), prompt_cpu.get(il))
+                         for il in cached})
+
+
+@dataclass(frozen=True)
+class LayerSample:
+    """One cached layer's calibration counters (None: the layer reported none): the upload path's
+    decode steps, the cpu path's decode steps and the cpu path's prompt step."""
+
+    upload: object | None
+    cpu: object | None
+    prompt: object | None
+
+    def expert_bytes(self) -> int | None:
+        """Bytes of one of the layer's experts: its shape, which its costs depend on."""
+        if self.upload is not None and self.upload.misses and self.upload.blocking_upload_bytes:
+            return self.upload.blocking_upload_bytes // self.upload.misses
+        for s in (self.cpu, self.prompt):
+            if s is not None and s.cpu_experts and s.cpu_expert_bytes:
+                return s.cpu_expert_bytes // s.cpu_experts
+        return None
+
+
+def pooled_costs(samples: dict[int, LayerSample]) -> dict[int, LayerCost]:
+    """Every layer's costs from the sums over the cached layers of its expert shape (same bytes
+    per expert: the same kernels and copies), not from its own few steps: a layer sees one or
+    two misses a decode step, and timing noise of one step would decide its split (a per-token
+    CPU cost measured as 0 stages nothing in a prompt). A layer that saw no miss on either path
+    (shape unknown) gets no costs: it stays on the CPU side, as a side never measured does."""
+    by_shape: dict[int | None, list[LayerSample]] = {}
+    for s in samples.values():
+        by_shape.setdefault(s.expert_bytes(), []).append(s)
+    shape_cost = {nb: _shape_cost(group) for nb, group in by_shape.items() if nb is not None}
     out = {}
-    cached = {c.il for c in engine.opts.cache_layers}
-    for il, up in per_path["upload"].items():
-        cpu = per_path["cpu"].get(il)
-        if il not in cached:
-            continue
-        cpu_us = cpu.cpu_us / cpu.cpu_experts if cpu is not None and cpu.cpu_experts else None
-        out[il] = LayerCost(up.upload_us / up.misses if up.misses else None, cpu_us,
-                            per_token_us(cpu_us, prompt_cpu.get(il)))
+    for il, s in samples.items():
+        nb = s.expert_bytes()
+        out[il] = shape_cost[nb] if nb is not None else LayerCost(None, None)
     return out
+
+
+def _shape_cost(group: list[LayerSample]) -> LayerCost:
+    """One expert shape's costs from its layers' summed counters."""
+    up_us = sum(s.upload.upload_us for s in group if s.upload is not None)
+    up_n = sum(s.upload.misses for s in group if s.upload is not None)
+    cpu_us = sum(s.cpu.cpu_us for s in group if s.cpu is not None)
+    cpu_n = sum(s.cpu.cpu_experts for s in group if s.cpu is not None)
+    decode = cpu_us / cpu_n if cpu_n else None
+    prompts = [s.prompt for s in group if s.prompt is not None]
+    prompt = PromptSum(sum(p.cpu_us for p in prompts), sum(p.cpu_experts for p in prompts),
+                       sum(p.cpu_entries for p in prompts)) if prompts else None
+    return LayerCost(up_us / up_n if up_n else None, decode, per_token_us(decode, prompt))
+
+
+@dataclass(frozen=True)
+class PromptSum:
+    """A prompt step's CPU counters summed over layers (what per_token_us reads)."""
+
+    cpu_us: float
+    cpu_experts: int
+    cpu_entries: int
 
 
 def per_token_us(decode_us: float | None, p) -> float | None:
@@ -204,10 +257,16 @@ def resolve(engine, choice: str, fingerprint: str, home: Path) -> tuple[dict[int
     return picks, f"{cal.why_auto()}; {source}"
 
 
+def device_key(dev) -> str:
+    """The device a calibration belongs to: its name and description, less an RPC server's port
+    (`--rpc auto` starts the stand-in on a new port each run: the same device)."""
+    desc = re.sub(r":\d+$", "", dev.description) if dev.name.startswith("RPC") else dev.description
+    return f"{dev.name} {desc}"
+
+
 def calibration(engine, fingerprint: str, home: Path, layers: list[int]) -> tuple[Calibration, str]:
     """The calibration cached for this device, model and thread count, or a new one (saved)."""
-    dev = engine.devices[0] if engine.devices else None
-    device = f"{dev.name} {dev.description}" if dev else "CPU"
+    device = device_key(engine.devices[0]) if engine.devices else "CPU"
     threads = engine.cpu_threads  # calibration times decode steps
     path = cache_file(home, device, fingerprint, threads)
     cal = load_cached(path, device, fingerprint, threads)
