@@ -146,3 +146,42 @@ def test_a_sequence_ends_while_others_go_on(small_model, rpc_server):
         assert sorted(ends) == [(0, "length", 2), (1, "length", 9), (2, "length", 3)]
         assert eng.seq_pos(1) == 20 + 9 and eng.seq_pos(0) == 12 + 3
         assert order.index(2) < len(order) - order[::-1].index(1) - 1  # the new one decoded beside seq 1
+
+
+def test_prompt_progress_after_each_chunk():
+    """on_progress: a report before any prompt token is evaluated (processed == cache), then one
+    after each chunk of that sequence's own (none for a step that took none of it), the cached
+    prefix as cache, the last at total; reporting changes nothing the loop computes."""
+    opts = EngineOptions(build_tiny_model("llama"), n_ctx=256, n_batch=16, n_ubatch=16, n_seq=2, device="none",
+                         n_threads=1)
+    with Engine(opts) as eng:
+        p = _prompts(eng, (20, 30))
+
+        def run(report: bool) -> tuple[dict[int, list[tuple[int, int, int, float]]], list[int]]:
+            eng.reset()
+            loop = BatchLoop(eng)
+            # sequence 1 holds the first 10 tokens of its prompt already
+            loop.add(Decoding(eng, 1, n_prompt=10, max_tokens=0), lambda step: None, prompt=p[1][:10])
+            while loop.busy:
+                loop.step()
+            seen: dict[int, list[tuple[int, int, int, float]]] = {0: [], 1: []}
+            tokens: list[int] = []
+            for seq, cached in ((0, 0), (1, 10)):
+                def progress(r, seq=seq) -> None:
+                    seen[seq].append((r.total, r.cache, r.processed, r.seconds))
+                loop.add(Decoding(eng, seq, n_prompt=len(p[seq]) - cached, max_tokens=3, stop=StopRules(eog=False)),
+                         lambda step: tokens.append(step.token), prompt=p[seq][cached:], cached=cached,
+                         on_progress=progress if report else None)
+            while loop.busy:
+                loop.step()
+            return seen, tokens
+
+        seen, tokens = run(True)
+        quiet, same = run(False)
+    # n_batch 16: sequence 0 takes 16 then 4 tokens; sequence 1 none, then 12, then its last 8
+    assert [r[:3] for r in seen[0]] == [(20, 0, 0), (20, 0, 16), (20, 0, 20)]
+    assert [r[:3] for r in seen[1]] == [(30, 10, 10), (30, 10, 22), (30, 10, 30)]
+    for reports in seen.values():
+        ms = [r[3] for r in reports]
+        assert ms[0] == 0.0 and ms == sorted(ms) and ms[-1] > 0
+    assert quiet == {0: [], 1: []} and tokens == same

@@ -92,7 +92,6 @@ CHAT = {"messages": [{"role": "user", "content": "hi there"}], "temperature": 0}
     ({"samplers": ["top_k", "temperature", "top_p"]}, "samplers"),  # not Spark's order
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"n": 3}, "n"),
-    ({"return_progress": True}, "return_progress"),
     ({"logit_bias": {"100": 5}}, "logit_bias"),  # past the vocabulary (checked by the engine thread)
 ])
 def test_unimplemented_fields_are_refused_by_name(extra, where):
@@ -213,6 +212,96 @@ def test_native_completion_shapes():
                            ({"prompt": "x", "n_probs": -1}, "n_probs")):
             r = tc.post("/completion", json=bad)
             assert r.status_code == 400 and r.json()["error"]["message"].startswith(where), r.text
+
+
+class _SmallBatch(_Engine):
+    """Two prompt tokens a step: a prompt of four words is evaluated in two chunks."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.n_batch = 2
+
+
+PROGRESS_ROUTES = {"/v1/chat/completions": CHAT, "/v1/completions": {"prompt": "hello there you all"},
+                   "/completion": {"prompt": "hello there you all"}}
+
+
+def _sse(tc, path: str, body: dict) -> list[dict]:
+    with tc.stream("POST", path, json=body) as s:
+        assert s.status_code == 200, s.read()
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def _progress(events: list[dict]) -> list[tuple[int, int, int]]:
+    return [(p["total"], p["cache"], p["processed"]) for e in events if (p := e.get("prompt_progress"))]
+
+
+@pytest.mark.parametrize("path", PROGRESS_ROUTES)
+def test_return_progress_reports_each_prompt_chunk(path):
+    """llama-server's return_progress: one report before any prompt token is evaluated (processed ==
+    cache), one after each n_batch chunk (the last: processed == total), all before the answer;
+    the second time the cached prefix counts as cache. Each endpoint's chunk shape."""
+    body = {**PROGRESS_ROUTES[path], "stream": True, "return_progress": True}
+    with fake_client(lambda: _SmallBatch(n_ctx=64)) as tc:
+        events = _sse(tc, path, body)
+        assert _progress(events) == [(4, 0, 0), (4, 0, 2), (4, 0, 4)]
+        again = _sse(tc, path, body)  # the slot holds the prompt: all but its last token are reused
+        assert _progress(again) == [(4, 3, 3), (4, 3, 4)]
+        plain = _sse(tc, path, {**body, "return_progress": False})
+    assert _progress(plain) == [] and _progress(events[:-1]) == _progress(events)  # not on the last
+    reports = [e for e in events if "prompt_progress" in e]
+    first_text = next(i for i, e in enumerate(events) if _content(e))
+    assert all(events.index(r) < first_text for r in reports)
+    assert all(isinstance(r["prompt_progress"]["time_ms"], int) and "timings" not in r for r in reports)
+    if path == "/v1/chat/completions":
+        assert all(r["object"] == "chat.completion.chunk" and r["choices"][0]["delta"] == {
+            "role": "assistant", "content": None} for r in reports)
+    elif path == "/v1/completions":
+        assert all(r["object"] == "text_completion" and r["choices"][0]["text"] == "" and
+                   r["choices"][0]["finish_reason"] is None for r in reports)
+    else:
+        assert all(r["content"] == "" and r["stop"] is False and r["tokens"] == [] and
+                   r["tokens_evaluated"] == 4 and r["tokens_predicted"] == 0 for r in reports)
+
+
+def _content(event: dict) -> str:
+    if "content" in event:
+        return event["content"]
+    choice = (event.get("choices") or [{}])[0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+@pytest.mark.parametrize("path", PROGRESS_ROUTES)
+def test_return_progress_timings_start_at_zero_and_never_go_back(path):
+    """With timings_per_token each report carries the prompt's timings so far: the first none
+    evaluated (prompt_n 0, prompt_ms 0.0), prompt_ms never decreasing, to the answer's."""
+    body = {**PROGRESS_ROUTES[path], "stream": True, "return_progress": True, "timings_per_token": True}
+    with fake_client(lambda: _SmallBatch(n_ctx=64)) as tc:
+        events = _sse(tc, path, body)
+    timed = [e["timings"] for e in events if "prompt_progress" in e]
+    assert [(t["cache_n"], t["prompt_n"], t["predicted_n"]) for t in timed] == [(0, 0, 0), (0, 2, 0), (0, 4, 0)]
+    assert timed[0]["prompt_ms"] == 0.0 and timed[0]["predicted_ms"] == 0.0
+    ms = [e["timings"]["prompt_ms"] for e in events if "timings" in e]
+    assert ms == sorted(ms) and ms[-1] > 0
+
+
+def test_return_progress_without_stream_is_ignored_as_llama_servers():
+    with fake_client(lambda: _SmallBatch(n_ctx=64)) as tc:
+        for path, body in PROGRESS_ROUTES.items():
+            r = tc.post(path, json={**body, "return_progress": True})
+            assert r.status_code == 200 and "prompt_progress" not in r.text, (path, r.text)
+
+
+def test_return_progress_through_the_openai_client():
+    """The official client reads a stream with progress chunks: the answer is whole, the reports
+    reach it as the chunks' extra field."""
+    with fake_client(lambda: _SmallBatch(n_ctx=64)) as tc:
+        c = openai.OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="none", http_client=tc, max_retries=0)
+        chunks = list(c.chat.completions.create(model="x", messages=CHAT["messages"], stream=True,
+                                                extra_body={"return_progress": True}))
+    reports = [ch.model_extra["prompt_progress"] for ch in chunks if "prompt_progress" in (ch.model_extra or {})]
+    assert [p["processed"] for p in reports] == [0, 2, 4]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "yes of course "
 
 
 # ---------------------------------------------------------------- the real server

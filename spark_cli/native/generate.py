@@ -273,12 +273,40 @@ class Decoding:
                               self.finish or "interrupted", stop_word=self.filt.matched)
 
 
+@dataclass(frozen=True)
+class PromptProgress:
+    """How far a sequence's prompt is evaluated (llama-server's `prompt_progress`): reported once
+    before any prompt token is evaluated (processed == cache) and after each chunk (the last:
+    processed == total)."""
+
+    total: int  # the whole prompt, the cached prefix included
+    cache: int  # the prefix reused from the KV cache (not evaluated)
+    processed: int  # cache + the tokens evaluated so far
+    seconds: float  # the prompt's evaluation so far (0.0 before its first chunk)
+
+    def to_dict(self) -> dict[str, int]:
+        """As llama-server writes it (time_ms: whole milliseconds)."""
+        return {"total": self.total, "cache": self.cache, "processed": self.processed,
+                "time_ms": int(self.seconds * 1e3)}
+
+
 @dataclass
 class _Active:
     dec: Decoding
     emit: Callable[[GenerationStep], None]
     pending: list[int]  # prompt tokens not evaluated yet
     token: int | None = None  # sampled, evaluated at the next step
+    on_progress: Callable[[PromptProgress], None] | None = None
+    cached: int = 0  # prompt tokens already in the sequence
+    total: int = 0  # cached + the prompt given
+
+    def report(self) -> None:
+        """The prompt's progress to on_progress (if any)."""
+        if self.on_progress is None:
+            return
+        done = self.total - len(self.pending)
+        seconds = time.perf_counter() - self.dec.t0 if done > self.cached else 0.0
+        self.on_progress(PromptProgress(self.total, self.cached, done, seconds))
 
 
 @dataclass(frozen=True)
@@ -295,7 +323,8 @@ class BatchLoop:
     llama_decode of the next token of every decoding sequence and, up to n_batch, chunks of the
     prompts still pending; then each sequence with an output samples its next token (Decoding).
     A sequence that ends emits its last step and leaves at once (its KV entries stay: the caller
-    owns them). Every token emitted has been evaluated; an end-of-generation or stop token never is."""
+    owns them). Every token emitted has been evaluated; an end-of-generation or stop token never is.
+    A sequence added with `on_progress` reports its prompt's PromptProgress after each chunk."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -306,13 +335,17 @@ class BatchLoop:
         return bool(self.active)
 
     def add(self, dec: Decoding, emit: Callable[[GenerationStep], None], prompt: Sequence[int] = (),
-            logits: np.ndarray | None = None) -> None:
+            logits: np.ndarray | None = None, *, cached: int = 0,
+            on_progress: Callable[[PromptProgress], None] | None = None) -> None:
         """Start sequence dec.seq: evaluate `prompt` (from its current position), then decode. An
-        empty prompt continues from `logits`, or else the context's last output row."""
+        empty prompt continues from `logits`, or else the context's last output row. `on_progress`
+        gets the prompt's PromptProgress now and after each chunk; `cached`: the tokens before
+        `prompt` already in the sequence (its cache)."""
         if dec.seq in self.active:
             raise ValueError(f"sequence {dec.seq} is already generating")
-        a = _Active(dec, emit, list(prompt))
+        a = _Active(dec, emit, list(prompt), on_progress=on_progress, cached=cached, total=cached + len(prompt))
         self.active[dec.seq] = a
+        a.report()
         if not a.pending:
             dec.prompt_done()
             self._next(a, logits, -1)
@@ -332,6 +365,7 @@ class BatchLoop:
         self.engine.decode(entries)  # NOTE: it evaluates all or nothing: the prompts move on after it
         for a, n in chunks:
             a.pending = a.pending[n:]
+            a.report()
         for i, (_, seq, out) in enumerate(entries):
             a = self.active.get(seq)
             if not out or a is None:

@@ -20,7 +20,7 @@ from .guard import Guard
 from .protocol import (SAMPLING_DEFAULTS, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest,
                        TokenizeRequest, parse, piece_json, sse, unavailable)
 from .stats import ServerStats
-from .worker import Text, Worker
+from .worker import Progress, Text, Worker
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -149,6 +149,9 @@ async def _native_stream(st: ServerState, run: Run, req: NativeCompletionRequest
                 yield sse(llama_api.piece_event(ev.text, run.prompt_tokens, ev.n_generated, ev.probs, run.slot,
                                                 list(ev.tokens),  # NOTE: always, as llama-server's pieces
                                                 ev.timings if req.timings_per_token else None))
+            elif isinstance(ev, Progress):
+                yield sse(llama_api.progress_event(ev.progress.to_dict(), run.prompt_tokens, run.slot,
+                                                   ev.timings if req.timings_per_token else None))
         yield sse(_native_final(st, run, req, ""))
     except ApiError as e:
         yield sse(e.body())

@@ -19,8 +19,10 @@ and `role: "tool"`, `tools`, `tool_choice`, `response_format`, `reasoning_format
    `text_completion`) or `run.chunks()` yields the OpenAI chunks (the role chunk, deltas of
    content / reasoning_content / tool_calls (a call whole, with its index, once complete), the
    finish chunk, and the usage chunk when asked); `logprobs` ride on the chunks of the tokens
-   they belong to, `timings` on the body and the last chunk. `run.events()` is the raw stream
-   (text pieces, then Done) that llama.cpp's /completion renders. All raise ApiError when the
+   they belong to, `timings` on the body and the last chunk; a stream with `return_progress`
+   first has chunks with `prompt_progress` (worker.Progress: a PromptProgress, its to_dict() the
+   JSON, for any route to render). `run.events()` is the raw stream (text pieces, then Done;
+   Progress before them when asked) that llama.cpp's /completion renders. All raise ApiError when the
    engine fails meanwhile and `ClientGone` when the client left (the job is cancelled).
 
 The OpenAI routes (app.py) and the Anthropic adapter (anthropic_routes.py) are two renderings
@@ -45,7 +47,7 @@ from ..core.tool_calls import HERMES, ToolFormat, format_for, param_types
 from ..native.grammar import GrammarError, json_schema_gbnf, tool_call_gbnf
 from ..runs.chat_session import Sampling
 from .protocol import FINISH, ApiError, ChatRequest, Envelope, GenerationRequest, Timings, TokenLogprob, Usage
-from .worker import Done, Event, Failed, Job, Started, Text, Worker
+from .worker import Done, Event, Failed, Job, Progress, Started, Text, Worker
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
 
@@ -257,8 +259,9 @@ class Run:
         """A chunk's: only when it completes tokens, as llama-server's."""
         return got if self.with_probs and got else None
 
-    async def events(self) -> AsyncIterator[Text | Done]:
-        """The raw stream: Text pieces (with their tokens' probabilities), then Done."""
+    async def events(self) -> AsyncIterator[Text | Progress | Done]:
+        """The raw stream: Text pieces (with their tokens' probabilities), then Done; Progress
+        before the first Text when the job asked for it (Job.progress)."""
         while True:
             ev = await self.feed.next()
             if isinstance(ev, Failed):
@@ -271,15 +274,15 @@ class Run:
                 self.probs += ev.probs or []
                 self.tokens += ev.tokens
                 self._timings_now = ev.timings
-            if isinstance(ev, (Text, Done)):
+            if isinstance(ev, (Text, Progress, Done)):
                 yield ev
             if isinstance(ev, Done):
                 return
 
-    async def _deltas(self) -> AsyncIterator[tuple[ChatDelta, list[TokenLogprob]] | Done]:
+    async def _deltas(self) -> AsyncIterator[tuple[ChatDelta, list[TokenLogprob]] | Progress | Done]:
         """A chat's parsed deltas, each with the probabilities of the tokens that made it (a
         text the parser holds back passes its tokens on), then its Done (finish_reason
-        `tool_calls` when it called)."""
+        `tool_calls` when it called); Progress events pass through."""
         assert self.parser is not None
         owed: list[TokenLogprob] = []
         async for ev in self.events():
@@ -288,6 +291,8 @@ class Run:
                 for d in self.parser.feed(ev.text):
                     yield d, owed
                     owed = []
+            elif isinstance(ev, Progress):
+                yield ev
             else:
                 for d in self.parser.finish():
                     yield d, owed
@@ -302,7 +307,7 @@ class Run:
             async for ev in self.events():
                 if isinstance(ev, Text):
                     parts.append(ev.text)
-                else:
+                elif isinstance(ev, Done):
                     return self.env.full("".join(parts), self.finish_reason or "stop", ev.usage,
                                          self._probs(self.probs), self.timings)
             raise AssertionError("the job ended without Done")
@@ -315,7 +320,8 @@ class Run:
         raise AssertionError("the job ended without Done")
 
     async def chunks(self, include_usage: bool = False) -> AsyncIterator[dict[str, Any]]:
-        """The stream; the last chunk (usage, else finish) carries `timings`, as llama-server's."""
+        """The stream; the last chunk (usage, else finish) carries `timings`, as llama-server's;
+        progress chunks (Envelope.progress_chunk) while the prompt is evaluated, when asked for."""
         events = self.events() if self.parser is None else self._deltas()
         if self.parser is not None:
             yield self.env.role_chunk()
@@ -325,6 +331,8 @@ class Run:
                 yield self.env.chunk(text=ev.text, probs=self._chunk_probs(ev.probs), timings=now)
             elif isinstance(ev, tuple):
                 yield _delta_chunk(self.env, ev[0], self._chunk_probs(ev[1]), now)
+            elif isinstance(ev, Progress):
+                yield self.env.progress_chunk(ev.progress.to_dict(), ev.timings if self.per_token_timings else None)
             else:
                 yield self.env.chunk(finish=self.finish_reason, timings=None if include_usage else self.timings)
                 if include_usage:
@@ -344,7 +352,7 @@ async def open_run(request: Request, req: GenerationRequest, worker: Worker, mod
     sampling = sampling_for(req, config.defaults, grammar)
     job = Job(feed.emit, sampling, chat=prepared,
               text=None if prepared else req.prompt, stops=req.stops, cancel=feed.cancel, count_only=count_only,
-              cache_prompt=req.cache_prompt)
+              cache_prompt=req.cache_prompt, progress=req.stream and req.return_progress)
     worker.submit(job)
     try:
         first = await feed.next()

@@ -3,11 +3,13 @@ framework, no llama_cpp; the route (app.py) runs it through the one boundary (ch
 
 In: `prompt` as text, token ids or a list of both, `{"prompt_string": ...}`, or several of these in
 a list without token ids (llama-server's rule: a batch, answered with a list of bodies); `n_predict`, `stream`, `cache_prompt`,
-`n_probs`, `return_tokens`, `timings_per_token` and the sampling fields the OpenAI endpoints take. Out: llama-server's bodies:
+`n_probs`, `return_tokens`, `timings_per_token`, `return_progress` and the sampling fields the OpenAI
+endpoints take. Out: llama-server's bodies:
 `content`, `tokens_predicted`, `tokens_evaluated`, `stop_type` (eos | word | limit | none),
 `stopping_word`, `generation_settings`, `timings`, `completion_probabilities` (n_probs > 0).
-Streamed: one `{"content", "stop": false, ...}` event per piece, then the final body with
-`stop: true` and empty content; no `[DONE]`, as llama-server's.
+Streamed: one `{"content", "stop": false, ...}` event per piece (with `return_progress`, empty
+pieces with `prompt_progress` first), then the final body with `stop: true` and empty content;
+no `[DONE]`, as llama-server's.
 """
 
 from __future__ import annotations
@@ -101,6 +103,13 @@ def piece_event(text: str, n_prompt: int, n_predicted: int, probs: list[TokenLog
     if probs:
         body["completion_probabilities"] = [p.to_dict() for p in probs]
     return body
+
+
+def progress_event(progress: dict[str, Any], n_prompt: int, id_slot: int = 0,
+                   timings: Timings | None = None) -> dict[str, Any]:
+    """A streamed event of the prompt's progress (return_progress): an empty piece with
+    `prompt_progress` (llama-server's also lists token 0 in `tokens`; this one none)."""
+    return {**piece_event("", n_prompt, 0, None, id_slot, [], timings), "prompt_progress": progress}
 
 
 def final_body(content: str, model: str, prompt: str, finish: str, stop_word: str | None, usage: Usage,

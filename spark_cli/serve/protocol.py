@@ -173,7 +173,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "min_keep": (0,), "n_indent": (0,), "n_cache_reuse": (0,), "post_sampling_probs": (False,),
     "return_tokens": (False,), "response_fields": ([],), "t_max_predict_ms": (0,),
     "id_slot": (-1, 0), "functions": (), "function_call": (), "audio": (), "prediction": (),
-    "web_search_options": (), "modalities": (["text"],), "return_progress": (False,),
+    "web_search_options": (), "modalities": (["text"],),
 }
 MAX_LOGIT_BIAS = 1024  # entries at most
 
@@ -270,6 +270,9 @@ class GenerationRequest(_Strict):
     grammar: str | None = Field(None, min_length=1)  # llama-server's: GBNF the output must match
     json_schema: dict | None = None  # llama-server's: JSON the output must match
     timings_per_token: bool = False  # llama-server's: every streamed chunk carries the timings so far
+    # llama-server's: a stream sends chunks with `prompt_progress` while the prompt is evaluated
+    # (without stream it asks for nothing, as llama-server's)
+    return_progress: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -676,6 +679,12 @@ class Envelope:
             return _timed({**self._base("chat.completion.chunk"), "choices": [choice], "usage": None}, timings)
         choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs_body(probs)}
         return _timed({**self._base("text_completion"), "choices": [choice], "usage": None}, timings)
+
+    def progress_chunk(self, progress: dict[str, Any], timings: Timings | None = None) -> dict[str, Any]:
+        """A stream chunk of the prompt's progress (llama-server's return_progress): a chat's is a
+        role chunk, a completion's an empty text; both carry `prompt_progress`."""
+        body = self.role_chunk() if self.chat else self.chunk(text="")
+        return _timed({**body, "prompt_progress": progress}, timings)
 
     def usage_chunk(self, usage: Usage, timings: Timings | None = None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

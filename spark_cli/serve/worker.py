@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..native.engine import KVFullError
-from ..native.generate import BatchLoop, Decoding, GenerationStep, StopRules, TokenProbs
+from ..native.generate import BatchLoop, Decoding, GenerationStep, PromptProgress, StopRules, TokenProbs
 from ..runs.chat_session import AnswerFigures, Sampling, make_sampler
 from ..errors import SparkError
 from .generation import ContextError, RequestPrompt
@@ -48,6 +48,15 @@ class Text:
 
 
 @dataclass
+class Progress:
+    """How far the prompt is evaluated (Job.progress): llama-server's prompt_progress, and the
+    timings so far (the prompt's: nothing generated yet)."""
+
+    progress: PromptProgress
+    timings: Timings
+
+
+@dataclass
 class Done:
     finish: str  # eog | stop | length | context | interrupted
     usage: Usage
@@ -60,14 +69,15 @@ class Failed:
     error: ApiError
 
 
-Event = Started | Text | Done | Failed
+Event = Started | Text | Progress | Done | Failed
 
 
 @dataclass
 class Job:
     """One request: a chat (serve/chat.PreparedChat: rendered with the model's template, tools
     included) or a completion (text), and where its events go; `count_only`: Started with the
-    prompt's tokens and text, then Done, nothing generated."""
+    prompt's tokens and text, then Done, nothing generated; `progress`: Progress events while the
+    prompt is evaluated (llama-server's return_progress)."""
 
     emit: Callable[[Event], None]
     sampling: Sampling
@@ -76,6 +86,7 @@ class Job:
     stops: list[str] = field(default_factory=list)
     count_only: bool = False
     cache_prompt: bool = True  # False: reuse nothing from the KV cache
+    progress: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -119,6 +130,10 @@ class _ProbsFeed:
             return None
         out, self.pending = self.pending, []
         return out
+
+
+def _progress(p: PromptProgress) -> Progress:
+    return Progress(p, Timings(p.cache, p.processed - p.cache, p.seconds))
 
 
 class Worker:
@@ -288,7 +303,8 @@ class Worker:
         slot.probs = _ProbsFeed(eng, job.sampling.n_probs is not None)
         job.emit(Started(len(toks), text, slot.id))
         self.stats.set_processing(sum(1 for s in self.slots if s.job is not None))
-        self._loop.add(dec, lambda step: self._on_step(slot, step), prompt=toks[kept:])
+        self._loop.add(dec, lambda step: self._on_step(slot, step), prompt=toks[kept:], cached=kept,
+                       on_progress=(lambda p: job.emit(_progress(p))) if job.progress else None)
 
     def _prompt(self, job: Job) -> tuple[list[int], str] | None:
         """The job's prompt tokens and text, or None once it has been answered (a 400, count_only)."""
