@@ -17,7 +17,7 @@ from test_serve import KEY
 from test_serve_parity import CHAT, _Engine
 
 from _serve_client import fake_client
-from spark_cli.serve.protocol import ApiError, ChatRequest, parse
+from spark_cli.serve.protocol import ApiError, parse
 from spark_cli.serve.responses import EventStream, ResponsesRequest, chat_request, to_chat
 from spark_cli.serve.vertex import Vertex, format_alias
 

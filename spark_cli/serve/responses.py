@@ -122,7 +122,7 @@ class ResponsesRequest(_Strict):
     @classmethod
     def _refused(cls, data: Any) -> Any:
         for name in STATEFUL:
-            if isinstance(data, dict) and data.get(name) is not None:
+            if isinstance(data, dict) and data.get(name):  # NOTE: "" or null asks for nothing
                 raise _bad(name, NO_STATE)
         _refuse_unsupported(data, REFUSED)
         if isinstance(data, dict) and "messages" in data:
