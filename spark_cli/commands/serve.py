@@ -89,6 +89,7 @@ def register(app: typer.Typer) -> None:
         from ..serve.learn import Learner
         from ..serve.server import bind, serve
         from ..serve.stats import ServerStats
+        from ..serve.vertex import Vertex
         from ..serve.worker import Worker
 
         import os
@@ -105,6 +106,11 @@ def register(app: typer.Typer) -> None:
         if reasoning_format not in REASONING_FORMATS:
             raise UsageError(f"--reasoning-format {reasoning_format}: expected one of {', '.join(REASONING_FORMATS)}")
         templates = chat_templates(template_file, jinja)
+        vertex = Vertex.from_env(os.environ)  # AIP_MODE=PREDICTION: Vertex AI's predict route, on AIP_HTTP_PORT
+        if vertex is not None and vertex.port != port:
+            err_console.print(f"[yellow]warning:[/] AIP_MODE=PREDICTION: serving on AIP_HTTP_PORT {vertex.port}, "
+                              f"not --port {port}", soft_wrap=True)
+            port = vertex.port
         hosts = tuple(h.strip() for h in (allowed_hosts or "").split(",") if h.strip())
         origins = tuple(o.strip() for o in (cors or "").split(",") if o.strip())
         if not api_key and not is_loopback(host):
@@ -137,7 +143,7 @@ def register(app: typer.Typer) -> None:
         state = ServerState(worker, stats, alias or path.name, api_key=api_key or None, host=host,
                             allowed_hosts=hosts, cors=origins, chat=chat, model_path=str(path),
                             placement=_placement(devices, plan, cached, budget_source, cpu_reason, miss_path),
-                            metrics=metrics_on, slots_endpoint=slots_on)
+                            metrics=metrics_on, slots_endpoint=slots_on, vertex=vertex)
         where = f"{devices[0].name}" if devices else f"CPU ({cpu_reason})"
         placement = (f"{len(cached)} cached MoE layers, plan {budget_source}" if plan is not None
                      else "stock CPU path")

@@ -17,13 +17,12 @@ _delta / _stop, message_delta, message_stop). Errors: `error_body`, `error_statu
 from __future__ import annotations
 
 import json
-import secrets
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from .protocol import MAX_STOP, _Strict
+from .protocol import MAX_STOP, _Strict, new_id
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -217,10 +216,6 @@ def matched_stop(stop_word: str | None, req: MessagesRequest) -> str | None:
 # ---------------------------------------------------------------- results
 
 
-def new_id(prefix: str = "msg_") -> str:
-    return prefix + secrets.token_hex(12)
-
-
 def tool_use_id(openai_id: str | None) -> str:
     """Anthropic's `toolu_` ids; the same OpenAI id maps to the same one (streamed or not)."""
     if not openai_id:
@@ -263,7 +258,7 @@ def to_message(body: dict[str, Any], stop_sequence: str | None = None, id: str |
         content.append({"type": "tool_use", "id": tool_use_id(call.get("id")), "name": fn.get("name", ""),
                         "input": tool_input(fn.get("arguments"))})
     usage = body.get("usage") or {}
-    return {"id": id or new_id(), "type": "message", "role": "assistant", "model": body.get("model", ""),
+    return {"id": id or new_id("msg_"), "type": "message", "role": "assistant", "model": body.get("model", ""),
             "content": content, "stop_reason": stop_reason(choice.get("finish_reason"), stop_sequence),
             "stop_sequence": stop_sequence,
             "usage": _usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))}
@@ -278,7 +273,7 @@ class EventStream:
 
     model: str
     input_tokens: int
-    id: str = field(default_factory=new_id)
+    id: str = field(default_factory=lambda: new_id("msg_"))
     finish: str | None = None
     output_tokens: int = 0
     _index: int = -1
@@ -334,11 +329,6 @@ class EventStream:
         delta = {"stop_reason": stop_reason(self.finish, stop_sequence), "stop_sequence": stop_sequence}
         return self._close() + [{"type": "message_delta", "delta": delta, "usage": {"output_tokens": self.output_tokens}},
                                 {"type": "message_stop"}]
-
-
-def event_sse(event: dict[str, Any]) -> bytes:
-    """One server-sent event, named by its type."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
 
 
 # ---------------------------------------------------------------- errors

@@ -12,10 +12,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .anthropic import (MESSAGES_PATH, CountRequest, EventStream, MessagesRequest, error_body, event_sse,
-                        matched_stop, to_chat, to_message)
-from .chat import ClientGone, Run, open_run, read_body
-from .protocol import ApiError, ChatRequest, parse
+from .anthropic import (MESSAGES_PATH, CountRequest, EventStream, MessagesRequest, error_body, matched_stop,
+                        to_chat, to_message)
+from .chat import ClientGone, Run, open_run, read_body, translated_stream
+from .protocol import ChatRequest, parse
 
 
 async def _open(request: Request, model: type[CountRequest]) -> tuple[CountRequest, Run]:
@@ -42,22 +42,10 @@ async def messages(request: Request) -> Response:
         run.close()  # NOTE: a no-op once the job is done; stops it if this handler ends early
 
 
-async def _events(run: Run, req: MessagesRequest) -> AsyncIterator[bytes]:
+def _events(run: Run, req: MessagesRequest) -> AsyncIterator[bytes]:
     stream = EventStream(run.env.model, run.prompt_tokens)
-    try:
-        for ev in stream.start():
-            yield event_sse(ev)
-        async for chunk in run.chunks(include_usage=True):
-            for ev in stream.feed(chunk):
-                yield event_sse(ev)
-        for ev in stream.end(matched_stop(run.stop_word, req)):
-            yield event_sse(ev)
-    except ApiError as e:
-        yield event_sse(error_body(e.status, e.message))
-    except ClientGone:
-        return
-    finally:
-        run.close()  # NOTE: a no-op once the job is done; stops it when the client went away
+    return translated_stream(run, stream.start(), stream.feed, lambda: stream.end(matched_stop(run.stop_word, req)),
+                             lambda e: error_body(e.status, e.message))
 
 
 async def count_tokens(request: Request) -> Response:

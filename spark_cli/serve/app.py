@@ -14,12 +14,14 @@ from starlette.routing import Route
 
 from . import anthropic, llama_api, metrics
 from .anthropic_routes import ROUTES as ANTHROPIC_ROUTES
+from .responses_routes import ROUTES as RESPONSES_ROUTES
 from .chat import ChatConfig, ClientGone, Run, open_run, read_body
 from .llama_api import NativeCompletionRequest
 from .guard import Guard
 from .protocol import (SAMPLING_DEFAULTS, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest,
                        TokenizeRequest, parse, piece_json, sse, unavailable)
 from .stats import ServerStats
+from .vertex import Vertex, routes as predict_routes
 from .worker import Progress, Text, Worker
 
 MAX_BODY_BYTES = 1 << 20
@@ -41,6 +43,7 @@ class ServerState:
     placement: dict[str, Any] = field(default_factory=dict)  # Spark's placement summary (/props)
     metrics: bool = True  # GET /metrics served (--no-metrics: 501, as llama-server without --metrics)
     slots_endpoint: bool = True  # GET /slots served (--no-slots: 501, as llama-server's)
+    vertex: Vertex | None = None  # Vertex AI's predict route (AIP_MODE=PREDICTION)
 
 
 def _error(e: ApiError, path: str = "") -> JSONResponse:
@@ -328,10 +331,15 @@ def create_app(state: ServerState) -> Any:
         Route("/props", props, methods=["GET"]),
         Route("/slots", slots, methods=["GET"]),
         *ANTHROPIC_ROUTES,
+        *RESPONSES_ROUTES,
     ]
+    if state.vertex is not None:
+        routes += predict_routes(state.vertex, routes, health)
     app = Starlette(routes=routes, exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error,
                                                        Exception: _on_crash})
     state.started = state.started or int(time.time())
     app.state.spark = state
     app.state.metrics = metrics.Metrics(state.stats)
-    return Guard(app, key=state.api_key, host=state.host, allowed_hosts=state.allowed_hosts, cors=state.cors)
+    public = ("/health", state.vertex.health_route if state.vertex is not None else "")
+    return Guard(app, key=state.api_key, host=state.host, allowed_hosts=state.allowed_hosts, cors=state.cors,
+                 public=tuple(p for p in public if p))

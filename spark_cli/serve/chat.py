@@ -37,7 +37,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -46,7 +46,8 @@ from ..core.chat_template import TemplateSet
 from ..core.tool_calls import HERMES, ToolFormat, format_for, param_types
 from ..native.grammar import GrammarError, json_schema_gbnf, tool_call_gbnf
 from ..runs.chat_session import Sampling
-from .protocol import FINISH, ApiError, ChatRequest, Envelope, GenerationRequest, Timings, TokenLogprob, Usage
+from .protocol import (FINISH, ApiError, ChatRequest, Envelope, GenerationRequest, Timings, TokenLogprob, Usage,
+                       event_sse)
 from .worker import Done, Event, Failed, Job, Progress, Started, Text, Worker
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
@@ -365,3 +366,28 @@ async def open_run(request: Request, req: GenerationRequest, worker: Worker, mod
     return Run(feed, Envelope(prepared is not None, req.model or model, config.fingerprint), first.prompt_tokens,
                first.prompt, prepared.parser(first.prompt) if prepared else None, req.n_probs is not None, sampling,
                first.slot, per_token_timings=req.timings_per_token)
+
+
+Events = Iterable[dict[str, Any]]
+
+
+async def translated_stream(run: Run, start: Events, feed: Callable[[dict[str, Any]], Events],
+                            end: Callable[[], Events], error: Callable[[ApiError], dict[str, Any]]
+                            ) -> AsyncIterator[bytes]:
+    """A chat stream in another API's events (Anthropic's, the Responses API's), as named
+    server-sent events: `start`, `feed(chunk)` for each of run.chunks(include_usage=True), `end()`;
+    `error(e)` when the run fails meanwhile. The job is stopped when the client goes away."""
+    try:
+        for ev in start:
+            yield event_sse(ev)
+        async for chunk in run.chunks(include_usage=True):
+            for ev in feed(chunk):
+                yield event_sse(ev)
+        for ev in end():
+            yield event_sse(ev)
+    except ApiError as e:
+        yield event_sse(error(e))
+    except ClientGone:
+        return
+    finally:
+        run.close()  # NOTE: a no-op once the job is done; stops it when the client went away

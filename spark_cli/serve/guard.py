@@ -4,7 +4,7 @@
    `--allowed-hosts` (a DNS-rebinding page sends its own name);
 2. a browser's cross-origin request (`Origin` of another site) is refused unless `--cors`
    allows that origin, whose preflight (OPTIONS) is answered here, before the key check;
-3. with a key, every path but /health needs `Authorization: Bearer KEY` (scheme in any case)
+3. with a key, every path but /health (and Vertex AI's AIP_HEALTH_ROUTE) needs `Authorization: Bearer KEY` (scheme in any case)
    or `x-api-key: KEY` (Anthropic's header).
 
 Under /v1/messages the refusals are in Anthropic's error shape.
@@ -62,8 +62,9 @@ def is_loopback(host: str) -> bool:
 
 class Guard:
     def __init__(self, app, *, key: str | None = None, host: str = "127.0.0.1",
-                 allowed_hosts: Iterable[str] = (), cors: Iterable[str] = ()):
+                 allowed_hosts: Iterable[str] = (), cors: Iterable[str] = (), public: Iterable[str] = ("/health",)):
         self.app = app
+        self.public = frozenset(public)  # the paths that need no key
         self.key = key.encode() if key else None
         self.hosts = {"localhost", host_name(host), *(host_name(h) for h in allowed_hosts if h)}
         self.any_host = "*" in self.hosts
@@ -110,7 +111,7 @@ class Guard:
                     (b"access-control-max-age", b"600"), (b"content-length", b"0")]})
                 await send({"type": "http.response.body", "body": b""})
                 return
-        if self.key is not None and scope["path"] != "/health" and not self._key_ok(headers):
+        if self.key is not None and scope["path"] not in self.public and not self._key_ok(headers):
             await _error(scope["path"], 401, "Invalid API Key", "authentication_error", cors_headers)(send)
             return
         if not cors_headers:

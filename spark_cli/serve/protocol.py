@@ -701,3 +701,13 @@ def sse(data: dict[str, Any] | str) -> bytes:
     """One server-sent event."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {payload}\n\n".encode()
+
+
+def event_sse(event: dict[str, Any]) -> bytes:
+    """One server-sent event named by its type (Anthropic's and the Responses API's streams)."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+
+
+def new_id(prefix: str) -> str:
+    """An object's id: its prefix (msg_, toolu_, resp_, ...) and 24 random hex digits."""
+    return prefix + secrets.token_hex(12)
