@@ -40,9 +40,11 @@ def fixed_bytes(g, n_ctx: int = DEFAULT_CTX, type_k: str = "f16", type_v: str = 
     return planner.fixed_bytes(g, n_ctx, type_k, type_v, 512)
 
 
-def floor_bytes(g) -> int:
-    """k slots and a guard per MoE layer, and the staging slices the default miss path holds."""
-    stage = planner.staging_bytes(g, planner.stage_slices(g.n_expert, g.n_expert_used, "auto"))
+def floor_bytes(g, stage: int | None = None) -> int:
+    """k slots and a guard per MoE layer, and the staging slices the default miss path holds
+    (stage: their count)."""
+    stage = planner.staging_bytes(g, planner.stage_slices(g.n_expert, g.n_expert_used, "auto") if stage is None
+                                  else stage)
     return stage + sum((g.n_expert_used + 1) * g.layers[i].expert_bytes_per_expert for i in g.moe_layers)
 
 
@@ -153,15 +155,15 @@ def test_skewed_profile_pins_exactly_the_hot_experts(spark, small_model, geo, tm
         decode[il, hot[0]], decode[il, hot[1]] = 60.0, 50.0
     RoutingProfile.empty(geo.identity()).add(None, decode, 0.0, 1000.0, "test").save(profile_path_for(model))
     bpe = geo.layers[geo.moe_layers[0]].expert_bytes_per_expert
-    budget = fixed_bytes(geo) + floor_bytes(geo) + len(hot) * len(geo.moe_layers) * bpe
-    rc, stdout, stderr = spark(model, "--vram", budget, "--json")
+    budget = fixed_bytes(geo) + floor_bytes(geo, stage=0) + len(hot) * len(geo.moe_layers) * bpe
+    rc, stdout, stderr = spark(model, "--vram", budget, "--json", "--miss-path", "cpu")  # the floor alone
     assert rc == 0, stderr
     p = planner.Plan.from_json(stdout)
     cached = [l for l in p.layers if l.mode == "cached"]
     assert len(cached) == len(geo.moe_layers)
     assert all(l.pinned == hot and l.lru_slots == geo.n_expert_used for l in cached)
     assert p.predicted_cold_hit == pytest.approx(6 / 116)
-    rc, stdout, _ = spark(model, "--vram", budget)
+    rc, stdout, _ = spark(model, "--vram", budget, "--miss-path", "cpu")
     assert f"profile {profile_path_for(model).name}" in stdout and "2 each: 5 2" in stdout
     assert "predicted cold-hit rate: 5.2%" in stdout
 

@@ -159,13 +159,12 @@ def test_hot_set_grows_with_budget(s) -> None:
 
 def test_floor_without_miss_ratio() -> None:
     g = make_geometry(n_layer=4, n_expert=16, k=4)
-    budget = fixed_bytes(g) + floor_bytes(g) + 25 * MiB
-    plan = make_plan(g, budget, 4096)
+    budget = fixed_bytes(g) + floor_bytes(g, stage=0) + 25 * MiB
+    plan = make_plan(g, budget, 4096, miss_path="cpu")  # no staging slices: the floor alone
     cached = [l for l in plan.layers if l.mode == "cached"]
     assert len(cached) == 3 and all(l.lru_slots == 4 for l in cached)
     assert sum(len(l.pinned) for l in cached) == 2  # 25 MiB left buys two 10 MiB pins
-    assert plan.breakdown["expert_banks"] == (3 * 5 + 2) * 10 * MiB + staging_bytes(g, plan.stage_slices)
-    assert plan.stage_slices == min(16, 4 * 4)  # STAGE_STEPS decode steps of k = 4 experts
+    assert plan.breakdown["expert_banks"] == (3 * 5 + 2) * 10 * MiB and plan.stage_slices == 0
 
 
 def test_pins_follow_profile_and_predict_cold_hit() -> None:
@@ -174,8 +173,8 @@ def test_pins_follow_profile_and_predict_cold_hit() -> None:
     counts[0] = [0, 50, 0, 30, 10, 5, 5, 0]
     counts[1] = [1, 1, 1, 1, 1, 1, 1, 93]
     counts[2] = [10] * 8
-    budget = fixed_bytes(g) + floor_bytes(g) + 3 * 10 * MiB
-    plan = make_plan(g, budget, 4096, counts)
+    budget = fixed_bytes(g) + floor_bytes(g, stage=0) + 3 * 10 * MiB
+    plan = make_plan(g, budget, 4096, counts, miss_path="cpu")  # no staging slices: the floor alone
     pins = {l.index: l.pinned for l in plan.layers}
     # gains per byte: layer1 e7 (.93), layer0 e1 (.5), layer0 e3 (.3); layer 2 is 1/8 each
     assert pins == {0: (1, 3), 1: (7,), 2: ()}
@@ -383,6 +382,24 @@ def test_staging_slices_per_expert_shape() -> None:
     assert make_plan(g, full_bytes(g), 4096).stage_slices == 0
     again = Plan.from_json(auto.to_json())
     assert again.stage_slices == 8 and again == auto
+
+
+def test_staging_slices_stop_at_the_most_misses_a_step_can_have() -> None:
+    """A step misses at most the experts outside a layer's slots: with 8 experts and at least 4
+    slots a layer, STAGE_STEPS * k = 8 slices would leave some never filled, so the plan holds
+    n_expert - (fewest slots) and spends the rest on slots and pins."""
+    g = make_geometry(n_layer=4, n_expert=8, k=2, dense=())
+    budget = fixed_bytes(g) + floor_bytes(g) + 25 * MiB
+    plan = make_plan(g, budget, 4096)
+    cached = [l for l in plan.layers if l.mode == "cached"]
+    assert cached and stage_slices(8, 2, "auto") == 8
+    assert plan.stage_slices == 8 - min(l.slots for l in cached) < 8
+    full = make_plan(g, budget, 4096, stage=8)  # the slices as many as STAGE_STEPS * k
+    assert full.stage_slices == 8 and full.breakdown["total"] <= budget
+    slots = lambda p: sum(l.slots for l in p.layers if l.mode == "cached")  # noqa: E731
+    assert slots(plan) > slots(full) or [l.mode for l in plan.layers].count("resident") > \
+        [l.mode for l in full.layers].count("resident")
+    assert plan.breakdown["total"] <= budget
 
 
 def test_parallel_sequences_are_priced_and_recorded() -> None:

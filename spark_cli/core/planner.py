@@ -652,7 +652,7 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
                max_slots_per_layer: int | None = None, n_ubatch: int = DEFAULT_UBATCH, *,
                miss_fn: MissFn | None = None, allow_pins: bool = True, policy: str = DEFAULT_POLICY,
                miss_path: str = "auto", compute_bytes: int | tuple[int, ...] | None = None, n_parallel: int = 1,
-               kv_unified: bool = False, split: Split | None = None) -> Plan:
+               kv_unified: bool = False, split: Split | None = None, stage: int | None = None) -> Plan:
     """The greedy for `budget_bytes` of device memory (see the module docstring); plan_for's.
 
     profile_counts: [n_layer, n_expert] decode routing counts; None = uniform prior.
@@ -680,7 +680,8 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
     counts = _checked_counts(g, profile_counts)
     states = _layer_states(g, moe, counts, max_slots_per_layer, miss_fn, allow_pins)
     dev_states = [{l.index: states[l.index] for l in on[d]} for d in range(n_dev)]
-    stage = stage_slices(g.n_expert, g.n_expert_used, miss_path)
+    trim = stage is None  # the default count is trimmed below; a given one is kept
+    stage = stage_slices(g.n_expert, g.n_expert_used, miss_path) if stage is None else stage
     # NOTE: the staging slices are part of the cache floor: a device that caches a layer holds them
     # (the native cache gives every device's arena of a shape the same n_stage slices)
     staged = [staging_bytes(g, stage, on[d]) for d in range(n_dev)]
@@ -706,6 +707,12 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
                   for d in range(n_dev)]
     if not any(cached_on):
         stage = 0  # every layer became resident
+    need = _stage_needed(g, layers)
+    if trim and 0 < need < stage:  # NOTE: fewer slices buy slots: the next plan needs at most as many
+        return _make_plan(geometry, budget_bytes, n_ctx, profile_counts, type_k, type_v, max_slots_per_layer,
+                          n_ubatch, miss_fn=miss_fn, allow_pins=allow_pins, policy=policy, miss_path=miss_path,
+                          compute_bytes=compute_bytes, n_parallel=n_parallel, kv_unified=kv_unified, split=split,
+                          stage=need)
     devs = []
     for d in range(n_dev):
         bd = {"weights_global": fixed[d]["weights_global"],
@@ -727,6 +734,12 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
                 + stock_overrides(l.index for l in layers if l.mode == "host"),
                 devices=tuple(devs), tensor_split=sp.tensor_split if n_dev > 1 else (), split_mode=sp.mode,
                 main_gpu=sp.main_gpu, output_device=ldev[g.n_layer])
+
+
+def _stage_needed(g: ModelGeometry, layers) -> int:
+    """The most misses a step can have in a cached layer (its experts outside its slots): staging
+    slices beyond that are never filled (0: no cached layer)."""
+    return max((g.n_expert - l.slots for l in layers if l.mode == "cached"), default=0)
 
 
 def _check_fixed_fits(fixed: dict[str, int], budget_bytes: int, n_ctx: int, all_bias: int,
