@@ -106,7 +106,8 @@ def replay_path(miss_path: str) -> str:
 
 def stage_slices(n_expert: int, k: int, miss_path: str) -> int:
     """Staging slices per expert shape on the paths that stage misses (auto: by cost in every
-    step; upload: steps too large for the slots); none on the cpu path and the per-layer rule."""
+    step; upload: steps too large for the slots); none on the cpu path and the per-layer rule.
+    A plan holds at most n_expert - (fewest slots of a cached layer): no step misses more."""
     return 0 if miss_path in ("cpu", "layer") else min(n_expert, STAGE_STEPS * k)
 
 
