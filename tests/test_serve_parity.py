@@ -411,6 +411,17 @@ def test_post_sampling_probs_leave_the_tokens(server):
 
 
 @pytest.mark.model
+def test_n_choices_are_their_seeds_answers(server):
+    """n = 3 on one slot: choice j is the answer the seed + j gets alone (llama-server's child tasks)."""
+    hot = {"prompt": STORY, "max_tokens": 6, "temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+           "ignore_eos": True}
+    three = _complete(server, n=3, seed=21, **hot)
+    alone = [_text(server, seed=21 + j, **hot) for j in range(3)]
+    assert [c["text"] for c in three["choices"]] == alone and len(set(alone)) > 1
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2] and three["usage"]["completion_tokens"] == 18
+
+
+@pytest.mark.model
 def test_tokenize_detokenize_props(server):
     with server.http() as h:
         text = "Hello world, 1 2 3"
