@@ -117,8 +117,8 @@ def final_body(content: str, model: str, prompt: str, finish: str, stop_word: st
                probs: list[TokenLogprob] | None, id_slot: int = 0, tokens: list[int] | None = None,
                index: int = 0) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "index": index, "content": content, "tokens": list(tokens or []), "id_slot": id_slot, "stop": True, "model": model,
-        "tokens_predicted": usage.completion_tokens, "tokens_evaluated": usage.prompt_tokens,
+        "index": index, "content": content, "tokens": list(tokens or []), "id_slot": id_slot, "stop": True,
+        "model": model, "tokens_predicted": usage.completion_tokens, "tokens_evaluated": usage.prompt_tokens,
         "generation_settings": generation, "prompt": prompt, "has_new_line": "\n" in content,
         "truncated": finish == "context",  # the context filled up (llama-server's, without context shift)
         "stop_type": STOP_TYPE[finish], "stopping_word": stop_word or "",
