@@ -43,6 +43,8 @@ def test_shim_maps_llama_servers_flags():
                    "64", "--no-jinja", "--metrics", "-kvu", "--api-key", "k", "--ubatch-size", "16", "--threads",
                    "1", "--reasoning-format", "none"]
     assert shim.translate(["-m", "x.gguf", "--cors-origins", "http://a"])[0] == ["--cors", "http://a"]
+    assert shim.translate(["-m", "x.gguf", "-v"])[0] == shim.translate(["-m", "x.gguf", "--verbose"])[0] == [
+        "--verbose"]
     assert not shim.translate(["--port", "1"])[1]  # no model: router mode
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -91,7 +92,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi there"}], "temperature": 0}
     ({"top_n_sigma": 1.0}, "top_n_sigma"),
     ({"samplers": ["top_k", "temperature", "top_p"]}, "samplers"),  # not Spark's order
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"n": 3}, "n"),
+    ({"n": 3}, "n"),  # more choices than the queue holds (2)
     ({"logit_bias": {"100": 5}}, "logit_bias"),  # past the vocabulary (checked by the engine thread)
 ])
 def test_unimplemented_fields_are_refused_by_name(extra, where):
@@ -475,6 +476,41 @@ def test_native_completion(server):
 
 
 @pytest.mark.model
+def test_post_sampling_probs_leave_the_tokens(server):
+    """post_sampling_probs samples through the same chain, step for step: the same seed draws the
+    same tokens with them, with the raw logprobs or with neither; each token's top is the chain's
+    candidates, probability above 0, at most n_probs, summing to 1 when fewer."""
+    hot = {"prompt": STORY, "n_predict": 12, "temperature": 1.0, "seed": 5, "return_tokens": True,
+           "repeat_penalty": 1.3}
+    with server.http() as h:
+        plain = h.post("/completion", json=hot).json()
+        raw = h.post("/completion", json={**hot, "n_probs": 3}).json()
+        post = h.post("/completion", json={**hot, "n_probs": 5, "post_sampling_probs": True}).json()
+        greedy = h.post("/completion", json={**hot, "temperature": 0, "n_probs": 5, "post_sampling_probs": True}).json()
+    assert post["tokens"] == raw["tokens"] == plain["tokens"] and len(set(plain["tokens"])) > 1
+    probs = post["completion_probabilities"]
+    assert [p["id"] for p in probs] == post["tokens"]
+    for p in probs:
+        tops = [t["prob"] for t in p["top_probs"]]
+        assert 0 < p["prob"] <= 1 and 0 < len(tops) <= 5 and all(0 < q <= 1 for q in tops)
+        assert tops == sorted(tops, reverse=True) and (len(tops) == 5 or sum(tops) == pytest.approx(1.0, abs=1e-5))
+        assert p["prob"] in tops or p["prob"] <= tops[-1]
+    assert all([(t["id"], t["prob"]) for t in p["top_probs"]] == [(p["id"], 1.0)] and p["prob"] == 1.0
+               for p in greedy["completion_probabilities"])
+
+
+@pytest.mark.model
+def test_n_choices_are_their_seeds_answers(server):
+    """n = 3 on one slot: choice j is the answer the seed + j gets alone (llama-server's child tasks)."""
+    hot = {"prompt": STORY, "max_tokens": 6, "temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+           "ignore_eos": True}
+    three = _complete(server, n=3, seed=21, **hot)
+    alone = [_text(server, seed=21 + j, **hot) for j in range(3)]
+    assert [c["text"] for c in three["choices"]] == alone and len(set(alone)) > 1
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2] and three["usage"]["completion_tokens"] == 18
+
+
+@pytest.mark.model
 def test_tokenize_detokenize_props(server):
     with server.http() as h:
         text = "Hello world, 1 2 3"
@@ -679,3 +715,165 @@ def test_chat_input_tokens():
             r = tc.post(path, json=CHAT)
             assert r.status_code == 200 and r.json() == {"input_tokens": answer["usage"]["prompt_tokens"]}
         assert tc.post("/v1/chat/completions/input_tokens", json={"messages": []}).status_code == 400
+
+
+# ---------------------------------------------------------------- post_sampling_probs, response_fields, verbose, n
+
+
+def _chain(lc, temp: float, top_k: int = 0, seed: int = 3):
+    from spark_cli.native.generate import NativeSampler
+
+    chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+    if temp <= 0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+        return NativeSampler(lc, chain, greedy=True)
+    if top_k:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(top_k))
+    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(temp))
+    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
+    return NativeSampler(lc, chain)
+
+
+def test_post_sampling_probs_are_the_chains():
+    """llama.cpp's own chain on given logits: the candidates it left, by the probability it gave
+    them, none of probability 0, at most n; greedy: the token with probability 1 (llama-server's
+    temperature 0); the same seed draws the same tokens with or without the probabilities."""
+    lc = pytest.importorskip("llama_cpp.llama_cpp")
+    logits = np.random.default_rng(0).normal(size=500).astype(np.float32)
+    tok, p = _chain(lc, 1.0).sample_post(None, logits, n=10)
+    assert p.post and p.token == tok and len(p.top) == 10 and all(q > 0 for _, q in p.top)
+    assert [q for _, q in p.top] == sorted((q for _, q in p.top), reverse=True)
+    soft = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()  # temperature 1, no cut
+    assert p.prob == pytest.approx(soft[tok], rel=1e-4) and p.top[0][0] == int(np.argmax(logits))
+    few = _chain(lc, 1.0, top_k=3).sample_post(None, logits, n=10)[1]
+    assert len(few.top) == 3 and sum(q for _, q in few.top) == pytest.approx(1.0)  # fewer: they sum to 1
+    assert {t for t, _ in few.top} == set(np.argsort(-logits)[:3].tolist())
+    assert _chain(lc, 0).sample_post(None, logits, n=5)[1].top == ((int(np.argmax(logits)), 1.0),)
+    a, b = _chain(lc, 1.5, seed=9), _chain(lc, 1.5, seed=9)
+    drawn = [a.sample_post(None, logits, n=2)[0] for _ in range(20)]
+    assert drawn == [b.sample_post(None, logits, n=0)[0] for _ in range(20)] and len(set(drawn)) > 1
+
+
+class _Seeded(_Engine):
+    """Its reply names the seed it was sampled with; post-sampling probabilities as a chain gives them."""
+
+    def __init__(self, n_ctx: int, n_seq: int = 1):
+        super().__init__(n_ctx, n_seq)
+        self.seeds: list[int] = []
+
+    def make_sampler(self, *args, **kw):
+        seed = args[3]
+        self.seeds.append(seed)
+        reply = [self._id(w) for w in ("yes", f"s{seed}")] + [self.EOG]
+
+        def sample(engine, logits, row=-1):
+            return reply.pop(0)
+
+        def sample_post(engine, logits, row=-1, n=0):
+            tok = sample(engine, logits, row)
+            return tok, TokenProbs(tok, 0.75, ((tok, 0.75), (self._id("no"), 0.25))[:n], post=True)
+
+        return SimpleNamespace(sample=sample, sample_post=sample_post, prime=lambda prompt: None, close=lambda: None)
+
+
+def test_post_sampling_probs_are_written_as_probs():
+    """post_sampling_probs: `prob` and `top_probs` where logprob and top_logprobs were, on
+    /completion, its stream and the chat's logprobs; generation_settings says it."""
+    with fake_client(lambda: _Seeded(n_ctx=64)) as tc:
+        body = tc.post("/completion", json={"prompt": "hi", "n_probs": 2, "post_sampling_probs": True,
+                                            "seed": 4}).json()
+        first = body["completion_probabilities"][0]
+        assert first["token"] == "yes " and first["prob"] == 0.75 and "logprob" not in first
+        assert [(t["token"], t["prob"]) for t in first["top_probs"]] == [("yes ", 0.75), ("no ", 0.25)]
+        assert "top_logprobs" not in first and body["generation_settings"]["post_sampling_probs"] is True
+        streamed = _events(tc, "/completion", {"prompt": "hi", "n_probs": 1, "post_sampling_probs": True})
+        assert [len(e["completion_probabilities"][0]["top_probs"]) for e in streamed[:-1]] == [1, 1]
+        chat = tc.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 1,
+                                                     "post_sampling_probs": True}).json()
+        content = chat["choices"][0]["logprobs"]["content"]
+        assert [(t["prob"], len(t["top_probs"])) for t in content] == [(0.75, 1), (0.75, 1)]
+        # without n_probs it asks for nothing
+        assert "completion_probabilities" not in tc.post("/completion", json={"prompt": "hi",
+                                                                             "post_sampling_probs": True}).json()
+
+
+def test_response_fields_keep_the_named_values():
+    """llama-server's response_fields: only those fields of /completion's final body, a nested one
+    under its whole path; a path that names nothing is left out."""
+    from spark_cli.serve.llama_api import picked
+
+    assert picked({"a": {"b": 1}, "c": 2}, ["a/b", "c", "a/x", "c/d"]) == {"a/b": 1, "c": 2}
+    assert picked({"a": 1}, []) == {"a": 1}
+    fields = ["content", "generation_settings/n_predict", "prompt", "no/such"]
+    with _client() as tc:
+        body = tc.post("/completion", json={"prompt": "hello there", "n_predict": 5, "response_fields": fields}).json()
+        assert body == {"content": "yes of course ", "generation_settings/n_predict": 5, "prompt": "hello there"}
+        last = _events(tc, "/completion", {"prompt": "hello", "response_fields": ["stop", "tokens_predicted"]})[-1]
+        assert last == {"stop": True, "tokens_predicted": 3}
+        batch = tc.post("/completion", json={"prompt": ["a", "b"], "response_fields": ["index"]}).json()
+        assert batch == [{"index": 0}, {"index": 1}]
+        r = tc.post("/completion", json={"prompt": "hi", "response_fields": "content"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_fields"
+
+
+def test_verbose_echoes_the_native_body():
+    """verbose: `__verbose` is llama-server's /completion body of the answer (the prompt as
+    rendered, the text as generated); --verbose makes it the default, a request's false wins."""
+    from spark_cli.serve.chat import ChatConfig, Defaults
+
+    with _client() as tc:
+        body = tc.post("/v1/chat/completions", json={**CHAT, "verbose": True}).json()
+        v = body["__verbose"]
+        assert v["prompt"] == "<user> hi there <assistant>" and v["content"] == "yes of course "
+        assert v["stop"] is True and v["tokens_predicted"] == body["usage"]["completion_tokens"] == 3
+        assert v["generation_settings"]["temperature"] == 0 and v["stop_type"] == "eos"
+        assert "__verbose" not in tc.post("/v1/chat/completions", json=CHAT).json()
+        done = [e for e in _events(tc, "/v1/completions", {"prompt": "hello", "verbose": True})
+                if e["choices"] and e["choices"][0]["finish_reason"]]
+        assert len(done) == 1 and done[0]["__verbose"]["content"] == "" and done[0]["__verbose"]["prompt"] == "hello"
+        picked_only = tc.post("/v1/completions", json={"prompt": "hi", "verbose": True,
+                                                       "response_fields": ["content"]}).json()
+        assert picked_only["__verbose"] == {"content": "yes of course "} and picked_only["choices"][0]["text"]
+    with _client(chat=ChatConfig(defaults=Defaults(temp=0, verbose=True))) as tc:
+        assert "prompt" in tc.post("/v1/chat/completions", json=CHAT).json()["__verbose"]
+        assert "__verbose" not in tc.post("/v1/chat/completions", json={**CHAT, "verbose": False}).json()
+        events = _events(tc, "/v1/chat/completions", CHAT)
+        assert [("__verbose" in e) for e in events] == [False] * (len(events) - 1) + [True]
+
+
+@pytest.mark.parametrize("n_seq", [1, 2])
+def test_n_choices(n_seq):
+    """n > 1 (llama-server's n_cmpl): choice j samples with the seed + j, on any free slot or after
+    the first on the same one; one body with every choice by index, the prompt counted once and
+    every completion's tokens; streamed, each choice's chunks carry its index and one usage chunk
+    counts them all. The official client reads both."""
+    eng: list[_Seeded] = []
+
+    def make() -> _Seeded:
+        eng.append(_Seeded(n_ctx=64, n_seq=n_seq))
+        return eng[0]
+
+    with fake_client(make) as tc:
+        client = openai.OpenAI(api_key="x", base_url="http://127.0.0.1:8080/v1", http_client=tc)
+        r = client.chat.completions.create(model="m", messages=CHAT["messages"], n=2, seed=10, max_tokens=8)
+        assert [(c.index, c.message.content, c.finish_reason) for c in r.choices] == [
+            (0, "yes s10 ", "stop"), (1, "yes s11 ", "stop")]
+        one = tc.post("/v1/chat/completions", json={**CHAT, "seed": 10}).json()["usage"]
+        assert r.usage.prompt_tokens == one["prompt_tokens"] and r.usage.completion_tokens == 2 * 2
+        assert eng[0].seeds == [10, 11, 10]
+        comp = tc.post("/v1/completions", json={"prompt": "hi", "n_cmpl": 2, "seed": 3, "verbose": True}).json()
+        assert [c["text"] for c in comp["choices"]] == ["yes s3 ", "yes s4 "]
+        assert comp["__verbose"]["content"] == "yes s3 "
+        stream = client.chat.completions.create(model="m", messages=CHAT["messages"], n=2, seed=5, stream=True,
+                                                stream_options={"include_usage": True})
+        chunks = list(stream)
+        text = {0: "", 1: ""}
+        for ch in chunks[:-1]:
+            (c,) = ch.choices
+            text[c.index] += c.delta.content or ""
+        assert text == {0: "yes s5 ", 1: "yes s6 "}
+        assert [ch.choices[0].index for ch in chunks[:-1] if ch.choices[0].finish_reason] in ([0, 1], [1, 0])
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+        assert len({ch.id for ch in chunks}) == 1
+        r = tc.post("/completion", json={"prompt": "hi", "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"

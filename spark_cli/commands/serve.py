@@ -75,6 +75,9 @@ def register(app: typer.Typer) -> None:
         metrics_on: bool = typer.Option(True, "--metrics/--no-metrics", help="serve GET /metrics (llama-server "
                                         "serves it only with --metrics; Spark by default)"),
         slots_on: bool = typer.Option(True, "--slots/--no-slots", help="serve GET /slots (as llama-server's)"),
+        verbose: bool = typer.Option(False, "--verbose", help="every OpenAI answer carries __verbose, llama-server's "
+                                     "/completion body of it (the rendered prompt, the raw text; a request's "
+                                     "verbose: false leaves it out), as llama-server --verbose"),
         flags: LoadFlags = None,
     ) -> None:
         """Serve the model over HTTP with OpenAI's API, as llama-server does."""
@@ -139,7 +142,7 @@ def register(app: typer.Typer) -> None:
                                             on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True)),
                         cached, stats, learner, max_queue=max_queue)
         chat = ChatConfig.for_model(templates if templates is not None else TemplateSet(dict(geometry.chat_templates)),
-                                    geometry.arch, reasoning_format, defaults=Defaults(temp, seed, n_predict))
+                                    geometry.arch, reasoning_format, defaults=Defaults(temp, seed, n_predict, verbose))
         state = ServerState(worker, stats, alias or path.name, api_key=api_key or None, host=host,
                             allowed_hosts=hosts, cors=origins, chat=chat, model_path=str(path),
                             placement=_placement(devices, plan, cached, budget_source, cpu_reason, miss_path),

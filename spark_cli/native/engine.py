@@ -568,7 +568,7 @@ class Engine:
             lc.llama_sampler_chain_add(chain, penalties)
         if temp <= 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
-            return NativeSampler(lc, chain, penalties, last_n)
+            return NativeSampler(lc, chain, penalties, last_n, greedy=True)
         if top_k > 0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(top_k))
         if typical_p < 1.0:

@@ -10,6 +10,7 @@ yielded tokens; an end-of-generation or stop token is never evaluated.
 from __future__ import annotations
 
 import codecs
+import ctypes
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Protocol, Sequence
@@ -29,12 +30,17 @@ class Sampler(Protocol):
         """Take `prompt` as the history that penalties look back on (samplers without any: nothing)."""
 
 
+# llama.cpp's llama_token_data, as a numpy record (the candidate array a sampler chain works on)
+TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
 class NativeSampler:
     """A llama.cpp sampler chain (Engine.make_sampler); reads the context's last logits row.
-    `penalties`: the chain's penalties sampler (None: none), whose history `prime` sets."""
+    `penalties`: the chain's penalties sampler (None: none), whose history `prime` sets;
+    `greedy`: the chain ends in llama.cpp's greedy sampler (temperature 0)."""
 
-    def __init__(self, lc, chain, penalties=None, window: int = 0):
-        self.lc, self.chain, self.penalties, self.window = lc, chain, penalties, window
+    def __init__(self, lc, chain, penalties=None, window: int = 0, greedy: bool = False):
+        self.lc, self.chain, self.penalties, self.window, self.greedy = lc, chain, penalties, window, greedy
 
     def prime(self, prompt: Sequence[int]) -> None:
         """Make the prompt's last tokens the penalties' history, as llama-server does (the
@@ -47,6 +53,25 @@ class NativeSampler:
 
     def sample(self, engine, logits: np.ndarray | None, row: int = -1) -> int:
         return int(self.lc.llama_sampler_sample(self.chain, engine.ctx, row))
+
+    def sample_post(self, engine, logits: np.ndarray | None, row: int = -1, n: int = 0) -> tuple[int, TokenProbs]:
+        """What `sample` does, step for step (llama_sampler_sample: every token's logit in id order,
+        the chain applied, its selected token accepted), so the same token, and the probabilities
+        the chain left on its candidates (llama-server's post_sampling_probs). A greedy chain sets
+        none: its token has probability 1, as llama-server's temperature 0 reports it."""
+        lc = self.lc
+        z = engine.logits_row(row) if logits is None else logits
+        cur = np.zeros(len(z), dtype=TOKEN_DATA)
+        cur["id"], cur["logit"] = np.arange(len(z), dtype=np.int32), z
+        arr = lc.llama_token_data_array(cur.ctypes.data_as(lc.llama_token_data_p), len(z), -1, False)
+        lc.llama_sampler_apply(self.chain, ctypes.byref(arr))
+        if not 0 <= arr.selected < arr.size:
+            raise RuntimeError(f"the sampler chain selected no token (selected {arr.selected} of {arr.size})")
+        kept = cur[:arr.size]
+        tok = int(kept["id"][arr.selected])
+        lc.llama_sampler_accept(self.chain, tok)
+        p = (kept["id"] == tok).astype(np.float32) if self.greedy else kept["p"]
+        return tok, TokenProbs.after(kept["id"], p, tok, n)
 
     def close(self) -> None:
         if self.chain is not None:
@@ -142,11 +167,14 @@ class GenerationStep(Rates):
 @dataclass(frozen=True)
 class TokenProbs:
     """A sampled token's probability and the n most probable of the distribution it was drawn
-    from: the softmax of the raw logits (llama-server's, before any sampler), as (token, prob)."""
+    from, as (token, prob): the softmax of the raw logits (llama-server's, before any sampler;
+    `of`), or with `post` the candidates the sampler chain left, by the probabilities it gave them
+    (llama-server's post_sampling_probs; `after`)."""
 
     token: int
     prob: float
     top: tuple[tuple[int, float], ...]
+    post: bool = False
 
     @classmethod
     def of(cls, logits: np.ndarray, token: int, n: int) -> "TokenProbs":
@@ -157,6 +185,15 @@ class TokenProbs:
         best = np.argpartition(-p, n - 1)[:n] if n else np.zeros(0, dtype=np.int64)
         best = best[np.argsort(-p[best], kind="stable")]
         return cls(int(token), float(p[token]), tuple((int(t), float(p[t])) for t in best))
+
+    @classmethod
+    def after(cls, ids: np.ndarray, p: np.ndarray, token: int, n: int) -> "TokenProbs":
+        """From a chain's candidates (`ids`, their probabilities `p`): the sampled token's, and the
+        n most probable of those with a probability above 0 (llama-server drops the zeros)."""
+        order = np.argsort(-p, kind="stable")[:max(n, 0)]
+        mine = p[ids == token]
+        return cls(int(token), float(mine[0]) if len(mine) else 1.0,
+                   tuple((int(ids[i]), float(p[i])) for i in order if p[i] > 0), post=True)
 
 
 class StopFilter:
@@ -211,11 +248,13 @@ class Decoding:
 
     def __init__(self, engine, seq: int = 0, *, n_prompt: int, sampler: Sampler | None = None,
                  max_tokens: int = -1, stop: StopRules = StopRules(), should_stop: Callable[[], bool] | None = None,
-                 keep_logits: bool = False, special: bool = False, n_probs: int | None = None):
+                 keep_logits: bool = False, special: bool = False, n_probs: int | None = None,
+                 post_sampling: bool = False):
         self.engine, self.seq = engine, seq
         self.sampler = sampler or Greedy()
         self.max_tokens, self.stop, self.should_stop = max_tokens, stop, should_stop
         self.keep_logits, self.special, self.n_probs = keep_logits, special, n_probs
+        self.post_sampling = post_sampling and n_probs is not None  # the probabilities after the sampler chain
         self.n_prompt, self.n = n_prompt, 0
         self.filt = StopFilter(stop.strings)
         self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -243,9 +282,7 @@ class Decoding:
         elif eng.seq_pos(self.seq) >= eng.n_ctx:
             self.finish = "context"
         else:
-            tok = self.sampler.sample(eng, logits, row)
-            if self.n_probs is not None:
-                self._probs = TokenProbs.of(eng.logits_row(row) if logits is None else logits, tok, self.n_probs)
+            tok = self._sample(logits, row)
             if self.stop.eog and eng.is_eog(tok):
                 self.finish = "eog"
             elif tok in self.stop.token_ids:
@@ -253,6 +290,17 @@ class Decoding:
             else:
                 return tok
         return None
+
+    def _sample(self, logits: np.ndarray | None, row: int) -> int:
+        """The sampler's token; with n_probs, its probabilities (raw, or after the chain) kept for its step."""
+        eng = self.engine
+        if self.post_sampling:
+            tok, self._probs = self.sampler.sample_post(eng, logits, row, self.n_probs)
+            return tok
+        tok = self.sampler.sample(eng, logits, row)
+        if self.n_probs is not None:
+            self._probs = TokenProbs.of(eng.logits_row(row) if logits is None else logits, tok, self.n_probs)
+        return tok
 
     def evaluated(self, tok: int, row: int) -> GenerationStep:
         """The step of `tok`, now in the KV cache; its logits are output row `row`."""

@@ -39,6 +39,7 @@ class Sampling:
     typical_p: float = 1.0  # 1.0: off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias added to its logit)
     n_probs: int | None = None  # each token's probability and the top n_probs (GenerationStep.probs)
+    post_sampling_probs: bool = False  # those probabilities after the sampler chain, not of the raw logits
     ban_eog: bool = False  # never sample an end-of-generation token (ignore_eos)
 
 

@@ -15,11 +15,11 @@ from starlette.routing import Route
 from . import anthropic, llama_api, metrics
 from .anthropic_routes import ROUTES as ANTHROPIC_ROUTES
 from .responses_routes import ROUTES as RESPONSES_ROUTES
-from .chat import ChatConfig, ClientGone, Run, open_run, read_body
+from .chat import ChatConfig, Choices, ClientGone, Run, open_choices, open_run, read_body
 from .llama_api import NativeCompletionRequest
 from .guard import Guard
 from .protocol import (SAMPLING_DEFAULTS, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest,
-                       TokenizeRequest, parse, piece_json, sse, unavailable)
+                       GenerationRequest, TokenizeRequest, parse, piece_json, sse, unavailable)
 from .stats import ServerStats
 from .vertex import Vertex, routes as predict_routes
 from .worker import Progress, Text, Worker
@@ -58,23 +58,30 @@ async def _generate(request: Request, chat: bool) -> Response:
     try:
         raw = await read_body(request, st.max_body)
         req = parse(ChatRequest if chat else CompletionRequest, raw)
-        run = await open_run(request, req, st.worker, st.model_name, st.chat)
+        choices = await open_choices(request, req, st.worker, st.model_name, st.chat)
     except ClientGone:
         return Response(status_code=499)
+    verbose = req.verbose if req.verbose is not None else st.chat.defaults.verbose
     if req.stream:
-        return StreamingResponse(_stream(run, req.include_usage), media_type="text/event-stream",
+        return StreamingResponse(_stream(st, choices, req, verbose), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     try:
-        return JSONResponse(await run.result())
+        body = await choices.result()
+        if verbose:
+            body["__verbose"] = _native_final(st, choices.first, req, choices.first.text)
+        return JSONResponse(body)
     except ClientGone:
         return Response(status_code=499)
     finally:
-        run.close()  # NOTE: a no-op once the job is done; stops it if this handler ends early
+        choices.close()  # NOTE: a no-op once the jobs are done; stops them if this handler ends early
 
 
-async def _stream(run: Run, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(st: ServerState, choices: Choices, req: GenerationRequest, verbose: bool) -> AsyncIterator[bytes]:
+    """The OpenAI stream; `verbose`: each choice's finish chunk carries `__verbose` (llama-server's)."""
     try:
-        async for chunk in run.chunks(include_usage):
+        async for run, chunk in choices.chunks(req.include_usage):
+            if verbose and chunk["choices"] and chunk["choices"][0]["finish_reason"] is not None:
+                chunk["__verbose"] = _native_final(st, run, req, "")  # NOTE: a stream's has no content
             yield sse(chunk)
         yield sse("[DONE]")
     except ApiError as e:
@@ -82,7 +89,7 @@ async def _stream(run: Run, include_usage: bool) -> AsyncIterator[bytes]:
     except ClientGone:
         return
     finally:
-        run.close()  # NOTE: a no-op once the job is done; stops it when the client went away
+        choices.close()  # NOTE: a no-op once the jobs are done; stops them when the client went away
 
 
 async def chat_completions(request: Request) -> Response:
@@ -131,18 +138,21 @@ async def _native_batch(request: Request, req: NativeCompletionRequest, prompts:
             parts = [ev.text async for ev in run.events() if isinstance(ev, Text)]
         finally:
             run.close()
-        bodies.append({**_native_final(st, run, one, "".join(parts)), "index": i})
+        bodies.append(_native_final(st, run, one, "".join(parts), i))
     return JSONResponse(bodies)
 
 
-def _native_final(st: ServerState, run: Run, req: NativeCompletionRequest, content: str) -> dict[str, Any]:
+def _native_final(st: ServerState, run: Run, req: GenerationRequest, content: str, index: int = 0) -> dict[str, Any]:
+    """llama-server's final body of /completion (the fields response_fields keeps), which is also
+    the `__verbose` of an OpenAI answer."""
     assert run.usage is not None and run.sampling is not None
     # NOTE: ignore_eos's -inf biases are listed in generation_settings, as llama-server's
     eog = getattr(st.worker.engine, "eog_tokens", ()) if run.sampling.ban_eog else ()
-    return llama_api.final_body(content, req.model or run.env.model, run.prompt, run.finish, run.stop_word,
+    body = llama_api.final_body(content, req.model or run.env.model, run.prompt, run.finish, run.stop_word,
                                 run.usage, run.timings, llama_api.settings(run.sampling, req, eog),
                                 run.probs if run.with_probs else None, run.slot,
-                                run.tokens if req.return_tokens else None)
+                                run.tokens if req.return_tokens else None, index)
+    return llama_api.picked(body, req.response_fields)
 
 
 async def _native_stream(st: ServerState, run: Run, req: NativeCompletionRequest) -> AsyncIterator[bytes]:

@@ -13,7 +13,9 @@ and `role: "tool"`, `tools`, `tool_choice`, `response_format`, `reasoning_format
    (which renders the prompt with the model's template, tools included, and counts it) and
    waits until it starts (ApiError when it cannot: queue full, over the context, a template
    that raises). `count_only`: render and count the prompt, generate nothing (`run.prompt` is
-   the text: /apply-template; `run.prompt_tokens`: Anthropic's count_tokens).
+   the text: /apply-template; `run.prompt_tokens`: Anthropic's count_tokens). `open_choices`
+   queues `req.n` jobs at once (llama-server's n_cmpl: choice j samples with the seed + j) and
+   waits for the first; `Choices` renders them as one body or one stream, choice by index.
 3. Either `await run.result()` is the OpenAI body (`chat.completion`: message.content,
    .reasoning_content, .tool_calls, finish_reason `tool_calls` when it called; or
    `text_completion`) or `run.chunks()` yields the OpenAI chunks (the role chunk, deltas of
@@ -78,11 +80,13 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 @dataclass(frozen=True)
 class Defaults:
-    """What a request that does not say gets: --temp, --seed (-1: random), --n-predict (-1: no limit)."""
+    """What a request that does not say gets: --temp, --seed (-1: random), --n-predict (-1: no
+    limit), --verbose (every OpenAI answer carries `__verbose`)."""
 
     temp: float = 0.8
     seed: int = -1
     n_predict: int = -1
+    verbose: bool = False
 
 
 @dataclass(frozen=True)
@@ -218,7 +222,8 @@ def _sampling(req: GenerationRequest, defaults: Defaults, grammar: str | None) -
                     n_predict=limit if limit is not None else defaults.n_predict, min_p=req.min_p,
                     repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n, grammar=grammar,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                    typical_p=req.typical_p, logit_bias=req.bias, n_probs=req.n_probs, ban_eog=req.ignore_eos)
+                    typical_p=req.typical_p, logit_bias=req.bias, n_probs=req.n_probs, ban_eog=req.ignore_eos,
+                    post_sampling_probs=req.post_sampling_probs)
 
 
 def _delta_chunk(env: Envelope, d: ChatDelta, probs: list[TokenLogprob] | None,
@@ -250,6 +255,7 @@ class Run:
     probs: list[TokenLogprob] = field(default_factory=list)
     per_token_timings: bool = False  # timings_per_token: every chunk carries the timings so far
     tokens: list[int] = field(default_factory=list)  # the generated tokens handed out so far
+    text: str = ""  # the generated text handed out so far, as the model wrote it (before any parsing)
     _timings_now: Timings | None = None  # the last text's
 
     def _probs(self, got: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
@@ -274,6 +280,7 @@ class Run:
             if isinstance(ev, Text):
                 self.probs += ev.probs or []
                 self.tokens += ev.tokens
+                self.text += ev.text
                 self._timings_now = ev.timings
             if isinstance(ev, (Text, Progress, Done)):
                 yield ev
@@ -344,28 +351,154 @@ class Run:
         self.feed.cancel.set()
 
 
+@dataclass
+class _Queued:
+    """A job in the worker's queue, and what its Run is made of once it starts."""
+
+    feed: Feed
+    env: Envelope
+    prepared: PreparedChat | None
+    sampling: Sampling
+    with_probs: bool
+    per_token_timings: bool
+
+    async def started(self) -> Run:
+        """Wait for the job to start (ApiError when it cannot)."""
+        try:
+            first = await self.feed.next()
+        except BaseException:
+            self.feed.cancel.set()
+            raise
+        if isinstance(first, Failed):
+            raise first.error
+        assert isinstance(first, Started)
+        parser = self.prepared.parser(first.prompt) if self.prepared else None
+        return Run(self.feed, self.env, first.prompt_tokens, first.prompt, parser, self.with_probs, self.sampling,
+                   first.slot, per_token_timings=self.per_token_timings)
+
+
+def _queue(request: Request, req: GenerationRequest, worker: Worker, model: str, config: ChatConfig,
+           count_only: bool, n: int) -> list[_Queued]:
+    """`n` jobs of `req` in the worker's queue at once; job j samples with the seed + j (llama-server's
+    child tasks), and answers choice j. None queued when one cannot be (ApiError)."""
+    prepared = prepare(req, config) if isinstance(req, ChatRequest) else None
+    sampling = sampling_for(req, config.defaults, prepared.grammar if prepared else own_grammar(req))
+    env = Envelope(prepared is not None, req.model or model, config.fingerprint)
+    if n > worker.queue.maxsize:
+        raise ApiError(400, f"n: {n} choices wait in the request queue together, which holds {worker.queue.maxsize} "
+                            "(spark serve --queue)", param="n")
+    queued: list[_Queued] = []
+    try:
+        for j in range(n):
+            feed = Feed(request)
+            s = dataclasses.replace(sampling, seed=(sampling.seed + j) & 0xFFFFFFFF) if j else sampling
+            worker.submit(Job(feed.emit, s, chat=prepared, text=None if prepared else req.prompt, stops=req.stops,
+                              cancel=feed.cancel, count_only=count_only, cache_prompt=req.cache_prompt,
+                              progress=req.stream and req.return_progress))
+            queued.append(_Queued(feed, dataclasses.replace(env, index=j), prepared, s, req.n_probs is not None,
+                                  req.timings_per_token))
+    except BaseException:
+        for q in queued:
+            q.feed.cancel.set()
+        raise
+    return queued
+
+
 async def open_run(request: Request, req: GenerationRequest, worker: Worker, model: str,
                    config: ChatConfig = ChatConfig(), count_only: bool = False) -> Run:
     """Queue `req` and wait for it to start; `count_only`: render and count the prompt, generate nothing."""
-    prepared = prepare(req, config) if isinstance(req, ChatRequest) else None
-    grammar = prepared.grammar if prepared else own_grammar(req)
-    feed = Feed(request)
-    sampling = sampling_for(req, config.defaults, grammar)
-    job = Job(feed.emit, sampling, chat=prepared,
-              text=None if prepared else req.prompt, stops=req.stops, cancel=feed.cancel, count_only=count_only,
-              cache_prompt=req.cache_prompt, progress=req.stream and req.return_progress)
-    worker.submit(job)
+    return await _queue(request, req, worker, model, config, count_only, 1)[0].started()
+
+
+async def _merged(gens: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """The items of several async iterators as they come (each one's in its order)."""
+    waiting = {asyncio.ensure_future(g.__anext__()): g for g in gens}
     try:
-        first = await feed.next()
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                g = waiting.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                waiting[asyncio.ensure_future(g.__anext__())] = g
+                yield item
+    finally:
+        for task in waiting:
+            task.cancel()
+
+
+@dataclass
+class Choices:
+    """The `n` answers of one request (llama-server's n_cmpl): the first started, the others
+    queued behind it (on other slots, or after it on the same one). One body: the first's, with
+    every choice and the usage of the prompt once and of all the completions; one stream: every
+    choice's chunks as they come, each with its index, the usage chunk after all of them."""
+
+    first: Run
+    rest: list[_Queued]
+    runs: list[Run] = field(default_factory=list)  # every one started so far, the first first
+
+    def __post_init__(self) -> None:
+        self.runs = [self.first]
+
+    async def _run(self, j: int) -> Run:
+        if j == 0:
+            return self.first
+        run = await self.rest[j - 1].started()
+        self.runs.append(run)
+        return run
+
+    def usage(self) -> Usage:
+        u = self.first.usage or Usage()
+        return Usage(u.prompt_tokens, u.cached_tokens, sum(r.usage.completion_tokens for r in self.runs if r.usage))
+
+    async def result(self) -> dict[str, Any]:
+        if not self.rest:
+            return await self.first.result()
+
+        async def body(j: int) -> dict[str, Any]:
+            return await (await self._run(j)).result()
+
+        bodies = await asyncio.gather(*(body(j) for j in range(len(self.rest) + 1)))
+        return {**bodies[0], "choices": [b["choices"][0] for b in bodies], "usage": self.usage().to_dict()}
+
+    async def chunks(self, include_usage: bool = False) -> AsyncIterator[tuple[Run, dict[str, Any]]]:
+        """The stream's chunks, each with the Run of its choice (the usage chunk: the first's)."""
+        if not self.rest:
+            async for chunk in self.first.chunks(include_usage):
+                yield self.first, chunk
+            return
+
+        async def one(j: int) -> AsyncIterator[tuple[Run, dict[str, Any]]]:
+            run = await self._run(j)
+            async for chunk in run.chunks():
+                yield run, chunk
+
+        async for pair in _merged([one(j) for j in range(len(self.rest) + 1)]):
+            yield pair
+        if include_usage:
+            yield self.first, self.first.env.usage_chunk(self.usage())
+
+    def close(self) -> None:
+        """Stop every job that still runs or waits."""
+        self.first.close()
+        for q in self.rest:
+            q.feed.cancel.set()
+
+
+async def open_choices(request: Request, req: GenerationRequest, worker: Worker, model: str,
+                       config: ChatConfig = ChatConfig()) -> Choices:
+    """Queue `req.n` jobs of `req` and wait for the first to start."""
+    queued = _queue(request, req, worker, model, config, False, req.n)
+    try:
+        first = await queued[0].started()
     except BaseException:
-        feed.cancel.set()
+        for q in queued[1:]:
+            q.feed.cancel.set()
         raise
-    if isinstance(first, Failed):
-        raise first.error
-    assert isinstance(first, Started)
-    return Run(feed, Envelope(prepared is not None, req.model or model, config.fingerprint), first.prompt_tokens,
-               first.prompt, prepared.parser(first.prompt) if prepared else None, req.n_probs is not None, sampling,
-               first.slot, per_token_timings=req.timings_per_token)
+    return Choices(first, queued[1:])
 
 
 Events = Iterable[dict[str, Any]]

@@ -3,10 +3,11 @@ framework, no llama_cpp; the route (app.py) runs it through the one boundary (ch
 
 In: `prompt` as text, token ids or a list of both, `{"prompt_string": ...}`, or several of these in
 a list without token ids (llama-server's rule: a batch, answered with a list of bodies); `n_predict`, `stream`, `cache_prompt`,
-`n_probs`, `return_tokens`, `timings_per_token`, `return_progress` and the sampling fields the OpenAI
-endpoints take. Out: llama-server's bodies:
+`n_probs` (`post_sampling_probs`: after the sampler chain), `return_tokens`, `timings_per_token`,
+`return_progress`, `response_fields` and the sampling fields the OpenAI endpoints take. Out: llama-server's bodies:
 `content`, `tokens_predicted`, `tokens_evaluated`, `stop_type` (eos | word | limit | none),
-`stopping_word`, `generation_settings`, `timings`, `completion_probabilities` (n_probs > 0).
+`stopping_word`, `generation_settings`, `timings`, `completion_probabilities` (n_probs > 0); the
+final one is also the OpenAI answers' `__verbose` (`verbose`).
 Streamed: one `{"content", "stop": false, ...}` event per piece (with `return_progress`, empty
 pieces with `prompt_progress` first), then the final body with `stop: true` and empty content;
 no `[DONE]`, as llama-server's.
@@ -55,7 +56,6 @@ class NativeCompletionRequest(GenerationRequest):
     OWN = frozenset({"return_tokens"})
 
     prompt: Union[str, dict, list[Union[int, str, dict, list[Union[int, str]]]]]
-    return_tokens: bool = False  # the final body's `tokens`: the generated ids (a streamed piece has its own always)
     probs_n: int = Field(0, ge=0, le=100, alias="n_probs")  # >0: each token's probability and the top n
 
     @field_validator("prompt")
@@ -70,6 +70,14 @@ class NativeCompletionRequest(GenerationRequest):
                 raise ValueError("token ids are >= 0")
         return v
 
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"/completion answers one completion per prompt in spark serve, got {v} (several "
+                             "prompts are a batch; /v1/completions and /v1/chat/completions take n)")
+        return v
+
     @property
     def prompts(self) -> list[Prompt]:
         """The prompts of this request: one, or a batch."""
@@ -80,7 +88,7 @@ class NativeCompletionRequest(GenerationRequest):
         return self.probs_n or None
 
 
-def settings(s: Sampling, req: NativeCompletionRequest, eog: Sequence[int] = ()) -> dict[str, Any]:
+def settings(s: Sampling, req: GenerationRequest, eog: Sequence[int] = ()) -> dict[str, Any]:
     """`generation_settings`: what this request sampled with (the server's defaults filled in);
     `eog`: the end-of-generation tokens ignore_eos bans, listed with the biases as llama-server's."""
     d = asdict(s)
@@ -91,7 +99,7 @@ def settings(s: Sampling, req: NativeCompletionRequest, eog: Sequence[int] = ())
             "max_tokens": s.n_predict,
             # NOTE: a banned token's -inf is null, as llama-server's JSON writes it
             "logit_bias": [{"token": t, "bias": b if math.isfinite(b) else None} for t, b in bias],
-            "n_probs": req.probs_n, "stop": req.stops, "stream": req.stream, "cache_prompt": req.cache_prompt}
+            "n_probs": req.n_probs or 0, "stop": req.stops, "stream": req.stream, "cache_prompt": req.cache_prompt}
 
 
 def piece_event(text: str, n_prompt: int, n_predicted: int, probs: list[TokenLogprob] | None,
@@ -114,10 +122,11 @@ def progress_event(progress: dict[str, Any], n_prompt: int, id_slot: int = 0,
 
 def final_body(content: str, model: str, prompt: str, finish: str, stop_word: str | None, usage: Usage,
                timings: Timings | None, generation: dict[str, Any],
-               probs: list[TokenLogprob] | None, id_slot: int = 0, tokens: list[int] | None = None) -> dict[str, Any]:
+               probs: list[TokenLogprob] | None, id_slot: int = 0, tokens: list[int] | None = None,
+               index: int = 0) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "index": 0, "content": content, "tokens": list(tokens or []), "id_slot": id_slot, "stop": True, "model": model,
-        "tokens_predicted": usage.completion_tokens, "tokens_evaluated": usage.prompt_tokens,
+        "index": index, "content": content, "tokens": list(tokens or []), "id_slot": id_slot, "stop": True,
+        "model": model, "tokens_predicted": usage.completion_tokens, "tokens_evaluated": usage.prompt_tokens,
         "generation_settings": generation, "prompt": prompt, "has_new_line": "\n" in content,
         "truncated": finish == "context",  # the context filled up (llama-server's, without context shift)
         "stop_type": STOP_TYPE[finish], "stopping_word": stop_word or "",
@@ -127,3 +136,20 @@ def final_body(content: str, model: str, prompt: str, finish: str, stop_word: st
     if probs:
         body["completion_probabilities"] = [p.to_dict() for p in probs]
     return body
+
+
+def picked(body: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
+    """llama-server's response_fields: only the values these paths name (`a/b`: body["a"]["b"],
+    under the key "a/b"); a path that names nothing is left out; no paths: the whole body."""
+    if not paths:
+        return body
+    out: dict[str, Any] = {}
+    for path in paths:
+        v: Any = body
+        for key in path.split("/"):
+            if not isinstance(v, dict) or key not in v:
+                break
+            v = v[key]
+        else:
+            out[path] = v
+    return out

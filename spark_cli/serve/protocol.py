@@ -13,9 +13,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 MAX_STOP = 4
+MAX_CHOICES = 128  # n at most (OpenAI's bound)
 FINISH = {"eog": "stop", "stop": "stop", "length": "length", "context": "length", "interrupted": "stop"}
 
 
@@ -170,8 +172,8 @@ class StreamOptions(_Strict):
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "mirostat": (0,), "dynatemp_range": (0, 0.0), "top_n_sigma": (-1, -1.0), "xtc_probability": (0, 0.0),
     "dry_multiplier": (0, 0.0), "lora": ([],), "n_keep": (0, -1),
-    "min_keep": (0,), "n_indent": (0,), "n_cache_reuse": (0,), "post_sampling_probs": (False,),
-    "return_tokens": (False,), "response_fields": ([],), "t_max_predict_ms": (0,),
+    "min_keep": (0,), "n_indent": (0,), "n_cache_reuse": (0,),
+    "return_tokens": (False,), "t_max_predict_ms": (0,),
     "id_slot": (-1, 0), "functions": (), "function_call": (), "audio": (), "prediction": (),
     "web_search_options": (), "modalities": (["text"],),
 }
@@ -261,7 +263,8 @@ class GenerationRequest(_Strict):
     logit_bias: Union[dict, list, None] = None
     seed: int | None = Field(None, ge=-1, le=(1 << 32) - 1)  # -1: random, as llama-server; None: --seed
     stop: Union[str, list[str], None] = None
-    n: int = 1
+    # choices (llama-server's n_cmpl, n its alias): each samples with seed + its index
+    n: int = Field(1, ge=1, le=MAX_CHOICES, validation_alias=AliasChoices("n_cmpl", "n"))
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_prompt: bool = True  # False: evaluate the whole prompt, reuse nothing from the KV cache
@@ -273,19 +276,16 @@ class GenerationRequest(_Strict):
     # llama-server's: a stream sends chunks with `prompt_progress` while the prompt is evaluated
     # (without stream it asks for nothing, as llama-server's)
     return_progress: bool = False
+    post_sampling_probs: bool = False  # llama-server's: probabilities after the sampler chain (n_probs set)
+    return_tokens: bool = False  # llama-server's: the final body's `tokens` (/completion's; UNSUPPORTED elsewhere)
+    response_fields: list[str] = Field(default_factory=list)  # llama-server's: the native body's fields kept
+    verbose: bool | None = None  # llama-server's: `__verbose`, the native body, beside the answer (None: --verbose)
 
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
         _refuse_unsupported(data, cls.REFUSED, cls.OWN)
         return data
-
-    @field_validator("n")
-    @classmethod
-    def _one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"only one completion per request (spark serve has one slot), got {v}")
-        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -565,12 +565,14 @@ LOWEST_LOGPROB = -3.4028234663852886e38  # for a probability of 0 (JSON has no -
 @dataclass(frozen=True)
 class TokenLogprob:
     """One token's log-probability, as llama-server writes it: id, text, bytes, logprob, and the
-    most probable tokens of the same distribution (`top`, those of a sampled token only)."""
+    most probable tokens of the same distribution (`top`, those of a sampled token only). `post`:
+    a probability after the sampler chain (post_sampling_probs), written as `prob` and `top_probs`."""
 
     id: int
     piece: bytes
     prob: float
     top: tuple["TokenLogprob", ...] = ()
+    post: bool = False
 
     @property
     def logprob(self) -> float:
@@ -579,10 +581,10 @@ class TokenLogprob:
     def _base(self) -> dict[str, Any]:
         # NOTE: a piece that ends inside a UTF-8 character (byte tokens) shows the complete part; bytes has all
         return {"id": self.id, "token": self.piece.decode("utf-8", errors="ignore"), "bytes": list(self.piece),
-                "logprob": self.logprob}
+                **({"prob": self.prob} if self.post else {"logprob": self.logprob})}
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self._base(), "top_logprobs": [t._base() for t in self.top]}
+        return {**self._base(), "top_probs" if self.post else "top_logprobs": [t._base() for t in self.top]}
 
 
 def logprobs_body(probs: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -617,13 +619,14 @@ class Timings:
 @dataclass
 class Envelope:
     """What every body and chunk of one response shares; `fingerprint` is the build
-    (system_fingerprint, as llama-server sends its build info)."""
+    (system_fingerprint, as llama-server sends its build info); `index`: the choice (n > 1)."""
 
     chat: bool
     model: str
     fingerprint: str = ""
     id: str = ""
     created: int = 0
+    index: int = 0
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
@@ -636,7 +639,7 @@ class Envelope:
     def full(self, text: str, finish: str, usage: Usage, probs: list[TokenLogprob] | None = None,
              timings: Timings | None = None) -> dict[str, Any]:
         """A whole completion (a chat's is `message`)."""
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs_body(probs)}
+        choice = {"index": self.index, "text": text, "finish_reason": finish, "logprobs": logprobs_body(probs)}
         return _timed({**self._base("text_completion"), "choices": [choice], "usage": usage.to_dict()}, timings)
 
     def message(self, content: str, reasoning: str, tool_calls: list[dict[str, Any]], finish: str,
@@ -648,7 +651,7 @@ class Envelope:
             msg["reasoning_content"] = reasoning
         if tool_calls:
             msg["tool_calls"] = tool_calls
-        choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": logprobs_body(probs)}
+        choice = {"index": self.index, "message": msg, "finish_reason": finish, "logprobs": logprobs_body(probs)}
         return _timed({**self._base("chat.completion"), "choices": [choice], "usage": usage.to_dict()}, timings)
 
     def delta(self, content: str = "", reasoning: str = "", tool_call: dict[str, Any] | None = None,
@@ -661,12 +664,12 @@ class Envelope:
             delta["reasoning_content"] = reasoning
         if tool_call is not None:
             delta["tool_calls"] = [tool_call]
-        choice = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": logprobs_body(probs)}
+        choice = {"index": self.index, "delta": delta, "finish_reason": None, "logprobs": logprobs_body(probs)}
         return _timed({**self._base("chat.completion.chunk"), "choices": [choice], "usage": None}, timings)
 
     def role_chunk(self) -> dict[str, Any]:
         """A chat stream's first chunk, as llama-server sends it: the role, content null."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None,
+        choice = {"index": self.index, "delta": {"role": "assistant", "content": None}, "finish_reason": None,
                   "logprobs": None}
         return {**self._base("chat.completion.chunk"), "choices": [choice], "usage": None}
 
@@ -675,9 +678,9 @@ class Envelope:
         """A completion's text chunk, or either stream's finish chunk."""
         if self.chat:
             delta: dict[str, Any] = {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs_body(probs)}
+            choice = {"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs_body(probs)}
             return _timed({**self._base("chat.completion.chunk"), "choices": [choice], "usage": None}, timings)
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs_body(probs)}
+        choice = {"index": self.index, "text": text or "", "finish_reason": finish, "logprobs": logprobs_body(probs)}
         return _timed({**self._base("text_completion"), "choices": [choice], "usage": None}, timings)
 
     def progress_chunk(self, progress: dict[str, Any], timings: Timings | None = None) -> dict[str, Any]:

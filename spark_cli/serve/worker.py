@@ -119,11 +119,11 @@ class _ProbsFeed:
         self.engine, self.wanted = engine, wanted
         self.pending: list[TokenLogprob] = []
 
-    def _entry(self, token: int, prob: float, top: tuple[TokenLogprob, ...] = ()) -> TokenLogprob:
-        return TokenLogprob(token, self.engine.piece(token, special=True), prob, top)
+    def _entry(self, token: int, prob: float, post: bool, top: tuple[TokenLogprob, ...] = ()) -> TokenLogprob:
+        return TokenLogprob(token, self.engine.piece(token, special=True), prob, top, post)
 
     def add(self, p: TokenProbs) -> None:
-        self.pending.append(self._entry(p.token, p.prob, tuple(self._entry(t, q) for t, q in p.top)))
+        self.pending.append(self._entry(p.token, p.prob, p.post, tuple(self._entry(t, q, p.post) for t, q in p.top)))
 
     def take(self) -> list[TokenLogprob] | None:
         if not self.wanted:
@@ -298,7 +298,8 @@ class Worker:
         dec = Decoding(eng, slot.id, n_prompt=len(toks) - kept, sampler=sampler,
                        max_tokens=job.sampling.n_predict, stop=StopRules(strings=tuple(job.stops)),
                        should_stop=lambda: job.cancel.is_set() or bool(self.fatal),
-                       special=chat is not None and chat.fmt.special, n_probs=job.sampling.n_probs)
+                       special=chat is not None and chat.fmt.special, n_probs=job.sampling.n_probs,
+                       post_sampling=job.sampling.post_sampling_probs)
         slot.sampler = sampler
         slot.probs = _ProbsFeed(eng, job.sampling.n_probs is not None)
         job.emit(Started(len(toks), text, slot.id))
