@@ -1,13 +1,10 @@
 #!/usr/bin/env bash
 # Set up Spark from a clean clone: a virtualenv in .venv, Spark itself, and the patched
 # llama-cpp-python build (cached in $SPARK_HOME, default ~/.cache/spark). Idempotent: a
-# second run takes seconds. Two at once in one clone (CI runs the suite and the Vulkan tier side
-# by side) take turns: the second finds everything done.
+# second run takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-exec 9>.bootstrap.lock
-flock 9
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
