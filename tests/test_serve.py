@@ -201,6 +201,12 @@ def test_parse_takes_null_as_unset():
     assert r.message_dicts() == [{"role": "user", "content": "hi"}]
 
 
+def test_text_parts_join_with_a_newline_as_llama_servers():
+    r = parse(ChatRequest, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "What is"}, '
+                           b'{"type": "text", "text": "the best book"}]}]}')
+    assert r.message_dicts() == [{"role": "user", "content": "What is\nthe best book"}]
+
+
 class _SlowLoadingEngine(_FakeEngine):
     def bank_bytes(self) -> int:
         return 0

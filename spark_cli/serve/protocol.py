@@ -95,7 +95,7 @@ class Message(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)  # NOTE: llama-server's join (templates read one string)
 
     def for_template(self) -> dict[str, Any]:
         """As chat templates read a message: text content, call arguments as objects."""
