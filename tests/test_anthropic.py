@@ -43,7 +43,7 @@ def test_system_text_and_stop_become_an_openai_chat():
     assert (c["model"], c["max_tokens"], c["stop"], c["temperature"], c["top_k"], c["top_p"]) == (
         "m", 8, ["\n\n", "END"], 0.2, 5, 0.5)
     req = parse(ChatRequest, json.dumps(c).encode())  # what the OpenAI side takes
-    assert req.message_dicts()[-1] == {"role": "user", "content": "One. Two."}
+    assert req.message_dicts()[-1] == {"role": "user", "content": "One. \nTwo."}  # llama-server's join of parts
     assert (req.asked_limit, req.stops, req.temperature) == (8, ["\n\n", "END"], 0.2)
     # unset sampling fields stay unset: the server's defaults, as on /v1/chat/completions
     bare = parse(ChatRequest, json.dumps(_chat({"messages": [{"role": "user", "content": "x"}]})).encode())
@@ -72,7 +72,7 @@ def test_system_blocks_tool_use_tool_result_and_thinking():
                  "content": [{"type": "text", "text": "no station"}]},
                 {"type": "text", "text": "Thanks."}]}]})
     assert c["messages"] == [
-        {"role": "system", "content": [{"type": "text", "text": "You are "}, {"type": "text", "text": "a tool user."}]},
+        {"role": "system", "content": "You are a tool user."},  # llama-server joins system blocks as they are
         {"role": "user", "content": "Weather in Paris and Rome?"},
         {"role": "assistant", "content": [{"type": "text", "text": "Checking."}], "reasoning_content": "Two cities.",
          "tool_calls": [
@@ -80,7 +80,7 @@ def test_system_blocks_tool_use_tool_result_and_thinking():
              {"id": "toolu_02", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "toolu_01", "content": "18 C"},
         {"role": "tool", "tool_call_id": "toolu_02",
-         "content": [{"type": "text", "text": "Error: "}, {"type": "text", "text": "no station"}]},
+         "content": [{"type": "text", "text": "Error: no station"}]},
         {"role": "user", "content": [{"type": "text", "text": "Thanks."}]}]
     assert c["tools"] == [
         {"type": "function", "function": {"name": "weather", "description": "Weather now", "parameters": {

@@ -142,7 +142,8 @@ def _tool_message(b: ToolResultBlock) -> dict[str, Any]:
     content = _parts(b.content)
     if b.is_error:  # NOTE: OpenAI has no error flag: the model reads it
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        content = [{"type": "text", "text": "Error: "}, *parts]
+        parts = parts or [{"type": "text", "text": ""}]
+        content = [{"type": "text", "text": "Error: " + parts[0]["text"]}, *parts[1:]]
     return {"role": "tool", "tool_call_id": b.tool_use_id, "content": content}
 
 
@@ -188,7 +189,9 @@ def to_chat(req: CountRequest) -> dict[str, Any]:
     """The OpenAI chat request body that asks the same of the model."""
     messages: list[dict[str, Any]] = []
     if req.system:
-        messages.append({"role": "system", "content": _parts(req.system)})
+        # NOTE: llama-server joins the system blocks as they are (a message's parts join with newlines)
+        system = req.system if isinstance(req.system, str) else "".join(b.text for b in req.system)
+        messages.append({"role": "system", "content": system})
     for m in req.messages:
         messages += _user(m) if m.role == "user" else _assistant(m)
     body: dict[str, Any] = {"messages": messages, "model": req.model}
