@@ -14,11 +14,14 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..core.simulator import MISS_PATH_CHOICES, MISS_PATHS, MissCosts
 from ..files.atomic import atomic_write_text
 from ..errors import SparkError, UsageError
+
+if TYPE_CHECKING:
+    from ..native.expert_cache import CacheStats
 
 CALIB_VERSION = 4  # 2: measured at a thread count; 3: the CPU cost per token of a prompt step; 4: pooled per shape
 CALIB_DECODE = 8  # decode tokens measured per miss path
@@ -161,9 +164,9 @@ class LayerSample:
     """One cached layer's calibration counters (None: the layer reported none): the upload path's
     decode steps, the cpu path's decode steps and the cpu path's prompt step."""
 
-    upload: object | None
-    cpu: object | None
-    prompt: object | None
+    upload: "CacheStats | None"
+    cpu: "CacheStats | None"
+    prompt: "CacheStats | None"
 
     def expert_bytes(self) -> int | None:
         """Bytes of one of the layer's experts: its shape, which its costs depend on."""

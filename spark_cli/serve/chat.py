@@ -255,8 +255,13 @@ class Run:
     probs: list[TokenLogprob] = field(default_factory=list)
     per_token_timings: bool = False  # timings_per_token: every chunk carries the timings so far
     tokens: list[int] = field(default_factory=list)  # the generated tokens handed out so far
-    text: str = ""  # the generated text handed out so far, as the model wrote it (before any parsing)
+    pieces: list[str] = field(default_factory=list)  # the generated text handed out so far (before any parsing)
     _timings_now: Timings | None = None  # the last text's
+
+    @property
+    def text(self) -> str:
+        """The generated text handed out so far, as the model wrote it."""
+        return "".join(self.pieces)
 
     def _probs(self, got: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
         """A whole answer's logprobs: a list (maybe empty) when asked for, else None."""
@@ -280,7 +285,7 @@ class Run:
             if isinstance(ev, Text):
                 self.probs += ev.probs or []
                 self.tokens += ev.tokens
-                self.text += ev.text
+                self.pieces.append(ev.text)
                 self._timings_now = ev.timings
             if isinstance(ev, (Text, Progress, Done)):
                 yield ev
