@@ -355,15 +355,19 @@ def test_parallel_sequences_together_and_one_after_another(spark, model_link, co
         assert p["serial"]["runs"][0]["steps"] == n_seq * n_gen  # one token a step, each alone
         assert p["together"]["runs"][0]["steps"] == n_gen  # n_seq tokens a step
         assert p["ratio"] == pytest.approx(p["together"]["tok_s"]["median"] / p["serial"]["tok_s"]["median"])
-    # the batch loop is exact: each sequence's greedy tokens together equal its tokens alone
+    # the cache's contract, with the same batching: the all-resident run's tokens, together and alone
     spark_p, res_p = by["spark"]["parallel"], by["resident"]["parallel"]
-    assert spark_p["tokens_match"] is True
-    assert spark_p["together_digest"] == spark_p["serial_digest"]
-    # and the cache's contract, with the same batching: the all-resident run's tokens
     assert spark_p["together_digest"] == res_p["together_digest"]
     assert spark_p["serial_digest"] == res_p["serial_digest"]
+    # together against alone: llama.cpp's batched CPU kernels are not bit-identical to single steps
+    # (whether a near-tie flips depends on the CPU's kernels), so Spark matches exactly when stock does
+    assert spark_p["tokens_match"] is res_p["tokens_match"]
+    assert (spark_p["together_digest"] == spark_p["serial_digest"]) is spark_p["tokens_match"]
     assert "2 sequences: together against one after another" in stdout and "hit rate 2 seq" in stdout
-    assert "tokens decoded together equal those decoded alone" in stdout
+    if spark_p["tokens_match"]:
+        assert "tokens decoded together equal those decoded alone" in stdout
+    else:
+        assert "differ from those decoded alone, as all resident (over budget)'s do" in stdout, stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

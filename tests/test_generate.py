@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from _answers import knows_paris
 from spark_cli.native.generate import Forced, Greedy, StopRules, stream_generate
 
 
@@ -144,7 +145,8 @@ def test_greedy_equals_the_old_hand_written_loop_and_chat(small_model):
         eng.reset()
         benched: list[int] = []
         bench.decode(eng, prompt, len(old), on_token=benched.append)
-    assert len(old) >= 4 and "Paris" in eng_text(small_model, old)
+        assert knows_paris(eng)  # a working model: the loops below agree on real text
+    assert len(old) >= 4
     assert new == old
     assert ans.text == eng_text(small_model, old) and ans.figures.generated_tokens == len(old)
     assert benched == old
