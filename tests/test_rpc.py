@@ -83,3 +83,27 @@ def test_rpc_server_dies_with_a_killed_client():
     while time.time() < deadline and psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
         time.sleep(0.1)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_stand_in_spins_briefly_before_it_loads_the_library(monkeypatch):
+    """OpenMP reads GOMP_SPINCOUNT when the library loads: serve sets it first (a user's value wins)."""
+    from spark_cli.native import rpc
+
+    class Loaded(Exception):
+        pass
+
+    seen = []
+
+    def load():
+        seen.append(os.environ.get("GOMP_SPINCOUNT"))
+        raise Loaded
+
+    monkeypatch.setattr(rpc.llama_lib, "load", load)
+    monkeypatch.setattr(rpc, "listen_address", lambda host, port: host)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    with pytest.raises(Loaded):
+        rpc.serve("127.0.0.1", 1)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5")
+    with pytest.raises(Loaded):
+        rpc.serve("127.0.0.1", 1)
+    assert seen == [str(rpc.STAND_IN_SPINCOUNT), "5"]
