@@ -100,7 +100,8 @@ def test_the_stand_in_spins_briefly_before_it_loads_the_library(monkeypatch):
 
     monkeypatch.setattr(rpc.llama_lib, "load", load)
     monkeypatch.setattr(rpc, "listen_address", lambda host, port: host)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "")  # NOTE: so that the value serve sets is undone after the test
+    monkeypatch.delenv("GOMP_SPINCOUNT")
     with pytest.raises(Loaded):
         rpc.serve("127.0.0.1", 1)
     monkeypatch.setenv("GOMP_SPINCOUNT", "5")
