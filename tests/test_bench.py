@@ -15,6 +15,7 @@ from spark_cli.runs import bench
 from spark_cli.core import planner
 from spark_cli.commands import bench as bench_cmd
 from spark_cli.core.gguf_info import load_geometry
+from spark_cli.core.simulator import ONLINE_POLICIES
 from spark_cli.core.profile import profile_path_for
 
 SMALL = ("-p", "32", "-n", "8")
@@ -96,6 +97,7 @@ def test_every_configuration_end_to_end(spark, model_link, corpus, rpc_server, t
             pytest.approx(c["bytes_per_token"])
         assert c["cold_hit"] == pytest.approx(c["misses"] / (16 * d["model"]["n_expert_used"] * n_moe))
         assert 0.5 < c["placement"]["expert_residency"] <= 0.6 + 1e-9
+        assert c["placement"]["policy"] in ONLINE_POLICIES  # the plan's (--policy auto picked it)
     # the cache is exact: Spark generates the all-resident run's tokens
     assert by["spark"]["tokens_digest"] == by["resident"]["tokens_digest"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -108,3 +109,31 @@ def test_the_stand_in_spins_briefly_before_it_loads_the_library(monkeypatch):
     with pytest.raises(Loaded):
         rpc.serve("127.0.0.1", 1)
     assert seen == [str(rpc.STAND_IN_SPINCOUNT), "5"]
+
+
+@pytest.mark.parametrize("endpoints, loaded, user, want", [
+    (["127.0.0.1:50052"], False, None, "stand-in"),
+    (["10.1.2.3:50052", "localhost:50053"], False, None, "stand-in"),
+    (["[::1]:50052"], False, None, "stand-in"),
+    (["10.1.2.3:50052"], False, None, None),  # a remote server's cores are its own
+    (["127.0.0.1:50052"], False, "5", "5"),  # a user's value wins
+    (["127.0.0.1:50052"], True, None, None),  # too late: OpenMP read it when the library loaded
+])
+def test_a_client_of_a_stand_in_on_this_machine_spins_briefly(monkeypatch, endpoints, loaded, user, want):
+    """A client sharing its cores with a local RPC server spins as briefly as the server (connect
+    sets it before the library loads); a client of a remote server keeps OpenMP's default."""
+    from spark_cli.native import rpc
+
+    class Load:
+        @staticmethod
+        def cache_info():
+            return SimpleNamespace(currsize=int(loaded))
+
+    monkeypatch.setattr(rpc.llama_lib, "load", Load)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "")  # NOTE: undone after the test whatever the function sets
+    if user is None:
+        monkeypatch.delenv("GOMP_SPINCOUNT")
+    else:
+        monkeypatch.setenv("GOMP_SPINCOUNT", user)
+    rpc.spin_briefly_beside(endpoints)
+    assert os.environ.get("GOMP_SPINCOUNT") == (str(rpc.STAND_IN_SPINCOUNT) if want == "stand-in" else want)

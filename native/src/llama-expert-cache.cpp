@@ -766,18 +766,17 @@ ggml_tensor * llama_expert_cache::finish(ggml_context * ctx0, int il, ggml_tenso
     if (!partial) {
         return experts;
     }
-    size_workers(*L, partial->ne[1] * partial->ne[2], partial->ne[2], partial->src[1]->ne[0]);
+    size_workers(*L, partial->ne[1] * partial->ne[2], partial->src[1]->ne[0]);
     ggml_tensor * out = ggml_add(ctx0, ggml_mul(ctx0, experts, mask), partial);
     ggml_format_name(out, "spark_ec_join-%d", il);
     return out;
 }
 
-void llama_expert_cache::size_workers(const llama_expert_cache_layer & L, int64_t n_entries, int64_t n_tokens,
-                                      int64_t n_embd_in) {
-    // NOTE: at graph build; a step only resets these contexts (ggml_init allocates). A worker's pass
-    // holds its share of the entries plus one expert's (at most n_tokens), whole experts per pass.
+void llama_expert_cache::size_workers(const llama_expert_cache_layer & L, int64_t n_entries, int64_t n_embd_in) {
+    // NOTE: at graph build; a step only resets these contexts (ggml_init allocates). A worker's share
+    // of a step's entries is at most ceil(n_entries / W): one pass holds it.
     const int64_t W = (int64_t) workers.size();
-    const int64_t rows = std::min(n_entries, (n_entries + W - 1) / W + n_tokens);
+    const int64_t rows = std::max<int64_t>(1, (n_entries + W - 1) / W);
     size_t need = ggml_graph_overhead_custom(RECIPE_MAX * 2, false) + ggml_tensor_overhead() * (RECIPE_MAX * 2 + 8) + 4096;
     need += GGML_PAD(ggml_row_size(GGML_TYPE_F32, n_embd_in) * rows, 64) + GGML_PAD(sizeof(int32_t) * rows, 64) + 128;
     for (const auto & r : L.recipe) {
@@ -1127,72 +1126,60 @@ void llama_expert_cache::compute_partial(llama_expert_cache_node & n, ggml_tenso
     }
     const int64_t W = std::min<int64_t>(nth, (int64_t) workers.size());
     if (cpu && n_miss > 0 && ith < W) {
-        // whole experts per worker, in id order, split by their entries: every thread derives the same split
+        // the missed entries in (expert, entry) order, split evenly by count; every thread derives the
+        // same order. An expert's entries may span two workers: the CPU kernel's output for an entry is
+        // its own dot products with the expert's rows, whatever other entries share the pass.
         auto & w = workers[ith];
+        auto id_of = [&](int64_t i) {
+            return *(const int32_t *) ((const char *) sel->data + (i / k) * sel->nb[1] + (i % k) * sel->nb[0]);
+        };
         std::fill(w.expert_rows.begin(), w.expert_rows.end(), 0);
         for (int64_t i = 0; i < kT; ++i) {
             if (missed[i]) {
-                w.expert_rows[*(const int32_t *) ((const char *) sel->data + (i / k) * sel->nb[1] + (i % k) * sel->nb[0])]++;
+                w.expert_rows[id_of(i)]++;
             }
         }
-        int64_t before = 0, e_begin = -1, e_end = -1;
-        for (int64_t e = 0; e < n_expert; ++e) {
-            if (w.expert_rows[e] == 0) {
-                continue;
-            }
-            const int64_t owner = std::min(W - 1, before * W / n_miss);
-            if (owner == ith) {
-                e_begin = e_begin < 0 ? e : e_begin;
-                e_end = e + 1;
-            }
-            before += w.expert_rows[e];
+        int64_t at = 0;
+        for (int64_t e = 0; e < n_expert; ++e) { // counts -> each expert's first position
+            const int64_t c = w.expert_rows[e];
+            w.expert_rows[e] = at;
+            at += c;
         }
-        if (e_begin >= 0) {
-            compute_experts(w, L, dst, e_begin, e_end);
+        const int64_t r0 = n_miss * ith / W, r1 = n_miss * (ith + 1) / W;
+        w.order.resize(r1 - r0);
+        for (int64_t i = 0; i < kT; ++i) {
+            if (missed[i]) {
+                const int64_t pos = w.expert_rows[id_of(i)]++;
+                if (pos >= r0 && pos < r1) {
+                    w.order[pos - r0] = i;
+                }
+            }
         }
+        compute_entries(w, L, dst);
     }
 }
 
-// Experts [e_begin, e_end) of this step's missed entries on one worker, in passes of whole experts
-// that fit its arena; each expert gets all of its entries in one pass (the kernel sees the same rows).
-void llama_expert_cache::compute_experts(llama_expert_cache_worker & w, llama_expert_cache_layer & L, ggml_tensor * dst,
-                                         int64_t e_begin, int64_t e_end) {
+// One worker's missed entries (w.order: index t*k + j, grouped by expert), in passes that fit its arena.
+void llama_expert_cache::compute_entries(llama_expert_cache_worker & w, llama_expert_cache_layer & L, ggml_tensor * dst) {
     const ggml_tensor * cur = dst->src[1]; // [n_embd, n_tokens]
     const ggml_tensor * sel = dst->src[2];
-    const int64_t k  = dst->src[0]->ne[0];
-    const int64_t T  = dst->src[0]->ne[1];
+    const int64_t k = dst->src[0]->ne[0];
     const int64_t n_embd_in  = cur->ne[0];
     const int64_t n_embd_out = dst->ne[0];
-    const uint8_t * missed = L.missed.data();
-    auto id_of = [&](int64_t t, int64_t j) {
-        return *(const int32_t *) ((const char *) sel->data + t * sel->nb[1] + j * sel->nb[0]);
-    };
-    for (int64_t p0 = e_begin; p0 < e_end;) {
-        int64_t p1 = p0, rows = 0;
-        while (p1 < e_end && rows + w.expert_rows[p1] <= w.rows) {
-            rows += w.expert_rows[p1++];
-        }
-        GGML_ASSERT(p1 > p0); // an expert has at most n_tokens entries, and a pass holds more
-        if (rows == 0) {
-            p0 = p1;
-            continue;
-        }
+    const int64_t n = (int64_t) w.order.size();
+    GGML_ASSERT(w.rows > 0);
+    for (int64_t p0 = 0; p0 < n; p0 += w.rows) {
+        const int64_t rows = std::min(w.rows, n - p0);
         ggml_context * pctx = w.ctx;
         ggml_reset(pctx);
 
-        // the pass's entries, one row each, in (token, slot) order: their input row and their expert id
+        // the pass's entries, one row each: their input row and their expert id
         ggml_tensor * x  = ggml_new_tensor_3d(pctx, GGML_TYPE_F32, n_embd_in, rows, 1);
         ggml_tensor * xi = ggml_new_tensor_2d(pctx, GGML_TYPE_I32, rows, 1);
-        int64_t m = 0;
-        for (int64_t t = 0; t < T; ++t) {
-            for (int64_t j = 0; j < k; ++j) {
-                const int32_t e = id_of(t, j);
-                if (!missed[t * k + j] || e < p0 || e >= p1) {
-                    continue;
-                }
-                memcpy((char *) x->data + m * x->nb[1], (const char *) cur->data + t * cur->nb[1], n_embd_in * sizeof(float));
-                ((int32_t *) xi->data)[m++] = e;
-            }
+        for (int64_t m = 0; m < rows; ++m) {
+            const int64_t i = w.order[p0 + m], t = i / k, j = i % k;
+            memcpy((char *) x->data + m * x->nb[1], (const char *) cur->data + t * cur->nb[1], n_embd_in * sizeof(float));
+            ((int32_t *) xi->data)[m] = *(const int32_t *) ((const char *) sel->data + t * sel->nb[1] + j * sel->nb[0]);
         }
         ggml_tensor * res = build_recipe(L, pctx, x, xi, rows); // [n_embd, rows, 1]
         GGML_ASSERT(res->ne[0] == n_embd_out);
@@ -1202,18 +1189,11 @@ void llama_expert_cache::compute_experts(llama_expert_cache_worker & w, llama_ex
         GGML_ASSERT(st == GGML_STATUS_SUCCESS);
 
         // each entry's output goes where the device's is dropped
-        m = 0;
-        for (int64_t t = 0; t < T; ++t) {
-            for (int64_t j = 0; j < k; ++j) {
-                const int32_t e = id_of(t, j);
-                if (!missed[t * k + j] || e < p0 || e >= p1) {
-                    continue;
-                }
-                memcpy((char *) dst->data + t * dst->nb[2] + j * dst->nb[1], (const char *) res->data + m++ * res->nb[1],
-                       n_embd_out * sizeof(float));
-            }
+        for (int64_t m = 0; m < rows; ++m) {
+            const int64_t i = w.order[p0 + m], t = i / k, j = i % k;
+            memcpy((char *) dst->data + t * dst->nb[2] + j * dst->nb[1], (const char *) res->data + m * res->nb[1],
+                   n_embd_out * sizeof(float));
         }
-        p0 = p1;
     }
 }
 

@@ -44,13 +44,15 @@ struct llama_expert_cache_arena {
 struct llama_expert_cache_layer;
 
 // One CPU thread's share of the CPU miss path: the host node runs on every thread of the graph
-// (as stock CPU experts do), and each thread computes whole experts on its own one-thread backend.
+// (as stock CPU experts do), and each thread computes an even share of the missed entries, grouped by
+// expert, on its own one-thread backend.
 struct llama_expert_cache_worker {
     ggml_backend_t       backend = nullptr; // owned; CPU, one thread
     std::vector<uint8_t> arena;
     ggml_context *       ctx  = nullptr; // owned; over the arena, made at graph build, reset per pass
     int64_t              rows = 0;       // missed entries one pass holds
     std::vector<int64_t> expert_rows;    // [n_expert] scratch: missed entries per expert this step
+    std::vector<int64_t> order;          // scratch: this worker's missed entries (t*k + j), by expert
 };
 
 // Device bytes the banks need per buffer type, found while validating the layers.
@@ -197,9 +199,8 @@ struct llama_expert_cache {
     void wait_admissions(llama_expert_cache_layer & L);
     void upload_admissions(llama_expert_cache_layer & L, int32_t n_admit, bool background, bool any_wait);
     void upload_staged(llama_expert_cache_layer & L, int32_t n_staged);
-    void compute_experts(llama_expert_cache_worker & w, llama_expert_cache_layer & L, ggml_tensor * dst,
-                         int64_t e_begin, int64_t e_end);
-    void size_workers(const llama_expert_cache_layer & L, int64_t n_entries, int64_t n_tokens, int64_t n_embd_in);
+    void compute_entries(llama_expert_cache_worker & w, llama_expert_cache_layer & L, ggml_tensor * dst);
+    void size_workers(const llama_expert_cache_layer & L, int64_t n_entries, int64_t n_embd_in);
     ggml_tensor * build_recipe(const llama_expert_cache_layer & L, ggml_context * pctx, ggml_tensor * x, ggml_tensor * xi, int64_t n_miss);
 
     llama_expert_cache_layer * layer(int32_t il);

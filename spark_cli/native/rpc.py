@@ -51,6 +51,7 @@ def _reachable(endpoint: str, timeout: float = 2.0) -> bool:
 
 def connect(endpoints: list[str]) -> list[llama_lib.Device]:
     """Register each endpoint's devices with ggml (once per process) and return them."""
+    spin_briefly_beside(endpoints)
     lib = llama_lib.load()
     if not lib.rpc_available:
         raise NativeError("--rpc: this llama.cpp build has no RPC backend", hint="rebuild with scripts/bootstrap.sh")
@@ -115,7 +116,27 @@ def report_memory(handle: int, size: int) -> None:
     slot.value = ctypes.cast(cb, ctypes.c_void_p).value
 
 
-STAND_IN_SPINCOUNT = 2000  # GOMP_SPINCOUNT of an RPC server process (serve)
+STAND_IN_SPINCOUNT = 2000  # GOMP_SPINCOUNT of an RPC server process (serve) and of its clients on this machine
+
+
+def spin_briefly_beside(endpoints: list[str]) -> None:
+    """A client of a server on this machine (a stand-in) shares its cores: the client's idle OpenMP
+    workers spin only briefly too, as serve's do. Only before the library loads (OpenMP reads it
+    then); a user's GOMP_SPINCOUNT wins. A GPU never loses its cores to a spinning host thread,
+    so a client of a remote server keeps OpenMP's default."""
+    import ipaddress
+
+    def local(ep: str) -> bool:
+        host = ep.rsplit(":", 1)[0].strip("[]")
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+    if llama_lib.load.cache_info().currsize == 0 and any(local(ep) for ep in endpoints):
+        os.environ.setdefault("GOMP_SPINCOUNT", str(STAND_IN_SPINCOUNT))
 
 
 def serve(host: str, port: int, threads: int | None = None, mem: int | None = None) -> None:

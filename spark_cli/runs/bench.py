@@ -124,6 +124,7 @@ class Config:
             b = self.plan.breakdown
             out["pinned"] = sum(len(c.pinned) for c in self.cache_layers)
             out["lru_slots"] = sum(c.n_slots - len(c.pinned) for c in self.cache_layers)
+            out["policy"] = self.plan.policy
             out["expert_residency"] = (b["experts_resident"] + b["expert_banks"]) / exp
         elif self.kind in ("ceiling", "stock"):
             on_cpu = sum(l.expert_bytes for l in g.layers if l.index in set(self.host_layers))
