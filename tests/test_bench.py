@@ -67,6 +67,13 @@ def test_every_configuration_end_to_end(spark, model_link, corpus, rpc_server, t
     for name in ("cpu-moe", "n-cpu-moe", "spark-step", "spark"):
         assert by[name]["vram_planned_bytes"] <= d["budget_bytes"], name
 
+    # interleaved on the stand-in (room for all): every configuration's run i before any one's run i + 1
+    assert d["interleaved"] and any(n.startswith("configurations interleaved") for n in d["notes"])
+    own = [c for c in by.values() if not c["same_as"]]
+    assert len(own) >= 3
+    for i in range(len(own[0]["runs"]) - 1):
+        assert max(c["runs"][i]["started"] for c in own) < min(c["runs"][i + 1]["started"] for c in own)
+
     # medians and spreads from the runs, ratios from the medians
     for c in by.values():
         for what in ("pp", "tg"):
@@ -449,3 +456,18 @@ def test_parallel_prompts_are_distinct() -> None:
     ps = w.parallel_prompts(5, max_len=3)
     assert ps[0] == [1, 5, 6] and ps[1] == [1, 8, 9]
     assert len({tuple(p) for p in ps}) == 5 and all(2 <= len(p) <= 3 for p in ps[:4])
+
+
+def test_configurations_take_turns_only_when_they_fit_the_device_together(monkeypatch) -> None:
+    """Interleaving keeps every configuration open: only when their planned bytes fit one device."""
+    from spark_cli.native.engine import EngineOptions
+
+    jobs = [bench.Result(bench.Config(n, n, "stock", planned_bytes=3 << 30)) for n in ("a", "b")]
+    base = EngineOptions(Path("m.gguf"), rpc=["127.0.0.1:1"])
+    monkeypatch.setattr(bench, "device_memory", lambda opts: ("RPC0", 8 << 30, 16 << 30))
+    together, why = bench.take_turns(jobs, base)
+    assert together and "interleaved" in why and "RPC0" in why
+    monkeypatch.setattr(bench, "device_memory", lambda opts: ("CUDA0", 6 << 30, 16 << 30))
+    together, why = bench.take_turns(jobs, base)  # 6 GiB + the margin > 6 GiB free
+    assert not together and "one after another" in why and "CUDA0" in why
+    assert bench.take_turns(jobs[:1], base)[0] is False

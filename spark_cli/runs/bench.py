@@ -13,6 +13,10 @@ Configurations (every one sized for the same budget):
 
 Every configuration is sized with the run's -ctk/-ctv/-ub/-np/--kv-unified (planner.fixed_bytes), as the plans are.
 
+When every configuration fits the device at once (an RPC stand-in, a large card) they are all
+opened first and take turns, one repetition each (take_turns): a machine whose speed drifts
+during the bench drifts for all of them alike, so their ratios hold. Otherwise one after another.
+
 Each run: prompt processing of `n_prompt` corpus tokens, then greedy generation of `n_gen`
 tokens after a corpus prompt (end-of-generation tokens are skipped so every configuration
 decodes the same number of tokens). Cache figures: the decode steps (per generated token) and
@@ -36,7 +40,7 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -84,6 +88,7 @@ class Run:
     pp_seconds: float
     tg_tokens: int
     tg_seconds: float
+    started: float = 0.0  # seconds after the bench's clock started (time.perf_counter - CLOCK_START)
 
     @property
     def pp_tok_s(self) -> float:
@@ -600,11 +605,14 @@ def measure_parallel(eng: Engine, work: Workload, n_gen: int, par: ParallelResul
         par.together_digest = _digest([t for seq in batched for t in seq])
 
 
-def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, n_gen: int,
-            result: Result, progress: Progress | None = None, learn: bool = True,
-            home: Path | None = None, fingerprint: str = "") -> Result:
-    """Load the configuration, warm up, then `repetitions` runs of prompt processing and
-    generation. Fills `result` as it goes, so an interrupted bench keeps the finished runs."""
+def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, n_gen: int,
+              result: Result, progress: Progress | None = None, learn: bool = True,
+              home: Path | None = None, fingerprint: str = "", clock: float | None = None) -> Iterator[None]:
+    """Load the configuration and warm up (then yield), then `repetitions` runs of prompt
+    processing and generation (a yield after each), so that several open configurations can take
+    turns (run: take_turns). Fills `result` as it goes: an interrupted bench keeps the finished
+    runs. Closing it early closes the engine. `clock`: the perf_counter value Run.started counts from."""
+    clock = time.perf_counter() if clock is None else clock
     spark = cfg.kind == "spark"
     first_path = initial_path(cfg.miss_path)
     cpu = cfg.device == "none"
@@ -634,6 +642,7 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
             after = device_memory(opts)
             if mem is not None and after is not None and mem[1] > after[1]:
                 result.device_used_bytes = mem[1] - after[1]
+            yield
             for rep in range(repetitions):
                 eng.reset()
                 s0 = cache_total(eng)
@@ -666,7 +675,8 @@ def measure(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, 
                         if c.size:
                             result.counts = c if result.counts is None else result.counts + c
                 result.decode_tokens += n_gen
-                result.runs.append(Run(len(work.pp_tokens), pp_s, n_gen, tg_s))
+                result.runs.append(Run(len(work.pp_tokens), pp_s, n_gen, tg_s, started=t0 - clock))
+                yield
             if eng.n_seq > 1:
                 # NOTE: after the single-sequence runs, whose routing counts are folded: these are not
                 result.parallel = ParallelResult(eng.n_seq)
@@ -760,23 +770,72 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
         if c.name != "spark-layer":
             c.miss_path = miss_path
     seen: dict[tuple, Result] = {}
+    copies: list[tuple[int, Config, Result]] = []  # (position, configuration, the result it equals)
     for c in cfgs:
         if c.status != "ready":
             report.results.append(Result(c, status=c.status, reason=c.note))
-            continue
-        if c.key() in seen and seen[c.key()].runs:
-            report.results.append(copy_result(c, seen[c.key()]))
-            continue
-        r = Result(c)
-        report.results.append(r)
+        elif c.key() in seen:
+            copies.append((len(report.results), c, seen[c.key()]))
+            report.results.append(Result(c))
+        else:
+            seen[c.key()] = Result(c)
+            report.results.append(seen[c.key()])
+    jobs = list(seen.values())
+    report.interleaved, why = take_turns(jobs, base)
+    report.notes.append(why)
+    clock = time.perf_counter()
+    steps = [measuring(r.config, base, work, report.repetitions, report.n_gen, r, learn=learn,
+                       progress=(lambda _n, d, t, c=r.config: progress(c.label, d, t)) if progress else None,
+                       fingerprint=g.fingerprint, clock=clock) for r in jobs]
+    try:
         if progress:
-            progress(c.label, 0, report.repetitions * (len(work.pp_tokens) + report.n_gen))
-        measure(c, base, work, report.repetitions, report.n_gen, r, learn=learn,
-                progress=(lambda _n, d, t, c=c: progress(c.label, d, t)) if progress else None,
-                fingerprint=g.fingerprint)
+            for r in jobs:
+                progress(r.config.label, 0, report.repetitions * (len(work.pp_tokens) + report.n_gen))
+        if report.interleaved:
+            _in_turns(steps, jobs, say)
+        else:
+            for step, r in zip(steps, jobs):
+                _in_turns([step], [r], say)
+    finally:
+        for step, r in zip(steps, jobs):
+            step.close()  # NOTE: an interrupt in another configuration's turn leaves this one running
+            if r.status == "running":
+                r.status, r.reason = "interrupted", f"after {len(r.runs)} of {report.repetitions} runs"
+        for i, c, r in copies:
+            report.results[i] = copy_result(c, r)
+
+
+def _in_turns(steps: list[Iterator[None]], jobs: list[Result], say: Callable[[str], None] | None) -> None:
+    """Drive measuring() steps round-robin until each has finished: all open and warm first (each
+    says its miss path as it opens), then one repetition of each in turn."""
+    live = []
+    for step, r in zip(steps, jobs):
+        if next(step, StopIteration) is not StopIteration:
+            live.append(step)
         if r.miss_path_why and say:
-            say(f"{c.label}: {r.miss_path_why}")
-        seen[c.key()] = r
+            say(f"{r.config.label}: {r.miss_path_why}")
+    while live:
+        live = [step for step in live if next(step, StopIteration) is not StopIteration]
+
+
+INTERLEAVE_MARGIN = 1 << 30  # device memory left free when every configuration is open at once
+
+
+def take_turns(jobs: list[Result], base: EngineOptions) -> tuple[bool, str]:
+    """Whether the configurations run interleaved (every one open at once, one repetition of each
+    in turn, so a machine whose speed drifts during the bench drifts for all of them alike), and
+    the note that says so. Only when their planned device bytes fit one device's free memory
+    together (an RPC stand-in, a large card); else one after another, as llama-bench runs."""
+    if len(jobs) < 2:
+        return False, "configurations measured one after another"
+    mem = device_memory(base) if base.device != "none" and len(base.rpc) <= 1 else None
+    need = sum(r.config.planned_bytes for r in jobs) + INTERLEAVE_MARGIN
+    if mem is None or any(r.config.device == "none" for r in jobs) or need > mem[1]:
+        have = f"{units.gib(mem[1])} free on {mem[0]}" if mem else "more than one device"
+        return False, (f"configurations measured one after another (together they need {units.gib(need)}, "
+                       f"{have})")
+    return True, (f"configurations interleaved: all {len(jobs)} open on {mem[0]}, one repetition of each in turn "
+                  f"({units.gib(need)} of {units.gib(mem[1])} free)")
 
 
 def fold(report: "Report") -> "Result | None":
@@ -814,6 +873,7 @@ class Report:
     cpu_threads: tuple[int, int] | None = None  # (-t, -tb) of every configuration's engine
     ceiling: str | None = None
     n_parallel: int = 1  # -np: sequences every configuration is opened with (> 1: Result.parallel)
+    interleaved: bool = False  # every configuration open at once, one repetition of each in turn (take_turns)
 
     def result(self, name: str) -> Result | None:
         return next((r for r in self.results if r.config.name == name), None)
@@ -855,7 +915,8 @@ class Report:
                 "vram_planned_bytes": c.planned_bytes, "bank_bytes": r.bank_bytes,
                 "device_used_bytes": r.device_used_bytes, "device": r.device_name or None,
                 "runs": [{"pp_tokens": x.pp_tokens, "pp_seconds": x.pp_seconds, "pp_tok_s": x.pp_tok_s,
-                          "tg_tokens": x.tg_tokens, "tg_seconds": x.tg_seconds, "tg_tok_s": x.tg_tok_s}
+                          "tg_tokens": x.tg_tokens, "tg_seconds": x.tg_seconds, "tg_tok_s": x.tg_tok_s,
+                          "started": x.started}
                          for x in r.runs],
                 "pp_tok_s": _spread(r.pp), "tg_tok_s": _spread(r.tg),
                 **cold_figures(r, g),
@@ -883,6 +944,7 @@ class Report:
             "cpu_threads_batch": self.cpu_threads[1] if self.cpu_threads else None,
             "baseline": self.baseline, "ceiling": self.ceiling,
             "targets": self.targets(), "notes": list(self.notes), "interrupted": self.interrupted,
+            "interleaved": self.interleaved,
             "configs": configs,
         }
 
