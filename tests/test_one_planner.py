@@ -225,7 +225,12 @@ def fake_bench(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "make_workload", lambda eng, docs, n: bench.Workload([1] * 8, [1] * 4, [[1] * 4]))
     monkeypatch.setattr(bench, "calibrate", lambda eng, g, prompts, progress=None: _drifting_trace(g, 80, seed=3))
     measured = []
-    monkeypatch.setattr(bench, "measure", lambda cfg, *a, **kw: measured.append(cfg))
+
+    def measuring(cfg, *a, **kw):  # a generator, as bench.measuring is: one turn, no runs
+        measured.append(cfg)
+        yield
+
+    monkeypatch.setattr(bench, "measuring", measuring)
     return measured
 
 
