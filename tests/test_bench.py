@@ -471,3 +471,31 @@ def test_configurations_take_turns_only_when_they_fit_the_device_together(monkey
     together, why = bench.take_turns(jobs, base)  # 6 GiB + the margin > 6 GiB free
     assert not together and "one after another" in why and "CUDA0" in why
     assert bench.take_turns(jobs[:1], base)[0] is False
+
+
+def test_an_interrupt_in_one_turn_closes_every_engine_and_marks_the_open_ones() -> None:
+    """Interleaved: a KeyboardInterrupt in one configuration's repetition closes the others' engines
+    (their generators) and marks them interrupted; a configuration that had finished keeps ok."""
+    closed: list[str] = []
+
+    def steps(r: bench.Result, reps: int, fail_at: int | None = None):
+        r.status = "running"
+        try:
+            yield  # open and warm
+            for i in range(reps):
+                if i == fail_at:
+                    r.status = "interrupted"
+                    raise KeyboardInterrupt
+                r.runs.append(bench.Run(8, 1.0, 4, 1.0))
+                yield
+            r.status = "ok"
+        finally:
+            closed.append(r.config.name)
+
+    jobs = [bench.Result(bench.Config(n, n, "stock")) for n in ("done", "open", "fails")]
+    gens = [steps(jobs[0], 1), steps(jobs[1], 3), steps(jobs[2], 3, fail_at=1)]
+    with pytest.raises(KeyboardInterrupt):
+        bench.drive(gens, jobs, interleaved=True, repetitions=3)
+    assert sorted(closed) == ["done", "fails", "open"]
+    assert [r.status for r in jobs] == ["ok", "interrupted", "interrupted"]
+    assert jobs[1].reason == "after 2 of 3 runs" and len(jobs[2].runs) == 1  # its turn came before the failing one

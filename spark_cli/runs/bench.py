@@ -791,7 +791,19 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
         if progress:
             for r in jobs:
                 progress(r.config.label, 0, report.repetitions * (len(work.pp_tokens) + report.n_gen))
-        if report.interleaved:
+        drive(steps, jobs, report.interleaved, report.repetitions, say)
+    finally:
+        for i, c, r in copies:
+            report.results[i] = copy_result(c, r)
+
+
+def drive(steps: list[Iterator[None]], jobs: list[Result], interleaved: bool, repetitions: int,
+          say: Callable[[str], None] | None = None) -> None:
+    """The measuring() steps of `jobs`, in turns or one configuration after another. However it
+    ends (an interrupt included) every engine is closed, and a configuration stopped in the
+    middle is marked interrupted."""
+    try:
+        if interleaved:
             _in_turns(steps, jobs, say)
         else:
             for step, r in zip(steps, jobs):
@@ -800,9 +812,7 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
         for step, r in zip(steps, jobs):
             step.close()  # NOTE: an interrupt in another configuration's turn leaves this one running
             if r.status == "running":
-                r.status, r.reason = "interrupted", f"after {len(r.runs)} of {report.repetitions} runs"
-        for i, c, r in copies:
-            report.results[i] = copy_result(c, r)
+                r.status, r.reason = "interrupted", f"after {len(r.runs)} of {repetitions} runs"
 
 
 def _in_turns(steps: list[Iterator[None]], jobs: list[Result], say: Callable[[str], None] | None) -> None:
