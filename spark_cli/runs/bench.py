@@ -88,7 +88,7 @@ class Run:
     pp_seconds: float
     tg_tokens: int
     tg_seconds: float
-    started: float = 0.0  # seconds after the bench's clock started (time.perf_counter - CLOCK_START)
+    started: float = 0.0  # seconds from the start of the bench's measurements (measuring's `clock`) to this run
 
     @property
     def pp_tok_s(self) -> float:
@@ -841,7 +841,7 @@ def take_turns(jobs: list[Result], base: EngineOptions) -> tuple[bool, str]:
     mem = device_memory(base) if base.device != "none" and len(base.rpc) <= 1 else None
     need = sum(r.config.planned_bytes for r in jobs) + INTERLEAVE_MARGIN
     if mem is None or any(r.config.device == "none" for r in jobs) or need > mem[1]:
-        have = f"{units.gib(mem[1])} free on {mem[0]}" if mem else "more than one device"
+        have = f"{units.gib(mem[1])} free on {mem[0]}" if mem else "not one device to hold them all"
         return False, (f"configurations measured one after another (together they need {units.gib(need)}, "
                        f"{have})")
     return True, (f"configurations interleaved: all {len(jobs)} open on {mem[0]}, one repetition of each in turn "
