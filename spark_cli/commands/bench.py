@@ -93,6 +93,21 @@ def accounting_table(report: "Report") -> "Table":
     return t
 
 
+PREDICTION_CAPTION = ("predicted: the cost model with this device's measured costs (spark plan prints the same); "
+                      "pred/meas: predicted over measured tok/s; stops/tok: device stops per generated token")
+
+
+def prediction_table(report: "Report") -> "Table":
+    """Predicted beside measured tok/s for every configuration the cost model priced."""
+    from ..runs.bench import prediction_rows
+
+    data = prediction_rows(report)
+    t = _rich_table("predicted and measured", PREDICTION_CAPTION, data)
+    for r in data:
+        t.add_row(*r.values())
+    return t
+
+
 def parallel_table(report: "Report") -> "Table":
     """(c) -np N: N sequences decoded together against one after another."""
     from ..runs.bench import parallel_rows
@@ -143,7 +158,8 @@ def _summary_lines(report) -> list[str]:
     if spark is not None and spark.config.plan is not None:
         s = spark.config.summary(g)
         out.append(f"Spark: {100 * s['expert_residency']:.1f}% of expert bytes on the device "
-                   f"({s['cached_layers']} cached layers, {s['pinned']} pinned, {s['lru_slots']} LRU slots)")
+                   f"({s['cached_layers']} cached layers, {len(s['host_layers'])} host layers, {s['pinned']} pinned, "
+                   f"{s['lru_slots']} LRU slots)")
     if report.baseline:
         out.append(f"ratios against the best stock configuration ({report.baseline})"
                    + (f" and the ceiling ({report.ceiling})" if report.ceiling else "; no ceiling measured"))
@@ -151,7 +167,8 @@ def _summary_lines(report) -> list[str]:
         if t["value"] is not None:
             verdict = "[green]met[/]" if t["met"] else "[red]not met[/]"
             ref = "ceiling" if key.endswith("ceiling") else "best stock"
-            out.append(f"target: Spark generation >= {t['target']:g}x {ref}: {t['value']:.2f}x, {verdict}")
+            phase = "prompt processing" if key.startswith("pp") else "generation"
+            out.append(f"target: Spark {phase} >= {t['target']:g}x {ref}: {t['value']:.2f}x, {verdict}")
     digests = {r.config.name: r.tokens_digest for r in report.results if r.tokens_digest}
     if "spark" in digests and "resident" in digests:
         same = digests["spark"] == digests["resident"]
@@ -179,6 +196,8 @@ def _write_outputs(report, as_json: bool, json_path: Path | None, md: bool, plot
         if not console.is_terminal and "COLUMNS" not in os.environ and console.width < TABLE_WIDTH:
             console.width = TABLE_WIDTH  # NOTE: a log gets the tables' width, not rich's 80-column default
         console.print(speed_table(report))
+        if any(r.config.predicted is not None for r in report.results):
+            console.print(prediction_table(report))
         if any(r.runs for r in report.results):
             console.print(accounting_table(report))
         if any(r.parallel is not None for r in report.results):

@@ -77,6 +77,10 @@ def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, 
     console.print(render_plan.measured_line(plan), soft_wrap=True)
     console.print(host.line(), soft_wrap=True)
     console.print(render_plan.cold_hit_line(plan), soft_wrap=True)
+    table = render_plan.prediction_table(plan)
+    if table is not None:
+        console.print(table)
+    console.print(render_plan.prediction_line(plan), soft_wrap=True)
     if trace is not None:
         console.print(trace_replay_line(trace, plan), soft_wrap=True)
     if placed.candidates:
@@ -106,6 +110,46 @@ def _devices(flags: LoadFlags, vram_text: str | None, measure: bool) -> list:
     return devices.select(devices.parse(flags.device, flags.rpc))
 
 
+def _check_prediction_flags(objective: str, predict_for: str | None, host_bandwidth: float | None,
+                            host_cores: int | None, cold_hit: float | None):
+    """The flags of a plan priced in time, checked before the model is read; the --predict-for card."""
+    from ..core import device_table
+    from ..core.cost_model import OBJECTIVES
+    from ..errors import UsageError
+
+    if objective not in OBJECTIVES:
+        raise UsageError(f"--objective: unknown objective {objective!r}", hint="use " + " or ".join(OBJECTIVES))
+    if cold_hit is not None and not 0.0 <= cold_hit <= 1.0:
+        raise UsageError(f"--cold-hit: {cold_hit:g} is not a share", hint="give a number from 0 to 1, e.g. 0.1")
+    if predict_for is None:
+        for flag, v in (("--host-bandwidth", host_bandwidth), ("--host-cores", host_cores)):
+            if v is not None:
+                raise UsageError(f"{flag}: only with --predict-for", hint="name the card: --predict-for NAME")
+        return None
+    if host_bandwidth is not None and not host_bandwidth > 0:
+        raise UsageError(f"--host-bandwidth: {host_bandwidth:g} GB/s", hint="give the host's memory bandwidth, e.g. 60")
+    if host_cores is not None and host_cores < 1:
+        raise UsageError(f"--host-cores: {host_cores}", hint="give a core count of 1 or more")
+    if objective == "prompt":
+        raise UsageError("--objective prompt: prompt speed is not predicted from published figures",
+                         hint="measure it on the card with spark bench, or use --objective decode")
+    return device_table.card(predict_for)
+
+
+def _costs(card, geometry, devs: list, flags: LoadFlags, host_bandwidth: float | None, host_cores: int | None):
+    """The device costs a plan is priced with: a card's published figures (--predict-for), else those
+    `spark bench` measured for the device, model and -t; None: placed by hits alone."""
+    import os
+
+    from ..core import device_table
+    from ..runs import session
+
+    if card is not None:
+        return device_table.predicted_costs(card, geometry, host_bandwidth or device_table.DEFAULT_HOST_GB_S,
+                                            host_cores or os.cpu_count() or 1)
+    return session.kept_costs(devs, geometry, flags)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("plan")
     @model_flags
@@ -131,6 +175,18 @@ def register(app: typer.Typer) -> None:
                                    "of the replayed steps, predict the rest)"),
         output: Path = typer.Option(None, "--output", "-o", help="write the plan JSON here (for --plan)"),
         as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+        objective: str = typer.Option("decode", "--objective", help="the time a plan minimises when it is priced "
+                                      "in time: decode (tg) or prompt (pp)"),
+        predict_for: str = typer.Option(None, "--predict-for", help="price the plan for a card that is not at hand, "
+                                        "from its published figures (e.g. rtx-4060-ti-16gb; an unknown name lists "
+                                        "them); --vram defaults to its memory"),
+        host_bandwidth: float = typer.Option(None, "--host-bandwidth", help="with --predict-for: the host's memory "
+                                             "bandwidth in GB/s (default 60: dual-channel DDR5)"),
+        host_cores: int = typer.Option(None, "--host-cores", help="with --predict-for: the host's CPU cores "
+                                       "(default: this machine's)"),
+        cold_hit: float = typer.Option(None, "--cold-hit", help="without a profile: the share of routed experts "
+                                       "a cached layer misses with k slots, assumed (0-1; default: the uniform "
+                                       "prior's)"),
         flags: LoadFlags = None,
     ) -> None:
         """Place experts for a VRAM budget and show the bill (no GPU needed with --vram)."""
@@ -155,6 +211,10 @@ def register(app: typer.Typer) -> None:
         if pol not in ONLINE_POLICIES + (AUTO_POLICY,):
             raise UsageError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
         check_choice(miss_path)
+        card = _check_prediction_flags(objective, predict_for, host_bandwidth, host_cores, cold_hit)
+        if card is not None:
+            measure = False
+            vram_text = vram_text or f"{card.vram_gib:g}GiB"
         if vram_text:
             from ..core.units import parse_sizes
 
@@ -180,8 +240,11 @@ def register(app: typer.Typer) -> None:
                                   expect_shape=(geometry.n_layer, geometry.n_expert)) if trace_path else None
         info, routing = _routing(info, geometry, trace, trace_path)
         # NOTE: the same request chat and serve make for --vram (session.resolve_placement)
+        costs = _costs(card, geometry, devs, flags, host_bandwidth, host_cores)
         req = session.plan_request(info, budget.bytes, ctx, trace=trace, policy=pol, miss_path=miss_path,
-                                   split=session.resolve_split(flags, budget), **session.kv_settings(flags))
+                                   split=session.resolve_split(flags, budget), costs=costs, objective=objective,
+                                   **session.kv_settings(flags))
+        req = replace(req, assumed_cold_hit=cold_hit)
         replay_src = f"the trace {trace_path.name}" if trace_path else "the profile's recent decode steps"
         from ..runs import dry_run, host_ram
 

@@ -274,3 +274,40 @@ def stock_lines(plan: Plan) -> list[str]:
         verdict = "fits" if s.cpu_moe_fits else "does not fit"
         out.append(f"  --cpu-moe (all experts on the CPU): {fmt_bytes(s.cpu_moe_device_bytes)}, {verdict}")
     return out
+
+
+def _speed(v: float | None) -> str:
+    return "-" if v is None or v == float("inf") else f"{v:.1f}"
+
+
+def prediction_table(plan: Plan) -> Table | None:
+    """The plan beside stock's placements for the same budget, priced by the cost model (None:
+    not priced in time). Prompt speed is left out where the figures are published, not measured."""
+    p = plan.predicted
+    if not p:
+        return None
+    published = not p.get("measured", True)
+    t = Table(title=f"predicted per token ({p['objective']} time chosen)", title_justify="left")
+    for col in ("placement", "VRAM", "stops/tok", "tg tok/s", "pp tok/s", "tg vs stock"):
+        t.add_column(col, justify="left" if col == "placement" else "right", no_wrap=col == "placement")
+    alts = p.get("alternatives") or []
+    stock = next((a for a in alts if a["name"] == "n-cpu-moe" and a["fits"]), None)
+    for a in alts:
+        if not a["fits"]:
+            t.add_row(a["label"], units.gib(a["device_bytes"]), "-", "does not fit", "-", "-", style="dim")
+            continue
+        vs = f"{a['tg_tok_s'] / stock['tg_tok_s']:.2f}x" if stock and stock["tg_tok_s"] else "-"
+        t.add_row(a["label"], units.gib(a["device_bytes"]), str(a["stops"]), _speed(a["tg_tok_s"]),
+                  "-" if published else _speed(a["pp_tok_s"]), vs, style="bold" if a["name"] == "spark" else "")
+    return t
+
+
+def prediction_line(plan: Plan) -> str:
+    """Where the prediction's figures come from, in one line."""
+    p = plan.predicted
+    if not p:
+        return ("not priced in time: no device costs for this device, model and -t yet (`spark bench` measures "
+                "them; --predict-for NAME uses a card's published figures): placed by hits alone")
+    kind = "from this device's measured costs" if p.get("measured", True) else \
+        "predicted from published figures, not measured"
+    return f"priced in time, {kind}: {p['costs']}"

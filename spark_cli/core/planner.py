@@ -80,6 +80,7 @@ from ..files.atomic import atomic_write_text
 from ..files.regular import read_regular_text
 from ..errors import PlanError
 from .bill import MeasuredBill
+from .cost_model import OBJECTIVES, DeviceCosts, LayerLoad, Prediction, predict
 from .gguf_info import ModelGeometry
 from .options import DEFAULT_UBATCH
 from .placement import TensorOverride, cached_expert_overrides, stock_overrides, stock_patterns
@@ -281,6 +282,7 @@ class Plan:
     split_mode: str = "layer"  # -sm: layer, or none (the whole model on the main_gpu device)
     main_gpu: int = 0  # -mg: the device -sm none keeps, among the run's selected devices
     output_device: int = 0  # index into devices: where the output layer (norm, matrix) lands
+    predicted: dict[str, Any] | None = None  # the cost model's figures: tg_tok_s, pp_tok_s, stops, objective, costs
 
     @property
     def per_device(self) -> tuple[DevicePlan, ...]:
@@ -362,7 +364,7 @@ class Plan:
                    # NOTE: plans from before -np priced one sequence and one stream
                    n_parallel=f.int(d, "n_parallel", "", 1, MAX_PARALLEL) if "n_parallel" in d else 1,
                    kv_unified=f.bool(d, "kv_unified", "") if "kv_unified" in d else False,
-                   overrides=tuple(overrides),
+                   overrides=tuple(overrides), predicted=_predicted_field(f, d),
                    **_measured_fields(f, d), **_device_fields(f, d))
         seen: set[int] = set()
         for n, l in enumerate(plan.layers):
@@ -410,6 +412,19 @@ class Plan:
                     raise PlanError(f"{path}: plan is for another model ({k} {show(got)} != {show(want)})",
                                     hint="make a plan for this model with `spark plan`")
         return plan
+
+
+def _predicted_field(f: "_Fields", d: dict) -> dict[str, Any] | None:
+    """The plan's predicted figures (optional: plans from before the cost model have none)."""
+    if d.get("predicted") is None:
+        return None
+    p = f.dict(d, "predicted", "")
+    alts = f.list(p, "alternatives", "predicted") if "alternatives" in p else []
+    return {"tg_tok_s": f.float(p, "tg_tok_s", "predicted"), "pp_tok_s": f.float(p, "pp_tok_s", "predicted"),
+            "stops": f.int(p, "stops", "predicted", 0, INT32_MAX), "objective": f.str(p, "objective", "predicted"),
+            "costs": f.str(p, "costs", "predicted"),
+            "measured": f.bool(p, "measured", "predicted") if "measured" in p else True,
+            "alternatives": [f.dict(alts, i, "predicted.alternatives") for i in range(len(alts))]}
 
 
 def _measured_fields(f: "_Fields", d: dict) -> dict[str, Any]:
@@ -653,7 +668,8 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
                max_slots_per_layer: int | None = None, n_ubatch: int = DEFAULT_UBATCH, *,
                miss_fn: MissFn | None = None, allow_pins: bool = True, policy: str = DEFAULT_POLICY,
                miss_path: str = "auto", compute_bytes: int | tuple[int, ...] | None = None, n_parallel: int = 1,
-               kv_unified: bool = False, split: Split | None = None, stage: int | None = None) -> Plan:
+               kv_unified: bool = False, split: Split | None = None, stage: int | None = None,
+               shape: "Shape | None" = None) -> Plan:
     """The greedy for `budget_bytes` of device memory (see the module docstring); plan_for's.
 
     profile_counts: [n_layer, n_expert] decode routing counts; None = uniform prior.
@@ -665,6 +681,8 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
     split puts it on, and each device spends its own budget (split.budgets; budget_bytes unused)
     on the layers it holds: the greedy sequence restricted to a device's layers is that device's
     prefix, so every device keeps the monotone hot set. `compute_bytes`: one per device then.
+    `shape` (the time search): layers forced resident or host; the greedy spends the rest on the
+    others' slots, and below the floor makes the lowest forced-resident layers host first.
     """
     g = geometry
     sp = split if split is not None else single(budget_bytes)
@@ -680,6 +698,10 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
         _check_fixed_fits(fixed[d], budgets[d], n_ctx, bias[d], n_parallel, sp.names[d] if n_dev > 1 else "")
     counts = _checked_counts(g, profile_counts)
     states = _layer_states(g, moe, counts, max_slots_per_layer, miss_fn, allow_pins)
+    forced_host, prefer_host = (shape.host, shape.resident) if shape is not None else (frozenset(), frozenset())
+    for il in prefer_host:
+        if il in states:
+            states[il].resident = True
     dev_states = [{l.index: states[l.index] for l in on[d]} for d in range(n_dev)]
     trim = stage is None  # the default count is trimmed below; a given one is kept
     stage = stage_slices(g.n_expert, g.n_expert_used, miss_path) if stage is None else stage
@@ -691,10 +713,12 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
     if any(fixed_total[d] + staged[d] - bias[d] > budgets[d] for d in range(n_dev)):
         stage, staged = 0, [0] * n_dev
     staged = [0 if every_resident[d] <= budgets[d] else staged[d] for d in range(n_dev)]
-    hosts = [_host_layers(on[d], dev_states[d], fixed_total[d] + staged[d], budgets[d]) for d in range(n_dev)]
+    hosts = [_host_layers(on[d], dev_states[d], fixed_total[d] + staged[d], budgets[d], forced_host, prefer_host)
+             for d in range(n_dev)]
     if any(staged[d] and len(hosts[d][0]) == len(on[d]) for d in range(n_dev)):
         stage, staged = 0, [0] * n_dev  # a device caches no layer: staging would take the floor of the rest
-        hosts = [_host_layers(on[d], dev_states[d], fixed_total[d], budgets[d]) for d in range(n_dev)]
+        hosts = [_host_layers(on[d], dev_states[d], fixed_total[d], budgets[d], forced_host, prefer_host)
+                 for d in range(n_dev)]
     for d in range(n_dev):
         _spend(dev_states[d], hosts[d][0], budgets[d] - hosts[d][1])
         if n_dev > 1 and staged[d]:
@@ -713,7 +737,7 @@ def _make_plan(geometry: ModelGeometry, budget_bytes: int, n_ctx: int,
         return _make_plan(geometry, budget_bytes, n_ctx, profile_counts, type_k, type_v, max_slots_per_layer,
                           n_ubatch, miss_fn=miss_fn, allow_pins=allow_pins, policy=policy, miss_path=miss_path,
                           compute_bytes=compute_bytes, n_parallel=n_parallel, kv_unified=kv_unified, split=split,
-                          stage=need)
+                          stage=need, shape=shape)
     devs = []
     for d in range(n_dev):
         bd = {"weights_global": fixed[d]["weights_global"],
@@ -792,15 +816,20 @@ def _layer_states(g: ModelGeometry, moe: list, counts: np.ndarray | None, max_sl
     return states
 
 
-def _host_layers(moe: list, states: dict[int, "_Layer"], fixed_total: int, budget_bytes: int) -> tuple[set[int], int]:
+def _host_layers(moe: list, states: dict[int, "_Layer"], fixed_total: int, budget_bytes: int,
+                 forced: frozenset[int] = frozenset(), prefer: frozenset[int] = frozenset()) -> tuple[set[int], int]:
     """Below the cache floor: the lowest-numbered MoE layers keep their experts (and expert
     biases) in host RAM, as stock --n-cpu-moe does, until the rest fits. (host layers, bytes needed)
-    `moe` and `states`: the layers of one device."""
-    host: set[int] = set()
-    need = fixed_total + sum(s.cost() for s in states.values())
-    for l in moe:
+    `moe` and `states`: the layers of one device. `forced`: host whatever the budget; `prefer`:
+    these go first (the time search's resident layers: a whole layer frees the most)."""
+    host = {l.index for l in moe if l.index in forced}
+    need = fixed_total + sum(s.cost() for i, s in states.items() if i not in host) \
+        - sum(l.expert_bias_bytes for l in moe if l.index in host)
+    for l in sorted(moe, key=lambda l: (l.index not in prefer, l.index)):
         if need <= budget_bytes:
             break
+        if l.index in host:
+            continue
         need -= states[l.index].cost() + l.expert_bias_bytes
         host.add(l.index)
     assert need <= budget_bytes, "stock --cpu-moe fits, so the all-host plan fits"
@@ -901,6 +930,9 @@ class PlanRequest:
     n_parallel: int = 1  # -np: sequences the KV cache and recurrent state hold
     kv_unified: bool = False  # --kv-unified: one KV stream for all of them
     split: Split | None = None  # several devices (split.py): their budgets (which budget_bytes sums) and layer split
+    costs: DeviceCosts | None = field(default=None, compare=False)  # the device's time figures: plans priced in time
+    objective: str = "decode"  # with costs: the time a plan minimises (cost_model.OBJECTIVES)
+    assumed_cold_hit: float | None = None  # without a trace: a cached layer's miss share at k slots (--cold-hit)
 
     @property
     def replay_path(self) -> str:
@@ -921,6 +953,20 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """A placement for the same budget, priced by the same cost model (what `spark plan` compares)."""
+
+    name: str  # spark | cpu-moe | n-cpu-moe | resident
+    label: str  # "Spark", "stock --n-cpu-moe 12", ...
+    prediction: Prediction | None  # None: does not fit the budget
+    device_bytes: int
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "label": self.label, "fits": self.prediction is not None,
+                "device_bytes": self.device_bytes, **(self.prediction.to_dict() if self.prediction else {})}
+
+
+@dataclass(frozen=True)
 class PlanResult:
     """The plan, and how it was chosen (what `spark plan` prints)."""
 
@@ -928,6 +974,7 @@ class PlanResult:
     candidates: tuple[Candidate, ...] = ()  # with a trace: every plan tried, replayed on it
     replay_steps: int = 0  # decode steps replayed (0: planned from the counts alone)
     chosen: str = "pins+k"  # the candidate kept
+    alternatives: tuple["Alternative", ...] = ()  # priced in time: the plan beside stock's placements
 
     def candidate(self, name: str) -> Plan:
         """The candidate plan `name`; without a trace the plan itself is the pins+k plan."""
@@ -957,7 +1004,11 @@ def plan_for(geometry: ModelGeometry, request: PlanRequest, measure: Measure | N
     auto = request.policy == AUTO_POLICY
     r = replace(request, policy=DEFAULT_POLICY) if auto else request
     res = _plan_once(geometry, r) if measure is None else _fit(geometry, r, measure)
-    return _choose_policy(res, r) if auto else res
+    res = _choose_policy(res, r) if auto else res
+    if res.alternatives:  # NOTE: priced again with the policy chosen
+        alts = alternatives(geometry, r, res.plan)
+        res = replace(res, plan=with_prediction(res.plan, alts, r), alternatives=alts)
+    return res
 
 
 AUTO_POLICY = "auto"  # --policy auto: the native policy that replays best with the plan's slots
@@ -1038,14 +1089,18 @@ def _plan_once(geometry: ModelGeometry, request: PlanRequest) -> PlanResult:
         raise PlanError(f"policy {r.policy!r}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
     if r.miss_path not in MISS_PATHS:
         raise PlanError(f"miss path {r.miss_path!r}: unknown", hint="use " + ", ".join(MISS_PATHS))
+    if r.objective not in OBJECTIVES:
+        raise PlanError(f"objective {r.objective!r}: unknown", hint="use " + ", ".join(OBJECTIVES))
     kw = dict(type_k=r.type_k, type_v=r.type_v, n_ubatch=r.n_ubatch, policy=policy, miss_path=r.miss_path,
               compute_bytes=r.compute_bytes, n_parallel=r.n_parallel, kv_unified=r.kv_unified, split=r.split)
     trace = r.trace if r.trace is not None and r.trace.n_decode else None
-    if trace is None:
-        return PlanResult(_make_plan(geometry, r.budget_bytes, r.n_ctx, r.profile_counts, **kw))
-    if (trace.n_layer, trace.n_expert) != (geometry.n_layer, geometry.n_expert):
+    if trace is not None and (trace.n_layer, trace.n_expert) != (geometry.n_layer, geometry.n_expert):
         raise PlanError(f"trace: {trace.n_layer} layers x {trace.n_expert} experts; the model has "
                         f"{geometry.n_layer} x {geometry.n_expert}")
+    if r.costs is not None and r.devices().n_devices == 1:
+        return _plan_in_time(geometry, r, trace, kw)
+    if trace is None:
+        return PlanResult(_make_plan(geometry, r.budget_bytes, r.n_ctx, r.profile_counts, **kw))
     plan, cands = _plan_by_replay(geometry, r.budget_bytes, r.n_ctx, trace, r.profile_counts,
                                   replay_path=r.replay_path, max_admit=r.max_admit, **kw)
     chosen = next(c.name for c in cands if c.plan.layers == plan.layers)
@@ -1074,6 +1129,7 @@ class _LayerReplay:
         self.trace, self.policy, self.miss_path, self.max_admit = trace, policy, miss_path, max_admit
         self._layers: dict[int, LayerTrace] = {}
         self._memo: dict[tuple[int, tuple[int, ...], int], float] = {}
+        self._admits: dict[tuple[int, tuple[int, ...], int], float] = {}
         n = trace.n_expert
         self.order = {l: hottest_first(counts[l] if counts is not None else np.zeros(n)) for l in trace.moe_layers()}
 
@@ -1090,7 +1146,14 @@ class _LayerReplay:
                                         self.max_admit)
         n = st.hits_decode + st.misses_decode + st.stock_accesses_decode
         self._memo[key] = 1.0 - st.hits_decode / n if n else 0.0
+        self._admits[key] = st.admissions_decode / n if n else 0.0
         return self._memo[key]
+
+    def traffic(self, layer: int, pins: int, lru: int, pinned: tuple[int, ...] | None = None) -> tuple[float, float]:
+        """(miss share, admissions per routed expert) of the layer's decode steps with this placement."""
+        share = self.miss(layer, pins, lru, pinned)
+        pin = pinned if pinned is not None else tuple(self.order.get(layer, [])[:pins])
+        return share, self._admits.get((layer, pin, lru), 0.0)
 
     def plan_miss(self, plan: Plan) -> float:
         """Mean over the plan's MoE layers: resident 0, host 1, cached the replayed miss share."""
@@ -1140,6 +1203,202 @@ def _plan_by_replay(geometry: ModelGeometry, budget_bytes: int, n_ctx: int, trac
     cands = [Candidate(name, p, rp.plan_miss(p)) for name, p in plans]
     best = min(range(len(cands)), key=lambda i: (cands[i].miss, i))
     return replace(cands[best].plan, predicted_miss=cands[best].miss), cands
+
+
+# ---------------------------------------------------------------- planning in time (cost_model.py)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The time search's layer shape: MoE layers forced resident, and forced host (stock's)."""
+
+    resident: frozenset[int]
+    host: frozenset[int] = frozenset()
+
+
+def _planning_counts(request: PlanRequest, trace: Any) -> np.ndarray | None:
+    """The counts that pick pins: the profile's, else the trace's decode counts."""
+    counts = request.profile_counts
+    if counts is None or np.asarray(counts).sum() <= 0:
+        counts = trace.counts("decode") if trace is not None and trace.n_decode else None
+    return None if counts is None else np.asarray(counts, dtype=np.float64)
+
+
+def _off_mass(counts: np.ndarray | None, layer: int, pinned: tuple[int, ...], n_expert: int) -> float:
+    """Share of a layer's routed entries outside its pinned experts (uniform without counts)."""
+    row = counts[layer] if counts is not None else None
+    if row is None or row.sum() <= 0:
+        return 1.0 - len(pinned) / max(n_expert, 1)
+    return float(1.0 - row[list(pinned)].sum() / row.sum()) if pinned else 1.0
+
+
+def layer_loads(g: ModelGeometry, plan: Plan | None, host_layers: Any = (),
+                replay: "_LayerReplay | _AssumedMiss | None" = None,
+                counts: np.ndarray | None = None) -> list[LayerLoad]:
+    """The MoE layers of a placement as the cost model reads them: a plan's modes (misses and
+    admissions of its cached layers replayed on `replay`'s trace, else the counts' unpinned mass
+    with every miss admitted), or stock's: `host_layers` on the CPU, the rest resident."""
+    k, out = g.n_expert_used, []
+    if plan is None:
+        host = set(host_layers)
+        return [LayerLoad("host" if l.index in host else "resident")
+                for l in g.layers if l.is_moe and not l.is_nextn]
+    for l in plan.layers:
+        if l.mode in ("resident", "host"):
+            out.append(LayerLoad(l.mode))
+        elif l.mode == "cached":
+            off = _off_mass(counts, l.index, tuple(l.pinned), g.n_expert)
+            if replay is not None:
+                miss, admits = replay.traffic(l.index, len(l.pinned), l.lru_slots, tuple(l.pinned))
+            else:
+                miss, admits = off, off
+            out.append(LayerLoad("cached", miss * k, admits * k, off))
+    return out
+
+
+def price(g: ModelGeometry, request: PlanRequest, plan: Plan | None = None, host_layers: Any = ()) -> Prediction | None:
+    """The cost model's prediction for a plan, or for stock's placement with `host_layers` on the
+    CPU, with the request's device costs, trace and counts (None: no costs)."""
+    if request.costs is None:
+        return None
+    trace = request.trace if request.trace is not None and request.trace.n_decode else None
+    counts = _planning_counts(request, trace)
+    policy = canonical_policy(plan.policy if plan is not None else DEFAULT_POLICY)
+    rp = _replay_for(g, request, trace, counts, policy)
+    miss_path = plan.miss_path if plan is not None else request.miss_path
+    return predict(layer_loads(g, plan, host_layers, rp, counts), request.costs, miss_path)
+
+
+class _AssumedMiss:
+    """Without a trace, --cold-hit: a cached layer misses `rate` of its routed experts with k
+    policy slots and none with a slot for every expert, linearly between; every miss is admitted."""
+
+    def __init__(self, rate: float, n_expert: int, k: int):
+        self.rate, self.n, self.k = rate, n_expert, k
+
+    def miss(self, layer: int, pins: int, lru: int, pinned: tuple[int, ...] | None = None) -> float:
+        return self.rate * max(self.n - pins - lru, 0) / max(self.n - self.k, 1)
+
+    def traffic(self, layer: int, pins: int, lru: int, pinned: tuple[int, ...] | None = None) -> tuple[float, float]:
+        m = self.miss(layer, pins, lru)
+        return m, m
+
+    def plan_miss(self, plan: Plan) -> float:
+        out = [0.0 if l.mode == "resident" else 1.0 if l.mode == "host" else self.miss(l.index, len(l.pinned), l.lru_slots)
+               for l in plan.layers if l.mode in ("resident", "host", "cached")]
+        return sum(out) / len(out) if out else 0.0
+
+
+def _replay_for(g: ModelGeometry, r: PlanRequest, trace: Any, counts: np.ndarray | None,
+                policy: str) -> "_LayerReplay | _AssumedMiss | None":
+    """What prices a cached layer's misses: the trace replayed, else the assumed cold-hit rate."""
+    if trace is not None:
+        return _LayerReplay(trace, counts, policy, r.replay_path, r.max_admit)
+    if r.assumed_cold_hit is not None:
+        return _AssumedMiss(r.assumed_cold_hit, g.n_expert, g.n_expert_used)
+    return None
+
+
+def _caching_order(g: ModelGeometry, moe: list, rp: "_LayerReplay | _AssumedMiss | None",
+                   counts: np.ndarray | None) -> list[int]:
+    """MoE layers, the best to cache first: the fewest misses with k policy slots (replayed), else
+    the most routing mass on its k hottest experts; ties: the highest layer (stock hosts the lowest)."""
+    k = g.n_expert_used
+
+    def miss(il: int) -> float:
+        if rp is not None:
+            return rp.miss(il, 0, k)
+        row = counts[il] if counts is not None else None
+        if row is None or row.sum() <= 0:
+            return 1.0
+        return float(1.0 - np.sort(row)[::-1][:k].sum() / row.sum())
+
+    return sorted((l.index for l in moe), key=lambda il: (miss(il), -il))
+
+
+def _plan_in_time(g: ModelGeometry, r: PlanRequest, trace: Any, kw: dict) -> PlanResult:
+    """The placement with the least predicted time per token (r.objective) on r.costs' device:
+    every count c of cached layers (the c best to cache; the rest resident, and below the floor
+    the lowest-numbered of those host, as stock does; and with one layer more on the host, for
+    more slots), c = 0 being stock's own placements (--n-cpu-moe N for every N that fits, up to
+    --cpu-moe). Ties: fewer stops, then fewer
+    cached layers. The shape chosen, its pins and slots are then priced by replay as _plan_by_replay
+    does (replay, pins+k, all-slots) and the fastest kept."""
+    counts = _planning_counts(r, trace)
+    rp = _replay_for(g, r, trace, counts, kw["policy"])
+    moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
+    order = _caching_order(g, moe, rp, counts)
+    base = dict(profile_counts=counts, **kw)
+
+    def make(shape: Shape, candidate: str = "replay") -> Plan:
+        stage = None if set(order) - shape.resident - shape.host else 0
+        miss_fn = rp.miss if rp is not None and candidate != "pins+k" else None
+        return _make_plan(g, r.budget_bytes, r.n_ctx, shape=shape, stage=stage, miss_fn=miss_fn,
+                          allow_pins=candidate != "all-slots", **base)
+
+    def cost(plan: Plan) -> tuple[float, int, int]:
+        p = predict(layer_loads(g, plan, (), rp, counts), r.costs, plan.miss_path)  # type: ignore[arg-type]
+        return p.time_us(r.objective), p.stops, sum(1 for l in plan.layers if l.mode == "cached")
+
+    seen: dict[tuple, tuple[tuple[float, int, int], Plan, Shape]] = {}
+    for c in range(len(order) + 1):
+        shape = Shape(frozenset(order[c:]))
+        plan = make(shape)
+        host = frozenset(l.index for l in plan.layers if l.mode == "host")
+        tries = [(shape, plan)]
+        more = [l.index for l in moe if l.index not in host and l.index in shape.resident]
+        for n in range(1, len(more) + 1 if c == 0 else min(len(more), 1) + 1):  # stock: every --n-cpu-moe N
+            wider = Shape(shape.resident, host | frozenset(more[:n]))
+            tries.append((wider, make(wider)))
+        for sh, p in tries:
+            if p.layers not in seen:
+                seen[p.layers] = (cost(p), p, sh)
+    _, plan, shape = min(seen.values(), key=lambda v: v[0])
+    cands, priced = [], []
+    for name in ("replay", "pins+k", "all-slots") if rp is not None else ("pins+k",):
+        p = plan if name == "replay" or rp is None else make(shape, name)
+        cands.append(Candidate(name, p, rp.plan_miss(p) if rp is not None else 1.0))
+        priced.append(cost(p))
+    best = min(range(len(cands)), key=lambda i: (priced[i], i))
+    plan = cands[best].plan
+    if trace is not None:
+        plan = replace(plan, predicted_miss=cands[best].miss)
+    alts = alternatives(g, r, plan)
+    plan = with_prediction(plan, alts, r)
+    if trace is None:
+        return PlanResult(plan, (), 0, "pins+k", alts)
+    return PlanResult(plan, tuple(cands), trace.n_decode, cands[best].name, alts)
+
+
+def with_prediction(plan: Plan, alts: tuple[Alternative, ...], r: PlanRequest) -> Plan:
+    """The plan with the cost model's figures recorded: its own, and its alternatives' (none
+    without costs)."""
+    p = alts[0].prediction if alts else None
+    if p is None or r.costs is None:
+        return plan
+    return replace(plan, predicted={**p.to_dict(), "objective": r.objective, "costs": r.costs.describe(),
+                                    "measured": not r.costs.predicted,
+                                    "alternatives": [a.to_dict() for a in alts]})
+
+
+def alternatives(g: ModelGeometry, r: PlanRequest, plan: Plan) -> tuple[Alternative, ...]:
+    """The plan and stock's placements for the same budget, priced alike: Spark, --n-cpu-moe N
+    (the smallest N that fits), --cpu-moe, and all resident where it fits."""
+    stock, bd = plan.stock, plan.breakdown
+    all_moe = [l.index for l in g.layers if l.is_moe and not l.is_nextn]
+    host_bias = sum(g.layers[l.index].expert_bias_bytes for l in plan.layers if l.mode == "host")
+    fixed = sum(bd[k] for k in ("weights_global", "weights_layers_nonexpert", "kv_cache", "compute", "overhead")) \
+        + host_bias
+    resident_bytes = stock_baseline(g, 1 << 62, fixed).device_bytes
+    out = [Alternative("spark", "Spark", price(g, r, plan), plan.breakdown["total"]),
+           Alternative("n-cpu-moe", f"stock --n-cpu-moe {stock.n_cpu_moe}",
+                       price(g, r, None, [i for i in all_moe if i < stock.n_cpu_moe]) if stock.fits else None,
+                       stock.device_bytes),
+           Alternative("cpu-moe", "stock --cpu-moe", price(g, r, None, all_moe) if stock.cpu_moe_fits else None,
+                       stock.cpu_moe_device_bytes),
+           Alternative("resident", "all resident",
+                       price(g, r, None, ()) if resident_bytes <= plan.budget_bytes else None, resident_bytes)]
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,9 @@ from ..native.generate import BatchLoop, Decoding, GenerationStep, Greedy, StepS
 from ..errors import PlanError, ProfileError, SparkError, UsageError
 from ..core.gguf_info import ModelGeometry
 from ..core.options import DEFAULT_UBATCH
+from ..core.cost_model import Prediction
+from ..files.paths import spark_home
+from . import device_costs
 from .miss_path import initial_path
 
 REPORT_VERSION = 1
@@ -58,7 +61,7 @@ CONFIG_NAMES = ("resident", "cpu-moe", "n-cpu-moe", "spark-step", "spark", "spar
 DEFAULT_CONFIGS = CONFIG_NAMES[:5]  # spark-layer: the per-layer miss rule before issue 25, on request
 CPU_CONFIG = "cpu"
 TARGET_VS_CEILING = 0.6  # Spark generation against the all-resident ceiling
-TARGET_VS_STOCK = 2.0  # Spark generation against the best stock offload
+TARGET_VS_STOCK = 1.0  # Spark against the best stock offload, generation and prompt: never slower
 WARMUP_PROMPT = 32
 WARMUP_DECODE = 4
 CALIB_DECODE = 48  # decode tokens after each calibration prompt
@@ -117,6 +120,7 @@ class Config:
     over_budget: bool = False  # the ceiling, run beyond the budget as a reference
     plan: planner.Plan | None = field(default=None, repr=False)
     miss_path: str = "auto"  # spark: auto | cpu | upload (see miss_path.py)
+    predicted: Prediction | None = None  # the cost model's, with the device's costs (None: no costs)
 
     def key(self) -> tuple:
         return self.device, self.host_layers, self.cache_layers, self.miss_path if self.cache_layers else None
@@ -194,6 +198,13 @@ def make_configs(g: ModelGeometry, budget: int, n_ctx: int, names: Sequence[str]
             raise UsageError(f"--configs: unknown configuration {name!r}", hint="use " + ", ".join(CONFIG_NAMES))
         out.append(c)
     return out
+
+
+def predict_config(g: ModelGeometry, req: planner.PlanRequest, c: Config) -> Prediction | None:
+    """The cost model's time per token of a configuration that fits (stock's: its host layers)."""
+    if c.status != "ready" or c.kind == "cpu" or req.costs is None:
+        return None
+    return planner.price(g, req, c.plan if c.kind == "spark" else None, c.host_layers)
 
 
 def cpu_config() -> Config:
@@ -750,7 +761,15 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
             prof = info.profile.copy()
         # NOTE: planned from everything known; the calibration counts are not saved
         info = session.ProfileInfo(info.path, prof.add_trace(trace, "bench calibration"))
-        req = session.plan_request(info, report.budget_bytes, ctx, miss_path=miss_path, **kv)
+    else:
+        info = session.ProfileInfo(path, None)
+    costs = None
+    if list(names) != [CPU_CONFIG]:
+        status("device costs")
+        costs, why = device_costs.ensure(base, g, work.pp_tokens, spark_home(), progress)
+        report.notes.append(why)
+    req = session.plan_request(info, report.budget_bytes, ctx, miss_path=miss_path, costs=costs, **kv)
+    if spark:
         try:
             placed = planner.plan_for(g, req)
             plan_step, plan_cache = placed.candidate("pins+k"), placed.plan
@@ -762,6 +781,8 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
     cfgs = [cpu_config()] if list(names) == [CPU_CONFIG] else \
         make_configs(g, report.budget_bytes, ctx, names, plan_step, plan_cache, ceiling=ceiling, plan_layer=plan_layer,
                      **kv)
+    for c in cfgs:
+        c.predicted = predict_config(g, req, c)
     if not any(c.status == "ready" for c in cfgs):
         raise PlanError(f"budget {units.gib(report.budget_bytes)}: no configuration fits ("
                         + "; ".join(f"{c.name}: {c.note}" for c in cfgs) + ")",
@@ -908,7 +929,8 @@ class Report:
     def targets(self) -> dict[str, dict]:
         spark = self.result("spark")
         out = {}
-        for key, target in (("tg_vs_ceiling", TARGET_VS_CEILING), ("tg_vs_stock", TARGET_VS_STOCK)):
+        for key, target in (("tg_vs_ceiling", TARGET_VS_CEILING), ("tg_vs_stock", TARGET_VS_STOCK),
+                            ("pp_vs_stock", TARGET_VS_STOCK)):
             v = spark.ratios.get(key) if spark is not None else None
             out[key] = {"target": target, "value": v, "met": None if v is None else bool(v >= target)}
         return out
@@ -941,6 +963,8 @@ class Report:
                 "upload_seconds": r.cache.upload_us / 1e6,
                 "tokens_digest": r.tokens_digest or None,
                 "ratios": dict(r.ratios),
+                "predicted": c.predicted.to_dict() if c.predicted is not None else None,
+                "predicted_over_measured": predicted_over_measured(r),
                 "parallel": r.parallel.to_dict(c.kind == "spark") if r.parallel is not None else None,
             })
         return {
@@ -1006,6 +1030,35 @@ def speed_rows(report: Report) -> list[dict[str, str]]:
         elif r.status != "ok":
             row["configuration"] += f" ({r.status})"
         out.append(row)
+    return out
+
+
+def predicted_over_measured(r: Result) -> dict[str, float | None] | None:
+    """The cost model's tok/s over the measured median, per phase (None: no prediction or run)."""
+    p = r.config.predicted
+    if p is None or not r.runs:
+        return None
+    out: dict[str, float | None] = {}
+    for what, pred in (("pp", p.pp_tok_s), ("tg", p.tg_tok_s)):
+        m = getattr(r, what)
+        out[what] = pred / m.median if m is not None and m.median > 0 else None
+    return out
+
+
+def prediction_rows(report: Report) -> list[dict[str, str]]:
+    """Predicted (the cost model, with the device's costs) beside measured tok/s, one row per
+    configuration that has a prediction."""
+    out = []
+    for r in report.results:
+        p = r.config.predicted
+        if p is None:
+            continue
+        ratio = predicted_over_measured(r) or {}
+        out.append({"configuration": r.config.label, "stops/tok": str(p.stops),
+                    "pp predicted": _rate(p.pp_tok_s), "pp measured": _rate(r.pp.median if r.pp else None),
+                    "pp pred/meas": fmt_ratio(ratio.get("pp")),
+                    "tg predicted": _rate(p.tg_tok_s), "tg measured": _rate(r.tg.median if r.tg else None),
+                    "tg pred/meas": fmt_ratio(ratio.get("tg"))})
     return out
 
 
@@ -1092,5 +1145,6 @@ def markdown_table(table: list[dict[str, str]]) -> str:
 def to_markdown(report: Report) -> str:
     """The speeds table, then (after a blank line) the per-token accounting where something ran,
     then the -np table where N sequences were measured."""
-    return "\n\n".join(t for t in (markdown_table(speed_rows(report)), markdown_table(accounting_rows(report)),
-                                   markdown_table(parallel_rows(report))) if t)
+    return "\n\n".join(t for t in (markdown_table(speed_rows(report)), markdown_table(prediction_rows(report)),
+                                   markdown_table(accounting_rows(report)), markdown_table(parallel_rows(report)))
+                       if t)

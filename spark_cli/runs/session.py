@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,9 @@ import numpy as np
 from typing import Callable
 
 from ..native import devices
-from . import dry_run, host_ram
+from . import device_costs, dry_run, host_ram
+from .miss_path import device_key
+from ..files.paths import spark_home
 from ..core import planner, profile_store, split as split_mod, units, vram
 from ..files.atomic import lock_timeout_default
 from ..core.trace import DECODE
@@ -26,6 +29,7 @@ from ..core.gguf_info import ModelGeometry, load_geometry
 from ..core.options import DEFAULT_UBATCH, LoadFlags, context_size
 from ..core.placement import parse_override_tensor
 from ..core.profile import RoutingProfile, profile_path_for
+from ..core.cost_model import DeviceCosts
 from ..native.rpc import parse_endpoints
 
 
@@ -104,15 +108,17 @@ def kv_unified(flags: LoadFlags, plan: planner.Plan | None = None) -> bool:
 def plan_request(info: ProfileInfo, budget: int, n_ctx: int, *, type_k: str = "f16", type_v: str = "f16",
                  n_ubatch: int = DEFAULT_UBATCH, n_parallel: int = 1, kv_unified: bool = False, trace=None,
                  policy: str | None = None, miss_path: str | None = None,
-                 split: split_mod.Split | None = None) -> planner.PlanRequest:
+                 split: split_mod.Split | None = None, costs: DeviceCosts | None = None,
+                 objective: str = "decode") -> planner.PlanRequest:
     """What a placing command asks planner.plan_for: the profile's counts, and to replay
     `trace` (a --trace) or else the profile's ring of recent decode steps. `split`: several
-    devices (resolve_split), whose budgets `budget` sums."""
+    devices (resolve_split), whose budgets `budget` sums. `costs`: the device's time figures
+    (device_costs.py, device_table.py): the plan is priced in time, for `objective`."""
     if trace is None and info.profile is not None:
         trace = info.profile.recent_trace()
     return planner.PlanRequest(budget, n_ctx, type_k, type_v, n_ubatch, profile_counts(info), trace,
                                policy or planner.AUTO_POLICY, miss_path or "auto", n_parallel=n_parallel,
-                               kv_unified=kv_unified, split=split)
+                               kv_unified=kv_unified, split=split, costs=costs, objective=objective)
 
 
 def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | None, flags: LoadFlags, *,
@@ -307,7 +313,7 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
         n_ctx = context_size(flags.ctx_size, geometry.context_length)
         budget = resolve_budget(vram_text, devs)
         req = plan_request(info, budget.bytes, n_ctx, miss_path=miss_path, split=resolve_split(flags, budget),
-                           **kv_settings(flags))
+                           costs=kept_costs(devs, geometry, flags), **kv_settings(flags))
         plan = planner.plan_for(geometry, req, dry_run.measurer(model, geometry, flags, n_ctx)).plan
         out = Placement(devs, plan, n_ctx, budget.source)
     if not any(l.mode in ("resident", "cached", "host") for l in out.plan.layers):
@@ -316,6 +322,15 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
     if ram_warning:
         out.warnings.append(ram_warning)
     return out
+
+
+def kept_costs(devs: list, geometry: ModelGeometry, flags: LoadFlags) -> DeviceCosts | None:
+    """The device costs `spark bench` measured for the first device, this model and -t (None:
+    never measured: the plan is priced by hits alone)."""
+    if not devs:
+        return None
+    threads = flags.threads or os.cpu_count() or 1
+    return device_costs.load(spark_home(), device_key(devs[0]), geometry.fingerprint, threads)
 
 
 def _sequences_warning(geometry: ModelGeometry, plan: planner.Plan, flags: LoadFlags) -> str | None:

@@ -1,0 +1,196 @@
+"""Time per token of a placement on one device: the one cost model the planner and bench use.
+
+A decode token on a placement of n MoE layers (resident r, cached c, host h; r + c + h = n):
+
+    tg = base_tg + h * host_tg + sum over cached layers of (stop + misses_l * miss)
+         (+ admissions_l * upload where uploads queue behind compute: no second device queue;
+          with one, the upload queue's own busy time bounds the token from below)
+
+- base_tg: one decode token with every expert on the device (attention, router, experts, logits);
+- host_tg: what a host layer (stock --n-cpu-moe's) adds: its stop (ids and activations down, the
+  result up) and its k experts on the CPU, less the device's share of them;
+- stop: what a cached layer adds with no miss: its stop (ids down, slot ids, mask and partial up);
+- misses_l: distinct experts per decode token of cached layer l not on the device (replayed from
+  the profile's trace under the plan's policy), each costing `miss`: the CPU's time for one
+  expert at one token, or its upload where that is cheaper (miss path auto: per expert and step);
+- admissions_l: background uploads per decode token (the policy admitting misses into slots).
+
+A prompt token: pp = base_pp + h * host_pp + sum over cached layers of cached_pp * off_l, with
+off_l the layer's routed mass not pinned on the device (a prompt step is too large for the LRU
+slots: it runs read-only, its misses on the CPU or staged).
+
+The figures come from a measurement on the device at hand (runs/device_costs.py: a few
+placements timed, `fit`), kept per device, model and thread count, or from published figures
+for a card that is not at hand (core/device_table.py). Pure: no llama_cpp, rich or typer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Sequence
+
+import numpy as np
+
+COSTS_VERSION = 1
+OBJECTIVES = ("decode", "prompt")  # --objective: what a plan minimises (decode: tg time per token)
+
+
+@dataclass(frozen=True)
+class DeviceCosts:
+    """Microseconds per token (or per event) on one device, model and thread count."""
+
+    device: str  # what they describe: the device key, or a card's name for published figures
+    source: str  # "measured <UTC time>" or "published figures (...)"
+    threads: int  # the CPU threads they were measured at (0: not measured)
+    base_tg_us: float  # a decode token, every expert on the device
+    base_pp_us: float  # a prompt token, every expert on the device
+    stop_us: float  # a cached layer per decode token, no miss: its stop
+    host_tg_us: float  # a host layer (stock) per decode token beyond a resident one
+    host_pp_us: float  # a host layer per prompt token beyond a resident one
+    cached_pp_us: float  # a cached layer per prompt token with none of its routed mass pinned
+    miss_cpu_us: float  # a missed expert computed on the CPU for one token
+    miss_upload_us: float  # a missed expert uploaded (staged) and waited for
+    concurrent: bool = False  # a second device queue: uploads run beside compute
+    predicted: bool = False  # from published figures, not measured
+
+    def to_dict(self) -> dict:
+        return {"version": COSTS_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DeviceCosts":
+        if d.get("version") != COSTS_VERSION:
+            raise ValueError("device costs version")
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        out = cls(**kw)
+        for f in fields(cls):
+            v = getattr(out, f.name)
+            if f.type in ("float",) and not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
+                raise ValueError(f"device costs: {f.name}")
+        return out
+
+    def miss_us(self, miss_path: str) -> float:
+        """One missed expert at decode on `miss_path` (auto and layer: the cheaper side)."""
+        if miss_path == "cpu":
+            return self.miss_cpu_us
+        if miss_path == "upload":
+            return self.miss_upload_us
+        return min(self.miss_cpu_us, self.miss_upload_us)
+
+    def describe(self) -> str:
+        """One line: which device and where the figures come from."""
+        th = f", {self.threads} thread{'s' if self.threads != 1 else ''}" if self.threads else ""
+        return f"{self.device} ({self.source}{th})"
+
+
+@dataclass(frozen=True)
+class LayerLoad:
+    """One MoE layer of a placement as the cost model reads it."""
+
+    mode: str  # resident | cached | host
+    misses: float = 0.0  # cached: distinct experts per decode token not on the device
+    admissions: float = 0.0  # cached: background uploads per decode token
+    off_mass: float = 1.0  # cached: share of routed entries not pinned (prompt steps)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted time per token of one placement."""
+
+    tg_us: float
+    pp_us: float
+    stops: int  # device stops per decode token (each cached or host layer, and the logits read-back)
+
+    @property
+    def tg_tok_s(self) -> float:
+        return 1e6 / self.tg_us if self.tg_us > 0 else float("inf")
+
+    @property
+    def pp_tok_s(self) -> float:
+        return 1e6 / self.pp_us if self.pp_us > 0 else float("inf")
+
+    def time_us(self, objective: str) -> float:
+        return self.pp_us if objective == "prompt" else self.tg_us
+
+    def to_dict(self) -> dict:
+        return {"tg_tok_s": round(self.tg_tok_s, 3), "pp_tok_s": round(self.pp_tok_s, 3), "stops": self.stops}
+
+
+def predict(layers: Sequence[LayerLoad], costs: DeviceCosts, miss_path: str = "auto") -> Prediction:
+    """Predicted decode and prompt time per token of a placement (see the module docstring)."""
+    c = costs
+    miss = c.miss_us(miss_path)
+    tg, pp, upload_queue, stops = c.base_tg_us, c.base_pp_us, 0.0, 1
+    for l in layers:
+        if l.mode == "host":
+            tg += c.host_tg_us
+            pp += c.host_pp_us
+            stops += 1
+        elif l.mode == "cached":
+            tg += c.stop_us + l.misses * miss
+            pp += c.cached_pp_us * min(max(l.off_mass, 0.0), 1.0)
+            upload_queue += l.admissions * c.miss_upload_us
+            stops += 1
+    if c.concurrent:
+        tg = max(tg, upload_queue)
+    else:
+        tg += upload_queue
+    return Prediction(tg, pp, stops)
+
+
+# ---------------------------------------------------------------- fitting a measurement
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One placement timed on the device (runs/device_costs.py)."""
+
+    name: str  # what was run: resident, cpu-moe, n-cpu-moe N, cached
+    n_host: int
+    n_cached: int
+    tg_us: float  # per decode token
+    pp_us: float  # per prompt token
+    miss_tg_us: float = 0.0  # cached: the misses' measured time per decode token (CPU and blocking uploads)
+    off_mass: float = 0.0  # cached: mean share of prompt entries not pinned (1 without pins)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _solve(rows: list[list[float]], y: list[float]) -> np.ndarray | None:
+    """Least squares of y = rows @ x, or None when the rows do not determine x."""
+    a, b = np.asarray(rows, np.float64), np.asarray(y, np.float64)
+    if np.linalg.matrix_rank(a) < a.shape[1]:
+        return None
+    return np.linalg.lstsq(a, b, rcond=None)[0]
+
+
+def fit(samples: Sequence[Sample], k: int, miss_cpu_us: float, miss_upload_us: float, *, device: str,
+        source: str, threads: int, concurrent: bool) -> DeviceCosts:
+    """The cost model's figures from timed placements: decode (tg minus the misses' measured time)
+    = base + host layers * host_tg + cached layers * stop, and prompt = base_pp + host layers *
+    host_pp + cached layers * off_mass * cached_pp, by least squares. Where the samples leave
+    the base and a host layer's share apart undetermined (every placement with host layers has
+    the same count), a host layer is taken as its k experts on the CPU plus one cached stop."""
+    tg_rows = [[1.0, s.n_host, s.n_cached] for s in samples]
+    tg_y = [s.tg_us - s.miss_tg_us for s in samples]
+    pp_rows = [[1.0, s.n_host, s.n_cached * s.off_mass] for s in samples]
+    pp_y = [s.pp_us for s in samples]
+    tg = _solve(tg_rows, tg_y)
+    pp = _solve(pp_rows, pp_y)
+    if tg is None or pp is None:
+        tg, pp = _fit_assuming_host(samples, k, miss_cpu_us)
+    base_tg, host_tg, stop = (max(float(v), 0.0) for v in tg)
+    base_pp, host_pp, cached_pp = (max(float(v), 0.0) for v in pp)
+    return DeviceCosts(device, source, threads, base_tg, base_pp, stop, host_tg, host_pp, cached_pp,
+                       miss_cpu_us, miss_upload_us, concurrent)
+
+
+def _fit_assuming_host(samples: Sequence[Sample], k: int, miss_cpu_us: float) -> tuple[np.ndarray, np.ndarray]:
+    """Two unknowns per phase: a host layer's decode cost tied to a cached one's stop
+    (host_tg = stop + k * miss_cpu_us), its prompt cost to a fully missing cached layer's."""
+    tg = _solve([[1.0, s.n_host + s.n_cached] for s in samples],
+                [s.tg_us - s.miss_tg_us - s.n_host * k * miss_cpu_us for s in samples])
+    pp = _solve([[1.0, s.n_host + s.n_cached * s.off_mass] for s in samples], [s.pp_us for s in samples])
+    base_tg, stop = (tg if tg is not None else np.array([min(s.tg_us for s in samples), 0.0]))
+    base_pp, per = (pp if pp is not None else np.array([min(s.pp_us for s in samples), 0.0]))
+    return np.array([base_tg, stop + k * miss_cpu_us, stop]), np.array([base_pp, per, per])

@@ -1,0 +1,197 @@
+"""The cost model's figures for the device at hand (core/cost_model.py), measured once per device,
+model and thread count and kept under SPARK_HOME/calibration beside the miss-path calibration.
+
+A measurement times a few placements on the device, whatever the budget (they only need to fit
+its free memory): stock --cpu-moe, stock --n-cpu-moe N (about half the MoE layers on the host),
+all resident where the device holds it, and every MoE layer cached with k policy slots (the cache
+floor, miss path auto: its miss costs come from the miss-path calibration it runs). Each is timed
+on a short prompt and a short greedy decode, three times (the median), and cost_model.fit turns
+them into base, stop and host-layer figures."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..core import planner
+from ..core.cost_model import DeviceCosts, Sample, fit
+from ..core.gguf_info import ModelGeometry
+from ..core.placement import cached_expert_overrides
+from ..core.simulator import DEFAULT_POLICY
+from ..errors import SparkError
+from ..files.atomic import atomic_write_text
+from ..native import devices
+from ..native.engine import Engine, EngineOptions
+from ..native.expert_cache import CacheLayer, CacheStats
+from ..native.generate import Greedy, StopRules
+from . import miss_path as mp
+from .run import open_engine
+
+PROMPT_TOKENS = 64  # a prompt step per sample
+DECODE_TOKENS = 12  # decode tokens per sample
+REPEATS = 3  # the median of these
+FIT_MARGIN = 1 << 30  # device memory left free by the placements measured
+
+Progress = Callable[[str, int, int], None]
+
+
+def cache_file(home: Path, device: str, fingerprint: str, threads: int) -> Path:
+    key = hashlib.sha1(f"{device}\n{fingerprint}\n{threads}".encode()).hexdigest()[:16]
+    return home / "calibration" / f"device-costs-{key}.json"
+
+
+def load(home: Path, device: str, fingerprint: str, threads: int) -> DeviceCosts | None:
+    """The kept figures of this device, model and thread count; None when there are none (or
+    they cannot be read: they are measured again)."""
+    path = cache_file(home, device, fingerprint, threads)
+    try:
+        d = json.loads(path.read_text())
+        costs = DeviceCosts.from_dict(d["costs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return costs if (d.get("fingerprint"), costs.device, costs.threads) == (fingerprint, device, threads) else None
+
+
+def save(home: Path, fingerprint: str, costs: DeviceCosts, samples: Sequence[Sample]) -> Path:
+    path = cache_file(home, costs.device, fingerprint, costs.threads)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"fingerprint": fingerprint, "costs": costs.to_dict(), "samples": [s.to_dict() for s in samples]}
+    return atomic_write_text(path, json.dumps(body, indent=1) + "\n")
+
+
+def device_of(opts: EngineOptions):
+    """The first device a run with these options uses (None: the CPU alone)."""
+    devs = devices.select(devices.parse(opts.device, opts.rpc))
+    return devs[0] if devs else None
+
+
+def for_run(opts: EngineOptions, fingerprint: str, home: Path) -> DeviceCosts | None:
+    """The kept figures for a run with these options (its first device, its threads), if any."""
+    dev = device_of(opts)
+    return load(home, mp.device_key(dev), fingerprint, opts.threads) if dev is not None else None
+
+
+# ---------------------------------------------------------------- measuring
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """A placement to time."""
+
+    name: str
+    host: tuple[int, ...] = ()
+    cached: tuple[int, ...] = ()
+
+
+def probes(g: ModelGeometry, free_bytes: int, fixed_bytes: int) -> list[Probe]:
+    """What to time: --cpu-moe, --n-cpu-moe with about half the MoE layers (more where the device
+    needs it), all resident where it fits, every MoE layer at the cache floor."""
+    moe = [l.index for l in g.layers if l.is_moe and not l.is_nextn]
+    budget = max(free_bytes - FIT_MARGIN, 0)
+    stock = planner.stock_baseline(g, budget, fixed_bytes)
+    n_host = max(sum(1 for i in moe if i < stock.n_cpu_moe), len(moe) // 2)
+    out = [Probe("cpu-moe", tuple(moe))]
+    if 0 < n_host < len(moe):
+        out.append(Probe(f"n-cpu-moe {n_host}", tuple(moe[:n_host])))
+    if stock.fits and stock.n_cpu_moe == 0:
+        out.append(Probe("resident"))
+    out.append(Probe("cached", cached=tuple(moe)))
+    return out
+
+
+def _options(base: EngineOptions, g: ModelGeometry, p: Probe) -> EngineOptions:
+    k = g.n_expert_used
+    cache = [CacheLayer(il, k, (), miss_path=mp.initial_path("auto"), policy=DEFAULT_POLICY) for il in p.cached]
+    return dataclasses.replace(
+        base, host_layers=list(p.host), cache_layers=cache,
+        stage_slices=planner.stage_slices(g.n_expert, k, "auto") if p.cached else 0,
+        expert_overrides=cached_expert_overrides(g, p.cached) if p.cached else None,
+        count_experts=False, trace=False, capture_topk=False)
+
+
+def _time(eng: Engine, prompt: Sequence[int]) -> tuple[float, float, CacheStats]:
+    """One prompt step (us per token), one greedy decode (us per token) and its cache counters."""
+    eng.reset()
+    t0 = time.perf_counter()
+    eng.eval(list(prompt), logits="last")
+    pp = (time.perf_counter() - t0) * 1e6 / len(prompt)
+    eng.reset()
+    last = None
+    for last in eng.stream_generate(list(prompt[:16]), sampler=Greedy(skip_eog=True), max_tokens=DECODE_TOKENS,
+                                    stop=StopRules(eog=False), on_prompt=lambda _: eng.reset_stats()):
+        pass
+    assert last is not None
+    return pp, last.gen_seconds * 1e6 / DECODE_TOKENS, last.cache
+
+
+def _sample(base: EngineOptions, g: ModelGeometry, p: Probe, prompt: Sequence[int], home: Path,
+            on_miss: Callable[[mp.Calibration], None]) -> Sample:
+    opts = _options(base, g, p)
+    with open_engine(opts, "auto", g.fingerprint, home=home) as eng:
+        if p.cached:
+            cal, _ = mp.calibration(eng, g.fingerprint, home, list(p.cached))
+            on_miss(cal)
+        _time(eng, prompt[:8])  # warm-up
+        runs = [_time(eng, prompt) for _ in range(REPEATS)]
+    pp = statistics.median(r[0] for r in runs)
+    tg = statistics.median(r[1] for r in runs)
+    cache = CacheStats.total(r[2] for r in runs)
+    miss_us = (cache.cpu_us + cache.upload_us) / (REPEATS * DECODE_TOKENS) if p.cached else 0.0
+    return Sample(p.name, len(p.host), len(p.cached), tg, pp, miss_us, 1.0 if p.cached else 0.0)
+
+
+def _median(cal: mp.Calibration, field: str) -> float:
+    v = sorted(x for c in cal.layers.values() if (x := getattr(c, field)) is not None)
+    return float(v[len(v) // 2]) if v else 0.0
+
+
+def measure(base: EngineOptions, g: ModelGeometry, prompt: Sequence[int], home: Path,
+            progress: Progress | None = None) -> tuple[DeviceCosts, list[Sample]]:
+    """Time the probes on the first device of `base` and fit the cost model's figures."""
+    dev = device_of(base)
+    if dev is None:
+        raise SparkError("device costs: no device to measure", hint="give -dev or --rpc")
+    free, _ = devices.free_memory(dev)
+    fixed = planner.fixed_bytes(g, base.n_ctx, base.type_k, base.type_v, base.n_ubatch, base.n_seq, base.kv_unified)
+    todo = probes(g, free, fixed)
+    prompt = list(prompt)[:PROMPT_TOKENS]
+    miss: list[mp.Calibration] = []
+    samples = []
+    for i, p in enumerate(todo):
+        if progress:
+            progress("device costs", i, len(todo))
+        samples.append(_sample(base, g, p, prompt, home, miss.append))
+    if progress:
+        progress("device costs", len(todo), len(todo))
+    cal = miss[0] if miss else None
+    cpu_us = _median(cal, "cpu_us") if cal else 0.0
+    upload_us = _median(cal, "upload_us") if cal else 0.0
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    costs = fit(samples, g.n_expert_used, cpu_us, upload_us, device=mp.device_key(dev), source=f"measured {when}",
+                threads=base.threads, concurrent=not dev.name.startswith("RPC"))
+    return costs, samples
+
+
+def ensure(base: EngineOptions, g: ModelGeometry, prompt: Sequence[int], home: Path,
+           progress: Progress | None = None) -> tuple[DeviceCosts | None, str]:
+    """The kept figures for this device, model and threads, or measured now and kept; (None, why)
+    without a device. The second value says which, in one line."""
+    dev = device_of(base)
+    if dev is None:
+        return None, "no device: plans are not priced in time"
+    kept = load(home, mp.device_key(dev), g.fingerprint, base.threads)
+    if kept is not None:
+        return kept, f"device costs: {kept.describe()}, kept"
+    costs, samples = measure(base, g, prompt, home, progress)
+    note = ""
+    try:
+        save(home, g.fingerprint, costs, samples)
+    except (OSError, SparkError):
+        note = " (not saved)"
+    return costs, f"device costs: {costs.describe()}{note}"
