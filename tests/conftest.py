@@ -88,3 +88,23 @@ def cli_runner(monkeypatch, capsys, command: str, register):
         return rc, out, err
 
     return run
+
+
+def keep_device_costs(monkeypatch, home, model, device: str | None, rpc: list[str], stop_us: float):
+    """Point SPARK_HOME at `home` and keep device costs there for `model` on the device -dev/--rpc
+    select (this machine's thread count), as `spark bench` keeps what it measured: stop_us 0, a
+    device whose stops are free (every layer worth caching); a large one, stock's placement."""
+    from spark_cli.core.cost_model import DeviceCosts
+    from spark_cli.core.gguf_info import load_geometry
+    from spark_cli.native import devices
+    from spark_cli.runs import device_costs
+    from spark_cli.runs.miss_path import device_key
+
+    monkeypatch.setenv("SPARK_HOME", str(home))
+    dev = devices.select(devices.parse(device, rpc))[0]
+    threads = os.cpu_count() or 1
+    costs = DeviceCosts(device_key(dev), "kept by a test", threads, base_tg_us=20_000.0, base_pp_us=8_000.0,
+                        stop_us=stop_us, host_tg_us=1_500.0, host_pp_us=300.0, cached_pp_us=150.0,
+                        miss_cpu_us=300.0, miss_upload_us=900.0)
+    device_costs.save(home, load_geometry(model).fingerprint, costs, [])
+    return costs

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_runner
+from conftest import cli_runner, keep_device_costs
 
 from spark_cli.runs import bench
 from spark_cli.core import planner
@@ -52,7 +52,9 @@ def geo(small_model):
 
 
 @pytest.mark.model
-def test_every_configuration_end_to_end(spark, model_link, corpus, rpc_server, tmp_path) -> None:
+def test_every_configuration_end_to_end(spark, model_link, corpus, rpc_server, tmp_path, monkeypatch) -> None:
+    """On a device whose stops are free (kept costs): Spark caches every layer it does not keep whole."""
+    keep_device_costs(monkeypatch, tmp_path / "home", model_link, None, [rpc_server.endpoint], stop_us=0.0)
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc, stdout, stderr = spark(model_link, "--rpc", rpc_server.endpoint, "--residency", "0.6", "--ceiling",
                                "--corpus", corpus, *SMALL, "-r", "2", "-o", out, "--plot", png)
@@ -121,10 +123,37 @@ def test_every_configuration_end_to_end(spark, model_link, corpus, rpc_server, t
     assert by["resident"]["blocking_upload_bytes_per_prompt_token"] == 0 and by["resident"]["prompt_cache"] is None
     assert by["cpu-moe"]["cpu_expert_bytes_per_prompt_token"] is None  # stock prompt offload: not modelled
 
+    # predicted beside measured, with the kept costs, for every configuration
+    assert any(n.startswith("device costs:") and "kept" in n for n in d["notes"])
+    for name, c in by.items():
+        assert c["predicted"]["tg_tok_s"] > 0 and c["predicted"]["stops"] >= 1, name
+        ratio = c["predicted_over_measured"]["tg"]
+        assert ratio == pytest.approx(c["predicted"]["tg_tok_s"] / c["tg_tok_s"]["median"]), name
+    assert by["spark"]["predicted"]["stops"] == 1 + by["spark"]["placement"]["cached_layers"]
+    assert by["cpu-moe"]["predicted"]["stops"] == 1 + n_moe
+    assert "predicted and measured" in stdout and "tg pred/meas" in stdout
+
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Spark + cache" in stdout and "tg/stock" in stdout
     prof = json.loads(profile_path_for(model_link).read_text())  # bench folded its decode counts
     assert prof["tokens_decode"] > 0 and "spark bench" in prof["sources"]
+
+
+@pytest.mark.model
+def test_dear_stops_give_spark_stocks_own_placement(spark, model_link, corpus, rpc_server, tmp_path,
+                                                    monkeypatch) -> None:
+    """On a device whose stops cost more than any cache saves, Spark's plan is stock's --n-cpu-moe N,
+    measured once: never slower than stock."""
+    keep_device_costs(monkeypatch, tmp_path / "home", model_link, None, [rpc_server.endpoint], stop_us=1e6)
+    out = tmp_path / "b.json"
+    rc, stdout, stderr = spark(model_link, "--rpc", rpc_server.endpoint, "--residency", "0.6", "--corpus", corpus,
+                               *SMALL, "-r", "1", "--configs", "n-cpu-moe,spark", "-o", out, "--no-learn")
+    assert rc == 0, stderr
+    by = {c["name"]: c for c in json.loads(out.read_text())["configs"]}
+    assert by["spark"]["same_as"] == "n-cpu-moe" and by["spark"]["placement"]["cached_layers"] == 0
+    assert by["spark"]["placement"]["host_layers"] == by["n-cpu-moe"]["placement"]["host_layers"]
+    assert by["spark"]["predicted"] == by["n-cpu-moe"]["predicted"]
+    assert by["spark"]["ratios"]["tg_vs_stock"] == pytest.approx(1.0)
 
 
 @pytest.mark.model
@@ -331,9 +360,11 @@ def test_plot_shows_prompt_and_generation_side_by_side(geo, tmp_path) -> None:
 
 
 @pytest.mark.model
-def test_parallel_sequences_together_and_one_after_another(spark, model_link, corpus, rpc_server, tmp_path) -> None:
+def test_parallel_sequences_together_and_one_after_another(spark, model_link, corpus, rpc_server, tmp_path,
+                                                           monkeypatch) -> None:
     """-np 2: every configuration opened with 2 sequences decodes 2 corpus prompts together and
     one after another; the same greedy tokens either way, and through the cache as all resident."""
+    keep_device_costs(monkeypatch, tmp_path / "home", model_link, None, [rpc_server.endpoint], stop_us=0.0)
     out, png = tmp_path / "np.json", tmp_path / "np.png"
     n_seq, n_gen = 2, 4
     rc, stdout, stderr = spark(model_link, "--rpc", rpc_server.endpoint, "--residency", "0.6", "--ceiling",

@@ -218,12 +218,13 @@ def fake_bench(monkeypatch, tmp_path):
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(devices, "select", lambda sel: [SimpleNamespace(name="FAKE0")])
+    monkeypatch.setattr(devices, "select", lambda sel: [SimpleNamespace(name="FAKE0", description="a fake device")])
     monkeypatch.setattr(devices, "free_memory", lambda dev: (8 * GiB, 16 * GiB))
     monkeypatch.setattr(dry_run, "measure", _planned_bill)  # a fake device has no dry run: the plan's own sums
     monkeypatch.setattr(bench, "Engine", NoEngine)
     monkeypatch.setattr(bench, "make_workload", lambda eng, docs, n: bench.Workload([1] * 8, [1] * 4, [[1] * 4]))
     monkeypatch.setattr(bench, "calibrate", lambda eng, g, prompts, progress=None: _drifting_trace(g, 80, seed=3))
+    monkeypatch.setattr(bench.device_costs, "ensure", lambda *a, **kw: (None, "device costs: none (a fake device)"))
     measured = []
 
     def measuring(cfg, *a, **kw):  # a generator, as bench.measuring is: one turn, no runs
@@ -309,7 +310,7 @@ def _planned_bill(model, geometry, plan, flags, n_ctx):
 def _fake_device(monkeypatch) -> None:
     from spark_cli.native import devices
 
-    monkeypatch.setattr(devices, "select", lambda sel: [SimpleNamespace(name="FAKE0")])
+    monkeypatch.setattr(devices, "select", lambda sel: [SimpleNamespace(name="FAKE0", description="a fake device")])
     monkeypatch.setattr(devices, "free_memory", lambda dev: (8 * GiB, 16 * GiB))
     monkeypatch.setattr(dry_run, "measure", _planned_bill)
 

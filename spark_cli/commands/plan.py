@@ -147,6 +147,8 @@ def _costs(card, geometry, devs: list, flags: LoadFlags, host_bandwidth: float |
     if card is not None:
         return device_table.predicted_costs(card, geometry, host_bandwidth or device_table.DEFAULT_HOST_GB_S,
                                             host_cores or os.cpu_count() or 1)
+    if not devs and (flags.device or flags.rpc):  # --no-measure: the device named is still the one priced
+        devs = _devices(flags, None, True)
     return session.kept_costs(devs, geometry, flags)
 
 

@@ -296,7 +296,7 @@ def prediction_table(plan: Plan) -> Table | None:
         if not a["fits"]:
             t.add_row(a["label"], units.gib(a["device_bytes"]), "-", "does not fit", "-", "-", style="dim")
             continue
-        vs = f"{a['tg_tok_s'] / stock['tg_tok_s']:.2f}x" if stock and stock["tg_tok_s"] else "-"
+        vs = f"{a['tg_tok_s'] / stock['tg_tok_s']:.2f}x" if stock and stock["tg_tok_s"] and a["tg_tok_s"] else "-"
         t.add_row(a["label"], units.gib(a["device_bytes"]), str(a["stops"]), _speed(a["tg_tok_s"]),
                   "-" if published else _speed(a["pp_tok_s"]), vs, style="bold" if a["name"] == "spark" else "")
     return t

@@ -112,7 +112,9 @@ class Prediction:
         return self.pp_us if objective == "prompt" else self.tg_us
 
     def to_dict(self) -> dict:
-        return {"tg_tok_s": round(self.tg_tok_s, 3), "pp_tok_s": round(self.pp_tok_s, 3), "stops": self.stops}
+        """JSON figures; a phase with no time (prompt, from published figures) is null: not predicted."""
+        return {"tg_tok_s": self.tg_tok_s if self.tg_us > 0 else None,
+                "pp_tok_s": self.pp_tok_s if self.pp_us > 0 else None, "stops": self.stops}
 
 
 def predict(layers: Sequence[LayerLoad], costs: DeviceCosts, miss_path: str = "auto") -> Prediction:

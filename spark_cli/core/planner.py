@@ -420,7 +420,8 @@ def _predicted_field(f: "_Fields", d: dict) -> dict[str, Any] | None:
         return None
     p = f.dict(d, "predicted", "")
     alts = f.list(p, "alternatives", "predicted") if "alternatives" in p else []
-    return {"tg_tok_s": f.float(p, "tg_tok_s", "predicted"), "pp_tok_s": f.float(p, "pp_tok_s", "predicted"),
+    return {"tg_tok_s": f.float(p, "tg_tok_s", "predicted", optional=True),
+            "pp_tok_s": f.float(p, "pp_tok_s", "predicted", optional=True),
             "stops": f.int(p, "stops", "predicted", 0, INT32_MAX), "objective": f.str(p, "objective", "predicted"),
             "costs": f.str(p, "costs", "predicted"),
             "measured": f.bool(p, "measured", "predicted") if "measured" in p else True,

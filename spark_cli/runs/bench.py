@@ -764,10 +764,12 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
     else:
         info = session.ProfileInfo(path, None)
     costs = None
-    if list(names) != [CPU_CONFIG]:
+    if spark:  # NOTE: measured for a Spark plan; stock configurations alone are priced with kept costs only
         status("device costs")
         costs, why = device_costs.ensure(base, g, work.pp_tokens, spark_home(), progress)
         report.notes.append(why)
+    elif list(names) != [CPU_CONFIG]:
+        costs = device_costs.for_run(base, g.fingerprint, spark_home())
     req = session.plan_request(info, report.budget_bytes, ctx, miss_path=miss_path, costs=costs, **kv)
     if spark:
         try:

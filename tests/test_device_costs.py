@@ -1,0 +1,80 @@
+"""Device costs: measured on the RPC stand-in and kept (runs/device_costs.py), then used by
+`spark plan`; `spark plan --predict-for` from published figures; its flags' errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import cli_runner
+
+from spark_cli.commands import plan as plan_cmd
+from spark_cli.core.gguf_info import load_geometry
+from spark_cli.native.engine import EngineOptions
+from spark_cli.runs import device_costs
+
+
+@pytest.fixture
+def plan(monkeypatch, capsys):
+    return cli_runner(monkeypatch, capsys, "plan", plan_cmd.register)
+
+
+def _alts(d: dict) -> dict[str, dict]:
+    return {a["name"]: a for a in d["predicted"]["alternatives"]}
+
+
+@pytest.mark.model
+def test_measured_on_the_stand_in_kept_and_used_by_plan(small_model, rpc_server, tmp_path, monkeypatch, plan) -> None:
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPARK_HOME", str(home))
+    g = load_geometry(small_model)
+    base = EngineOptions(small_model, n_ctx=512, rpc=[rpc_server.endpoint])
+    costs, why = device_costs.ensure(base, g, list(range(200, 264)), home)
+    assert costs is not None and "measured" in why and costs.device.startswith("RPC") and not costs.predicted
+    for f in ("base_tg_us", "base_pp_us", "stop_us", "host_tg_us", "host_pp_us", "cached_pp_us", "miss_cpu_us",
+              "miss_upload_us"):
+        assert getattr(costs, f) >= 0, f
+    assert costs.base_tg_us > 0 and costs.host_tg_us > 0 and costs.miss_cpu_us > 0
+    kept = json.loads(device_costs.cache_file(home, costs.device, g.fingerprint, base.threads).read_text())
+    assert {s["name"].split()[0] for s in kept["samples"]} >= {"cpu-moe", "n-cpu-moe", "cached"}
+    again, why = device_costs.ensure(base, g, [], home)  # kept: not measured again (no prompt needed)
+    assert again == costs and "kept" in why
+
+    budget = f"{(g.total_expert_bytes * 0.6 + 600 * 2**20) / 2**30:.2f}GiB"
+    rc, out, err = plan(small_model, "--rpc", rpc_server.endpoint, "--vram", budget, "-c", 512, "--no-measure",
+                        "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["predicted"]["measured"] is True and costs.device in d["predicted"]["costs"]
+    alts = _alts(d)
+    assert alts["spark"]["tg_tok_s"] >= alts["n-cpu-moe"]["tg_tok_s"] * (1 - 1e-9)
+    assert alts["spark"]["tg_tok_s"] >= alts["cpu-moe"]["tg_tok_s"] * (1 - 1e-9)
+    assert d["predicted"]["stops"] == 1 + sum(1 for l in d["layers"] if l["mode"] in ("cached", "host"))
+
+
+def test_predict_for_a_card_not_at_hand(small_model, plan) -> None:
+    rc, out, err = plan(small_model, "--predict-for", "rtx-4060-ti-16gb", "--vram", "1GiB", "--cold-hit", "0.1",
+                        "--host-bandwidth", "80", "--host-cores", "8", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    p = d["predicted"]
+    assert p["measured"] is False and "published figures" in p["costs"] and "RTX 4060 Ti" in p["costs"]
+    assert p["pp_tok_s"] is None  # prompt speed is not predicted from published figures
+    alts = _alts(d)
+    assert alts["spark"]["tg_tok_s"] >= alts["n-cpu-moe"]["tg_tok_s"] * (1 - 1e-9)
+    rc, out, err = plan(small_model, "--predict-for", "rtx-4060-ti-16gb", "--vram", "1GiB")
+    assert rc == 0, err
+    assert "predicted from published figures, not measured" in out and "stops/tok" in out
+
+
+@pytest.mark.parametrize("args, want", [
+    (("--predict-for", "rtx-9999"), "--predict-for: unknown card 'rtx-9999'"),
+    (("--objective", "fastest"), "--objective: unknown objective 'fastest'"),
+    (("--host-cores", "8"), "--host-cores: only with --predict-for"),
+    (("--cold-hit", "1.5"), "--cold-hit: 1.5 is not a share"),
+    (("--predict-for", "rtx-3090", "--objective", "prompt"), "--objective prompt: prompt speed is not predicted"),
+])
+def test_bad_prediction_flags_are_one_line(small_model, plan, args, want) -> None:
+    rc, out, err = plan(small_model, "--vram", "1GiB", *args)
+    assert rc == 2 and want in err and "Traceback" not in err, err
