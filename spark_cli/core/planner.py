@@ -37,6 +37,16 @@ Below the cache floor (fixed costs + k slots and a guard in every MoE layer), la
 their experts wholly in host RAM, as stock `--n-cpu-moe N` does: the lowest-numbered MoE
 layers first, their expert biases on the host too, until the rest fits ("host" layers,
 predicted cold-hit 1). A plan is refused only where stock `--cpu-moe` does not fit.
+Priced in time (the request carries the device's costs, cost_model.DeviceCosts: measured by
+`spark bench` and kept, or a card's published figures): every MoE layer is resident, cached or
+host, and the plan is the shape with the least predicted time per token (decode, or prompt with
+objective "prompt") among: c cached layers for every c (the c best to cache by replayed misses;
+the rest resident, the lowest-numbered of those host below the floor, plus one more host layer
+for more slots), and stock's own --n-cpu-moe N for every N that fits (c = 0), so a plan is never
+predicted slower than stock on the same budget. A cached layer costs a stop and its misses; a
+host layer, stock's stop and its k experts on the CPU (cost_model.py). The shape's pins and slots
+are the greedy's below, and the fastest of its three candidates is kept. Without costs the plan
+is placed by hits alone, as before (every layer the floor allows is cached).
 Layer mass is equal (every token passes every MoE layer); the profile is normalized
 per layer. The prefix stops at the first action that does not fit, so up to one
 action's bytes (one expert, or a whole-layer jump under max_slots_per_layer) may stay
