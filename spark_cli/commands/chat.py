@@ -102,8 +102,14 @@ def start_summary(path: Path, geometry, devices: list, plan, info, meter: _VramM
         cached = [l for l in plan.layers if l.mode == "cached"]
         pins = sum(len(l.pinned) for l in cached)
         lru = sum(l.lru_slots for l in cached)
+        host = [l for l in plan.layers if l.mode == "host"]
         t.add_row("experts", f"{len(res)} MoE layers resident, {len(cached)} cached: {pins} pinned experts + "
-                             f"{lru} LRU cache slots (of {len(cached) * g.n_expert} experts in host RAM)")
+                             f"{lru} LRU cache slots (of {len(cached) * g.n_expert} experts in host RAM)"
+                             + (f", {len(host)} on the CPU as --n-cpu-moe" if host else ""))
+        p = plan.predicted
+        t.add_row("priced", escape(f"in time: predicted {p['tg_tok_s']:.1f} tok/s generation, {p['stops']} stops "
+                                   f"a token ({p['costs']})") if p and p.get("tg_tok_s") else
+                  "by hits alone: no device costs for this device, model and -t yet (spark bench measures them)")
     t.add_row("profile", escape(info.summary()))
     samp = "greedy" if sampling.temp <= 0 else \
         f"temp {sampling.temp:g}, top-k {sampling.top_k}, top-p {sampling.top_p:g}, min-p {sampling.min_p:g}, " \
