@@ -33,7 +33,7 @@ from ..native.generate import Greedy, StopRules
 from . import miss_path as mp
 from .run import open_engine
 
-PROMPT_TOKENS = 64  # a prompt step per sample
+PROMPT_TOKENS = 128  # a prompt step per sample
 DECODE_TOKENS = 12  # decode tokens per sample
 REPEATS = 3  # the median of these
 FIT_MARGIN = 1 << 30  # device memory left free by the placements measured
