@@ -15,6 +15,7 @@ from rich.markup import escape
 
 from ..core.options import LoadFlags
 from .common import MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, run_inputs
+from .help import SparkCommand
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -333,7 +334,7 @@ def _plot(report: "Report", path: Path) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("bench")
+    @app.command("bench", cls=SparkCommand)
     @model_flags
     def bench_cmd(
         model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),

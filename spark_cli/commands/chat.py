@@ -16,6 +16,7 @@ from rich.table import Table
 
 from ..core.options import LoadFlags
 from .common import JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, console, err_console, model_flags, model_or_demo
+from .help import SparkCommand
 
 HELP = ("/stats  per-layer cache table    /reset  forget the conversation    /system TEXT  set the system prompt\n"
         "/save FILE  conversation as JSON    /exit  leave (or Ctrl-D)    Ctrl-C stops an answer")
@@ -262,7 +263,7 @@ def _answer(chat, text: str, interactive: bool, stream: bool = True):
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("chat")
+    @app.command("chat", cls=SparkCommand)
     @model_flags
     def chat_cmd(
         model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),

@@ -8,12 +8,13 @@ import typer
 
 from ..errors import UsageError
 from .common import console
+from .help import SparkCommand
 
 
 def register(app: typer.Typer) -> None:
     register_demo(app)
 
-    @app.command("demo-model")
+    @app.command("demo-model", cls=SparkCommand)
     def demo_model(
         n_expert: int = typer.Option(16, "--experts", "-E", help="experts per layer"),
         n_used: int = typer.Option(4, "--experts-used", "-k", help="experts used per token"),
@@ -81,7 +82,7 @@ def _fixture(name: str, tiny: str | None, out_dir: Path | None) -> None:
 
 
 def register_demo(app: typer.Typer) -> None:
-    @app.command("demo")
+    @app.command("demo", cls=SparkCommand)
     def demo(
         rpc: str = typer.Option(None, "--rpc", help="use this RPC server instead of a local stand-in GPU"),
         residency: float = typer.Option(0.6, "--residency", min=0.05, max=1.0,

@@ -10,6 +10,7 @@ from rich.markup import escape
 
 from ..core.options import LoadFlags
 from .common import JSON_HELP, MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, run_inputs
+from .help import SparkCommand
 
 
 def _save(plan, output: Path) -> None:
@@ -153,7 +154,7 @@ def _costs(card, geometry, devs: list, flags: LoadFlags, host_bandwidth: float |
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("plan")
+    @app.command("plan", cls=SparkCommand)
     @model_flags
     def plan_cmd(
         model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)",

@@ -25,6 +25,7 @@ from ..core.options import LoadFlags
 from ..runs.profiling import (CAPTURE_MODES, Gathered, StopFlag, _Capture, dropped_warning, gather,  # noqa: F401
                               profiling_options, resolve_capture, split_held_out)
 from .common import JSON_HELP, console, err_console, model_flags, model_or_demo, run_inputs
+from .help import SparkCommand
 
 DEFAULT_RESIDENCIES = "0.4,0.6,0.8"
 
@@ -162,7 +163,8 @@ def held_out_report(train, test, geometry, residencies: Sequence[float]) -> Tabl
 # ---------------------------------------------------------------- commands
 
 
-@profile_app.command("run", help="Profile MODEL on a corpus (the default: `spark profile MODEL --corpus PATH`).")
+@profile_app.command("run", cls=SparkCommand,
+                     help="Profile MODEL on a corpus (the default: `spark profile MODEL --corpus PATH`).")
 @model_flags
 def run_cmd(
     model: Path = typer.Argument(None, help="the .gguf model (default: the demo model)", show_default=False),
@@ -419,7 +421,7 @@ def _count_cut(chunks: Sequence[Any]) -> int:
     return sum(1 for n in seen.values() if n > 1)
 
 
-@profile_app.command("merge")
+@profile_app.command("merge", cls=SparkCommand)
 def merge_cmd(
     a: Path = typer.Argument(..., help="older profile"),
     b: Path = typer.Argument(..., help="newer profile (a is aged by b's tokens)"),
@@ -445,7 +447,7 @@ from ..core.simulator import SimRow, simulate_rows  # noqa: E402,F401  (rendered
 DEFAULT_SIM_POLICIES = "lru,lru-pinned,lfu-aged,slru,tinylfu,belady"
 
 
-@profile_app.command("simulate")
+@profile_app.command("simulate", cls=SparkCommand)
 def simulate_cmd(
     trace: Path = typer.Argument(..., help="a routing trace (.npz) from spark profile --trace"),
     model: Path = typer.Option(None, "--model", "-m", help="the trace's model: checks it, and gives bytes per token"),
@@ -552,7 +554,7 @@ def _miss_costs(text: str, concurrent: bool):
                      cpu_expert_ns=round(fixed * 1000))
 
 
-@profile_app.command("show")
+@profile_app.command("show", cls=SparkCommand)
 def show_cmd(
     model: Path = typer.Argument(None, help="the .gguf model (default: the demo model)", show_default=False),
     profile: Path = typer.Option(None, "--profile", help="profile file (default: beside the model)"),

@@ -10,6 +10,7 @@ import typer
 
 from ..core.options import LoadFlags
 from .common import JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, err_console, model_flags, model_or_demo
+from .help import SparkCommand
 
 def _engine_options(path: Path, geometry, plan, flags, n_ctx: int, learn: bool, miss_path: str):
     from ..runs import session
@@ -32,7 +33,7 @@ def _placement(devices, plan, cached: set[int], budget_source: str, cpu_reason: 
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("serve")
+    @app.command("serve", cls=SparkCommand)
     @model_flags
     def serve_cmd(
         model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),

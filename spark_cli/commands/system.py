@@ -8,10 +8,11 @@ import typer
 from rich.table import Table
 
 from .common import JSON_HELP, RPC_HELP, console
+from .help import SparkCommand
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("rpc-server")
+    @app.command("rpc-server", cls=SparkCommand)
     def rpc_server(
         host: str = typer.Option("127.0.0.1", "--host", "-H", help="address to bind"),
         port: int = typer.Option(50052, "--port", "-p", help="port to listen on"),
@@ -31,7 +32,7 @@ def register(app: typer.Typer) -> None:
         console.print(f"spark rpc-server on {host}:{port} (Ctrl-C to stop)")
         serve(host, port, threads or None, size)
 
-    @app.command("devices")
+    @app.command("devices", cls=SparkCommand)
     def devices_cmd(
         rpc: str = typer.Option(None, "--rpc", help=RPC_HELP),
         as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
