@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,10 +15,12 @@ from rich.markup import escape
 from ..core.options import LoadFlags
 from .common import MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, run_inputs
 from .help import SparkCommand
+from .tables import Whole
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+    from rich.console import Console
     from rich.table import Table
 
     from ..runs.bench import Report, Result
@@ -43,7 +44,6 @@ def _budget(vram_text: str | None, residency: float | None, geometry, ctx: int, 
     return b.bytes, b.source
 
 
-TABLE_WIDTH = 120  # both tables fit it with whole headers (a log gets this width)
 SPEED_CAPTION = ("tok/s: median (min-max) of the runs; pp: prompt processing, tg: generation; "
                  "x/stock: against the best stock configuration, x/ceiling: against all resident")
 ACCOUNTING_CAPTION = ("per token: tg per generated token (decode steps), pp per prompt token (prompt processing); "
@@ -181,6 +181,19 @@ def _summary_lines(report) -> list[str]:
     return footnotes(report) + out + list(report.notes)
 
 
+def print_report(report: "Report", to: "Console") -> None:
+    """The tables, whole at any width (a log's 80 columns too), then the summary lines."""
+    to.print(Whole(speed_table(report)))
+    if any(r.config.predicted is not None for r in report.results):
+        to.print(Whole(prediction_table(report)))
+    if any(r.runs for r in report.results):
+        to.print(Whole(accounting_table(report), keys=2))  # a row is a configuration and a phase
+    if any(r.parallel is not None for r in report.results):
+        to.print(Whole(parallel_table(report)))
+    for line in _summary_lines(report):
+        to.print(line, soft_wrap=True)
+
+
 def _write_outputs(report, as_json: bool, json_path: Path | None, md: bool, plot: Path | None) -> None:
     from ..files.atomic import atomic_write_text
     from ..runs.bench import to_markdown
@@ -194,17 +207,7 @@ def _write_outputs(report, as_json: bool, json_path: Path | None, md: bool, plot
         for line in _summary_lines(report):
             typer.echo(_plain(line))
     else:
-        if not console.is_terminal and "COLUMNS" not in os.environ and console.width < TABLE_WIDTH:
-            console.width = TABLE_WIDTH  # NOTE: a log gets the tables' width, not rich's 80-column default
-        console.print(speed_table(report))
-        if any(r.config.predicted is not None for r in report.results):
-            console.print(prediction_table(report))
-        if any(r.runs for r in report.results):
-            console.print(accounting_table(report))
-        if any(r.parallel is not None for r in report.results):
-            console.print(parallel_table(report))
-        for line in _summary_lines(report):
-            console.print(line, soft_wrap=True)
+        print_report(report, console)
     if json_path is not None:
         text = json.dumps(report.to_dict(), indent=1) + "\n"
         save_or_recover(lambda p: atomic_write_text(p, text, "-o"), json_path)

@@ -17,6 +17,7 @@ from rich.table import Table
 from ..core.options import LoadFlags
 from .common import JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, console, err_console, model_flags, model_or_demo
 from .help import SparkCommand
+from .tables import Whole
 
 HELP = ("/stats  per-layer cache table    /reset  forget the conversation    /system TEXT  set the system prompt\n"
         "/save FILE  conversation as JSON    /exit  leave (or Ctrl-D)    Ctrl-C stops an answer")
@@ -187,7 +188,7 @@ def _interactive(chat, plan, model_name: str) -> None:
             if cmd in ("/exit", "/quit"):
                 return
             if cmd == "/stats":
-                console.print(stats_table(chat, plan))
+                console.print(Whole(stats_table(chat, plan)))
                 t = chat.totals()
                 threads = f", {t.cpu_threads} CPU threads" if t.cpu_threads else ""
                 console.print(f"[dim]session: {t.prompt_tokens} prompt + {t.generated_tokens} generated tokens, "

@@ -11,6 +11,7 @@ from rich.markup import escape
 from ..core.options import LoadFlags
 from .common import JSON_HELP, MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, run_inputs
 from .help import SparkCommand
+from .tables import Whole
 
 
 def _save(plan, output: Path) -> None:
@@ -73,8 +74,8 @@ def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, 
                   f"{g.n_expert} experts (top-{g.n_expert_used}), "
                   f"{render_plan.fmt_bytes(g.total_expert_bytes)} of experts")
     console.print(routing, soft_wrap=True)
-    console.print(render_plan.layer_table(plan))
-    console.print(render_plan.budget_table(plan, budget_source))
+    console.print(Whole(render_plan.layer_table(plan)))
+    console.print(Whole(render_plan.budget_table(plan, budget_source)))
     console.print(render_plan.measured_line(plan), soft_wrap=True)
     console.print(host.line(), soft_wrap=True)
     console.print(render_plan.cold_hit_line(plan), soft_wrap=True)

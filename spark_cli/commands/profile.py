@@ -26,6 +26,7 @@ from ..runs.profiling import (CAPTURE_MODES, Gathered, StopFlag, _Capture, dropp
                               profiling_options, resolve_capture, split_held_out)
 from .common import JSON_HELP, console, err_console, model_flags, model_or_demo, run_inputs
 from .help import SparkCommand
+from .tables import Whole
 
 DEFAULT_RESIDENCIES = "0.4,0.6,0.8"
 
@@ -130,7 +131,7 @@ def _print_skew(prefill: np.ndarray, decode: np.ndarray, k: int, whose: str = ""
     to = to or console
     counts, what = _routing_for_report(prefill, decode)
     table, means = skew_report(counts, k, f"routing skew per layer, {whose}{what} routing")
-    to.print(table)
+    to.print(Whole(table))
     to.print(_means_line(k, means))
     return counts, what
 
@@ -397,7 +398,7 @@ def _report_run(job: _ProfileJob, g: Gathered, trace: Path | None, held_out: flo
                 say.print("[yellow]held-out:[/] the held-out part has no decode tokens; "
                           "use --gen N and a corpus of several chunks")
             else:
-                say.print(held_out_report(train, test, job.geometry, residencies))
+                say.print(Whole(held_out_report(train, test, job.geometry, residencies)))
     return counts, what
 
 
@@ -445,6 +446,21 @@ from ..core.simulator import SimRow, simulate_rows  # noqa: E402,F401  (rendered
 
 
 DEFAULT_SIM_POLICIES = "lru,lru-pinned,lfu-aged,slru,tinylfu,belady"
+
+
+def simulate_table(rows: list[SimRow], title: str, staged: bool) -> Table:
+    """One row per (miss path, slots, policy): hit rate, against Belady, uploads and MiB per token."""
+    t = Table(title=title, title_justify="left")
+    cols = ("miss path", "slots", "policy", "pinned", "hit rate", "vs Belady", "uploads/token", "MiB/token")
+    for col in cols + (("staged/token",) if staged else ()):
+        t.add_column(col, justify="left" if col in ("policy", "miss path") else "right")
+    for r in rows:
+        t.add_row(r.miss_path, str(r.slots), r.policy + (" (default)" if r.default else ""), str(r.pinned),
+                  f"{r.hit_rate:.3f}", "-" if r.vs_belady is None else f"{r.vs_belady:.3f}",
+                  f"{r.uploads_per_token:.2f}",
+                  "-" if r.bytes_per_token is None else f"{r.bytes_per_token / 2**20:.2f}",
+                  *((f"{r.staged_per_token:.2f}",) if staged else ()))
+    return t
 
 
 @profile_app.command("simulate", cls=SparkCommand)
@@ -518,19 +534,10 @@ def simulate_cmd(
         print(json.dumps([r.__dict__ for r in rows], indent=1))
         return
     n_tok = tr.n_decode if phases == "decode" else tr.n_rows
-    t = Table(title=f"cache simulation of {trace.name}: {n_tok:,} {'decode ' if phases == 'decode' else ''}tokens, "
-                    f"{len(tr.moe_layers())} MoE layers x {tr.n_expert} experts, top-{tr.k}", title_justify="left")
-    split = "auto" in paths
-    cols = ("miss path", "slots", "policy", "pinned", "hit rate", "vs Belady", "uploads/token", "MiB/token")
-    for col in cols + (("staged/token",) if split else ()):
-        t.add_column(col, justify="left" if col in ("policy", "miss path") else "right")
-    for r in rows:
-        t.add_row(r.miss_path, str(r.slots), r.policy + (" (default)" if r.default else ""), str(r.pinned),
-                  f"{r.hit_rate:.3f}", "-" if r.vs_belady is None else f"{r.vs_belady:.3f}",
-                  f"{r.uploads_per_token:.2f}",
-                  "-" if r.bytes_per_token is None else f"{r.bytes_per_token / 2**20:.2f}",
-                  *((f"{r.staged_per_token:.2f}",) if split else ()))
-    console.print(t)
+    console.print(Whole(simulate_table(rows, f"cache simulation of {trace.name}: {n_tok:,} "
+                                             f"{'decode ' if phases == 'decode' else ''}tokens, "
+                                             f"{len(tr.moe_layers())} MoE layers x {tr.n_expert} experts, "
+                                             f"top-{tr.k}", staged="auto" in paths), keys=3))
     if "lru-pinned" in policies and pinned_from is None:
         console.print("note: no --profile, so lru-pinned pins nothing (the same as lru)")
     if DEFAULT_POLICY not in policies:
@@ -592,7 +599,7 @@ def show_cmd(
         say.print(f"sources: {', '.join(p.sources)}")
     counts, what = _print_skew(p.prefill, p.decode, geometry.n_expert_used, to=say)
     real = realism(p, geometry, tests, residency)
-    say.print(realism_table(real, geometry.n_expert_used))
+    say.print(Whole(realism_table(real, geometry.n_expert_used)))
     if as_json:
         typer.echo(json.dumps(real))
     if plot is not None:

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from .common import JSON_HELP, RPC_HELP, console
 from .help import SparkCommand
+from .tables import Whole
 
 
 def register(app: typer.Typer) -> None:
@@ -51,4 +52,4 @@ def register(app: typer.Typer) -> None:
         t = Table("name", "type", "description", "free GiB", "total GiB")
         for d in devs:
             t.add_row(d.name, d.type, d.description, f"{d.free / 2**30:.2f}", f"{d.total / 2**30:.2f}")
-        console.print(t)
+        console.print(Whole(t))
