@@ -21,3 +21,26 @@ def top_next_piece(engine) -> str:
 
 def knows_paris(engine) -> bool:
     return top_next_piece(engine).strip() == "Paris"
+
+
+# logits: AVX2 and AVX-512 kernels round differently by hundredths of a logit; a greedy answer whose
+# every token leads its runner-up by this much is the same on both (spark demo's question: tested)
+ROBUST_MARGIN = 0.5
+
+
+def greedy_margins(engine, question: str, n_tokens: int) -> tuple[str, list[float]]:
+    """The greedy answer to `question` and, at each step, the top token's lead over the runner-up in
+    logits, the end-of-generation step included (resets the engine)."""
+    engine.reset()
+    row = engine.eval(engine.tokenize(engine.chat_prompt([{"role": "user", "content": question}])), logits="last")
+    out, leads = [], []
+    for _ in range(n_tokens):
+        top2 = np.sort(row)[-2:]
+        leads.append(float(top2[1] - top2[0]))
+        tok = int(np.argmax(row))
+        if engine.is_eog(tok):
+            break
+        out.append(tok)
+        row = engine.eval([tok], logits="last")
+    engine.reset()
+    return engine.detokenize(out), leads

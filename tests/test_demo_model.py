@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import json
 import zipfile
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from _answers import ROBUST_MARGIN, greedy_margins
 from spark_cli.runs import demo_model as dm
 from spark_cli.errors import DownloadError
 
@@ -298,6 +300,26 @@ def _greedy(model_path: Path, prompt: str, n_tokens: int) -> tuple[str, list[np.
 def test_small_demo_answers_paris(small_demo):
     text, _ = _greedy(small_demo, PROMPT, 12)
     assert "Paris" in text
+
+
+@pytest.mark.model
+def test_the_demo_question_is_answered_right_on_these_kernels(capsys):
+    """spark demo's chat step (chat_argv, here on the CPU) answers its question with the expected
+    word, and each greedy token leads its runner-up by ROBUST_MARGIN logits: kernels that round
+    differently (AVX2, AVX-512, a GPU's) cannot send the answer elsewhere."""
+    from spark_cli import cli
+    from spark_cli.commands import demo as demo_cmd
+    from spark_cli.native.engine import Engine, EngineOptions
+
+    model = dm.build_demo_model()  # the model spark demo builds
+    capsys.readouterr()
+    assert cli.main(demo_cmd.chat_argv(model, "-dev", "none", "-nr", "--no-learn")) == 0
+    answer = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["answer"]
+    assert demo_cmd.ANSWER_WORD in answer
+    with Engine(EngineOptions(model, n_ctx=256, device="none", repack=False)) as eng:
+        text, leads = greedy_margins(eng, demo_cmd.QUESTION, demo_cmd.ANSWER_TOKENS)
+    assert text.strip() == answer.strip()
+    assert min(leads) >= ROBUST_MARGIN, f"{answer!r}: a near-tie at step {leads.index(min(leads))} ({leads})"
 
 
 @pytest.mark.model
