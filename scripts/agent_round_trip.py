@@ -1,4 +1,4 @@
-"""Time one tool-call round trip on a running `spark serve` (the README's figure).
+"""Time one tool-call round trip on a running `spark serve` (docs/measurements.md's figure).
 
 python scripts/agent_round_trip.py http://127.0.0.1:8080/v1 [KEY]
 """

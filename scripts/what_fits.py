@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The README's "What fits on your card" table: Spark's plan and stock `--n-cpu-moe N` per fixture and budget.
+"""docs/what-fits.md's table: Spark's plan and stock `--n-cpu-moe N` per fixture and budget.
 
 Builds the geometry fixtures (sparse GGUFs, a few MB each; runs/fixtures.py), plans each one with
 `planner.plan_for` at every budget (uniform routing prior: no profile) and prints a Markdown table:

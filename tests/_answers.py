@@ -28,19 +28,26 @@ def knows_paris(engine) -> bool:
 ROBUST_MARGIN = 0.5
 
 
-def greedy_margins(engine, question: str, n_tokens: int) -> tuple[str, list[float]]:
-    """The greedy answer to `question` and, at each step, the top token's lead over the runner-up in
-    logits, the end-of-generation step included (resets the engine)."""
-    engine.reset()
-    row = engine.eval(engine.tokenize(engine.chat_prompt([{"role": "user", "content": question}])), logits="last")
-    out, leads = [], []
+def greedy_rows(engine, tokens: list[int], n_tokens: int) -> tuple[list[int], list[np.ndarray]]:
+    """An eval/argmax loop after `tokens`: the greedy tokens, and the logits row each step chose
+    from (the end-of-generation step's included)."""
+    row = engine.eval(tokens, logits="last")
+    out, rows = [], []
     for _ in range(n_tokens):
-        top2 = np.sort(row)[-2:]
-        leads.append(float(top2[1] - top2[0]))
+        rows.append(row)
         tok = int(np.argmax(row))
         if engine.is_eog(tok):
             break
         out.append(tok)
         row = engine.eval([tok], logits="last")
+    return out, rows
+
+
+def greedy_margins(engine, question: str, n_tokens: int) -> tuple[str, list[float]]:
+    """The greedy answer to `question` and, at each step, the top token's lead over the runner-up in
+    logits (resets the engine)."""
     engine.reset()
-    return engine.detokenize(out), leads
+    out, rows = greedy_rows(engine, engine.tokenize(engine.chat_prompt([{"role": "user", "content": question}])),
+                            n_tokens)
+    engine.reset()
+    return engine.detokenize(out), [float(np.diff(np.sort(row)[-2:])[0]) for row in rows]

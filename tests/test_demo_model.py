@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from _answers import ROBUST_MARGIN, greedy_margins
+from _answers import ROBUST_MARGIN, greedy_margins, greedy_rows
 from spark_cli.runs import demo_model as dm
 from spark_cli.errors import DownloadError
 
@@ -283,16 +283,7 @@ def _greedy(model_path: Path, prompt: str, n_tokens: int) -> tuple[str, list[np.
     from spark_cli.native.engine import Engine, EngineOptions
 
     with Engine(EngineOptions(model_path, n_ctx=512, n_batch=512, device="cpu")) as eng:
-        tokens = eng.tokenize(prompt, add_special=False)
-        out, logits = [], []
-        row = eng.eval(tokens, logits="last")
-        for _ in range(n_tokens):
-            logits.append(row)
-            tok = int(np.argmax(row))
-            if eng.is_eog(tok):
-                break
-            out.append(tok)
-            row = eng.eval([tok], logits="last")
+        out, logits = greedy_rows(eng, eng.tokenize(prompt, add_special=False), n_tokens)
         return eng.detokenize(out), logits
 
 

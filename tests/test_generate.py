@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _answers import knows_paris
+from _answers import greedy_rows, knows_paris
 from spark_cli.native.generate import Forced, Greedy, StopRules, stream_generate
 
 
@@ -128,13 +128,7 @@ def test_greedy_equals_the_old_hand_written_loop_and_chat(small_model):
     with Engine(EngineOptions(small_model, n_ctx=256, device="none", repack=False)) as eng:
         prompt = eng.tokenize(eng.chat_prompt([{"role": "user", "content": "What is the capital of France?"}]))
         eng.reset()
-        logits, old = eng.eval(prompt, logits="last"), []
-        for _ in range(n):
-            t = int(np.argmax(logits))
-            if eng.is_eog(t):
-                break
-            old.append(t)
-            logits = eng.eval([t], logits="last")
+        old, _ = greedy_rows(eng, prompt, n)
         eng.reset()
         new = [s.token for s in eng.stream_generate(prompt, max_tokens=n) if s.token is not None]
         chat = ChatSession(eng, Sampling(temp=0, n_predict=n))

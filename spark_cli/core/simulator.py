@@ -60,7 +60,7 @@ ONLINE_POLICIES = ("lru", "lfu-aged", "slru", "tinylfu")  # what a cache can run
 # held-out eval text tinylfu finds 1-9 points more experts on the device than any other; on the bundled
 # corpus lfu-aged leads it by 0.3-1.8 (upload path: the two are equal). Reproduce: spark profile run
 # --corpus spark_cli/data/router/eval --gen 192 --trace T.npz --profile P.json, then
-# scripts/default_policy.py MODEL T.npz --profile P.json (README: "How real is the demo model's routing").
+# scripts/default_policy.py MODEL T.npz --profile P.json (docs/demo-model.md).
 DEFAULT_POLICY = "tinylfu"
 # the native cache's enum llama_expert_cache_policy (belady is an oracle: simulator only)
 NATIVE_POLICY_IDS = {"lru": 0, "lru-pinned": 0, "lfu-aged": 1, "slru": 2, "tinylfu": 3}
