@@ -17,6 +17,7 @@ from test_bench import _parallel_report, _wide_report
 from spark_cli.commands import bench as bench_cmd
 from spark_cli.commands import profile as profile_cmd
 from spark_cli.commands.tables import Whole
+from spark_cli.core.cost_model import Prediction
 from spark_cli.core.profile import RoutingProfile
 from spark_cli.core.simulator import simulate_rows
 from spark_cli.core.trace import RoutingTrace
@@ -57,11 +58,15 @@ def geo():
 
 def test_bench_report_whole_in_a_pipe(geo, pipe) -> None:
     rep = _parallel_report(geo)
+    for i, r in enumerate(rep.results):  # the cost model's predictions beside the measured rates
+        r.config.predicted = Prediction(tg_us=1e6 / (40.0 + 10 * i), pp_us=1e6 / (1500.0 + 100 * i), stops=1 + 12 * i)
     bench_cmd.print_report(rep, pipe)
     text = pipe.read()
-    _assert_whole(text, bench_cmd.speed_table(rep), bench_cmd.accounting_table(rep), bench_cmd.parallel_table(rep))
+    tables = (bench_cmd.speed_table(rep), bench_cmd.prediction_table(rep), bench_cmd.accounting_table(rep),
+              bench_cmd.parallel_table(rep))
+    _assert_whole(text, *tables)
     assert "(continued)" in text  # too wide for 80 columns in one piece: continued, not cut
-    for header in ("tg/ceiling", "CPU MiB", "uploads/tok 4"):  # the right-hand columns are there
+    for header in ("tg/ceiling", "tg pred/meas", "CPU MiB", "uploads/tok 4"):  # the right-hand columns are there
         assert header in text
 
 

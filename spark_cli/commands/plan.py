@@ -81,7 +81,7 @@ def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, 
     console.print(render_plan.cold_hit_line(plan), soft_wrap=True)
     table = render_plan.prediction_table(plan)
     if table is not None:
-        console.print(table)
+        console.print(Whole(table))
     console.print(render_plan.prediction_line(plan), soft_wrap=True)
     if trace is not None:
         console.print(trace_replay_line(trace, plan), soft_wrap=True)
