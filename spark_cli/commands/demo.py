@@ -118,7 +118,7 @@ def _plan_line(plan_path: Path, residency: float) -> str:
     plan = Plan.load(plan_path)
     cached = [l for l in plan.layers if l.mode == "cached"]
     moe = [l for l in plan.layers if l.mode in ("resident", "cached", "host")]
-    cold = "" if plan.predicted_cold_hit is None else f", {100 * plan.predicted_cold_hit:.1f}% of routed experts cold"
+    cold = "" if plan.predicted_cold_hit is None else f", predicted cold-hit {100 * plan.predicted_cold_hit:.1f}%"
     return (f"plan: {residency:.0%} of the expert bytes on the device: {len(cached)} of {len(moe)} MoE layers "
             f"cached ({sum(len(l.pinned) for l in cached)} experts pinned, {sum(l.lru_slots for l in cached)} "
             f"LRU slots){cold}")
