@@ -5,6 +5,7 @@ tables continued in a second one that repeats the label columns."""
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -117,3 +118,29 @@ def test_profile_tables_whole_in_a_pipe(geo, pipe) -> None:
     _assert_whole(text, skew, held, realism, sim)
     for header in ("entropy/max", "top-64 cov.", "cold-hit (oracle)", "staged/token"):
         assert header in text
+
+
+def test_the_demos_closing_lines_say_what_it_showed(geo, tmp_path) -> None:
+    """spark demo's last lines, from the files its steps wrote: the plan, the answer, bench's verdict."""
+    from spark_cli.commands import demo as demo_cmd
+    from spark_cli.core.planner import PlanRequest, plan_for
+
+    plan_path = tmp_path / "demo-plan.json"
+    budget = int(0.6 * geo.total_expert_bytes) + (2 << 30)
+    plan_for(geo, PlanRequest(budget, 2048)).plan.save(plan_path)
+    rep = _wide_report(geo)
+    bench_path = tmp_path / "demo-bench.json"
+    bench_path.write_text(json.dumps(rep.to_dict()), encoding="utf-8")
+    lines = demo_cmd.closing_lines(plan_path, 0.6, "The capital city of France is Paris.\n", bench_path)
+    assert len(lines) == 3
+    plan, answer, verdict = lines
+    assert plan.startswith("plan: 60% of the expert bytes on the device:") and "of 48 MoE layers cached" in plan
+    assert answer == "answer: 'The capital city of France is Paris.'"
+    spark, stock = (next(r for r in rep.results if r.config.name == n) for n in ("spark", rep.baseline))
+    assert verdict.startswith(f"bench: Spark generates {spark.tg.median:.1f} tok/s, "
+                              f"{spark.ratios['tg_vs_stock']:.2f}x the best stock offload ({stock.config.label}, ")
+    target = rep.targets()["tg_vs_stock"]
+    assert verdict.endswith(f"the {target['target']:g}x target {'met' if target['met'] else 'not met'}")
+    # a step that wrote nothing: said so, no traceback
+    assert demo_cmd.closing_lines(tmp_path / "none.json", 0.6, None, tmp_path / "none.json") == \
+        ["plan: not written", "answer: none"]
