@@ -290,11 +290,7 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
     try:
         return parse(ChatRequest, json.dumps(to_chat(req)).encode())
     except ApiError as e:
-        if e.param is None:
-            raise
-        name = _responses_name(e.param, req)
-        message = name + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
-        raise ApiError(e.status, message, e.type, name, e.extra) from None
+        raise e.renamed(lambda param: _responses_name(param, req)) from None
 
 
 # ---------------------------------------------------------------- results
