@@ -197,11 +197,11 @@ def test_json_object_is_an_object(server):
     ("unknown function", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
     ("unknown choice", {"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-    ("unsupported keyword", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "n", "schema": {"type": "object", "not": {"required": ["a"]}}}}}, "'not'"),
-    ("unsupported in a tool", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}}}], "tool_choice": "required"},
-     "'multipleOf'"),
+    ("not JSON Schema", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "object", "not": 5}}}}, "not valid JSON Schema"),
+    ("not JSON Schema in a tool", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": -3}}}}}], "tool_choice": "required"},
+     "tools.0.function.parameters: not valid JSON Schema: -3 is not greater than 0 (at properties.n.multipleOf)"),
 ])
 def test_bad_agent_input_is_a_400(server, case, body, where):
     with server.http() as h:
