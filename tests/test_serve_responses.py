@@ -166,6 +166,7 @@ def test_reasoning_and_tool_calls_are_output_items():
         assert "response.reasoning_text.delta" in kinds and "response.function_call_arguments.delta" in kinds
         added = [e.item for e in events if e.type == "response.output_item.added"]
         assert [(i.type, i.status) for i in added] == [("reasoning", "in_progress"), ("function_call", "in_progress")]
+        assert added[1].name == "get_weather"  # the call's name from its first event (Codex reads it there)
         args = next(e for e in events if e.type == "response.function_call_arguments.done")
         final = events[-1].response.output
         assert args.item_id == added[1].id == final[1].id and json.loads(args.arguments) == {"city": "Paris"}
@@ -178,6 +179,35 @@ def test_reasoning_and_tool_calls_are_output_items():
         assert again.status == "completed" and again.usage.input_tokens > res.usage.input_tokens
 
 
+def test_what_codex_sends_is_accepted_and_hosted_tools_are_skipped(caplog):
+    """include, reasoning.summary, store, prompt_cache_key, client_metadata, namespace and
+    web_search tools (skipped with a warning), and a reasoning item sent back with only its
+    encrypted_content (left out of the prompt)."""
+    class Thinks(_Scripted):
+        REPLY = "<think> hmm </think> " + CALL
+
+    body = {"input": [{"role": "developer", "content": [{"type": "input_text", "text": "be brief"}]},
+                      {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+                      {"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}],
+            "tools": [{"type": "namespace", "name": "agents", "tools": [TOOL]}, TOOL,
+                      {"type": "web_search", "external_web_access": False}],
+            "tool_choice": "auto", "parallel_tool_calls": True, "reasoning": {"summary": "auto", "effort": "low"},
+            "store": False, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "k",
+            "client_metadata": {"x": "y"}, "stream": False}
+    with _client(Thinks) as tc:
+        r = tc.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()["output"]
+        assert [o["type"] for o in out] == ["reasoning", "function_call"] and out[1]["name"] == "get_weather"
+        assert "encrypted_content" not in out[0] and out[0]["content"][0]["text"].strip() == "hmm"
+        rendered = tc.post("/v1/responses/input_tokens", json=body).json()["input_tokens"]
+        assert rendered == tc.post("/v1/responses/input_tokens", json={
+            **body, "tools": [TOOL], "input": body["input"][:2]}).json()["input_tokens"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "spark.serve"]
+    assert warned[:2] == ["tools.0: a 'namespace' tool skipped: spark serve runs no hosted tools",
+                          "tools.2: a 'web_search' tool skipped: spark serve runs no hosted tools"]
+
+
 @pytest.mark.parametrize("body,where", [
     ({}, "input"),
     ({"input": 5}, "input"),
@@ -186,7 +216,6 @@ def test_reasoning_and_tool_calls_are_output_items():
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input.0.content.0.type"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input.0.arguments"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
-    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "..."}]}, "input.0.content"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
     ({"input": [{"type": "web_search_call", "id": "ws"}]}, "input.0.type"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
@@ -195,14 +224,17 @@ def test_reasoning_and_tool_calls_are_output_items():
     ({"input": HI, "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": HI, "conversation": "conv_1"}, "conversation"),
     ({"input": HI, "background": True}, "background"),
-    ({"input": HI, "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": HI, "top_logprobs": 3}, "top_logprobs"),
     ({"input": HI, "truncation": "auto"}, "truncation"),
-    ({"input": HI, "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": HI, "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tools.0.type"),
     ({"input": HI, "tools": [{**TOOL, "parameters": {"type": "array"}}]}, "tools.0.parameters"),
+    ({"input": HI, "tools": [{"type": "web_search"}, {**TOOL, "parameters": {"type": "array"}}]},
+     "tools.1.parameters"),  # counting the skipped tool
+    ({"input": HI, "tools": [{"type": "namespace", "name": "ns", "tools": []}, {**TOOL, "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": "one"}}}}], "tool_choice": "required"},
+     "tools.1.parameters"),  # the grammar's refusal too
     ({"input": HI, "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"input": HI, "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
-    ({"input": HI, "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
     ({"input": HI, "text": {"verbosity": "low"}}, "text.verbosity"),
     ({"input": HI, "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format"),
     ({"input": HI, "max_output_tokens": 0}, "max_output_tokens"),
