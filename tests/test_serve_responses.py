@@ -357,3 +357,21 @@ def test_a_predict_route_that_is_a_route_already_is_refused():
     with pytest.raises(UsageError, match="AIP_PREDICT_ROUTE=/v1/models"):
         with _client(vertex=Vertex(predict_route="/v1/models")):
             pass
+
+
+def test_a_max_tokens_cut_right_after_a_complete_call_is_length_as_llama_servers():
+    class Calls(_Scripted):
+        REPLY = CALL
+
+    n = len(CALL.split())  # each word a token: the call is complete with the last one
+    chat_tool = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
+    with _client(Calls) as tc:
+        body = {"messages": [{"role": "user", "content": HI}], "tools": [chat_tool]}
+        cut = tc.post("/v1/chat/completions", json={**body, "max_tokens": n}).json()["choices"][0]
+        assert cut["finish_reason"] == "length" and cut["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        whole = tc.post("/v1/chat/completions", json={**body, "max_tokens": n + 5}).json()["choices"][0]
+        assert whole["finish_reason"] == "tool_calls"
+        tool = {"name": "get_weather", "input_schema": TOOL["parameters"]}
+        m = tc.post("/v1/messages", json={"messages": [{"role": "user", "content": HI}], "tools": [tool],
+                                          "max_tokens": n}).json()
+        assert m["stop_reason"] == "max_tokens" and m["content"][-1]["type"] == "tool_use"
