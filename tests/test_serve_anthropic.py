@@ -228,8 +228,8 @@ def test_any_tool_choice_calls_one_of_the_tools(server):
         _client(server).messages.create(model="x", max_tokens=4, messages=ASK, tools=[WEATHER, odd],
                                         tool_choice={"type": "any"})
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
-    assert e.value.body["error"]["message"].startswith("tools.1.input_schema: not valid JSON Schema: 0 is not "
-                                                       "greater than 0 (at properties.n.multipleOf)")
+    assert e.value.body["error"]["message"].startswith("tools.1.input_schema: not valid JSON Schema: 0 is less "
+                                                       "than or equal to the minimum of 0 (at properties.n.multipleOf)")
 
 
 def test_tool_result_round_trip(server):
