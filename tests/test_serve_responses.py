@@ -375,3 +375,24 @@ def test_a_max_tokens_cut_right_after_a_complete_call_is_length_as_llama_servers
         m = tc.post("/v1/messages", json={"messages": [{"role": "user", "content": HI}], "tools": [tool],
                                           "max_tokens": n}).json()
         assert m["stop_reason"] == "max_tokens" and m["content"][-1]["type"] == "tool_use"
+
+
+def test_a_forced_call_that_breaks_its_schema_is_a_warning_in_the_log(caplog):
+    """The grammar may be looser than the schema (core/json_schema.relax): the call is checked
+    after generation against the original. (The fake engine samples no grammar: its scripted
+    call stands for what a relaxed grammar let through.)"""
+    class Calls(_Scripted):
+        REPLY = CALL
+
+    strict = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 3, "pattern": "^[a-z]+$"}}}}}
+    with _client(Calls) as tc:
+        body = {"messages": [{"role": "user", "content": HI}], "tools": [strict], "tool_choice": "required"}
+        r = tc.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "tool_calls"
+        fits = {**strict, "function": {**strict["function"], "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}}}
+        assert tc.post("/v1/chat/completions", json={**body, "tools": [fits]}).status_code == 200
+    warned = [r.getMessage() for r in caplog.records if r.name == "spark.serve"]
+    assert len(warned) == 1 and warned[0].startswith(
+        "the arguments of the forced call to 'get_weather' break its schema: city: 'Paris' ")

@@ -129,14 +129,16 @@ class OutputSchemas:
     tools: dict[str, Any] = field(default_factory=dict)
     answer: Any = None
 
-    def problems(self, content: str, calls: Iterable[ToolCall]) -> list[str]:
+    def problems(self, content: str, calls: Iterable[ToolCall], complete: bool = True) -> list[str]:
+        """How the output breaks the schemas (a call is parsed only once whole; the answer is
+        checked only when `complete`: not cut by max_tokens)."""
         out = []
         for call in calls:
             schema = self.tools.get(call.name)
             problem = schema is not None and violation(_json_or_text(call.arguments), schema)
             if problem:
                 out.append(f"the arguments of the forced call to {call.name!r} break its schema: {problem}")
-        if self.answer is not None:
+        if self.answer is not None and complete:
             problem = violation(_json_or_text(content), self.answer)
             if problem:
                 out.append(f"the answer breaks its JSON Schema: {problem}")
@@ -355,7 +357,7 @@ class Run:
                 out = self.parser.result()
                 if out.tool_calls and self.finish_reason != "length":  # NOTE: cut by max_tokens: length, as llama-server's
                     self.finish_reason = "tool_calls"
-                for problem in self.schemas.problems(out.content, out.tool_calls):
+                for problem in self.schemas.problems(out.content, out.tool_calls, self.finish_reason != "length"):
                     warn(problem)
                 yield ev
 
