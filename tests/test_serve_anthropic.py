@@ -119,7 +119,7 @@ def test_keys_and_bad_requests(server):
     with pytest.raises(anthropic.BadRequestError, match="temperature"):
         ac.messages.create(model="x", max_tokens=4, messages=_user("Hi"), extra_body={"temperature": 3})
     with pytest.raises(anthropic.BadRequestError, match="messages.0.role"):
-        ac.messages.create(model="x", max_tokens=4, messages=[{"role": "system", "content": "Hi"}])
+        ac.messages.create(model="x", max_tokens=4, messages=[{"role": "tool", "content": "Hi"}])
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         ac.post("/v1/messages", cast_to=object, body={"model": "x", "messages": _user("Hi")})
     with pytest.raises(anthropic.NotFoundError):
