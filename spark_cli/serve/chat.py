@@ -4,11 +4,13 @@ In: a validated `protocol.ChatRequest` (OpenAI-shaped: messages with assistant `
 and `role: "tool"`, `tools`, `tool_choice`, `response_format`, `reasoning_format`,
 `chat_template_kwargs`), a `CompletionRequest` or llama.cpp's `llama_api.NativeCompletionRequest`.
 
-1. `prepare(req, config) -> PreparedChat` checks what the template cannot (a schema the grammar
-   converter cannot honour: ApiError 400) and decides the template inputs (tool_choice none:
+1. `prepare(req, config) -> PreparedChat` checks what the template cannot (a forced schema that
+   is not valid JSON Schema: ApiError 400) and decides the template inputs (tool_choice none:
    rendered without tools, never parsed), the GBNF grammar (`required` or a named function:
-   one call in the model's format; `response_format`: JSON valid against the schema) and the
-   output parser (core/chat_output.py: the model's tool-call format, `--reasoning-format`).
+   one call in the model's format; `response_format`: JSON valid against the schema; none for
+   auto), the schemas the output is checked against after generation (OutputSchemas: what the
+   grammar relaxed breaks them, a warning in the log) and the output parser
+   (core/chat_output.py: the model's tool-call format, `--reasoning-format`).
 2. `open_run(request, req, worker, model, config)` prepares a chat, submits it to the worker
    (which renders the prompt with the model's template, tools included, and counts it) and
    waits until it starts (ApiError when it cannot: queue full, over the context, a template
@@ -17,7 +19,8 @@ and `role: "tool"`, `tools`, `tool_choice`, `response_format`, `reasoning_format
    queues `req.n` jobs at once (llama-server's n_cmpl: choice j samples with the seed + j) and
    waits for the first; `Choices` renders them as one body or one stream, choice by index.
 3. Either `await run.result()` is the OpenAI body (`chat.completion`: message.content,
-   .reasoning_content, .tool_calls, finish_reason `tool_calls` when it called; or
+   .reasoning_content, .tool_calls, finish_reason `tool_calls` when it called and was not cut by
+   max_tokens (then `length`, as llama-server's); or
    `text_completion`) or `run.chunks()` yields the OpenAI chunks (the role chunk, deltas of
    content / reasoning_content / tool_calls (a call whole, with its index, once complete), the
    finish chunk, and the usage chunk when asked); `logprobs` ride on the chunks of the tokens
