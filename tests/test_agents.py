@@ -201,7 +201,8 @@ def test_json_object_is_an_object(server):
         "name": "n", "schema": {"type": "object", "not": 5}}}}, "not valid JSON Schema"),
     ("not JSON Schema in a tool", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"n": {"type": "integer", "multipleOf": -3}}}}}], "tool_choice": "required"},
-     "tools.0.function.parameters: not valid JSON Schema: -3 is less than or equal to the minimum of 0 (at properties.n.multipleOf)"),
+     "tools.0.function.parameters: not valid JSON Schema: -3 is less than or equal to the minimum of 0 "
+     "(at properties.n.multipleOf)"),
 ])
 def test_bad_agent_input_is_a_400(server, case, body, where):
     with server.http() as h:

@@ -433,7 +433,7 @@ def test_a_refusal_of_the_translated_request_names_the_messages_field():
                 "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                           {"type": "tool_result", "tool_use_id": "t"}]},
                              {"role": "system", "content": "mid"}]})
-    assert anthropic_param("tools.0.function.parameters.properties.limit", req) == "tools.1.input_schema.properties.limit"
+    assert anthropic_param("tools.0.function.parameters.properties.x", req) == "tools.1.input_schema.properties.x"
     assert anthropic_param("tools.0.function.name", req) == "tools.1.name"
     assert anthropic_param("messages.0.content", req) == "system"
     assert [anthropic_param(f"messages.{i}", req) for i in (1, 2, 3)] == ["messages.0", "messages.0", "messages.1"]

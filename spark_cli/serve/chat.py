@@ -358,7 +358,8 @@ class Run:
                     yield d, owed
                     owed = []
                 out = self.parser.result()
-                if out.tool_calls and self.finish_reason != "length":  # NOTE: cut by max_tokens: length, as llama-server's
+                # NOTE: a call cut by max_tokens right after it closed stays `length`, as llama-server's
+                if out.tool_calls and self.finish_reason != "length":
                     self.finish_reason = "tool_calls"
                 for problem in self.schemas.problems(out.content, out.tool_calls, self.finish_reason != "length"):
                     warn(problem)
