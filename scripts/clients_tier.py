@@ -38,6 +38,7 @@ PINNED = {"claude": ("@anthropic-ai/claude-code", "2.1.197"), "codex": ("@openai
 SYSTEM = "You are a coding agent. Answer briefly. Use a tool when asked to read a file."
 NOTE = "The secret word is pineapple."
 COLUMNS = ("connect", "chat", "stream", "tool")
+MAX_OUTPUT = 256  # tokens an answer may take (Codex sends no limit: spark serve -n; Claude Code's own setting)
 
 
 def free_port() -> int:
@@ -137,9 +138,9 @@ def codex(exe: Path, url: str, home: Path, prompt: str, full: bool, *extra: str)
 
 def env_for(name: str, url: str, home: Path) -> dict[str, str]:
     env = {**os.environ, "HOME": str(home)}
-    if name == "claude":
+    if name == "claude":  # NOTE: Claude Code asks for 32,000-64,000 tokens: a tiny model may ramble that long
         env.update(ANTHROPIC_BASE_URL=url, ANTHROPIC_API_KEY="spark", DISABLE_AUTOUPDATER="1",
-                   CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
+                   CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(MAX_OUTPUT))
     else:
         env.update(CODEX_HOME=str(home / ".codex"), SPARK_CLIENT_KEY="spark")
     return env
@@ -191,10 +192,11 @@ def run_client(name: str, exe: Path, rec: Recorder, work: Path, full: bool, time
         try:
             p = subprocess.run(build(exe, url, home, prompt, full, *extra), cwd=work, env=env_for(name, url, home),
                                capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-            out, rc = p.stdout, p.returncode
+            out, rc, said = p.stdout, p.returncode, (p.stderr.strip() or p.stdout.strip()).splitlines()
         except subprocess.TimeoutExpired as e:
-            out, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), -1
+            out, rc, said = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), -1, []
         wall = time.monotonic() - t0
+        why = f": {said[-1][:80]}" if rc not in (0, -1) and said else ""
         seen = [s for s in rec.since(n) if s.path.split("?")[0] not in ("/", "/v1/models")]
         statuses = sorted({s.status for s in seen})
         if row["connect"].ok is None and seen:
@@ -202,10 +204,11 @@ def run_client(name: str, exe: Path, rec: Recorder, work: Path, full: bool, time
         if scenario == "tool":
             back = [s for s in seen if s.tool_result]
             ok = bool(back) and all(s.status == 200 for s in back)
-            row["tool"] = Cell(ok, f"{len(back)} result(s) sent back, {wall:.0f} s" + ("" if rc == 0 else f", rc {rc}"))
+            ended = "" if rc == 0 else f", rc {rc}{why}"
+            row["tool"] = Cell(ok, f"{len(back)} result(s) sent back, {wall:.0f} s{ended}")
         else:
             ok = rc == 0 and bool(seen) and all(s.status == 200 for s in seen) and answered(name, scenario, out)
-            row[scenario] = Cell(ok, f"HTTP {statuses}, {wall:.0f} s" + ("" if rc == 0 else f", rc {rc}"))
+            row[scenario] = Cell(ok, f"HTTP {statuses}, {wall:.0f} s" + ("" if rc == 0 else f", rc {rc}{why}"))
         shutil.rmtree(home, ignore_errors=True)
         print(f"{name} {scenario}: {row[scenario] if scenario != 'tool' else row['tool']}", flush=True)
     return row
@@ -217,7 +220,7 @@ def run_client(name: str, exe: Path, rec: Recorder, work: Path, full: bool, time
 def start_server(model: Path, ctx: int, threads: int, parallel: int, log: Path) -> tuple[subprocess.Popen, int]:
     port = free_port()
     args = [str(REPO / ".venv" / "bin" / "spark"), "serve", str(model), "-c", str(ctx), "-np", str(parallel),
-            "-t", str(threads), "--port", str(port), "--no-learn"]
+            "-t", str(threads), "-n", str(MAX_OUTPUT), "--port", str(port), "--no-learn"]
     proc = subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -268,10 +271,10 @@ def main() -> int:
         proc.terminate()
         proc.wait(timeout=60)
     print(f"\nspark serve {model.name} -c {args.ctx_size} -np {args.parallel} (log: {log})")
-    print(f"{'client':<28}" + "".join(f"{c:<34}" for c in COLUMNS))
+    print(f"{'client':<34}" + "".join(f"{c:<34}" for c in COLUMNS))
     for name, row in rows.items():
         pkg, ver = PINNED[name]
-        print(f"{pkg + ' ' + ver:<28}" + "".join(f"{str(row[c]):<34}" for c in COLUMNS))
+        print(f"{pkg + ' ' + ver:<34}" + "".join(f"{str(row[c]):<34}" for c in COLUMNS))
     return 0 if all(cell.ok for row in rows.values() for cell in row.values()) else 1
 
 
