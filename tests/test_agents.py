@@ -197,11 +197,12 @@ def test_json_object_is_an_object(server):
     ("unknown function", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
     ("unknown choice", {"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-    ("unsupported keyword", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "n", "schema": {"type": "object", "not": {"required": ["a"]}}}}}, "'not'"),
-    ("unsupported in a tool", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}}}], "tool_choice": "required"},
-     "'multipleOf'"),
+    ("not JSON Schema", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "object", "not": 5}}}}, "not valid JSON Schema"),
+    ("not JSON Schema in a tool", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": -3}}}}}], "tool_choice": "required"},
+     "tools.0.function.parameters: not valid JSON Schema: -3 is less than or equal to the minimum of 0 "
+     "(at properties.n.multipleOf)"),
 ])
 def test_bad_agent_input_is_a_400(server, case, body, where):
     with server.http() as h:
@@ -233,3 +234,35 @@ def test_a_template_that_raises_is_a_400():
                 assert "tokenizer.chat_template" in msg and "'foo' is undefined" in msg
     finally:
         worker.shutdown(1)
+
+
+# Claude Code's Read tool: integer bounds the grammar must express (issue 39)
+READ_SCHEMA = {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object", "properties": {
+    "file_path": {"type": "string", "maxLength": 24},
+    "offset": {"type": "integer", "minimum": 0, "maximum": 9007199254740991},
+    "limit": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9007199254740991},
+    "depth": {"type": "integer", "exclusiveMinimum": -4, "exclusiveMaximum": -1}},
+    "required": ["file_path", "offset", "limit", "depth"], "additionalProperties": False}
+READ = {"type": "function", "function": {"name": "Read", "description": "Read a file", "parameters": READ_SCHEMA}}
+
+
+@pytest.mark.model
+def test_a_tool_with_exclusive_minimum_is_accepted_and_forced_calls_satisfy_it(server):
+    import jsonschema
+
+    c = server.client()
+    ask = [{"role": "user", "content": "Read notes.txt"}]
+    auto = c.chat.completions.create(model="x", messages=ask, tools=[READ], temperature=0, max_tokens=8)
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")  # accepted: no grammar, no refusal
+    checked = 0
+    for seed in (1, 2, 3):  # sampled (not greedy): the grammar, not the model, keeps the numbers in range
+        r = c.chat.completions.create(model="x", messages=ask, tools=[READ], tool_choice="required",
+                                      temperature=1.0, seed=seed, max_tokens=N)
+        ch = r.choices[0]
+        if ch.finish_reason == "length":  # cut before the call closed: nothing to check
+            continue
+        args = json.loads(ch.message.tool_calls[0].function.arguments)
+        jsonschema.validate(args, READ_SCHEMA)
+        assert args["limit"] >= 1 and -3 <= args["depth"] <= -2
+        checked += 1
+    assert checked >= 2

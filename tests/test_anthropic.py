@@ -123,7 +123,8 @@ MSG = [{"role": "user", "content": "hi"}]
     ({"messages": MSG, "max_tokens": 0}, "max_tokens:"),
     ({"messages": "hi", "max_tokens": 4}, "messages:"),
     ({"messages": [], "max_tokens": 4}, "messages:"),
-    ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 4}, "messages.0.role:"),
+    ({"messages": [{"role": "system", "content": [{"type": "tool_result", "tool_use_id": "a"}]}], "max_tokens": 4},
+     "messages.0: content.0: a tool_result block is not allowed in a system message"),
     ({"messages": [{"role": "tool", "content": "x"}], "max_tokens": 4}, "messages.0.role:"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4},
      "messages.0.content.0: Input tag 'image'"),
@@ -135,7 +136,7 @@ MSG = [{"role": "user", "content": "hi"}]
       "max_tokens": 4}, "input: Input should be a valid dictionary"),
     ({"messages": MSG, "max_tokens": 4, "tools": [{"name": "f", "input_schema": "object"}]},
      "tools.0.input_schema: Input should be a valid dictionary"),
-    ({"messages": MSG, "max_tokens": 4, "tools": [{"name": "f"}]}, "tools.0.input_schema: Field required"),
+    ({"messages": MSG, "max_tokens": 4, "tools": [{"name": "f"}]}, "tools.0: input_schema: required"),
     ({"messages": MSG, "max_tokens": 4, "tool_choice": {"type": "tool"}}, "tool_choice: name: required"),
     ({"messages": MSG, "max_tokens": 4, "tool_choice": {"type": "sometimes"}}, "tool_choice.type:"),
     ({"messages": MSG, "max_tokens": 4, "temperature": 1.5}, "temperature:"),
@@ -397,3 +398,45 @@ def test_over_the_context_and_hostile_bodies_are_400():
             r = tc.post("/v1/messages", content=raw, headers={"Content-Type": "application/json"})
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (case, r.text)
         assert tc.post("/v1/messages", json=ASK).status_code == 200
+
+
+def test_what_claude_code_sends_besides_becomes_the_chat_it_means(caplog):
+    """A system message inside messages stays where it is; output_config's effort and format
+    reach the template and the grammar; metadata and context_management are accepted; a server
+    tool is skipped with a warning."""
+    c = _chat({"system": [{"type": "text", "text": "Top."}], "metadata": {"user_id": "u"},
+               "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+               "output_config": {"effort": "high", "format": {"type": "json_schema", "schema": {"type": "object"}}},
+               "thinking": {"type": "adaptive"},
+               "tools": [{"name": "Read", "input_schema": {"type": "object"}},
+                         {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}],
+               "messages": [{"role": "user", "content": "Hi"},
+                            {"role": "system", "content": [{"type": "text", "text": "Agents: a, b."}]}]})
+    assert c["messages"] == [{"role": "system", "content": "Top."}, {"role": "user", "content": "Hi"},
+                             {"role": "system", "content": "Agents: a, b."}]
+    assert [t["function"]["name"] for t in c["tools"]] == ["Read"]
+    assert c["reasoning_effort"] == "high" and c["chat_template_kwargs"] == {"enable_thinking": True}
+    assert c["response_format"] == {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}
+    assert [r.getMessage() for r in caplog.records] == [
+        "tools.1: 'web_search' (web_search_20250305) skipped: spark serve runs no server tools"]
+    with pytest.raises(ApiError, match=r"^tools.1.type: 'web_search_20250305' is a server tool"):
+        _chat({"messages": [{"role": "user", "content": "Hi"}], "tool_choice": {"type": "tool", "name": "web_search"},
+               "tools": [{"name": "Read", "input_schema": {"type": "object"}},
+                         {"type": "web_search_20250305", "name": "web_search"}]})
+
+
+def test_a_refusal_of_the_translated_request_names_the_messages_field():
+    from spark_cli.serve.anthropic import anthropic_param
+
+    req = _req({"system": "S", "tools": [{"type": "web_search_20250305", "name": "w"},
+                                         {"name": "Read", "input_schema": {"type": "object"}}],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                          {"type": "tool_result", "tool_use_id": "t"}]},
+                             {"role": "system", "content": "mid"}]})
+    assert anthropic_param("tools.0.function.parameters.properties.x", req) == "tools.1.input_schema.properties.x"
+    assert anthropic_param("tools.0.function.name", req) == "tools.1.name"
+    assert anthropic_param("messages.0.content", req) == "system"
+    assert [anthropic_param(f"messages.{i}", req) for i in (1, 2, 3)] == ["messages.0", "messages.0", "messages.1"]
+    assert anthropic_param("stop", req) == "stop_sequences"
+    assert anthropic_param("response_format.json_schema", req) == "output_config.format.json_schema"
+    assert anthropic_param("max_tokens", req) == "max_tokens"

@@ -129,3 +129,39 @@ def test_tiny_models_carry_their_family_template(name):
 
     g = load_geometry(build_tiny_model(name), require_moe=False)
     assert dict(g.chat_templates)["tokenizer.chat_template"] == bundled(TINY_TEMPLATES[name])
+
+
+# where a system message sent mid-conversation lands: in place (after the user's turn) or joined
+# into the template's one system slot (before it)
+MID_SYSTEM = {"qwen3": "in place", "qwen3.6": "in place", "glm45": "in place", "deepseek": "joined",
+              "gpt-oss": "joined", "mistral": "joined"}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_system_message_inside_anthropic_messages_renders_where_the_family_puts_it(name):
+    from spark_cli.serve.anthropic import MessagesRequest, to_chat
+    from spark_cli.serve.protocol import ChatRequest
+
+    body = {"max_tokens": 8, "system": "TOP-SYSTEM", "messages": [
+        {"role": "user", "content": "USER-TURN"}, {"role": "system", "content": "MID-SYSTEM"}]}
+    chat = ChatRequest.model_validate(to_chat(MessagesRequest.model_validate(body)))
+    text = ChatTemplate(bundled(name), name).render(chat.message_dicts())
+    top, user, mid = text.index("TOP-SYSTEM"), text.index("USER-TURN"), text.index("MID-SYSTEM")
+    assert top < user
+    assert (user < mid) if MID_SYSTEM[name] == "in place" else (top < mid < user), text
+
+
+def test_a_template_that_refuses_a_later_system_message_gets_it_joined_into_the_first():
+    strict = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+              "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+              "<{{ m.role }}>{{ m.content }}{% endfor %}")
+    first_only = ("{% if messages[0].role == 'system' %}<system>{{ messages[0].content }}{% endif %}"
+                  "{% for m in messages %}{% if m.role != 'system' %}<{{ m.role }}>{{ m.content }}{% endif %}"
+                  "{% endfor %}")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "system", "content": "later"}]
+    assert ChatTemplate(strict).render(msgs) == "<system>later<user>hi"
+    top = [{"role": "system", "content": "first"}, *msgs]
+    assert ChatTemplate(strict).render(top) == "<system>first\n\nlater<user>hi"
+    assert ChatTemplate(first_only).render(top) == "<system>first\n\nlater<user>hi"  # it left `later` out
+    with pytest.raises(TemplateError, match="at the beginning"):  # nothing to join: the template's own error
+        ChatTemplate(strict.replace("not loop.first", "true")).render([{"role": "system", "content": "x"}])

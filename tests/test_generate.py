@@ -3,6 +3,8 @@ output equal to the hand-written loops it replaced."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -176,3 +178,33 @@ def test_a_step_without_room_leaves_the_prompts_as_they_were():
     while loop.busy:
         loop.step()
     assert eng.fed == [7, 7, 7, 1, 2, 1] and [s.token for s in steps] == [1, 2, 1, None]
+
+
+def test_the_prompts_time_ends_with_its_first_sample_as_llama_servers():
+    """A GPU or RPC backend evaluates asynchronously: llama_decode returns at once and reading the
+    logits waits. The prompt's time runs until the first token is sampled (the wait counted as
+    the prompt's, as llama-server's t_prompt_processing), not until llama_decode returns."""
+    from spark_cli.native.generate import BatchLoop, Decoding
+
+    wait = 0.3
+
+    class Async(_Engine):
+        pending = False
+
+        def decode(self, entries):
+            super().decode(entries)
+            self.pending = any(out for _, _, out in entries)
+
+        def logits_row(self, i):
+            if self.pending:  # the first read after a decode waits for its evaluation
+                time.sleep(wait if self.n_past == 3 else 0.0)
+                self.pending = False
+            return super().logits_row(i)
+
+    eng, steps = Async([1, 2], PIECES), []
+    loop = BatchLoop(eng)
+    loop.add(Decoding(eng, 0, n_prompt=3), steps.append, prompt=[7, 7, 7])
+    while loop.busy:
+        loop.step()
+    last = steps[-1]
+    assert last.prompt_seconds >= wait and last.gen_seconds < wait, (last.prompt_seconds, last.gen_seconds)

@@ -252,6 +252,11 @@ def test_health_models_and_keys(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # no key needed
     models = server.client().models.list()
     assert [m.id for m in models.data] == [server.model.name]
+    card = models.data[0].model_dump()
+    assert card["object"] == "model" and card["owned_by"] == "spark" and card["created"] > 0
+    g = load_geometry(server.model)  # llama-server's meta (the training context), and the one served
+    assert card["meta"] == {"n_ctx_train": g.context_length, "n_embd": g.n_embd, "size": g.file_size,
+                            "n_vocab": card["meta"]["n_vocab"], "n_ctx": N_CTX} and card["meta"]["n_vocab"] > 0
     for path in ("/v1/models", "/metrics", "/v1/chat/completions"):
         with server.http(key=None) as h:
             r = h.get(path) if path != "/v1/chat/completions" else h.post(path, json={})

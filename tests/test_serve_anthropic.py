@@ -119,7 +119,7 @@ def test_keys_and_bad_requests(server):
     with pytest.raises(anthropic.BadRequestError, match="temperature"):
         ac.messages.create(model="x", max_tokens=4, messages=_user("Hi"), extra_body={"temperature": 3})
     with pytest.raises(anthropic.BadRequestError, match="messages.0.role"):
-        ac.messages.create(model="x", max_tokens=4, messages=[{"role": "system", "content": "Hi"}])
+        ac.messages.create(model="x", max_tokens=4, messages=[{"role": "tool", "content": "Hi"}])
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         ac.post("/v1/messages", cast_to=object, body={"model": "x", "messages": _user("Hi")})
     with pytest.raises(anthropic.NotFoundError):
@@ -223,10 +223,13 @@ def test_any_tool_choice_calls_one_of_the_tools(server):
                                         tool_choice={"type": "any"}, extra_body=GREEDY)
     assert m.stop_reason == "tool_use" and [b.name for b in m.content if b.type == "tool_use"][0] in (
         "get_weather", "get_time")
-    odd = {"name": "f", "input_schema": {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}}
-    with pytest.raises(anthropic.BadRequestError, match="multipleOf") as e:  # the grammar cannot honour it
-        _client(server).messages.create(model="x", max_tokens=4, messages=ASK, tools=[odd], tool_choice={"type": "any"})
+    odd = {"name": "f", "input_schema": {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 0}}}}
+    with pytest.raises(anthropic.BadRequestError) as e:  # not JSON Schema: named by Anthropic's path
+        _client(server).messages.create(model="x", max_tokens=4, messages=ASK, tools=[WEATHER, odd],
+                                        tool_choice={"type": "any"})
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert e.value.body["error"]["message"].startswith("tools.1.input_schema: not valid JSON Schema: 0 is less "
+                                                       "than or equal to the minimum of 0 (at properties.n.multipleOf)")
 
 
 def test_tool_result_round_trip(server):

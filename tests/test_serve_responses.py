@@ -166,6 +166,7 @@ def test_reasoning_and_tool_calls_are_output_items():
         assert "response.reasoning_text.delta" in kinds and "response.function_call_arguments.delta" in kinds
         added = [e.item for e in events if e.type == "response.output_item.added"]
         assert [(i.type, i.status) for i in added] == [("reasoning", "in_progress"), ("function_call", "in_progress")]
+        assert added[1].name == "get_weather"  # the call's name from its first event (Codex reads it there)
         args = next(e for e in events if e.type == "response.function_call_arguments.done")
         final = events[-1].response.output
         assert args.item_id == added[1].id == final[1].id and json.loads(args.arguments) == {"city": "Paris"}
@@ -178,6 +179,35 @@ def test_reasoning_and_tool_calls_are_output_items():
         assert again.status == "completed" and again.usage.input_tokens > res.usage.input_tokens
 
 
+def test_what_codex_sends_is_accepted_and_hosted_tools_are_skipped(caplog):
+    """include, reasoning.summary, store, prompt_cache_key, client_metadata, namespace and
+    web_search tools (skipped with a warning), and a reasoning item sent back with only its
+    encrypted_content (left out of the prompt)."""
+    class Thinks(_Scripted):
+        REPLY = "<think> hmm </think> " + CALL
+
+    body = {"input": [{"role": "developer", "content": [{"type": "input_text", "text": "be brief"}]},
+                      {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+                      {"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}],
+            "tools": [{"type": "namespace", "name": "agents", "tools": [TOOL]}, TOOL,
+                      {"type": "web_search", "external_web_access": False}],
+            "tool_choice": "auto", "parallel_tool_calls": True, "reasoning": {"summary": "auto", "effort": "low"},
+            "store": False, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "k",
+            "client_metadata": {"x": "y"}, "stream": False}
+    with _client(Thinks) as tc:
+        r = tc.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()["output"]
+        assert [o["type"] for o in out] == ["reasoning", "function_call"] and out[1]["name"] == "get_weather"
+        assert "encrypted_content" not in out[0] and out[0]["content"][0]["text"].strip() == "hmm"
+        rendered = tc.post("/v1/responses/input_tokens", json=body).json()["input_tokens"]
+        assert rendered == tc.post("/v1/responses/input_tokens", json={
+            **body, "tools": [TOOL], "input": body["input"][:2]}).json()["input_tokens"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "spark.serve"]
+    assert warned[:2] == ["tools.0: a 'namespace' tool skipped: spark serve runs no hosted tools",
+                          "tools.2: a 'web_search' tool skipped: spark serve runs no hosted tools"]
+
+
 @pytest.mark.parametrize("body,where", [
     ({}, "input"),
     ({"input": 5}, "input"),
@@ -186,7 +216,6 @@ def test_reasoning_and_tool_calls_are_output_items():
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input.0.content.0.type"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input.0.arguments"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
-    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "..."}]}, "input.0.content"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
     ({"input": [{"type": "web_search_call", "id": "ws"}]}, "input.0.type"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
@@ -195,14 +224,17 @@ def test_reasoning_and_tool_calls_are_output_items():
     ({"input": HI, "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": HI, "conversation": "conv_1"}, "conversation"),
     ({"input": HI, "background": True}, "background"),
-    ({"input": HI, "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": HI, "top_logprobs": 3}, "top_logprobs"),
     ({"input": HI, "truncation": "auto"}, "truncation"),
-    ({"input": HI, "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": HI, "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tools.0.type"),
     ({"input": HI, "tools": [{**TOOL, "parameters": {"type": "array"}}]}, "tools.0.parameters"),
+    ({"input": HI, "tools": [{"type": "web_search"}, {**TOOL, "parameters": {"type": "array"}}]},
+     "tools.1.parameters"),  # counting the skipped tool
+    ({"input": HI, "tools": [{"type": "namespace", "name": "ns", "tools": []}, {**TOOL, "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": "one"}}}}], "tool_choice": "required"},
+     "tools.1.parameters"),  # the grammar's refusal too
     ({"input": HI, "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"input": HI, "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
-    ({"input": HI, "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
     ({"input": HI, "text": {"verbosity": "low"}}, "text.verbosity"),
     ({"input": HI, "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format"),
     ({"input": HI, "max_output_tokens": 0}, "max_output_tokens"),
@@ -325,3 +357,42 @@ def test_a_predict_route_that_is_a_route_already_is_refused():
     with pytest.raises(UsageError, match="AIP_PREDICT_ROUTE=/v1/models"):
         with _client(vertex=Vertex(predict_route="/v1/models")):
             pass
+
+
+def test_a_max_tokens_cut_right_after_a_complete_call_is_length_as_llama_servers():
+    class Calls(_Scripted):
+        REPLY = CALL
+
+    n = len(CALL.split())  # each word a token: the call is complete with the last one
+    chat_tool = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
+    with _client(Calls) as tc:
+        body = {"messages": [{"role": "user", "content": HI}], "tools": [chat_tool]}
+        cut = tc.post("/v1/chat/completions", json={**body, "max_tokens": n}).json()["choices"][0]
+        assert cut["finish_reason"] == "length" and cut["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        whole = tc.post("/v1/chat/completions", json={**body, "max_tokens": n + 5}).json()["choices"][0]
+        assert whole["finish_reason"] == "tool_calls"
+        tool = {"name": "get_weather", "input_schema": TOOL["parameters"]}
+        m = tc.post("/v1/messages", json={"messages": [{"role": "user", "content": HI}], "tools": [tool],
+                                          "max_tokens": n}).json()
+        assert m["stop_reason"] == "max_tokens" and m["content"][-1]["type"] == "tool_use"
+
+
+def test_a_forced_call_that_breaks_its_schema_is_a_warning_in_the_log(caplog):
+    """The grammar may be looser than the schema (core/json_schema.relax): the call is checked
+    after generation against the original. (The fake engine samples no grammar: its scripted
+    call stands for what a relaxed grammar let through.)"""
+    class Calls(_Scripted):
+        REPLY = CALL
+
+    strict = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 3, "pattern": "^[a-z]+$"}}}}}
+    with _client(Calls) as tc:
+        body = {"messages": [{"role": "user", "content": HI}], "tools": [strict], "tool_choice": "required"}
+        r = tc.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "tool_calls"
+        fits = {**strict, "function": {**strict["function"], "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}}}
+        assert tc.post("/v1/chat/completions", json={**body, "tools": [fits]}).status_code == 200
+    warned = [r.getMessage() for r in caplog.records if r.name == "spark.serve"]
+    assert len(warned) == 1 and warned[0].startswith(
+        "the arguments of the forced call to 'get_weather' break its schema: city: 'Paris' ")

@@ -147,7 +147,9 @@ def register(app: typer.Typer) -> None:
         state = ServerState(worker, stats, alias or path.name, api_key=api_key or None, host=host,
                             allowed_hosts=hosts, cors=origins, chat=chat, model_path=str(path),
                             placement=_placement(devices, plan, cached, budget_source, cpu_reason, miss_path),
-                            metrics=metrics_on, slots_endpoint=slots_on, vertex=vertex)
+                            metrics=metrics_on, slots_endpoint=slots_on, vertex=vertex,
+                            meta={"n_ctx_train": geometry.context_length, "n_embd": geometry.n_embd,
+                                  "size": geometry.file_size})
         where = f"{devices[0].name}" if devices else f"CPU ({cpu_reason})"
         placement = (f"{len(cached)} cached MoE layers, plan {budget_source}" if plan is not None
                      else "stock CPU path")

@@ -79,7 +79,22 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = True, extras: Mapping[str, Any] | None = None) -> str:
-        """The prompt text; TemplateError names this template and what it raised."""
+        """The prompt text; TemplateError names this template and what it raised. A system message
+        after the first is rendered where it stands; a template that refuses it or leaves it out
+        (one system slot) gets it joined into the first system message instead."""
+        later = [m.get("content") for m in list(messages)[1:] if m.get("role") == "system"]
+        try:
+            text = self._render(messages, tools, add_generation_prompt, extras)
+        except TemplateError:
+            if not later:
+                raise
+            return self._render(joined_system(messages), tools, add_generation_prompt, extras)
+        if any(isinstance(c, str) and c.strip() and c not in text for c in later):
+            return self._render(joined_system(messages), tools, add_generation_prompt, extras)
+        return text
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+                add_generation_prompt: bool, extras: Mapping[str, Any] | None) -> str:
         msgs = [dict(m) for m in messages]
         if not self.knows_tools:
             msgs, tools = hermes_polyfill(msgs, tools or ()), None
@@ -149,6 +164,17 @@ def from_file(path: Path | str, flag: str = "--chat-template-file") -> TemplateS
     except TemplateError as e:
         raise UsageError(f"{flag} {p}: {e.message}", hint="fix the template") from None
     return TemplateSet({DEFAULT_NAME: text})
+
+
+def joined_system(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """The messages with every system message after the first joined into the first (a new one
+    when the conversation does not start with one), for templates with one system slot."""
+    out = [dict(m) for m in messages]
+    first = out[0] if out and out[0].get("role") == "system" else None
+    later = [m for m in out[1:] if m.get("role") == "system"]
+    texts = [str(m.get("content") or "") for m in ([first] if first else []) + later]
+    rest = [m for m in out[1 if first else 0:] if m.get("role") != "system"]
+    return [{**(first or {}), "role": "system", "content": "\n\n".join(t for t in texts if t)}, *rest]
 
 
 def hermes_polyfill(messages: list[dict], tools: Sequence[Mapping[str, Any]]) -> list[dict]:

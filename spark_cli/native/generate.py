@@ -273,7 +273,17 @@ class Decoding:
         return bool(self.should_stop and self.should_stop())
 
     def choose(self, logits: np.ndarray | None, row: int = -1) -> int | None:
-        """The next token to evaluate, from `logits` or output row `row`; None: it ends (`finish`)."""
+        """The next token to evaluate, from `logits` or output row `row`; None: it ends (`finish`).
+        The first choice ends the prompt's time (prompt_done), as llama-server's: reading the
+        logits waits for the prompt's evaluation, which a GPU or RPC backend runs asynchronously
+        (llama_decode returns before it is done)."""
+        try:
+            return self._choose(logits, row)
+        finally:
+            if self.t1 is None:
+                self.prompt_done()
+
+    def _choose(self, logits: np.ndarray | None, row: int) -> int | None:
         eng = self.engine
         if 0 <= self.max_tokens <= self.n:
             self.finish = "length"
@@ -424,11 +434,9 @@ class BatchLoop:
                 if a.dec.finish:
                     self._end(a)
                     continue
-            elif not a.pending:
-                a.dec.prompt_done()
-            else:
+            elif a.pending:
                 continue
-            self._next(a, None, i)
+            self._next(a, None, i)  # NOTE: the first choice ends the prompt's time (Decoding.choose)
         return shape
 
     def end(self, seq: int, finish: str) -> None:

@@ -1,62 +1,77 @@
 """GBNF grammars that constrain sampling: JSON Schema answers and forced tool calls.
 
-llama-cpp-python's `SchemaConverter` writes the JSON rules; the grammar sampler
-(`llama_sampler_init_grammar`, first in the chain: native/engine.make_sampler) keeps every
-sampled token inside them. Schemas are checked first against the keywords the converter
-honours, so a schema it would silently loosen is refused with the keyword named.
+llama-cpp-python's `SchemaConverter` writes the JSON rules, with Spark's numeric bounds
+(core/json_schema: integer ranges as digit grammars, a number's nearest expressible range);
+the grammar sampler (`llama_sampler_init_grammar`, first in the chain: native/engine.make_sampler)
+keeps every sampled token inside them. A schema that is not valid JSON Schema is refused; the
+keywords the grammar cannot express are relaxed (core/json_schema.relax) and the output checked
+after generation against the original schema (serve/chat.py).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from llama_cpp.llama_grammar import PRIMITIVE_RULES, RESERVED_NAMES, SchemaConverter
+
+from ..core.json_schema import EmptyRange, bounds, integer_gbnf, integer_range, invalid, number_gbnf, relax
 from ..core.tool_calls import ToolFormat
 from ..errors import SparkError
 
-# keywords the converter turns into rules, and annotations that do not constrain
-CONSTRAINING = {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
-                "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "pattern", "format", "minLength",
-                "maxLength", "$defs", "definitions"}
-ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "readOnly",
-               "writeOnly", "deprecated", "strict", "name"}
-
 
 class GrammarError(SparkError):
-    """A schema the grammar converter cannot honour."""
+    """A schema that is not valid JSON Schema, or that no value satisfies."""
 
     exit_code = 2
 
 
 def check_schema(schema: Any, where: str) -> None:
-    """GrammarError naming the first keyword (and where) that the converter cannot honour."""
-    todo: list[tuple[Any, str]] = [(schema, where)]
-    while todo:
-        s, at = todo.pop()
-        if isinstance(s, bool):
-            continue
-        if not isinstance(s, dict):
-            raise GrammarError(f"{at}: a schema must be an object, got {type(s).__name__}")
-        for k, v in s.items():
-            if k not in CONSTRAINING and k not in ANNOTATIONS:
-                raise GrammarError(f"{at}: the JSON Schema keyword {k!r} is not supported by the grammar converter",
-                                   hint=f"drop {k!r} or express it with: {', '.join(sorted(CONSTRAINING))}")
-            if k in ("properties", "$defs", "definitions") and isinstance(v, dict):
-                todo.extend((x, f"{at}.{k}.{n}") for n, x in v.items())
-            elif k in ("items", "additionalProperties") and isinstance(v, (dict, bool)):
-                todo.append((v, f"{at}.{k}"))
-            elif k in ("prefixItems", "anyOf", "oneOf", "allOf") and isinstance(v, list):
-                todo.extend((x, f"{at}.{k}.{i}") for i, x in enumerate(v))
+    """GrammarError when `schema` is not valid JSON Schema (naming where)."""
+    problem = invalid(schema)
+    if problem:
+        raise GrammarError(f"{where}: {problem}", hint="fix the schema (JSON Schema 2020-12 unless $schema names a "
+                                                       "draft)")
 
 
-def _converter():
-    from llama_cpp.llama_grammar import SchemaConverter
+# keywords that make a schema without a type more than "any value"
+SHAPING = {"properties", "additionalProperties", "items", "prefixItems", "$ref", "anyOf", "oneOf", "allOf", "enum",
+           "const", "pattern", "minLength", "maxLength", "format"}
 
-    return SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+
+class _Converter(SchemaConverter):
+    """llama-cpp-python's converter, with bounded integers and numbers, a list of types read as
+    the union of the schema with each type (the bounds kept), and a schema that says nothing of
+    its value's shape ({}, or annotations only) read as any JSON value, as llama.cpp's converter
+    reads it (the Python port reads {} as an object and fails on annotations)."""
+
+    def visit(self, schema, name):
+        t = schema.get("type") if isinstance(schema, dict) else None
+        rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+        if isinstance(schema, dict) and t is None and not SHAPING & schema.keys():
+            return self._add_rule(rule_name, self._add_primitive("value", PRIMITIVE_RULES["value"]))
+        if isinstance(t, list) and len(t) > 1:
+            alts = [self.visit({**schema, "type": one}, f"{name}{'-' if name else ''}{one}") for one in t]
+            return self._add_rule(rule_name, " | ".join(alts))
+        if isinstance(t, list) and t:
+            return self.visit({**schema, "type": t[0]}, name)
+        if t in ("integer", "number") and any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum",
+                                                                  "exclusiveMaximum")):
+            lo, hi = bounds(schema)
+            if lo is not None or hi is not None:
+                expr = integer_gbnf(*integer_range(lo, hi)) if t == "integer" else number_gbnf(lo, hi)
+                return self._add_rule(rule_name, f"({expr}) space")
+        return super().visit(schema, name)
+
+
+def _converter() -> _Converter:
+    return _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 
 def _visit(conv, schema: Mapping[str, Any], name: str, where: str) -> str:
     try:
-        return conv.visit(conv.resolve_refs(dict(schema), ""), name)
+        return conv.visit(conv.resolve_refs(relax(dict(schema)), ""), name)
+    except EmptyRange as e:
+        raise GrammarError(f"{where}: {e}") from None
     except Exception as e:  # noqa: BLE001 - the converter raises bare exceptions with the schema in the text
         raise GrammarError(f"{where}: the grammar converter cannot handle this schema ({e})") from None
 
@@ -69,11 +84,12 @@ def json_schema_gbnf(schema: Mapping[str, Any], where: str = "response_format.js
     return conv.format_grammar()
 
 
-def tool_call_gbnf(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]]) -> str:
-    """A grammar whose root is one call, in `fmt`, of one of `tools` (OpenAI tool objects)."""
+def tool_call_gbnf(fmt: ToolFormat, tools: Sequence[tuple[int, Mapping[str, Any]]]) -> str:
+    """A grammar whose root is one call, in `fmt`, of one of `tools` (OpenAI tool objects, each
+    with its index in the request's tools: the errors name it)."""
     conv = _converter()
     alts = []
-    for i, t in enumerate(tools):
+    for i, t in tools:
         fn = t["function"]
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         where = f"tools.{i}.function.parameters"

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from .protocol import MAX_STOP, _Strict, new_id
+from .protocol import MAX_STOP, ApiError, _Strict, new_id, warn
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -61,17 +61,19 @@ class RedactedThinkingBlock(_Strict):
 
 Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
                   Field(discriminator="type")]
-USER_BLOCKS = ("text", "tool_result")
-ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
+ALLOWED_BLOCKS = {"user": ("text", "tool_result"), "system": ("text",),
+                  "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
 
 
 class Message(_Strict):
-    role: Literal["user", "assistant"]
+    # NOTE: a system message inside messages (Claude Code's mid-conversation-system beta) stands
+    # where it is sent, as llama-server passes it to the template
+    role: Literal["user", "assistant", "system"]
     content: Union[str, list[Block]]
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self) -> "Message":
-        allowed = USER_BLOCKS if self.role == "user" else ASSISTANT_BLOCKS
+        allowed = ALLOWED_BLOCKS[self.role]
         for i, b in enumerate(self.content if isinstance(self.content, list) else ()):
             if b.type not in allowed:
                 raise ValueError(f"content.{i}: a {b.type} block is not allowed in a {self.role} message")
@@ -79,10 +81,21 @@ class Message(_Strict):
 
 
 class Tool(_Strict):
-    type: Literal["custom"] | None = None
+    type: str | None = None  # None or "custom": a client tool; any other: a server tool (web_search_..., skipped)
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _client_tool_has_a_schema(self) -> "Tool":
+        if self.is_client and self.input_schema is None:
+            raise ValueError("input_schema: required (a client tool's arguments are an object)")
+        return self
+
+    @property
+    def is_client(self) -> bool:
+        """A tool the client runs (the model's calls come back to it); the others run on Anthropic's servers."""
+        return self.type in (None, "custom")
 
 
 class ToolChoice(_Strict):
@@ -102,8 +115,23 @@ class Thinking(_Strict):
     budget_tokens: int | None = Field(None, ge=0, le=(1 << 31) - 1)
 
 
+class OutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+EFFORTS = ("low", "medium", "high")  # what templates read as reasoning_effort (gpt-oss); others are not passed
+
+
+class OutputConfig(_Strict):
+    effort: str | None = None
+    format: OutputFormat | None = None
+
+
 class CountRequest(_Strict):
-    """The body of /v1/messages/count_tokens (and what a message request has besides)."""
+    """The body of /v1/messages/count_tokens (and what a message request has besides). Fields
+    not named here are accepted and ignored (metadata, context_management, service_tier,
+    cache_control on blocks, ...), as llama-server ignores what it does not use."""
 
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
@@ -111,6 +139,23 @@ class CountRequest(_Strict):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+
+    def client_tools(self) -> list[tuple[int, Tool]]:
+        """The tools the model may call, with their index in `tools`: server tools (web search,
+        code execution, ...) are skipped, as llama-server skips what is not a function, unless
+        tool_choice names one (then it is refused: spark serve runs none)."""
+        named = self.tool_choice.name if self.tool_choice and self.tool_choice.type == "tool" else None
+        kept = []
+        for i, t in enumerate(self.tools or ()):
+            if t.is_client:
+                kept.append((i, t))
+            elif t.name == named:
+                raise ApiError(400, f"tools.{i}.type: {t.type!r} is a server tool, which spark serve does not run "
+                                    "(tool_choice names it)", param=f"tools.{i}.type")
+            else:
+                warn(f"tools.{i}: {t.name!r} ({t.type}) skipped: spark serve runs no server tools")
+        return kept
 
 
 class MessagesRequest(CountRequest):
@@ -179,6 +224,16 @@ def _assistant(m: Message) -> list[dict[str, Any]]:
     return [msg]
 
 
+def _system(m: Message) -> dict[str, Any]:
+    text = m.content if isinstance(m.content, str) else "".join(b.text for b in m.content)
+    return {"role": "system", "content": text}
+
+
+def _translate(m: Message) -> list[dict[str, Any]]:
+    """The OpenAI messages one Anthropic message becomes."""
+    return {"user": _user, "assistant": _assistant, "system": lambda x: [_system(x)]}[m.role](m)
+
+
 def _tool_choice(c: ToolChoice) -> Union[str, dict[str, Any]]:
     if c.type == "tool":
         return {"type": "function", "function": {"name": c.name}}
@@ -193,22 +248,55 @@ def to_chat(req: CountRequest) -> dict[str, Any]:
         system = req.system if isinstance(req.system, str) else "".join(b.text for b in req.system)
         messages.append({"role": "system", "content": system})
     for m in req.messages:
-        messages += _user(m) if m.role == "user" else _assistant(m)
+        messages += _translate(m)
     body: dict[str, Any] = {"messages": messages, "model": req.model}
-    if req.tools:
+    tools = req.client_tools()
+    if tools:
         body["tools"] = [{"type": "function", "function": {
             "name": t.name, **({"description": t.description} if t.description else {}),
-            "parameters": t.input_schema}} for t in req.tools]
-    if req.tool_choice:
+            "parameters": t.input_schema}} for _, t in tools]
+    if req.tool_choice and (tools or req.tool_choice.type not in ("auto", "none")):
         body["tool_choice"] = _tool_choice(req.tool_choice)
         if req.tool_choice.disable_parallel_tool_use:
             body["parallel_tool_calls"] = False
     if req.thinking:
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+    out = req.output_config
+    if out is not None and out.effort in EFFORTS:
+        body["reasoning_effort"] = out.effort
+    if out is not None and out.format is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"schema": out.format.schema_}}
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
                     top_p=req.top_p, top_k=req.top_k)
     return {k: v for k, v in body.items() if v is not None}
+
+
+# the chat request's fields as a Messages request spells them
+CHAT_NAMES = {"stop": "stop_sequences", "response_format": "output_config.format",
+              "reasoning_effort": "output_config.effort", "chat_template_kwargs": "thinking"}
+
+
+def anthropic_param(param: str, req: CountRequest) -> str:
+    """Where in the Messages request a chat request's field came from: `tools.2.function.parameters.x`
+    is `tools.N.input_schema.x` (N counting the skipped server tools), `messages.3.content` the
+    Anthropic message (or `system`) it was translated from."""
+    head, _, rest = param.partition(".")
+    index, _, rest = rest.partition(".")
+    if head == "tools" and index.isdigit():
+        kept = req.client_tools()
+        where = f"tools.{kept[int(index)][0]}" if int(index) < len(kept) else "tools"
+        fields = {"function.parameters": "input_schema", "function.name": "name",
+                  "function.description": "description", "function": ""}
+        for old, new in fields.items():
+            if rest == old or rest.startswith(old + "."):
+                return ".".join(p for p in (where, new + rest[len(old):]) if p)
+        return where
+    if head == "messages" and index.isdigit():
+        origins = (["system"] if req.system else []) + [f"messages.{i}" for i, m in enumerate(req.messages)
+                                                        for _ in _translate(m)]
+        return origins[int(index)] if int(index) < len(origins) else "messages"
+    return CHAT_NAMES.get(head, head) + (f".{index}" if index else "") + (f".{rest}" if rest else "")
 
 
 def matched_stop(stop_word: str | None, req: MessagesRequest) -> str | None:

@@ -12,17 +12,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .anthropic import (MESSAGES_PATH, CountRequest, EventStream, MessagesRequest, error_body, matched_stop,
-                        to_chat, to_message)
+from .anthropic import (MESSAGES_PATH, CountRequest, EventStream, MessagesRequest, anthropic_param, error_body,
+                        matched_stop, to_chat, to_message)
 from .chat import ClientGone, Run, open_run, read_body, translated_stream
-from .protocol import ChatRequest, parse
+from .protocol import ApiError, ChatRequest, parse
 
 
 async def _open(request: Request, model: type[CountRequest]) -> tuple[CountRequest, Run]:
+    """Parse and start the request; a refusal of the translated chat request names the Messages
+    field it came from (anthropic_param)."""
     st = request.app.state.spark
     req = parse(model, await read_body(request, st.max_body))
-    chat = parse(ChatRequest, json.dumps(to_chat(req)).encode())
-    return req, await open_run(request, chat, st.worker, st.model_name, st.chat, count_only=model is CountRequest)
+    try:
+        chat = parse(ChatRequest, json.dumps(to_chat(req)).encode())
+        return req, await open_run(request, chat, st.worker, st.model_name, st.chat,
+                                   count_only=model is CountRequest)
+    except ApiError as e:
+        raise e.renamed(lambda param: anthropic_param(param, req)) from None
 
 
 async def messages(request: Request) -> Response:

@@ -44,6 +44,7 @@ class ServerState:
     metrics: bool = True  # GET /metrics served (--no-metrics: 501, as llama-server without --metrics)
     slots_endpoint: bool = True  # GET /slots served (--no-slots: 501, as llama-server's)
     vertex: Vertex | None = None  # Vertex AI's predict route (AIP_MODE=PREDICTION)
+    meta: dict[str, Any] = field(default_factory=dict)  # the model's, for /v1/models (n_ctx_train, n_embd, size)
 
 
 def _error(e: ApiError, path: str = "") -> JSONResponse:
@@ -283,8 +284,15 @@ async def slots(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
+    """OpenAI's model list; `meta` as llama-server's (n_ctx_train, n_embd, size, and n_vocab once
+    loaded) and the context each slot serves (n_ctx, Spark's), where clients look for the length."""
     st: ServerState = request.app.state.spark
-    card = {"id": st.model_name, "object": "model", "created": st.started, "owned_by": "spark"}
+    meta = dict(st.meta)
+    eng = st.worker.engine if st.worker.ready.is_set() and not st.worker.fatal else None
+    if eng is not None:
+        meta.update(n_vocab=getattr(eng, "n_vocab", None), n_ctx=eng.n_ctx)
+    card = {"id": st.model_name, "object": "model", "created": st.started, "owned_by": "spark",
+            "meta": {k: v for k, v in meta.items() if v is not None}}
     return JSONResponse({"object": "list", "data": [card]})
 
 

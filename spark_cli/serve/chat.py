@@ -4,11 +4,13 @@ In: a validated `protocol.ChatRequest` (OpenAI-shaped: messages with assistant `
 and `role: "tool"`, `tools`, `tool_choice`, `response_format`, `reasoning_format`,
 `chat_template_kwargs`), a `CompletionRequest` or llama.cpp's `llama_api.NativeCompletionRequest`.
 
-1. `prepare(req, config) -> PreparedChat` checks what the template cannot (a schema the grammar
-   converter cannot honour: ApiError 400) and decides the template inputs (tool_choice none:
+1. `prepare(req, config) -> PreparedChat` checks what the template cannot (a forced schema that
+   is not valid JSON Schema: ApiError 400) and decides the template inputs (tool_choice none:
    rendered without tools, never parsed), the GBNF grammar (`required` or a named function:
-   one call in the model's format; `response_format`: JSON valid against the schema) and the
-   output parser (core/chat_output.py: the model's tool-call format, `--reasoning-format`).
+   one call in the model's format; `response_format`: JSON valid against the schema; none for
+   auto), the schemas the output is checked against after generation (OutputSchemas: what the
+   grammar relaxed breaks them, a warning in the log) and the output parser
+   (core/chat_output.py: the model's tool-call format, `--reasoning-format`).
 2. `open_run(request, req, worker, model, config)` prepares a chat, submits it to the worker
    (which renders the prompt with the model's template, tools included, and counts it) and
    waits until it starts (ApiError when it cannot: queue full, over the context, a template
@@ -17,7 +19,8 @@ and `role: "tool"`, `tools`, `tool_choice`, `response_format`, `reasoning_format
    queues `req.n` jobs at once (llama-server's n_cmpl: choice j samples with the seed + j) and
    waits for the first; `Choices` renders them as one body or one stream, choice by index.
 3. Either `await run.result()` is the OpenAI body (`chat.completion`: message.content,
-   .reasoning_content, .tool_calls, finish_reason `tool_calls` when it called; or
+   .reasoning_content, .tool_calls, finish_reason `tool_calls` when it called and was not cut by
+   max_tokens (then `length`, as llama-server's); or
    `text_completion`) or `run.chunks()` yields the OpenAI chunks (the role chunk, deltas of
    content / reasoning_content / tool_calls (a call whole, with its index, once complete), the
    finish chunk, and the usage chunk when asked); `logprobs` ride on the chunks of the tokens
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import secrets
 import threading
 import time
@@ -45,11 +49,12 @@ from starlette.requests import ClientDisconnect, Request
 
 from ..core.chat_output import THINK_OPEN, ChatDelta, OutputParser
 from ..core.chat_template import TemplateSet
-from ..core.tool_calls import HERMES, ToolFormat, format_for, param_types
+from ..core.json_schema import violation
+from ..core.tool_calls import HERMES, ToolCall, ToolFormat, format_for, param_types
 from ..native.grammar import GrammarError, json_schema_gbnf, tool_call_gbnf
 from ..runs.chat_session import Sampling
 from .protocol import (FINISH, ApiError, ChatRequest, Envelope, GenerationRequest, Timings, TokenLogprob, Usage,
-                       event_sse)
+                       event_sse, warn)
 from .worker import Done, Event, Failed, Job, Progress, Started, Text, Worker
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
@@ -119,6 +124,38 @@ def build_fingerprint() -> str:
 
 
 @dataclass(frozen=True)
+class OutputSchemas:
+    """The schemas a forced grammar was built from (the tools' parameters by name, the answer's
+    JSON Schema): the grammar may be looser (core/json_schema.relax), so the output is checked
+    against them once generated, and what breaks them is a warning in the log."""
+
+    tools: dict[str, Any] = field(default_factory=dict)
+    answer: Any = None
+
+    def problems(self, content: str, calls: Iterable[ToolCall], complete: bool = True) -> list[str]:
+        """How the output breaks the schemas (a call is parsed only once whole; the answer is
+        checked only when `complete`: not cut by max_tokens)."""
+        out = []
+        for call in calls:
+            schema = self.tools.get(call.name)
+            problem = schema is not None and violation(_json_or_text(call.arguments), schema)
+            if problem:
+                out.append(f"the arguments of the forced call to {call.name!r} break its schema: {problem}")
+        if self.answer is not None and complete:
+            problem = violation(_json_or_text(content), self.answer)
+            if problem:
+                out.append(f"the answer breaks its JSON Schema: {problem}")
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+@dataclass(frozen=True)
 class PreparedChat:
     messages: list[dict[str, Any]]  # as templates read them
     tools: list[dict[str, Any]] | None  # what the template renders (None: no tools, or tool_choice none)
@@ -130,6 +167,7 @@ class PreparedChat:
     types: dict[str, dict[str, str]] = field(default_factory=dict)
     parallel: bool = True  # parallel_tool_calls: False keeps the first call only
     prefill: bool = False  # the last message is the assistant's: continue it
+    schemas: OutputSchemas = OutputSchemas()  # what a forced grammar's output is checked against
 
     def parser(self, prompt: str) -> OutputParser:
         """A prompt that ends by opening <think> (Qwen3 thinking) starts the answer inside reasoning."""
@@ -146,21 +184,29 @@ def own_grammar(req: GenerationRequest) -> str | None:
 
 
 def prepare(req: ChatRequest, config: ChatConfig) -> PreparedChat:
+    """With tool_choice auto the tools are only rendered and parsed (no grammar: no schema keyword
+    can refuse them); a forced choice or a response_format schema builds the grammar, and the
+    output is checked against the schemas it came from (OutputSchemas)."""
     choice, tools = req.choice, req.tool_dicts()
-    grammar = None
+    grammar, schemas = None, OutputSchemas()
+    answer_schema = req.response_format.schema() if req.response_format is not None else None
     try:
         if tools and choice not in ("auto", "none"):
-            forced = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
+            forced = [(i, t) for i, t in enumerate(tools) if choice in ("required", t["function"]["name"])]
             grammar = tool_call_gbnf(config.fmt, forced)
-        elif req.response_format is not None and req.response_format.schema() is not None:
-            grammar = json_schema_gbnf(req.response_format.schema())
+            schemas = OutputSchemas({t["function"]["name"]: t["function"].get("parameters") or {} for _, t in forced})
+        elif answer_schema is not None:
+            grammar = json_schema_gbnf(answer_schema)
+            schemas = OutputSchemas(answer=answer_schema)
     except GrammarError as e:
         raise ApiError(400, e.message, param=e.message.split(":", 1)[0]) from None
+    if grammar is None and req.json_schema is not None:
+        schemas = OutputSchemas(answer=req.json_schema)
     grammar = grammar or own_grammar(req)
     on = bool(tools) and choice != "none"
     return PreparedChat(req.message_dicts(), tools if on else None, req.template_kwargs(), grammar,
                         config.fmt, on, req.reasoning_format or config.reasoning, param_types(tools) if on else {},
-                        req.parallel_tool_calls, req.prefill)
+                        req.parallel_tool_calls, req.prefill, schemas)
 
 
 # ---------------------------------------------------------------- the run
@@ -254,6 +300,7 @@ class Run:
     finish_reason: str | None = None
     probs: list[TokenLogprob] = field(default_factory=list)
     per_token_timings: bool = False  # timings_per_token: every chunk carries the timings so far
+    schemas: OutputSchemas = OutputSchemas()  # a forced grammar's: the output is checked against them
     tokens: list[int] = field(default_factory=list)  # the generated tokens handed out so far
     pieces: list[str] = field(default_factory=list)  # the generated text handed out so far (before any parsing)
     _timings_now: Timings | None = None  # the last text's
@@ -310,8 +357,12 @@ class Run:
                 for d in self.parser.finish():
                     yield d, owed
                     owed = []
-                if self.parser.result().tool_calls:
+                out = self.parser.result()
+                # NOTE: a call cut by max_tokens right after it closed stays `length`, as llama-server's
+                if out.tool_calls and self.finish_reason != "length":
                     self.finish_reason = "tool_calls"
+                for problem in self.schemas.problems(out.content, out.tool_calls, self.finish_reason != "length"):
+                    warn(problem)
                 yield ev
 
     async def result(self) -> dict[str, Any]:
@@ -379,7 +430,8 @@ class _Queued:
         assert isinstance(first, Started)
         parser = self.prepared.parser(first.prompt) if self.prepared else None
         return Run(self.feed, self.env, first.prompt_tokens, first.prompt, parser, self.with_probs, self.sampling,
-                   first.slot, per_token_timings=self.per_token_timings)
+                   first.slot, per_token_timings=self.per_token_timings,
+                   schemas=self.prepared.schemas if self.prepared else OutputSchemas())
 
 
 def _queue(request: Request, req: GenerationRequest, worker: Worker, model: str, config: ChatConfig,

@@ -7,11 +7,12 @@ Pure: no web framework, no llama_cpp. Errors follow llama-server (and OpenAI's s
 from __future__ import annotations
 
 import json
+import logging
 import math
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, Callable, ClassVar, Literal, Union
 
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
@@ -33,6 +34,23 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.status, "param": self.param,
                           **self.extra}}
+
+    def renamed(self, rename: Callable[[str], str]) -> "ApiError":
+        """The same error with its field named as another API spells it (`rename(param)`), in the
+        message too (which starts with the param); itself when it names no field."""
+        if self.param is None:
+            return self
+        name = rename(self.param)
+        message = name + self.message[len(self.param):] if self.message.startswith(self.param) else self.message
+        return ApiError(self.status, message, self.type, name, self.extra)
+
+
+LOG = logging.getLogger("spark.serve")  # server.py writes it as `spark serve: warning: ...`
+
+
+def warn(message: str) -> None:
+    """A warning in the server's log: what a request asked that is skipped or not honoured."""
+    LOG.warning(message)
 
 
 def unavailable(message: str) -> ApiError:

@@ -7,13 +7,18 @@ asks the same of the model (`to_chat` builds its body). `instructions` is a syst
 `input_text` parts; assistant with `output_text` / `refusal` parts), `function_call` (the
 assistant's tool_calls), `function_call_output` (role tool), `reasoning` (reasoning_content);
 consecutive assistant items are one assistant message, as llama-server merges them. Function
-`tools`; `tool_choice` (auto, none, required, {"type": "function", "name"}); `text.format` ->
-response_format; `reasoning.effort` -> reasoning_effort; `max_output_tokens` -> max_tokens; every
-other field goes on as it is (temperature, top_p, stream, and llama-server's own: top_k, seed,
-timings_per_token, ...), so the chat endpoint's checks and refusals apply. What Spark cannot do is
-a 400 naming it: STATEFUL (previous_response_id, conversation: nothing is stored), REFUSED
-(background, include, logprobs, truncation, ...), images and files, hosted tools (web search, file search, MCP, ...), reasoning
-summaries, text verbosity, item references.
+`tools` (the others: namespace, web_search, file search, MCP, ... skipped with a warning, as
+llama-server skips them, unless tool_choice names one); `tool_choice` (auto, none, required,
+{"type": "function", "name"}); `text.format` -> response_format; `reasoning.effort` ->
+reasoning_effort (`reasoning.summary` accepted: Spark writes no summaries); `max_output_tokens` ->
+max_tokens; `include` accepted (the reasoning is its own item whenever the model reasons;
+encrypted_content and the other extras are left out); every other field goes on as it is
+(temperature, top_p, stream, and llama-server's own: top_k, seed, timings_per_token, ...), so the
+chat endpoint's checks and refusals apply, and what it ignores is ignored (store,
+prompt_cache_key, client_metadata, ...). What Spark cannot do is a 400 naming it: STATEFUL
+(previous_response_id, conversation: nothing is stored), REFUSED (background, logprobs,
+truncation, ...), images and files, text verbosity, item references. A reasoning item sent back
+without its text (only a summary or encrypted_content) is left out of the prompt.
 
 Results, read from the OpenAI chat side: `to_response(body, ids)` is the `response` object (output:
 a `reasoning` item, a `message` item with one `output_text` part, a `function_call` item per call;
@@ -34,7 +39,7 @@ from typing import Any, Literal, Union
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from .protocol import ApiError, ChatRequest, _refuse_unsupported, _Strict, new_id, parse
+from .protocol import ApiError, ChatRequest, _refuse_unsupported, _Strict, new_id, parse, warn
 
 RESPONSES_PATHS = ("/v1/responses", "/responses")
 
@@ -42,10 +47,12 @@ RESPONSES_PATHS = ("/v1/responses", "/responses")
 # nothing (accepted); any other value is a 400 naming the field. `logprobs` is the chat field: the
 # Responses output here carries none.
 REFUSED: dict[str, tuple[Any, ...]] = {
-    "background": (False,), "include": ([],),
-    "truncation": ("disabled",), "max_tool_calls": (), "prompt": (), "top_logprobs": (0,),
+    "background": (False,), "truncation": ("disabled",), "max_tool_calls": (), "prompt": (), "top_logprobs": (0,),
     "logprobs": (False,),
 }
+# `include` asks for extras: the reasoning is its own item whenever the model reasons (its text:
+# reasoning.encrypted_content is left out, Spark encrypts nothing); the others are left out too
+INCLUDE = "include"
 STATEFUL = ("previous_response_id", "conversation")  # refused: nothing is stored
 NO_STATE = "spark serve stores no responses (send the whole conversation in input)"
 
@@ -92,16 +99,10 @@ class TextConfig(_Strict):
 
 class ReasoningConfig(_Strict):
     effort: str | None = Field(None, min_length=1)
+    # NOTE: accepted, as llama-server accepts them: Spark writes no summaries (the reasoning itself
+    # is the reasoning item's content)
     summary: str | None = None
     generate_summary: str | None = None
-
-    @field_validator("summary", "generate_summary")
-    @classmethod
-    def _summary(cls, v: str | None) -> str | None:
-        if v is not None:
-            raise ValueError("not supported by spark serve (it writes no reasoning summaries; the reasoning "
-                             "itself comes as a reasoning item)")
-        return v
 
 
 class ResponsesRequest(_Strict):
@@ -192,13 +193,12 @@ def _call(item: dict, where: str) -> dict[str, Any]:
             "function": {"name": _string(item, "name", where), "arguments": arguments}}
 
 
-def _reasoning_text(item: dict, where: str) -> str:
+def _reasoning_text(item: dict) -> str:
+    """A reasoning item's text ("" when it has only a summary or encrypted_content, which a
+    client sends back as it got it: the model's past reasoning is then left out)."""
     content = item.get("content")
     texts = [p.get("text") for p in content if isinstance(p, dict)] if isinstance(content, list) else []
-    if not texts or not all(isinstance(t, str) for t in texts):
-        raise _bad(f"{where}.content", "a reasoning item needs its reasoning_text parts (spark serve cannot read "
-                                       "encrypted_content or rebuild reasoning from a summary)")
-    return "".join(texts)
+    return "".join(t for t in texts if isinstance(t, str))
 
 
 def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
@@ -214,9 +214,11 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
     elif kind == "function_call_output":
         messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                          "content": _input_parts(item.get("output"), where + ".output")})
-    elif kind == "reasoning":
+    elif kind == "reasoning" and _reasoning_text(item):
         msg = _assistant(messages)
-        msg["reasoning_content"] = msg.get("reasoning_content", "") + _reasoning_text(item, where)
+        msg["reasoning_content"] = msg.get("reasoning_content", "") + _reasoning_text(item)
+    elif kind == "reasoning":
+        pass
     elif kind == "item_reference":
         raise _bad(f"{where}.type", f"item_reference: {NO_STATE}")
     elif kind is not None:
@@ -241,11 +243,25 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _tool(tool: dict, where: str) -> dict[str, Any]:
-    kind = tool.get("type")
-    if kind != "function":
-        raise _bad(f"{where}.type", f"{kind!r} tools are not supported by spark serve (it runs no hosted tools; "
-                                    "function tools are answered as calls)")
+def function_tools(req: "ResponsesRequest") -> list[tuple[int, dict]]:
+    """The function tools, with their index in `tools`: the others (namespace, web_search, file
+    search, MCP, ...) are skipped with a warning, as llama-server skips them, unless tool_choice
+    names one (then a 400: spark serve runs no hosted tools)."""
+    choice = req.tool_choice if isinstance(req.tool_choice, dict) else {}
+    kept = []
+    for i, tool in enumerate(req.tools or ()):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            kept.append((i, tool))
+        elif choice and (choice.get("type") == kind or choice.get("name") == tool.get("name")):
+            raise _bad(f"tools.{i}.type", f"{kind!r} tools are not supported by spark serve (tool_choice names it; "
+                                          "it runs no hosted tools: function tools are answered as calls)")
+        else:
+            warn(f"tools.{i}: a {kind!r} tool skipped: spark serve runs no hosted tools")
+    return kept
+
+
+def _tool(tool: dict) -> dict[str, Any]:
     return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
 
 
@@ -260,9 +276,11 @@ def _tool_choice(choice: Union[str, dict]) -> Union[str, dict[str, Any]]:
 
 def to_chat(req: ResponsesRequest) -> dict[str, Any]:
     """The OpenAI chat request body that asks the same of the model."""
-    body: dict[str, Any] = {**(req.model_extra or {}), "messages": _messages(req), "stream": req.stream}
-    if req.tools is not None:
-        body["tools"] = [_tool(t, f"tools.{i}") for i, t in enumerate(req.tools)]
+    extra = {k: v for k, v in (req.model_extra or {}).items() if k != INCLUDE}
+    body: dict[str, Any] = {**extra, "messages": _messages(req), "stream": req.stream}
+    tools = function_tools(req)
+    if tools:
+        body["tools"] = [_tool(t) for _, t in tools]
     if req.tool_choice is not None:
         body["tool_choice"] = _tool_choice(req.tool_choice)
     if req.max_output_tokens is not None:
@@ -275,11 +293,15 @@ def to_chat(req: ResponsesRequest) -> dict[str, Any]:
     return body
 
 
-def _responses_name(param: str, req: ResponsesRequest) -> str:
-    """A chat field's name as the Responses request spells it."""
+def responses_name(param: str, req: ResponsesRequest) -> str:
+    """A chat field's name as the Responses request spells it (`tools.N` counting the skipped tools)."""
     head, _, rest = param.partition(".")
-    if head == "tools" and ".function" in param:
-        return param.replace(".function", "", 1)
+    index, _, tail = rest.partition(".")
+    if head == "tools" and index.isdigit():
+        kept = function_tools(req)
+        where = f"tools.{kept[int(index)][0]}" if int(index) < len(kept) else "tools"
+        tail = tail.removeprefix("function").removeprefix(".")
+        return where + (f".{tail}" if tail else "")
     renamed = {"max_tokens": "max_output_tokens" if req.max_output_tokens is not None else "max_tokens",
                "response_format": "text.format", "reasoning_effort": "reasoning.effort"}.get(head, head)
     return renamed + ("." + rest if rest else "")
@@ -290,11 +312,7 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
     try:
         return parse(ChatRequest, json.dumps(to_chat(req)).encode())
     except ApiError as e:
-        if e.param is None:
-            raise
-        name = _responses_name(e.param, req)
-        message = name + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
-        raise ApiError(e.status, message, e.type, name, e.extra) from None
+        raise e.renamed(lambda param: responses_name(param, req)) from None
 
 
 # ---------------------------------------------------------------- results
@@ -320,8 +338,7 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict[str
 
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
-    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "encrypted_content": "",
-            "status": status}
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -416,8 +433,8 @@ class EventStream:
         return {**self._event("response.in_progress", response=self._response("in_progress")),
                 "prompt_progress": prompt_progress}
 
-    def _open(self, kind: str, item_id: str, call_id: str = "") -> tuple[_Item, list[dict[str, Any]]]:
-        item = _Item(kind, item_id, len(self.items), call_id=call_id)
+    def _open(self, kind: str, item_id: str, call_id: str = "", name: str = "") -> tuple[_Item, list[dict[str, Any]]]:
+        item = _Item(kind, item_id, len(self.items), name=name, call_id=call_id)
         self.items.append(item)
         out = [self._event("response.output_item.added", output_index=item.index, item=item.json("in_progress"))]
         if kind == "message":
@@ -442,8 +459,7 @@ class EventStream:
         item = self._calls.get(call.get("index", 0))
         if item is None:
             call_id = call.get("id") or new_id("call_")
-            item, out = self._open("function_call", call_item(call_id, "", "")["id"], call_id)
-            item.name = fn.get("name", "")
+            item, out = self._open("function_call", call_item(call_id, "", "")["id"], call_id, fn.get("name", ""))
             self._calls[call.get("index", 0)] = item
         if fn.get("arguments"):
             item.text += fn["arguments"]

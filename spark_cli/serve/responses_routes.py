@@ -14,14 +14,19 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .chat import ClientGone, Run, open_run, read_body, translated_stream
-from .protocol import ChatRequest, parse
-from .responses import RESPONSES_PATHS, EventStream, Ids, ResponsesRequest, chat_request, to_response
+from .protocol import ApiError, ChatRequest, parse
+from .responses import (RESPONSES_PATHS, EventStream, Ids, ResponsesRequest, chat_request, responses_name,
+                        to_response)
 
 
 async def _open(request: Request, count_only: bool = False) -> tuple[ChatRequest, Run]:
     st = request.app.state.spark
-    chat = chat_request(parse(ResponsesRequest, await read_body(request, st.max_body)))
-    return chat, await open_run(request, chat, st.worker, st.model_name, st.chat, count_only=count_only)
+    req = parse(ResponsesRequest, await read_body(request, st.max_body))
+    chat = chat_request(req)
+    try:
+        return chat, await open_run(request, chat, st.worker, st.model_name, st.chat, count_only=count_only)
+    except ApiError as e:  # a tool's schema the grammar refused: named as the Responses request has it
+        raise e.renamed(lambda param: responses_name(param, req)) from None
 
 
 async def create(request: Request) -> Response:

@@ -23,6 +23,7 @@ from ..native import faults
 from ..errors import SparkError
 from .app import ServerState, create_app
 from .learn import Learner
+from .protocol import LOG
 from .worker import Worker
 
 
@@ -60,6 +61,15 @@ FD_RESERVE = 32  # descriptors kept free for the engine, profile writes, logs
 
 def _say(line: str) -> None:
     print(f"spark serve: {line}", file=sys.stderr, flush=True)
+
+
+def _warnings_to_stderr() -> logging.Handler:
+    """protocol.warn's lines on stderr, as `spark serve: warning: ...` (the handler, to remove at exit)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("spark serve: warning: %(message)s"))
+    LOG.addHandler(handler)
+    LOG.propagate = False
+    return handler
 
 
 class _Refusals:
@@ -188,6 +198,7 @@ def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: f
     refusals = _Refusals()
     accept_errors = _AcceptErrors(refusals)
     logging.getLogger("asyncio").addFilter(accept_errors)
+    warnings = _warnings_to_stderr()
     config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=int(grace) + 5, timeout_keep_alive=5,
                             http=protocol_class(read_timeout, max_connections, refusals))
@@ -213,6 +224,7 @@ def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: f
             http_thread.join(timeout=grace + 10)
     finally:
         logging.getLogger("asyncio").removeFilter(accept_errors)
+        LOG.removeHandler(warnings)
         for s, h in old.items():
             signal.signal(s, h)
         try:
