@@ -228,10 +228,11 @@ def test_ratios_use_medians_and_the_best_stock(geo) -> None:
     assert spark.ratios["pp_vs_stock"] == pytest.approx(60 / 100)
     t = rep.targets()
     assert t["tg_vs_stock"]["met"] is True and t["tg_vs_ceiling"]["met"] is True
-    speeds, acc = bench.to_markdown(rep).split("\n\n")
+    speeds, acc, stops = bench.to_markdown(rep).split("\n\n")
     assert speeds.count("\n") == 5 and "2.25x" in speeds and "90.0 (1.0-95.0)" in speeds
     assert acc.count("\n") == 1 + 2 * 4  # header, rule, a tg and a pp row per configuration
     assert [line.split(" | ")[1] for line in acc.splitlines()[2:]] == ["tg", "pp"] * 4
+    assert stops.count("\n") == 1 + 4  # header, rule, a row per configuration
 
 
 class _FakeEngine:
@@ -259,16 +260,24 @@ def test_workload_generates_after_a_chat_and_calibrates_on_the_rest(corpus) -> N
 def _wide_report(geo) -> bench.Report:
     """Every configuration with the longest labels and four-digit rates; Spark with cache counters."""
     from spark_cli.native.expert_cache import CacheStats
+    from spark_cli.native.rpc_traffic import Traffic
 
     def res(name: str, label: str, kind: str, pp: list[float], tg: list[float], host: tuple = ()) -> bench.Result:
         runs = [bench.Run(512, 512 / p, 128, 128 / t) for p, t in zip(pp, tg)]
         r = bench.Result(bench.Config(name, label, kind, host_layers=host, planned_bytes=123 << 30), status="ok",
                          runs=runs, decode_tokens=128 * len(runs))
+        n = r.decode_tokens
+        # RPC: all-resident's 20 segments out and 4 in per token, plus per stop 9 out and 4 in (stock: 2 replies)
+        r.traffic = Traffic(segs_out=(20 + 9 * len(host)) * n, segs_in=(4 + 4 * len(host)) * n,
+                            bytes_out=(1 << 20) * n, bytes_in=(1 << 18) * n)
         if kind == "spark":
             r.miss_path = "cpu 10, upload 14"
             r.cache = CacheStats(uploads=800, syncs=3000, blocking_upload_bytes=300 << 22,
                                  async_upload_bytes=500 << 22, cpu_expert_bytes=90 << 22, staged_uploads=40,
-                                 staged_upload_bytes=40 << 22)
+                                 staged_upload_bytes=40 << 22, stop_reads=3000, stop_writes=3000, blocking_calls=6)
+            # Spark's stops: 6 out and 2 in each (one reply)
+            r.traffic = Traffic(segs_out=20 * n + 6 * 3000, segs_in=4 * n + 2 * 3000, bytes_out=(1 << 20) * n,
+                                bytes_in=(1 << 18) * n)
             r.prompt_cache = CacheStats(uploads=5000, syncs=90, blocking_upload_bytes=5000 << 22,
                                         staged_uploads=12, staged_upload_bytes=12 << 22)
         return r
@@ -305,7 +314,8 @@ def _whole_at_120(table) -> str:
 def test_both_tables_fit_120_columns_with_whole_headers(geo) -> None:
     rep = _wide_report(geo)
     for table, must in ((bench_cmd.speed_table(rep), ("pp tok/s", "tg tok/s", "tg/stock", "tg/ceiling")),
-                        (bench_cmd.accounting_table(rep), ("syncs", "blocking", "async", "staged", "CPU", "cold-hit"))):
+                        (bench_cmd.accounting_table(rep), ("syncs", "blocking", "async", "staged", "CPU", "cold-hit")),
+                        (bench_cmd.stops_table(rep), ("stops", "replies", "reads", "writes", "blocking"))):
         text = _whole_at_120(table)
         for word in must:
             assert word in text, word
@@ -334,6 +344,20 @@ def test_prompt_and_decode_accounting_apart(geo) -> None:
     res = d["resident"]
     assert res["syncs_per_prompt_token"] == pytest.approx(3 / n_pp) and res["cpu_expert_bytes_per_prompt_token"] == 0
     assert all(d["cpu"][f"{k}_per_prompt_token"] is None for k in bench.PROMPT_ACCOUNTING)  # did not run
+
+
+def test_round_trips_per_stop_beside_all_resident(geo) -> None:
+    d = {c["name"]: c for c in _wide_report(geo).to_dict()["configs"]}
+    spark, stock, res = d["spark"], d["cpu-moe"], d["resident"]
+    n_tg = 3 * 128
+    assert spark["stops_per_token"] == pytest.approx(3000 / n_tg) and stock["stops_per_token"] == len(geo.moe_layers)
+    assert spark["rpc_replies_per_stop"] == pytest.approx(1.0) and stock["rpc_replies_per_stop"] == pytest.approx(2.0)
+    assert spark["rpc_segs_out_per_stop"] == pytest.approx(6.0) and stock["rpc_segs_out_per_stop"] == pytest.approx(9.0)
+    assert spark["stop_reads_per_stop"] == 1.0 and spark["stop_writes_per_stop"] == 1.0
+    assert stock["stop_reads_per_stop"] is None  # the cache counts only its own stops
+    assert spark["blocking_calls_per_token"] == pytest.approx(6 / n_tg) and stock["blocking_calls_per_token"] == 0
+    assert res["stops_per_token"] == 0 and res["rpc_replies_per_stop"] is None
+    assert res["rpc_segs_in_per_token"] == pytest.approx(4.0) and res["rpc_bytes_out_per_token"] == 1 << 20
 
 
 def test_plot_shows_prompt_and_generation_side_by_side(geo, tmp_path) -> None:
@@ -447,7 +471,7 @@ def test_parallel_table_fits_120_columns(geo) -> None:
     assert d["n_parallel"] == 4 and d["configs"][-1]["parallel"] is None  # did not run
     p = d["configs"][-2]["parallel"]
     assert p["together"]["decode_tokens"] == 2 * 512 and p["together"]["hit_rate"] == pytest.approx(0.9)
-    assert len(bench.to_markdown(rep).split("\n\n")) == 3  # speeds, accounting, -np
+    assert len(bench.to_markdown(rep).split("\n\n")) == 4  # speeds, accounting, stops, -np
     assert bench_cmd._parallel_lines(rep) == ["Spark, step slots: each sequence's tokens decoded together equal "
                                               "those decoded alone",
                                               "Spark + cache: each sequence's tokens decoded together equal "

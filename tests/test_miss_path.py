@@ -47,8 +47,9 @@ def test_demo_model_exact_on_both_miss_paths(miss_path, small_model, rpc_server)
     stats = _check(small_model, rpc_server.endpoint, miss_path)
     assert _total(stats, "misses") > 0 and _total(stats, "hits") > 0
     assert _total(stats, "steps_stock") == 0  # prefills too large for the slots still use the banks
-    # one device -> host stop per cached layer and step
-    assert all(s.syncs == s.steps_cached for s in stats.values())
+    # one device -> host stop per cached layer and step, with one copy down and one up: the CPU miss
+    # path packs the ids with the matmuls' input, and its partial result and mask with the slot ids
+    assert all(s.syncs == s.steps_cached == s.stop_reads == s.stop_writes for s in stats.values())
     if miss_path == "cpu":
         assert _total(stats, "blocking_upload_bytes") == 0
         assert _total(stats, "async_uploads") > 0 and _total(stats, "cpu_experts") > 0
@@ -101,11 +102,13 @@ def test_cuda_miss_paths_within_the_stock_bound(miss_path, small_model):
 
 
 class _RemapCapture(Engine):
-    """An engine that keeps every remap (slot ids) and mask output of the cached layers."""
+    """An engine that keeps every step's device slot ids and mask of the cached layers: the mask from
+    the host node's packed output (after the entries' rows: the mask, then the slot ids as F32, each
+    starting on a row), the slot ids as the device's matmuls read them (cast back to I32)."""
 
     def __init__(self, opts: EngineOptions) -> None:
         self.remaps: list[tuple[np.ndarray, np.ndarray]] = []  # ([T, k] slot ids, [T, k] mask)
-        self._pending: np.ndarray | None = None
+        self._packed: np.ndarray | None = None
         super().__init__(dataclasses.replace(opts, capture_topk=True))  # installs the eval callback
 
     def _on_eval(self, t_ptr: int, ask: bool, user_data) -> bool:
@@ -114,16 +117,20 @@ class _RemapCapture(Engine):
         t = llama_lib.GGMLTensor.from_address(t_ptr)
         name = t.name
         if ask:
-            return name.startswith((b"spark_ec_remap-", b"spark_ec_mask-"))
+            return name.startswith((b"spark_ec_cpu-", b"spark_ec_slots-"))
         size = self.lib.nbytes(t_ptr)
         raw = (ctypes.c_char * size)()
         self.lib.tensor_get(t_ptr, raw, 0, size)
-        k, n_tok = (t.ne[0], t.ne[1]) if name.startswith(b"spark_ec_remap-") else (t.ne[1], t.ne[2])
-        if name.startswith(b"spark_ec_remap-"):
-            self._pending = np.frombuffer(raw, dtype=np.int32).reshape(n_tok, k).copy()
-        elif self._pending is not None:
-            self.remaps.append((self._pending, np.frombuffer(raw, dtype=np.float32).reshape(n_tok, k).copy()))
-            self._pending = None
+        if name.startswith(b"spark_ec_cpu-"):
+            self._packed = np.frombuffer(raw, dtype=np.float32).reshape(t.ne[1], t.ne[0]).copy()
+        elif self._packed is not None:
+            k, n_tok = t.ne[0], t.ne[1]
+            slots = np.frombuffer(raw, dtype=np.int32).reshape(n_tok, k).copy()
+            tail = self._packed[k * n_tok:].reshape(-1)
+            mask, slots_f = tail[:k * n_tok], tail[len(tail) // 2:len(tail) // 2 + k * n_tok]
+            assert (slots_f == slots.reshape(-1)).all(), "the device's slot ids differ from the host node's"
+            self.remaps.append((slots, mask.reshape(n_tok, k)))
+            self._packed = None
         return True
 
 

@@ -20,7 +20,7 @@
 #include <stdint.h>
 
 // NOTE: bump when a struct or a function below changes; bindings check it at load
-#define LLAMA_EXPERT_CACHE_API_VERSION 5
+#define LLAMA_EXPERT_CACHE_API_VERSION 6
 
 #ifdef __cplusplus
 extern "C" {
@@ -107,6 +107,12 @@ extern "C" {
         uint64_t admit_skipped;         // CPU-path misses not admitted (bound reached or no evictable slot)
         uint64_t staged_uploads;        // misses uploaded into staging slices for their step (not in uploads)
         uint64_t staged_upload_bytes;   // their bytes
+        uint64_t stop_reads;            // device -> host copies the steps' stops made (the scheduler's, one per
+                                        // device tensor the host nodes read: the routed ids, packed with the
+                                        // matmuls' input on the CPU miss path)
+        uint64_t stop_writes;           // host -> device copies of the host nodes' outputs (slot ids, packed with
+                                        // the CPU miss path's mask and partial result)
+        uint64_t blocking_calls;        // the steps' own blocking device calls: synchronous uploads, event waits on the host
     };
 
     // Memory of one buffer type (llama_expert_cache_memory_breakdown).

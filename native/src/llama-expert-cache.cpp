@@ -65,14 +65,6 @@ void expert_cache_node_partial(ggml_tensor * dst, int ith, int nth, void * userd
     guarded(n->layer->owner, "cpu miss path", [&] { n->layer->owner->compute_partial(*n, dst, ith, nth); });
 }
 
-void expert_cache_node_mask(ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void) nth;
-    if (ith == 0) {
-        auto * n = (llama_expert_cache_node *) userdata;
-        guarded(n->layer->owner, "cpu miss mask", [&] { n->layer->owner->compute_mask(*n, dst); });
-    }
-}
-
 std::string fmt(const char * f, ...) {
     char buf[512];
     va_list ap;
@@ -232,8 +224,8 @@ void llama_expert_cache::make_layers() {
         L->counts[0].assign(n_expert, 0);
         L->counts[1].assign(n_expert, 0);
         for (int ph = 0; ph < 2; ++ph) {
-            for (int hy = 0; hy < 2; ++hy) {
-                L->nodes[ph][hy] = { L.get(), ph, hy == 1 };
+            for (int kind = 0; kind < 3; ++kind) {
+                L->nodes[ph][kind] = { L.get(), ph, kind == LLAMA_EXPERT_CACHE_NODE_HYBRID };
             }
         }
         layers[il] = std::move(L);
@@ -639,8 +631,10 @@ ggml_tensor * llama_expert_cache::build(
     const int64_t n_tokens = selected_experts->ne[1];
     // NOTE: the hook passes 1 for a decode step, one token per sequence (several with -np)
     const int phase = n_ubatch_tokens == 1 ? LLAMA_EXPERT_CACHE_PHASE_DECODE : LLAMA_EXPERT_CACHE_PHASE_PREFILL;
-    L->building_remap = L->building_partial = L->building_mask = L->building_count = nullptr;
+    L->building_remap = L->building_partial = L->building_count = L->building_part = L->building_mask = nullptr;
+    L->building_node = nullptr;
     L->building_cur = cur;
+    L->building_sel = selected_experts;
 
     // NOTE: warm-up routes every expert (n_expert_used = n_expert): leave it stock and uncounted
     if (k != (int64_t) model.hparams.n_expert_used(il)) {
@@ -655,31 +649,38 @@ ggml_tensor * llama_expert_cache::build(
     // the CPU. Without it, a step whose ids may not all fit the LRU slots takes the stock path.
     const bool fits   = n_tokens * k <= L->slots.n_slots - L->slots.n_pinned;
     const bool hybrid = L->cpu_ok == 1 && !L->recipe.empty() && cur != nullptr && !workers.empty() &&
-                        down_exps && *down_exps;
+                        down_exps && *down_exps && cur->ne[1] == n_tokens && cur->ne[2] == 1 && cur->ne[3] == 1 &&
+                        L->compute_backend != nullptr;
     ggml_tensor ** wts[4] = { up_exps, gate_exps, down_exps, gate_up_exps };
     ggml_tensor *  swap[4] = { nullptr, nullptr, nullptr, nullptr };
     const bool remap = can_remap && L->slots.n_slots > 0 && (fits || hybrid) && bank_swaps(*L, wts, swap);
 
-    ggml_tensor * args[1] = { selected_experts };
+    // NOTE: the stop reads one device tensor: the routed ids, or (hybrid) the ids packed with the
+    // matmuls' input, so that the scheduler copies one tensor down per stop
+    const int kind = !remap ? LLAMA_EXPERT_CACHE_NODE_COUNT : hybrid ? LLAMA_EXPERT_CACHE_NODE_HYBRID : LLAMA_EXPERT_CACHE_NODE_REMAP;
+    ggml_tensor * args[1] = { kind == LLAMA_EXPERT_CACHE_NODE_HYBRID ? pack_inputs(*L, ctx0, sched, cur, selected_experts) : selected_experts };
     ggml_tensor * node = ggml_custom_4d(ctx0, GGML_TYPE_I32, k, n_tokens, 1, 1, args, 1,
-            remap ? expert_cache_node_remap : expert_cache_node_count, 1, &L->nodes[phase][remap && hybrid]);
+            remap ? expert_cache_node_remap : expert_cache_node_count, 1, &L->nodes[phase][kind]);
     ggml_format_name(node, "%s-%d", remap ? "spark_ec_remap" : "spark_ec_count", il);
     ggml_backend_sched_set_tensor_backend(sched, node, backend_cpu);
+    L->building_node = &L->nodes[phase][kind];
 
     if (!remap) {
         L->building_count = node;
         return selected_experts;
     }
     L->building_remap = node;
+    ggml_tensor * ids = node; // the slot ids: copied up as they are, or (hybrid) packed with the CPU's outputs
     if (hybrid) {
-        build_cpu_nodes(*L, ctx0, sched, backend_cpu, phase, node, cur, selected_experts, *down_exps);
+        ids = build_cpu_nodes(*L, ctx0, sched, backend_cpu, phase, node, *down_exps);
     }
+    L->building_node->writes = 1;
     for (int i = 0; i < 4; ++i) {
         if (swap[i]) {
             *wts[i] = swap[i];
         }
     }
-    return node;
+    return ids;
 }
 
 ggml_backend_t llama_expert_cache::backend_of(ggml_backend_sched_t sched, ggml_backend_dev_t dev) {
@@ -711,28 +712,56 @@ bool llama_expert_cache::bank_swaps(const llama_expert_cache_layer & L, ggml_ten
     return true;
 }
 
-// the CPU miss path's nodes: the partial result of the missed entries and the device entries' mask
-void llama_expert_cache::build_cpu_nodes(llama_expert_cache_layer & L, ggml_context * ctx0, ggml_backend_sched_t sched,
-        ggml_backend_t backend_cpu, int phase, ggml_tensor * node, ggml_tensor * cur, ggml_tensor * selected_experts,
-        ggml_tensor * down_exps) {
-    const int64_t k        = selected_experts->ne[0];
-    const int64_t n_tokens = selected_experts->ne[1];
-    ggml_tensor * pargs[3] = { node, cur, selected_experts };
-    L.building_partial = ggml_custom_4d(ctx0, GGML_TYPE_F32, down_exps->ne[1], k, n_tokens, 1, pargs, 3,
-            expert_cache_node_partial, GGML_N_TASKS_MAX, &L.nodes[phase][1]); // every thread of the graph
+// the hybrid stop's one input, on the layer's device: per token the matmuls' input row, then its
+// routed ids as F32 (exact below 2^24)
+ggml_tensor * llama_expert_cache::pack_inputs(llama_expert_cache_layer & L, ggml_context * ctx0, ggml_backend_sched_t sched,
+        ggml_tensor * cur, ggml_tensor * selected_experts) {
+    ggml_tensor * ids_f = ggml_cast(ctx0, selected_experts, GGML_TYPE_F32);
+    ggml_tensor * down  = ggml_concat(ctx0, cur, ids_f, 0); // [n_embd + k, n_tokens]
+    ggml_format_name(down, "spark_ec_down-%d", L.il);
+    ggml_backend_sched_set_tensor_backend(sched, ids_f, L.compute_backend);
+    ggml_backend_sched_set_tensor_backend(sched, down, L.compute_backend);
+    const int64_t kT = selected_experts->ne[0] * selected_experts->ne[1];
+    if ((int64_t) L.sel.size() < kT) {
+        L.sel.resize(kT); // at graph build, never in a step
+    }
+    return down;
+}
+
+// The CPU miss path's node: one output packing, per (token, expert) entry, the partial result of
+// the missed entries (a row each), then the device entries' mask, then the slot ids as F32, each
+// part starting on a row. The device copies it once and reads views of its copy (views of the host
+// node itself would each be copied) and casts the slot ids back to I32 for the matmuls.
+ggml_tensor * llama_expert_cache::build_cpu_nodes(llama_expert_cache_layer & L, ggml_context * ctx0, ggml_backend_sched_t sched,
+        ggml_backend_t backend_cpu, int phase, ggml_tensor * node, ggml_tensor * down_exps) {
+    const int64_t k        = node->ne[0];
+    const int64_t n_tokens = node->ne[1];
+    const int64_t kT       = k * n_tokens;
+    const int64_t n_out    = down_exps->ne[1];
+    const int64_t part_rows = (kT + n_out - 1) / n_out; // rows of the mask, and of the slot ids
+    ggml_tensor * pargs[2] = { node, node->src[0] };
+    L.building_partial = ggml_custom_4d(ctx0, GGML_TYPE_F32, n_out, kT + 2 * part_rows, 1, 1, pargs, 2,
+            expert_cache_node_partial, GGML_N_TASKS_MAX, &L.nodes[phase][LLAMA_EXPERT_CACHE_NODE_HYBRID]); // every thread of the graph
     ggml_format_name(L.building_partial, "spark_ec_cpu-%d", L.il);
     ggml_backend_sched_set_tensor_backend(sched, L.building_partial, backend_cpu);
+
+    ggml_tensor * dev = ggml_cont(ctx0, L.building_partial);
+    ggml_format_name(dev, "spark_ec_up-%d", L.il);
+    ggml_backend_sched_set_tensor_backend(sched, dev, L.compute_backend);
+    const size_t row = dev->nb[1];
+    L.building_part = ggml_view_3d(ctx0, dev, n_out, k, n_tokens, row, row * k, 0);
     // NOTE: 1 for an entry the device computed, 0 for one the CPU computed: a missed entry
     // reads a filler slot (no expert id twice in a token: device kernels assume that), and
     // its device output is dropped by this factor before the CPU's is added
-    ggml_tensor * margs[1] = { node };
-    L.building_mask = ggml_custom_4d(ctx0, GGML_TYPE_F32, 1, k, n_tokens, 1, margs, 1,
-            expert_cache_node_mask, 1, &L.nodes[phase][1]);
-    ggml_format_name(L.building_mask, "spark_ec_mask-%d", L.il);
-    ggml_backend_sched_set_tensor_backend(sched, L.building_mask, backend_cpu);
-    if ((int64_t) L.missed.size() < k * n_tokens) {
-        L.missed.resize(k * n_tokens); // at graph build, never in a step
+    L.building_mask = ggml_view_3d(ctx0, dev, 1, k, n_tokens, sizeof(float), sizeof(float) * k, row * kT);
+    ggml_tensor * slots_f = ggml_view_2d(ctx0, dev, k, n_tokens, sizeof(float) * k, row * (kT + part_rows));
+    ggml_tensor * slots = ggml_cast(ctx0, slots_f, GGML_TYPE_I32);
+    ggml_format_name(slots, "spark_ec_slots-%d", L.il);
+    ggml_backend_sched_set_tensor_backend(sched, slots, L.compute_backend);
+    if ((int64_t) L.missed.size() < kT) {
+        L.missed.resize(kT); // at graph build, never in a step
     }
+    return slots;
 }
 
 void llama_expert_cache::expand(ggml_cgraph * gf, int il) {
@@ -741,10 +770,24 @@ void llama_expert_cache::expand(ggml_cgraph * gf, int il) {
         return;
     }
     // NOTE: one after the other, so the scheduler puts them in one CPU split: one stop per layer
-    for (ggml_tensor * t : { L->building_count, L->building_remap, L->building_partial, L->building_mask }) {
+    std::vector<ggml_tensor *> host;
+    for (ggml_tensor * t : { L->building_count, L->building_remap, L->building_partial }) {
         if (t) {
             ggml_build_forward_expand(gf, t);
+            host.push_back(t);
         }
+    }
+    // the device tensors they read: the scheduler copies each one down
+    std::vector<const ggml_tensor *> reads;
+    for (ggml_tensor * t : host) {
+        for (const ggml_tensor * s : t->src) {
+            if (s && std::find(host.begin(), host.end(), s) == host.end() && std::find(reads.begin(), reads.end(), s) == reads.end()) {
+                reads.push_back(s);
+            }
+        }
+    }
+    if (L->building_node) {
+        L->building_node->reads = (int32_t) reads.size();
     }
 }
 
@@ -753,20 +796,22 @@ ggml_tensor * llama_expert_cache::finish(ggml_context * ctx0, int il, ggml_tenso
     if (!L || L->slots.n_slots == 0 || (!L->building_remap && !L->building_count)) {
         return experts; // not cached, warm-up, or not built through the cache
     }
-    ggml_tensor * partial = L->building_partial;
+    ggml_tensor * partial = L->building_part;
     ggml_tensor * mask    = L->building_mask;
+    ggml_tensor * cur     = L->building_cur;
     if (L->cpu_ok < 0) {
-        ggml_tensor * sel = (L->building_remap ? L->building_remap : L->building_count)->src[0];
-        L->cpu_ok = analyse(*L, experts, sel, L->building_cur) ? 1 : 0;
+        L->cpu_ok = analyse(*L, experts, L->building_sel, cur) ? 1 : 0;
         if (!L->cpu_ok) {
             LLAMA_LOG_WARN("expert cache: layer %d: its expert ops cannot run on the CPU miss path; misses are uploaded\n", il);
         }
     }
-    L->building_remap = L->building_partial = L->building_mask = L->building_count = L->building_cur = nullptr;
+    L->building_remap = L->building_partial = L->building_count = L->building_cur = L->building_sel = nullptr;
+    L->building_part = L->building_mask = nullptr;
+    L->building_node = nullptr;
     if (!partial) {
         return experts;
     }
-    size_workers(*L, partial->ne[1] * partial->ne[2], partial->src[1]->ne[0]);
+    size_workers(*L, partial->ne[1] * partial->ne[2], cur->ne[0]);
     ggml_tensor * out = ggml_add(ctx0, ggml_mul(ctx0, experts, mask), partial);
     ggml_format_name(out, "spark_ec_join-%d", il);
     return out;
@@ -916,17 +961,42 @@ bool llama_expert_cache::recipe_src(const llama_expert_cache_layer & L, const st
     return true;
 }
 
+// the step's routed ids: the I32 selection itself, or (hybrid) the last k columns of the packed F32
+// input, converted into L.sel (the CPU miss path reads them there too)
+llama_expert_cache_ids llama_expert_cache::routed_ids(llama_expert_cache_layer & L, const ggml_tensor * src, int64_t k) {
+    llama_expert_cache_ids v;
+    v.k        = k;
+    v.n_tokens = src->ne[1];
+    if (src->type == GGML_TYPE_I32) {
+        v.data = src->data;
+        v.nb0  = src->nb[0];
+        v.nb1  = src->nb[1];
+        return v;
+    }
+    GGML_ASSERT(src->type == GGML_TYPE_F32 && src->ne[0] > k && (int64_t) L.sel.size() >= k * v.n_tokens);
+    const int64_t col = src->ne[0] - k;
+    for (int64_t t = 0; t < v.n_tokens; ++t) {
+        const float * row = (const float *) ((const char *) src->data + t * src->nb[1]);
+        for (int64_t j = 0; j < k; ++j) {
+            L.sel[t * k + j] = (int32_t) row[col + j];
+        }
+    }
+    v.data = L.sel.data();
+    v.nb0  = sizeof(int32_t);
+    v.nb1  = sizeof(int32_t) * k;
+    return v;
+}
+
 void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * ids, ggml_tensor * dst, bool remap) {
     llama_expert_cache_layer & L = *n.layer;
-    llama_expert_cache_ids v;
-    v.data     = ids->data;
-    v.k        = ids->ne[0];
-    v.n_tokens = ids->ne[1];
-    v.nb0      = ids->nb[0];
-    v.nb1      = ids->nb[1];
+    const llama_expert_cache_ids v = routed_ids(L, ids, dst->ne[0]);
 
     std::unique_lock<std::mutex> lock(mutex);
     count_step(L, n.phase, v);
+    if (L.on_device) {
+        L.stats.stop_reads  += n.reads;
+        L.stats.stop_writes += n.writes;
+    }
     if (!remap) {
         if (L.slots.n_slots > 0) {
             L.stats.steps_stock++;
@@ -971,7 +1041,7 @@ void llama_expert_cache::upload_staged(llama_expert_cache_layer & L, int32_t n_s
         return;
     }
     const bool background = L.slots.costs.concurrent && L.compute_backend != nullptr;
-    uint64_t bytes = 0;
+    uint64_t bytes = 0, blocking = 0;
     for (int32_t i = 0; i < n_staged; ++i) {
         const int32_t e = L.slots.stage_expert[i];
         const size_t  s = (size_t) (L.slots.stage_base + i);
@@ -982,6 +1052,7 @@ void llama_expert_cache::upload_staged(llama_expert_cache_layer & L, int32_t n_s
                 ggml_backend_tensor_set_async(L.upload_backend, b.bank, src, s * nb, nb);
             } else {
                 ggml_backend_tensor_set(b.bank, src, s * nb, nb);
+                blocking++;
             }
             bytes += nb;
         }
@@ -993,6 +1064,7 @@ void llama_expert_cache::upload_staged(llama_expert_cache_layer & L, int32_t n_s
     std::lock_guard<std::mutex> lock(mutex);
     L.stats.staged_uploads      += n_staged;
     L.stats.staged_upload_bytes += bytes;
+    L.stats.blocking_calls      += blocking;
 }
 
 // routing counts and the trace, for every step of a counted layer (under the lock)
@@ -1029,6 +1101,7 @@ void llama_expert_cache::count_step(llama_expert_cache_layer & L, int phase, con
 
 // admissions of earlier steps land at the layer's next step that may change the slots (a decode
 // step): order the device after their uploads
+// (under the lock)
 void llama_expert_cache::wait_admissions(llama_expert_cache_layer & L) {
     for (int32_t s = L.slots.n_pinned; s < L.slots.n_slots; ++s) {
         if (L.slots.slot_state[s] == LLAMA_EXPERT_CACHE_SLOT_PENDING && L.slot_event[s] && L.upload_backend) {
@@ -1036,6 +1109,7 @@ void llama_expert_cache::wait_admissions(llama_expert_cache_layer & L) {
                 ggml_backend_event_wait(L.compute_backend, L.slot_event[s]);
             } else {
                 ggml_backend_event_synchronize(L.slot_event[s]);
+                L.stats.blocking_calls++;
             }
         }
     }
@@ -1044,7 +1118,7 @@ void llama_expert_cache::wait_admissions(llama_expert_cache_layer & L) {
 // the step's placements (upload path: blocking) or admissions (CPU path: in the background when
 // the device has a second backend), then the waits for pending slots read as fillers
 void llama_expert_cache::upload_admissions(llama_expert_cache_layer & L, int32_t n_admit, bool background, bool any_wait) {
-    uint64_t bytes = 0;
+    uint64_t bytes = 0, blocking = 0;
     const int64_t t0 = ggml_time_us();
     for (int32_t a = 0; a < n_admit; ++a) {
         const int32_t e = L.slots.admit[2 * a];
@@ -1056,6 +1130,7 @@ void llama_expert_cache::upload_admissions(llama_expert_cache_layer & L, int32_t
                 ggml_backend_tensor_set_async(L.upload_backend, b.bank, src, (size_t) s * nb, nb);
             } else {
                 ggml_backend_tensor_set(b.bank, src, (size_t) s * nb, nb);
+                blocking++;
             }
             bytes += nb;
         }
@@ -1077,6 +1152,7 @@ void llama_expert_cache::upload_admissions(llama_expert_cache_layer & L, int32_t
     std::lock_guard<std::mutex> lock(mutex);
     L.stats.uploads        += n_admit;
     L.stats.bytes_uploaded += bytes;
+    L.stats.blocking_calls += blocking;
     if (background) {
         L.stats.async_uploads      += n_admit;
         L.stats.async_upload_bytes += bytes;
@@ -1089,7 +1165,7 @@ void llama_expert_cache::upload_admissions(llama_expert_cache_layer & L, int32_t
 void llama_expert_cache::compute_partial(llama_expert_cache_node & n, ggml_tensor * dst, int ith, int nth) {
     llama_expert_cache_layer & L = *n.layer;
     const ggml_tensor * slots = dst->src[0]; // [k, n_tokens] contiguous, from the remap node
-    const ggml_tensor * sel   = dst->src[2]; // [k, n_tokens], read by strides
+    const int32_t * sel = L.sel.data();      // [k * n_tokens], the routed ids the remap node read
     const int64_t k  = slots->ne[0];
     const int64_t kT = k * slots->ne[1];
     const int64_t n_embd_out = dst->ne[0];
@@ -1118,11 +1194,15 @@ void llama_expert_cache::compute_partial(llama_expert_cache_node & n, ggml_tenso
         }
     } out_guard{*this, L, nth, cpu && n_miss > 0, n_miss};
 
-    // each thread zeroes its range of the device's entries; a missed entry is written by its expert's worker
+    // each thread zeroes its range of the device's entries (row t*k + j); a missed entry is written by
+    // its expert's worker
     for (int64_t i = kT * ith / nth; i < kT * (ith + 1) / nth; ++i) {
         if (!missed[i] || !cpu) {
-            memset((char *) dst->data + (i / k) * dst->nb[2] + (i % k) * dst->nb[1], 0, n_embd_out * sizeof(float));
+            memset((char *) dst->data + i * dst->nb[1], 0, n_embd_out * sizeof(float));
         }
+    }
+    if (ith == nth - 1) {
+        write_tail(L, dst);
     }
     const int64_t W = std::min<int64_t>(nth, (int64_t) workers.size());
     if (cpu && n_miss > 0 && ith < W) {
@@ -1130,9 +1210,7 @@ void llama_expert_cache::compute_partial(llama_expert_cache_node & n, ggml_tenso
         // same order. An expert's entries may span two workers: the CPU kernel's output for an entry is
         // its own dot products with the expert's rows, whatever other entries share the pass.
         auto & w = workers[ith];
-        auto id_of = [&](int64_t i) {
-            return *(const int32_t *) ((const char *) sel->data + (i / k) * sel->nb[1] + (i % k) * sel->nb[0]);
-        };
+        auto id_of = [&](int64_t i) { return sel[i]; };
         std::fill(w.expert_rows.begin(), w.expert_rows.end(), 0);
         for (int64_t i = 0; i < kT; ++i) {
             if (missed[i]) {
@@ -1161,10 +1239,9 @@ void llama_expert_cache::compute_partial(llama_expert_cache_node & n, ggml_tenso
 
 // One worker's missed entries (w.order: index t*k + j, grouped by expert), in passes that fit its arena.
 void llama_expert_cache::compute_entries(llama_expert_cache_worker & w, llama_expert_cache_layer & L, ggml_tensor * dst) {
-    const ggml_tensor * cur = dst->src[1]; // [n_embd, n_tokens]
-    const ggml_tensor * sel = dst->src[2];
+    const ggml_tensor * cur = dst->src[1]; // [n_embd + k, n_tokens]: the input rows, then the routed ids
     const int64_t k = dst->src[0]->ne[0];
-    const int64_t n_embd_in  = cur->ne[0];
+    const int64_t n_embd_in  = cur->ne[0] - k;
     const int64_t n_embd_out = dst->ne[0];
     const int64_t n = (int64_t) w.order.size();
     GGML_ASSERT(w.rows > 0);
@@ -1179,7 +1256,7 @@ void llama_expert_cache::compute_entries(llama_expert_cache_worker & w, llama_ex
         for (int64_t m = 0; m < rows; ++m) {
             const int64_t i = w.order[p0 + m], t = i / k, j = i % k;
             memcpy((char *) x->data + m * x->nb[1], (const char *) cur->data + t * cur->nb[1], n_embd_in * sizeof(float));
-            ((int32_t *) xi->data)[m] = *(const int32_t *) ((const char *) sel->data + t * sel->nb[1] + j * sel->nb[0]);
+            ((int32_t *) xi->data)[m] = L.sel[t * k + j];
         }
         ggml_tensor * res = build_recipe(L, pctx, x, xi, rows); // [n_embd, rows, 1]
         GGML_ASSERT(res->ne[0] == n_embd_out);
@@ -1191,7 +1268,7 @@ void llama_expert_cache::compute_entries(llama_expert_cache_worker & w, llama_ex
         // each entry's output goes where the device's is dropped
         for (int64_t m = 0; m < rows; ++m) {
             const int64_t i = w.order[p0 + m], t = i / k, j = i % k;
-            memcpy((char *) dst->data + t * dst->nb[2] + j * dst->nb[1], (const char *) res->data + m * res->nb[1],
+            memcpy((char *) dst->data + (t * k + j) * dst->nb[1], (const char *) res->data + m * res->nb[1],
                    n_embd_out * sizeof(float));
         }
     }
@@ -1238,13 +1315,18 @@ ggml_tensor * llama_expert_cache::build_recipe(const llama_expert_cache_layer & 
     return ops[n_ops - 1];
 }
 
-void llama_expert_cache::compute_mask(llama_expert_cache_node & n, ggml_tensor * dst) {
-    const llama_expert_cache_layer & L = *n.layer;
-    const int64_t kT = dst->ne[1] * dst->ne[2]; // [1, k, n_tokens] contiguous
-    GGML_ASSERT((int64_t) L.missed.size() >= kT);
-    float * m = (float *) dst->data;
+// after the entries' rows of the packed output: the mask, then the slot ids as F32 (build_cpu_nodes)
+void llama_expert_cache::write_tail(const llama_expert_cache_layer & L, ggml_tensor * dst) {
+    const ggml_tensor * slots = dst->src[0]; // [k, n_tokens] contiguous
+    const int64_t kT   = slots->ne[0] * slots->ne[1];
+    const int64_t rows = (kT + dst->ne[0] - 1) / dst->ne[0];
+    GGML_ASSERT((int64_t) L.missed.size() >= kT && dst->ne[1] == kT + 2 * rows);
+    float * mask = (float *) ((char *) dst->data + kT * dst->nb[1]);
+    float * ids  = (float *) ((char *) dst->data + (kT + rows) * dst->nb[1]);
+    const int32_t * s = (const int32_t *) slots->data;
     for (int64_t i = 0; i < kT; ++i) {
-        m[i] = L.missed[i] ? 0.0f : 1.0f;
+        mask[i] = L.missed[i] ? 0.0f : 1.0f;
+        ids[i]  = (float) s[i];
     }
 }
 

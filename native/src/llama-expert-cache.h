@@ -62,11 +62,22 @@ struct llama_expert_cache_bank_needs {
     bool warned_pinned = false; // the unpinned host memory warning was logged
 };
 
+// What a layer's host nodes do in a step: count only, remap, or remap with the CPU miss path.
+enum llama_expert_cache_node_kind : int32_t {
+    LLAMA_EXPERT_CACHE_NODE_COUNT  = 0,
+    LLAMA_EXPERT_CACHE_NODE_REMAP  = 1,
+    LLAMA_EXPERT_CACHE_NODE_HYBRID = 2,
+};
+
 // Userdata of a host node, fixed when its graph is built (a reused graph keeps its own).
 struct llama_expert_cache_node {
     llama_expert_cache_layer * layer = nullptr;
     int32_t phase  = LLAMA_EXPERT_CACHE_PHASE_PREFILL;
     bool    hybrid = false; // the graph adds the CPU miss path's output: misses read filler slots
+    // the stop's copies, from the graph: device tensors the host nodes read (the scheduler copies
+    // each down), host-node outputs the device reads (each copied up)
+    int32_t reads  = 0;
+    int32_t writes = 0;
 };
 
 // The CPU miss path rebuilds, for the missed entries only, the ops of the graph between the
@@ -115,16 +126,20 @@ struct llama_expert_cache_layer {
     std::vector<uint8_t>  missed;      // [k * n_tokens] scratch: entries of the step the CPU computes
 
     std::vector<uint64_t> counts[2];   // [phase][n_expert] routed occurrences
-    llama_expert_cache_node nodes[2][2]; // [phase][hybrid] host-node userdata
+    llama_expert_cache_node nodes[2][3]; // [phase][llama_expert_cache_node_kind] host-node userdata
+    std::vector<int32_t>  sel;         // [k * n_tokens] scratch (hybrid): the step's routed ids, from the packed input
 
     std::vector<llama_expert_cache_recipe_op> recipe; // CPU miss path; empty: misses are uploaded
 
     // the host nodes of the graph being built, between build() and finish()
     ggml_tensor * building_remap   = nullptr;
-    ggml_tensor * building_partial = nullptr;
-    ggml_tensor * building_mask    = nullptr;
+    ggml_tensor * building_partial = nullptr; // hybrid: the host node whose one output packs partial, mask, slot ids
     ggml_tensor * building_count   = nullptr;
     ggml_tensor * building_cur     = nullptr;
+    ggml_tensor * building_sel     = nullptr; // the routed ids (selected_experts)
+    ggml_tensor * building_part    = nullptr; // hybrid, on the device: views of the packed output's copy
+    ggml_tensor * building_mask    = nullptr;
+    llama_expert_cache_node * building_node = nullptr; // the userdata of the graph's host nodes
     llama_expert_cache_stats stats = {};
 };
 
@@ -166,7 +181,8 @@ struct llama_expert_cache {
     // Run by the host nodes.
     void step(llama_expert_cache_node & n, const ggml_tensor * ids, ggml_tensor * dst, bool remap);
     void compute_partial(llama_expert_cache_node & n, ggml_tensor * dst, int ith, int nth);
-    void compute_mask(llama_expert_cache_node & n, ggml_tensor * dst);
+    static void write_tail(const llama_expert_cache_layer & L, ggml_tensor * dst);
+    static llama_expert_cache_ids routed_ids(llama_expert_cache_layer & L, const ggml_tensor * src, int64_t k);
 
     // parts of init
     void    make_layers();
@@ -187,8 +203,10 @@ struct llama_expert_cache {
     // parts of build and analyse
     static ggml_backend_t backend_of(ggml_backend_sched_t sched, ggml_backend_dev_t dev);
     static bool bank_swaps(const llama_expert_cache_layer & L, ggml_tensor ** wts[4], ggml_tensor * swap[4]);
-    void build_cpu_nodes(llama_expert_cache_layer & L, ggml_context * ctx0, ggml_backend_sched_t sched, ggml_backend_t backend_cpu,
-                         int phase, ggml_tensor * node, ggml_tensor * cur, ggml_tensor * selected_experts, ggml_tensor * down_exps);
+    ggml_tensor * pack_inputs(llama_expert_cache_layer & L, ggml_context * ctx0, ggml_backend_sched_t sched, ggml_tensor * cur,
+                              ggml_tensor * selected_experts);
+    ggml_tensor * build_cpu_nodes(llama_expert_cache_layer & L, ggml_context * ctx0, ggml_backend_sched_t sched, ggml_backend_t backend_cpu,
+                                  int phase, ggml_tensor * node, ggml_tensor * down_exps);
     static bool recipe_order(const llama_expert_cache_layer & L, ggml_tensor * experts, ggml_tensor * sel, ggml_tensor * cur,
                              std::vector<ggml_tensor *> & order);
     bool recipe_src(const llama_expert_cache_layer & L, const std::vector<ggml_tensor *> & order, size_t i, int j,

@@ -52,6 +52,13 @@ ACCOUNTING_CAPTION = ("per token: tg per generated token (decode steps), pp per 
                       "staged: staged uploads (count, MiB); CPU MiB: host expert bytes computed on the CPU; "
                       "-: not measured or not modelled")
 
+STOPS_CAPTION = ("per decode token: stops: times the device waits for the host (stock: its host layers; Spark: "
+                 "host nodes, measured); per stop, what the stops add to all-resident's TCP traffic with the RPC "
+                 "server: replies the client waited for, segments it sent (3 per command); per stop, counted by "
+                 "the cache from its graph: reads (copies down) and writes (copies up); blocking: the cache's own "
+                 "blocking device calls per token; MiB in/out: TCP bytes with the RPC server per token; "
+                 "-: not measured, or not on RPC")
+
 
 def parallel_caption(n: int) -> str:
     return (f"-np {n}: {n} corpus prompts, -n tokens each, greedy; tg: aggregate tok/s of the all-decode steps "
@@ -104,6 +111,17 @@ def prediction_table(report: "Report") -> "Table":
 
     data = prediction_rows(report)
     t = _rich_table("predicted and measured", PREDICTION_CAPTION, data)
+    for r in data:
+        t.add_row(*r.values())
+    return t
+
+
+def stops_table(report: "Report") -> "Table":
+    """A decode token's stops and their round trips, each configuration."""
+    from ..runs.bench import stop_rows
+
+    data = stop_rows(report)
+    t = _rich_table("stops and round trips per decode token", STOPS_CAPTION, data)
     for r in data:
         t.add_row(*r.values())
     return t
@@ -188,6 +206,7 @@ def print_report(report: "Report", to: "Console") -> None:
         to.print(Whole(prediction_table(report)))
     if any(r.runs for r in report.results):
         to.print(Whole(accounting_table(report), keys=2))  # a row is a configuration and a phase
+        to.print(Whole(stops_table(report)))
     if any(r.parallel is not None for r in report.results):
         to.print(Whole(parallel_table(report)))
     for line in _summary_lines(report):

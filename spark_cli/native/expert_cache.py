@@ -20,7 +20,7 @@ from ..core.bill import BufferBill, MeasuredBill
 from ..core.simulator import DEFAULT_POLICY
 from ..errors import NativeError
 
-API_VERSION = 5  # LLAMA_EXPERT_CACHE_API_VERSION this binding matches
+API_VERSION = 6  # LLAMA_EXPERT_CACHE_API_VERSION this binding matches
 REBUILD_HINT = "rerun scripts/bootstrap.sh to install the native build of this checkout"
 
 
@@ -106,7 +106,8 @@ class Stats(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in (
         "hits", "misses", "uploads", "bytes_uploaded", "upload_us", "steps_cached", "steps_stock",
         "syncs", "blocking_upload_bytes", "async_uploads", "async_upload_bytes", "cpu_experts",
-        "cpu_expert_bytes", "cpu_us", "cpu_entries", "admit_skipped", "staged_uploads", "staged_upload_bytes")]
+        "cpu_expert_bytes", "cpu_us", "cpu_entries", "admit_skipped", "staged_uploads", "staged_upload_bytes",
+        "stop_reads", "stop_writes", "blocking_calls")]
 
 
 class MemEntry(ctypes.Structure):
@@ -149,6 +150,9 @@ class CacheStats:
     admit_skipped: int = 0
     staged_uploads: int = 0
     staged_upload_bytes: int = 0
+    stop_reads: int = 0
+    stop_writes: int = 0
+    blocking_calls: int = 0
 
     @classmethod
     def from_struct(cls, s: Stats) -> "CacheStats":

@@ -48,6 +48,8 @@ from ..core import planner, units, vram
 from ..core.trace import DECODE
 from ..native.engine import CacheLayer, CacheStats, Engine, EngineOptions
 from ..native.generate import BatchLoop, Decoding, GenerationStep, Greedy, StepShape, StopRules
+from ..native.rpc_traffic import Traffic
+from ..native import rpc_traffic
 from ..errors import PlanError, ProfileError, SparkError, UsageError
 from ..core.gguf_info import ModelGeometry
 from ..core.options import DEFAULT_UBATCH
@@ -339,6 +341,8 @@ class Result:
     counts: np.ndarray | None = field(default=None, repr=False)  # decode routing counts
     ratios: dict[str, float | None] = field(default_factory=dict)
     parallel: "ParallelResult | None" = None  # -np N > 1: N sequences together and one after another
+    traffic: Traffic | None = None  # with the RPC servers (rpc_traffic), summed over the decode steps of every run
+    prompt_traffic: Traffic | None = None  # the same over the prompt evals of every run
 
     @property
     def prompt_tokens(self) -> int:
@@ -427,7 +431,7 @@ def cold_figures(r: Result, g: ModelGeometry) -> dict[str, float | None]:
 
 # counters reported per token, in each phase: "<name>_per_token" (decode), "<name>_per_prompt_token"
 ACCOUNTING = ("syncs", "blocking_upload_bytes", "async_upload_bytes", "cpu_expert_bytes",
-              "staged_uploads", "staged_upload_bytes")
+              "staged_uploads", "staged_upload_bytes", "blocking_calls")
 PROMPT_ACCOUNTING = ("uploads",) + ACCOUNTING  # decode uploads per token: cold_figures
 
 
@@ -494,6 +498,51 @@ def prompt_accounting(r: Result, g: ModelGeometry) -> dict[str, float | None]:
     if r.config.kind in ("stock", "ceiling", "cpu"):
         return stock_prompt(r, g)
     return per_token(r.prompt_cache, PROMPT_ACCOUNTING, r.prompt_tokens, len(r.runs), "_per_prompt_token")
+
+
+TRAFFIC = ("segs_out", "segs_in", "bytes_out", "bytes_in")  # rpc_traffic.Traffic's counters
+
+
+def traffic_per_token(t: Traffic | None, n_tokens: int, suffix: str) -> dict[str, float | None]:
+    """RPC traffic over `n_tokens` as "rpc_<counter><suffix>" (None: not on RPC, or not measured)."""
+    n = max(n_tokens, 1)
+    return {f"rpc_{name}{suffix}": (getattr(t, name) / n if t is not None else None) for name in TRAFFIC}
+
+
+def stops_per_token(r: Result, g: ModelGeometry) -> float | None:
+    """Times a decode token stops the device for the host (the logits read-back not counted): a
+    stock configuration's host layers (cpu: none, no device), a cached configuration's host nodes
+    that waited for the device (measured)."""
+    if not r.runs:
+        return None
+    if r.config.kind in ("stock", "ceiling", "cpu"):
+        return 0.0 if r.config.kind == "cpu" else float(len(host_layers(r, g)))
+    return r.cache.syncs / max(r.decode_tokens, 1)
+
+
+def round_trips(report: "Report", r: Result) -> dict[str, float | None]:
+    """A decode token's stops and what each costs in device round trips. Measured on RPC, for
+    every configuration alike: what the stops add to the all-resident run of the same bench in data
+    segments the client sent (commands: id, size and payload, one segment each) and received
+    (replies: size and payload), and replies (received segments / 2: a stop's replies are small);
+    None without an all-resident run, RPC traffic or a stop. Counted by the cache (Spark, any
+    device): the copies down (reads) and up (writes) per stop, from the graph the scheduler ran."""
+    g = report.geometry
+    ref = next((x for x in report.results if x.config.kind == "ceiling" and x.runs and x.traffic is not None), None)
+    stops = stops_per_token(r, g)
+    c, cached = r.cache, r.config.kind == "spark" and r.runs
+    out: dict[str, float | None] = {
+        "stops_per_token": stops, "rpc_segs_out_per_stop": None, "rpc_segs_in_per_stop": None,
+        "rpc_replies_per_stop": None,
+        "stop_reads_per_stop": c.stop_reads / c.syncs if cached and c.syncs else None,
+        "stop_writes_per_stop": c.stop_writes / c.syncs if cached and c.syncs else None}
+    if ref is None or r.traffic is None or not stops:
+        return out
+    mine, base = traffic_per_token(r.traffic, r.decode_tokens, ""), traffic_per_token(ref.traffic, ref.decode_tokens, "")
+    extra = {k: (mine[f"rpc_{k}"] - base[f"rpc_{k}"]) / stops for k in ("segs_out", "segs_in")}
+    out.update({"rpc_segs_out_per_stop": extra["segs_out"], "rpc_segs_in_per_stop": extra["segs_in"],
+                "rpc_replies_per_stop": extra["segs_in"] / 2})
+    return out
 
 
 def describe_paths(picks: dict[int, str]) -> str:
@@ -657,10 +706,12 @@ def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int
             for rep in range(repetitions):
                 eng.reset()
                 s0 = cache_total(eng)
+                n0 = rpc_traffic.read(opts.rpc)
                 t0 = time.perf_counter()
                 eng.eval(work.pp_tokens, logits="last")
                 pp_s = time.perf_counter() - t0
                 pp_cache = cache_total(eng) - s0
+                result.prompt_traffic = _add_traffic(result.prompt_traffic, n0, rpc_traffic.read(opts.rpc))
                 done += len(work.pp_tokens)
                 if progress:
                     progress(cfg.name, done, total)
@@ -673,8 +724,16 @@ def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int
                     if progress and (len(toks) % 8 == 0 or len(toks) == n_gen):
                         progress(cfg.name, base + len(toks), total)
 
-                last = decode(eng, work.gen_prompt, n_gen, on_prompt=lambda _: eng.reset_stats(), on_token=on_token)
+                n0 = None
+
+                def on_prompt(_) -> None:
+                    nonlocal n0
+                    eng.reset_stats()
+                    n0 = rpc_traffic.read(opts.rpc)
+
+                last = decode(eng, work.gen_prompt, n_gen, on_prompt=on_prompt, on_token=on_token)
                 tg_s = last.gen_seconds
+                result.traffic = _add_traffic(result.traffic, n0, rpc_traffic.read(opts.rpc))
                 done += n_gen
                 if rep == 0:
                     result.tokens_digest = _digest(toks)
@@ -708,6 +767,13 @@ def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int
     except SparkError as e:
         result.status, result.reason = "failed", e.one_line()
     return result
+
+
+def _add_traffic(total: Traffic | None, before: Traffic | None, after: Traffic | None) -> Traffic | None:
+    """`total` plus the traffic between two readings (None when either could not be read)."""
+    if before is None or after is None:
+        return total
+    return after - before if total is None else total + (after - before)
 
 
 def copy_result(cfg: Config, other: Result) -> Result:
@@ -956,6 +1022,9 @@ class Report:
                 **cold_figures(r, g),
                 **accounting(r, g),
                 **prompt_accounting(r, g),
+                **traffic_per_token(r.traffic, r.decode_tokens, "_per_token"),
+                **traffic_per_token(r.prompt_traffic, r.prompt_tokens, "_per_prompt_token"),
+                **round_trips(self, r),
                 "miss_path_why": r.miss_path_why or None,
                 "decode_tokens": r.decode_tokens, "hits": r.cache.hits, "misses": r.cache.misses,
                 "uploads": r.cache.uploads, "bytes_uploaded": r.cache.bytes_uploaded,
@@ -1112,6 +1181,22 @@ def accounting_rows(report: Report) -> list[dict[str, str]]:
     return out
 
 
+def stop_rows(report: Report) -> list[dict[str, str]]:
+    """A decode token's stops and their round trips (round_trips), the cache's own blocking calls and
+    the bytes exchanged with an RPC server: one row per measured configuration."""
+    out = []
+    g = report.geometry
+    for r in (x for x in report.results if x.runs):
+        st = round_trips(report, r)
+        rpc = traffic_per_token(r.traffic, r.decode_tokens, "")
+        out.append({"configuration": r.config.label, "stops": _num(st["stops_per_token"]),
+                    "replies": _num(st["rpc_replies_per_stop"]), "segs out": _num(st["rpc_segs_out_per_stop"]),
+                    "reads": _num(st["stop_reads_per_stop"]), "writes": _num(st["stop_writes_per_stop"]),
+                    "blocking": _num(accounting(r, g)["blocking_calls_per_token"]),
+                    "MiB in": _mib(rpc["rpc_bytes_in"]), "MiB out": _mib(rpc["rpc_bytes_out"])})
+    return out
+
+
 def footnotes(report: Report) -> list[str]:
     """Which miss path Spark ran, why a configuration did not run, was cut short, or repeats another."""
     out = []
@@ -1145,8 +1230,9 @@ def markdown_table(table: list[dict[str, str]]) -> str:
 
 
 def to_markdown(report: Report) -> str:
-    """The speeds table, then (after a blank line) the per-token accounting where something ran,
-    then the -np table where N sequences were measured."""
+    """The speeds table, then (after a blank line) the predictions, the per-token accounting and
+    the stops where something ran, then the -np table where N sequences were measured."""
     return "\n\n".join(t for t in (markdown_table(speed_rows(report)), markdown_table(prediction_rows(report)),
-                                   markdown_table(accounting_rows(report)), markdown_table(parallel_rows(report)))
+                                   markdown_table(accounting_rows(report)), markdown_table(stop_rows(report)),
+                                   markdown_table(parallel_rows(report)))
                        if t)
