@@ -156,3 +156,35 @@ def test_missed_entries_never_repeat_a_slot_in_a_token(small_model, rpc_server):
         assert set(np.unique(mask)) <= {0.0, 1.0}
         multi += int(((mask == 0).sum(axis=1) >= 2).sum())
     assert multi > 0, "no token had two CPU-computed entries: the case this test is about did not occur"
+
+
+def _decode_traffic(path, endpoint: str, n: int = 6, **kw):
+    """RPC traffic of n one-token decode steps after a 12-token prompt, and the cache's counters."""
+    from spark_cli.native import rpc_traffic
+
+    with Engine(EngineOptions(path, n_ctx=512, rpc=[endpoint], **kw)) as eng:
+        toks = prompts(eng, (12,))[0]
+        eng.eval(toks, logits="last")
+        eng.reset_stats()
+        before = rpc_traffic.read([endpoint])
+        for tok in toks[:n]:
+            eng.eval([tok], logits="last")
+        after = rpc_traffic.read([endpoint])
+        return after - before, CacheStats.total(eng.cache_stats().values())
+
+
+def test_a_cached_stop_waits_for_one_reply_a_stock_host_layer_for_two(small_model, rpc_server):
+    """Measured on the wire (TCP segments from the RPC server, two per reply: its size, then the
+    data): what the stops add to all-resident's per decode step. A cached layer's stop on the CPU
+    miss path reads one packed tensor; a stock host layer's reads its input and the routed ids."""
+    g = load_geometry(small_model)
+    n, moe = 6, len(g.moe_layers)
+    base, _ = _decode_traffic(small_model, rpc_server.endpoint, n)
+    stock, _ = _decode_traffic(small_model, rpc_server.endpoint, n, host_layers=list(g.moe_layers))
+    layers = [CacheLayer(il, 1 + g.n_expert_used, (0,), miss_path="cpu") for il in g.moe_layers]
+    spark, st = _decode_traffic(small_model, rpc_server.endpoint, n, cache_layers=layers)
+    assert st.syncs == n * moe and st.stop_reads == st.stop_writes == st.syncs and st.cpu_experts > 0
+    stock_per_stop = (stock.segs_in - base.segs_in) / (2 * n * moe)
+    spark_per_stop = (spark.segs_in - base.segs_in) / (2 * n * moe)
+    assert 1.5 <= stock_per_stop <= 2.5, stock_per_stop
+    assert 0.5 <= spark_per_stop <= 1.25, spark_per_stop
