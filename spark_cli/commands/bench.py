@@ -105,26 +105,26 @@ PREDICTION_CAPTION = ("predicted: the cost model with this device's measured cos
                       "pred/meas: predicted over measured tok/s; stops/tok: device stops per generated token")
 
 
+def _filled_table(title: str, caption: str, data: list[dict[str, str]]) -> "Table":
+    """_rich_table with `data`'s rows in it."""
+    t = _rich_table(title, caption, data)
+    for r in data:
+        t.add_row(*r.values())
+    return t
+
+
 def prediction_table(report: "Report") -> "Table":
     """Predicted beside measured tok/s for every configuration the cost model priced."""
     from ..runs.bench import prediction_rows
 
-    data = prediction_rows(report)
-    t = _rich_table("predicted and measured", PREDICTION_CAPTION, data)
-    for r in data:
-        t.add_row(*r.values())
-    return t
+    return _filled_table("predicted and measured", PREDICTION_CAPTION, prediction_rows(report))
 
 
 def stops_table(report: "Report") -> "Table":
     """A decode token's stops and their round trips, each configuration."""
     from ..runs.bench import stop_rows
 
-    data = stop_rows(report)
-    t = _rich_table("stops and round trips per decode token", STOPS_CAPTION, data)
-    for r in data:
-        t.add_row(*r.values())
-    return t
+    return _filled_table("stops and round trips per decode token", STOPS_CAPTION, stop_rows(report))
 
 
 def parallel_table(report: "Report") -> "Table":
