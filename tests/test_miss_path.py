@@ -188,3 +188,17 @@ def test_a_cached_stop_waits_for_one_reply_a_stock_host_layer_for_two(small_mode
     spark_per_stop = (spark.segs_in - base.segs_in) / (2 * n * moe)
     assert 1.5 <= stock_per_stop <= 2.5, stock_per_stop
     assert 0.5 <= spark_per_stop <= 1.25, spark_per_stop
+
+
+def test_an_uncached_layer_stops_only_when_its_routing_is_counted(small_model, rpc_server):
+    """A plan that caches one layer stops once per decode step; counting the routing of the other
+    layers (learning, tracing) adds a stop in each of them."""
+    g = load_geometry(small_model)
+    n, moe = 6, len(g.moe_layers)
+    one = [CacheLayer(g.moe_layers[0], 1 + g.n_expert_used, (0,), miss_path="cpu")]
+    base, _ = _decode_traffic(small_model, rpc_server.endpoint, n)
+    quiet, st = _decode_traffic(small_model, rpc_server.endpoint, n, cache_layers=one)
+    counted, st_counted = _decode_traffic(small_model, rpc_server.endpoint, n, cache_layers=one, count_experts=True)
+    assert st.syncs == n and st_counted.syncs == n * moe
+    assert 0.5 <= (quiet.segs_in - base.segs_in) / (2 * n) <= 1.25
+    assert (counted.segs_in - base.segs_in) / (2 * n) >= 0.75 * moe

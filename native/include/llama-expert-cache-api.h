@@ -86,6 +86,9 @@ extern "C" {
         int32_t n_stage;       // staging slices for misses uploaded for one step only (MISS_AUTO, and MISS_UPLOAD
                                // steps larger than the LRU slots), shared by the cached layers whose expert
                                // tensors have the same types and shapes (0: none; at most the expert count)
+        bool    count_uncached; // MoE layers that are not cached get a counting node too (their routing counts
+                                // and trace), at one device -> host stop per layer and step; false: they keep
+                                // the stock graph (no stop). Counting only (n_layers 0) counts every layer.
     };
 
     struct llama_expert_cache_stats {

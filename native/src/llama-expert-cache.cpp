@@ -163,6 +163,7 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
     trace_on  = params.trace;
     trace_max = params.trace_max > 0 ? params.trace_max : 0;
     n_threads = params.n_threads > 0 ? params.n_threads : 1;
+    count_uncached = params.count_uncached || params.n_layers == 0;
     dry       = model.hparams.no_alloc;
     if (params.slru_protected_num < 0 || params.slru_protected_den <= 0 || params.slru_protected_num > params.slru_protected_den) {
         err = "invalid parameters: slru_protected_num / slru_protected_den must be a share in [0, 1]";
@@ -636,8 +637,9 @@ ggml_tensor * llama_expert_cache::build(
     L->building_cur = cur;
     L->building_sel = selected_experts;
 
-    // NOTE: warm-up routes every expert (n_expert_used = n_expert): leave it stock and uncounted
-    if (k != (int64_t) model.hparams.n_expert_used(il)) {
+    // NOTE: warm-up routes every expert (n_expert_used = n_expert): leave it stock and uncounted; an
+    // uncached layer stays stock unless its routing is counted (a stop per step)
+    if (k != (int64_t) model.hparams.n_expert_used(il) || (L->slots.n_slots == 0 && !count_uncached)) {
         return selected_experts;
     }
     if (L->slots.n_slots > 0 && !L->compute_backend) {
@@ -1352,6 +1354,7 @@ struct llama_expert_cache_params llama_expert_cache_default_params(void) {
     p.slru_protected_num = 3;
     p.slru_protected_den = 4;
     p.n_stage       = 0;
+    p.count_uncached = true;
     return p;
 }
 

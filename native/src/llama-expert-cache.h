@@ -244,6 +244,7 @@ struct llama_expert_cache {
     std::map<const ggml_tensor *, std::vector<uint8_t>> host_mirror; // small device weights (biases) copied once
 
     bool    trace_on = false;
+    bool    count_uncached = true; // uncached MoE layers count (params.count_uncached, or counting only)
     std::vector<int32_t> trace;
     int64_t trace_max = 0;
     int64_t trace_dropped = 0;

@@ -338,10 +338,12 @@ class Engine:
             raise NativeError("this llama.cpp build has no expert cache (native/ patch missing)",
                               hint="rebuild with scripts/bootstrap.sh")
         try:
-            # NOTE: the miss path runs on the graph's threads (-t for decode, -tb for larger steps)
+            # NOTE: the miss path runs on the graph's threads (-t for decode, -tb for larger steps). Layers
+            # not cached count their routing only when asked (a device stop each per step).
             self.cache.init(self.opts.cache_layers, device_budget=self.opts.device_budget, trace=self.opts.trace,
                             trace_max=self.opts.trace_max, n_threads=max(self.cpu_threads, self.cpu_threads_batch),
-                            n_stage=self.opts.stage_slices if self.opts.cache_layers else 0)
+                            n_stage=self.opts.stage_slices if self.opts.cache_layers else 0,
+                            count_uncached=self.opts.count_experts or self.opts.trace)
         except NativeError:
             self.close()
             raise

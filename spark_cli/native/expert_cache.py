@@ -97,6 +97,7 @@ class Params(ctypes.Structure):
         ("slru_protected_num", ctypes.c_int32),
         ("slru_protected_den", ctypes.c_int32),
         ("n_stage", ctypes.c_int32),
+        ("count_uncached", ctypes.c_bool),
     ]
 
 
@@ -269,12 +270,15 @@ class ExpertCache:
 
     def init(self, layers: Sequence[CacheLayer], *, device_budget: int = 0, device_margin: int | None = None,
              trace: bool = False, trace_max: int | None = None, n_threads: int | None = None,
-             policy_params: simulator.PolicyParams = simulator.PolicyParams(), n_stage: int = 0) -> None:
+             policy_params: simulator.PolicyParams = simulator.PolicyParams(), n_stage: int = 0,
+             count_uncached: bool = True) -> None:
         """Attach a cache (n_layers 0: counting only). NativeError with the library's reason.
         The policies' tunables come from the simulator, their specification. n_stage: staging
-        slices, shared by the layers of one expert shape (misses uploaded for one step)."""
+        slices, shared by the layers of one expert shape (misses uploaded for one step).
+        count_uncached: the layers not cached count their routing too, at a device stop each per step."""
         p = self.default_params()
         p.n_stage = n_stage
+        p.count_uncached = count_uncached
         p.policy_window = policy_params.window
         p.slru_protected_num, p.slru_protected_den = policy_params.protected_num, policy_params.protected_den
         arr = (LayerParams * max(1, len(layers)))()

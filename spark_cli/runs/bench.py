@@ -343,6 +343,7 @@ class Result:
     parallel: "ParallelResult | None" = None  # -np N > 1: N sequences together and one after another
     traffic: Traffic | None = None  # with the RPC servers (rpc_traffic), summed over the decode steps of every run
     prompt_traffic: Traffic | None = None  # the same over the prompt evals of every run
+    counted_uncached: bool = False  # the layers a Spark plan does not cache counted their routing (a stop each)
 
     @property
     def prompt_tokens(self) -> int:
@@ -511,13 +512,17 @@ def traffic_per_token(t: Traffic | None, n_tokens: int, suffix: str) -> dict[str
 
 def stops_per_token(r: Result, g: ModelGeometry) -> float | None:
     """Times a decode token stops the device for the host (the logits read-back not counted): a
-    stock configuration's host layers (cpu: none, no device), a cached configuration's host nodes
-    that waited for the device (measured)."""
+    configuration's host layers (cpu: none, no device), plus a Spark configuration's host nodes
+    that waited for the device (measured; when the layers it does not cache counted their routing,
+    its host layers' stops are among them)."""
     if not r.runs:
         return None
-    if r.config.kind in ("stock", "ceiling", "cpu"):
-        return 0.0 if r.config.kind == "cpu" else float(len(host_layers(r, g)))
-    return r.cache.syncs / max(r.decode_tokens, 1)
+    if r.config.kind == "cpu":
+        return 0.0
+    host = float(len(host_layers(r, g)))
+    if r.config.kind != "spark":
+        return host
+    return r.cache.syncs / max(r.decode_tokens, 1) + (0.0 if r.counted_uncached else host)
 
 
 def round_trips(report: "Report", r: Result) -> dict[str, float | None]:
@@ -697,6 +702,7 @@ def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int
             result.device_name = eng.devices[0].name if eng.devices else "CPU"
             if opts.cache_layers:
                 result.miss_path_why, result.miss_path = "".join(why), describe_paths(eng.miss_paths())
+            result.counted_uncached = opts.count_experts
             eng.reset()
             decode(eng, work.pp_tokens[:WARMUP_PROMPT], WARMUP_DECODE)
             after = device_memory(opts)
