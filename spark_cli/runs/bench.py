@@ -55,7 +55,7 @@ from ..core.gguf_info import ModelGeometry
 from ..core.options import DEFAULT_UBATCH
 from ..core.cost_model import Prediction
 from ..files.paths import spark_home
-from . import device_costs
+from . import device_costs, session
 from .miss_path import initial_path
 
 REPORT_VERSION = 1
@@ -686,7 +686,8 @@ def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int
                                cache_layers=[replace(c, miss_path=first_path) for c in cfg.cache_layers],
                                stage_slices=cfg.plan.stage_slices if spark and cfg.plan is not None else 0,
                                expert_overrides=cfg.expert_overrides if spark else None,
-                               count_experts=spark and learn, trace=False, capture_topk=False)
+                               count_experts=spark and session.counts_every_layer(cfg.plan, learn), trace=False,
+                               capture_topk=False)
     n_seq = max(1, opts.n_seq)
     total = repetitions * (len(work.pp_tokens) + n_gen + (2 * n_seq * n_gen if n_seq > 1 else 0))
     done = 0
@@ -797,7 +798,6 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
     configurations from the profile plus that trace (one planner.plan_for call: "spark" is its
     plan, "spark-step" its pins+k candidate), then measure every configuration.
     Fills `report` as it goes: on KeyboardInterrupt it holds what was measured."""
-    from . import session
     from ..core.profile import RoutingProfile
 
     g, path, ctx = report.geometry, report.model, report.n_ctx
@@ -946,8 +946,6 @@ def take_turns(jobs: list[Result], base: EngineOptions) -> tuple[bool, str]:
 def fold(report: "Report") -> "Result | None":
     """Self-tuning: the decode routing of the Spark run joins the model's profile. Returns
     the result whose counts were folded, or None."""
-    from . import session
-
     src = next((r for r in (report.result("spark"), report.result("spark-step"))
                 if r is not None and r.counts is not None), None)
     if src is None:

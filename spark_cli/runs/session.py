@@ -142,10 +142,18 @@ def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | No
         stage_slices=plan.stage_slices if plan is not None else 0,
         host_layers=[l.index for l in plan.layers if l.mode == "host"] if plan is not None else [],
         expert_overrides=plan.overrides if plan is not None else None,
-        tensor_overrides=parse_override_tensor(flags.override_tensor, geometry), count_experts=learn,
+        tensor_overrides=parse_override_tensor(flags.override_tensor, geometry),
+        count_experts=counts_every_layer(plan, learn),
         type_k=flags.type_k or (plan.type_k if plan else "f16"), type_v=flags.type_v or (plan.type_v if plan else "f16"),
         flash_attn=flags.flash_attn, use_mmap=flags.mmap, use_mlock=flags.mlock, repack=flags.repack,
         n_seq=n_parallel(flags, plan), kv_unified=kv_unified(flags, plan))
+
+
+def counts_every_layer(plan: planner.Plan | None, learn: bool) -> bool:
+    """Whether learning counts the routing of every MoE layer: counting a layer that does not stop
+    (resident, host) costs a device stop a token, so a plan priced in time, which chose its stops,
+    learns from its cached layers alone; a plan placed by hits, or none (the CPU path), counts all."""
+    return learn and (plan is None or plan.predicted is None)
 
 
 def ubatch_size(flags: LoadFlags, plan: planner.Plan | None = None) -> int:
@@ -159,8 +167,10 @@ def decode_counts(engine: Engine) -> np.ndarray | None:
 
 
 def decode_tokens(geometry: ModelGeometry, counts: np.ndarray) -> float:
-    """Tokens a [n_layer, n_expert] count array stands for: each routes k experts in every MoE layer."""
-    return float(counts.sum()) / (geometry.n_expert_used * max(1, len(geometry.moe_layers)))
+    """Tokens a [n_layer, n_expert] count array stands for: each routes k experts in every MoE layer
+    that counted (a plan priced in time counts its cached layers alone: counts_every_layer)."""
+    counted = int(np.count_nonzero(np.asarray(counts).sum(axis=1))) if np.asarray(counts).ndim == 2 else 0
+    return float(counts.sum()) / (geometry.n_expert_used * max(1, counted or len(geometry.moe_layers)))
 
 
 def fold_into_profile(model: Path, geometry: ModelGeometry, counts: np.ndarray | None, source: str,
