@@ -58,7 +58,10 @@ def _check_planned_vs_measured(plan, dry, real) -> None:
     # the dry run allocates what the real load allocates on the device
     for kind in ("model", "context", "banks"):
         assert d[kind] == r[kind], (kind, d, r)
-    assert abs(d["compute"] - r["compute"]) <= max(0.005 * r["compute"], MiB), (d, r)
+    # NOTE: since a cached layer's stop packs its copies (device-side cast, concat and cont nodes), the
+    # dry run's compute buffer can be a few percent over the real load's (3.3% on the demo model): over
+    # is the safe side for a fit, under would not be
+    assert r["compute"] - MiB <= d["compute"] <= max(1.05 * r["compute"], r["compute"] + MiB), (d, r)
 
 
 @pytest.mark.model

@@ -1088,9 +1088,21 @@ def _fit(geometry: ModelGeometry, request: PlanRequest, measure: Measure) -> Pla
                         f"over by {units.shortfall(used[d] - target[d])}",
                         hint="lower --ctx-size or -ub, quantize the KV cache (-ctk q8_0) or raise --vram")
     res, bill, rnd, _ = best
-    devs = tuple(replace(x, budget_bytes=budgets[d]) for d, x in enumerate(res.plan.per_device))
-    plan = with_measured(replace(res.plan, budget_bytes=request.budget_bytes, devices=devs), bill, rnd)
-    return replace(res, plan=plan)
+    # NOTE: the plan was made with the previous round's compute buffers; its own measurement replaces
+    # them (the buffers move a little with the placement: the cached layers' stop nodes)
+    computes = [device_bill(bill, names, d)["compute"] for d in range(n)]
+    devs = tuple(replace(x, budget_bytes=budgets[d], breakdown=_with_compute(x.breakdown, computes[d]))
+                 for d, x in enumerate(res.plan.per_device))
+    plan = replace(res.plan, budget_bytes=request.budget_bytes, devices=devs,
+                   breakdown=_with_compute(res.plan.breakdown, sum(computes)))
+    return replace(res, plan=with_measured(plan, bill, rnd))
+
+
+def _with_compute(breakdown: dict[str, int], compute: int) -> dict[str, int]:
+    """A bill with its compute buffer replaced and its total summed again."""
+    out = {**breakdown, "compute": compute}
+    out["total"] = sum(v for k, v in out.items() if k != "total")
+    return out
 
 
 def _plan_once(geometry: ModelGeometry, request: PlanRequest) -> PlanResult:
