@@ -95,6 +95,27 @@ def test_a_fit_without_a_resident_or_second_host_count_still_gives_figures() -> 
     assert got.base_tg_us >= 0 and got.stop_us >= 0 and got.host_tg_us >= got.stop_us
 
 
+def test_a_device_slower_than_the_cpu_fits_a_negative_host_layer_and_plans_cpu_moe(geo, counts) -> None:
+    """lavapipe: all resident is slower than --cpu-moe. The fit keeps a host layer's negative
+    figures, they survive the file, and the planner puts every MoE layer on the host."""
+    truth = costs(base_tg_us=700_000.0, host_tg_us=-13_000.0, base_pp_us=90_000.0, host_pp_us=-1_000.0)
+    n = len(geo.moe_layers)
+    samples = []
+    for name, h in (("cpu-moe", n), ("n-cpu-moe 6", 6), ("resident", 0)):
+        p = predict([LayerLoad("host")] * h + [LayerLoad("resident")] * (n - h), truth)
+        samples.append(Sample(name, h, 0, p.tg_us, p.pp_us))
+    samples.append(Sample("cached", 0, n, truth.base_tg_us + n * truth.stop_us, truth.base_pp_us + n * 150.0, 0.0, 1.0))
+    got = fit(samples, 4, truth.miss_cpu_us, truth.miss_upload_us, device="d", source="s", threads=2, concurrent=True)
+    assert got.host_tg_us == pytest.approx(-13_000.0) and got.host_pp_us == pytest.approx(-1_000.0)
+    assert DeviceCosts.from_dict(json.loads(json.dumps(got.to_dict()))) == got
+    plan = planner.plan_for(geo, request(geo, counts, got)).plan
+    assert modes(plan) == {"resident": 0, "cached": 0, "host": n}
+    alts = {a.name: a.prediction for a in planner.alternatives(geo, request(geo, counts, got), plan)}
+    assert alts["spark"].tg_us == pytest.approx(alts["cpu-moe"].tg_us)
+    huge = dataclasses.replace(got, host_tg_us=-1e9)  # never a time below the floor
+    assert predict([LayerLoad("host")] * n, huge).tg_us > 0
+
+
 def test_costs_round_trip_and_refuse_nonsense() -> None:
     c = costs()
     assert DeviceCosts.from_dict(json.loads(json.dumps(c.to_dict()))) == c

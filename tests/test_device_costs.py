@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from _geometry import MiB, make_geometry
 
 from conftest import cli_runner
 
 from spark_cli.commands import plan as plan_cmd
+from spark_cli.core import planner
 from spark_cli.core.gguf_info import load_geometry
 from spark_cli.native.engine import EngineOptions
 from spark_cli.runs import device_costs
@@ -32,9 +34,9 @@ def test_measured_on_the_stand_in_kept_and_used_by_plan(small_model, rpc_server,
     base = EngineOptions(small_model, n_ctx=512, rpc=[rpc_server.endpoint])
     costs, why = device_costs.ensure(base, g, list(range(200, 264)), home)
     assert costs is not None and "measured" in why and costs.device.startswith("RPC") and not costs.predicted
-    for f in ("base_tg_us", "base_pp_us", "stop_us", "host_tg_us", "host_pp_us", "cached_pp_us", "miss_cpu_us",
-              "miss_upload_us"):
+    for f in ("base_tg_us", "base_pp_us", "stop_us", "cached_pp_us", "miss_cpu_us", "miss_upload_us"):
         assert getattr(costs, f) >= 0, f
+    assert "interleaved" in costs.source  # the stand-in holds every probe at once
     assert costs.base_tg_us > 0 and costs.host_tg_us > 0 and costs.miss_cpu_us > 0
     kept = json.loads(device_costs.cache_file(home, costs.device, g.fingerprint, base.threads).read_text())
     assert {s["name"].split()[0] for s in kept["samples"]} >= {"cpu-moe", "n-cpu-moe", "cached"}
@@ -78,3 +80,18 @@ def test_predict_for_a_card_not_at_hand(small_model, plan) -> None:
 def test_bad_prediction_flags_are_one_line(small_model, plan, args, want) -> None:
     rc, out, err = plan(small_model, "--vram", "1GiB", *args)
     assert rc == 2 and want in err and "Traceback" not in err, err
+
+
+def test_probe_bytes_agree_with_stock_sizes() -> None:
+    """A probe's device bytes are the planner's for the same stock placement (and a cached
+    probe's sit between --cpu-moe's and all resident's), which decides whether they all fit
+    at once and run interleaved."""
+    g = make_geometry(n_layer=9, n_expert=16, k=4, bpe=4 * MiB, dense=(0,))
+    fixed = planner.fixed_bytes(g, 4096)
+    stock = planner.stock_baseline(g, 1 << 62, fixed)
+    by_name = {p.name: p for p in device_costs.probes(g, 1 << 62, fixed)}
+    assert set(by_name) >= {"cpu-moe", "resident", "cached"}
+    assert device_costs.probe_bytes(g, fixed, by_name["resident"]) == stock.device_bytes
+    assert device_costs.probe_bytes(g, fixed, by_name["cpu-moe"]) == stock.cpu_moe_device_bytes
+    cached = device_costs.probe_bytes(g, fixed, by_name["cached"])
+    assert stock.cpu_moe_device_bytes < cached < stock.device_bytes

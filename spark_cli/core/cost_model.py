@@ -32,6 +32,10 @@ from typing import Sequence
 import numpy as np
 
 COSTS_VERSION = 1
+# a host layer's figures may be negative: on a device slower than the CPU (lavapipe) a layer's
+# experts on the CPU take less time than on the device, stop included
+SIGNED = frozenset({"host_tg_us", "host_pp_us"})
+FLOOR_US = 1.0  # no placement is predicted faster than this per token
 OBJECTIVES = ("decode", "prompt")  # --objective: what a plan minimises (decode: tg time per token)
 
 
@@ -45,8 +49,8 @@ class DeviceCosts:
     base_tg_us: float  # a decode token, every expert on the device
     base_pp_us: float  # a prompt token, every expert on the device
     stop_us: float  # a cached layer per decode token, no miss: its stop
-    host_tg_us: float  # a host layer (stock) per decode token beyond a resident one
-    host_pp_us: float  # a host layer per prompt token beyond a resident one
+    host_tg_us: float  # a host layer (stock) per decode token beyond a resident one (< 0: the CPU is faster)
+    host_pp_us: float  # a host layer per prompt token beyond a resident one (< 0: the CPU is faster)
     cached_pp_us: float  # a cached layer per prompt token with none of its routed mass pinned
     miss_cpu_us: float  # a missed expert computed on the CPU for one token
     miss_upload_us: float  # a missed expert uploaded (staged) and waited for
@@ -64,7 +68,8 @@ class DeviceCosts:
         out = cls(**kw)
         for f in fields(cls):
             v = getattr(out, f.name)
-            if f.type in ("float",) and not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
+            if f.type in ("float",) and not (isinstance(v, (int, float)) and np.isfinite(v)
+                                             and (v >= 0 or f.name in SIGNED)):
                 raise ValueError(f"device costs: {f.name}")
         return out
 
@@ -136,7 +141,7 @@ def predict(layers: Sequence[LayerLoad], costs: DeviceCosts, miss_path: str = "a
         tg = max(tg, upload_queue)
     else:
         tg += upload_queue
-    return Prediction(tg, pp, stops)
+    return Prediction(max(tg, FLOOR_US), max(pp, FLOOR_US) if c.base_pp_us > 0 else 0.0, stops)
 
 
 # ---------------------------------------------------------------- fitting a measurement
@@ -170,7 +175,8 @@ def fit(samples: Sequence[Sample], k: int, miss_cpu_us: float, miss_upload_us: f
         source: str, threads: int, concurrent: bool) -> DeviceCosts:
     """The cost model's figures from timed placements: decode (tg minus the misses' measured time)
     = base + host layers * host_tg + cached layers * stop, and prompt = base_pp + host layers *
-    host_pp + cached layers * off_mass * cached_pp, by least squares. Where the samples leave
+    host_pp + cached layers * off_mass * cached_pp, by least squares (a host layer's figures keep
+    their sign; the others are at least 0). Where the samples leave
     the base and a host layer's share apart undetermined (every placement with host layers has
     the same count), a host layer is taken as its k experts on the CPU plus one cached stop."""
     tg_rows = [[1.0, s.n_host, s.n_cached] for s in samples]
@@ -181,8 +187,8 @@ def fit(samples: Sequence[Sample], k: int, miss_cpu_us: float, miss_upload_us: f
     pp = _solve(pp_rows, pp_y)
     if tg is None or pp is None:
         tg, pp = _fit_assuming_host(samples, k, miss_cpu_us)
-    base_tg, host_tg, stop = (max(float(v), 0.0) for v in tg)
-    base_pp, host_pp, cached_pp = (max(float(v), 0.0) for v in pp)
+    base_tg, stop, base_pp, cached_pp = (max(float(v), 0.0) for v in (tg[0], tg[2], pp[0], pp[2]))
+    host_tg, host_pp = float(tg[1]), float(pp[1])  # signed: a host layer can save time (SIGNED)
     return DeviceCosts(device, source, threads, base_tg, base_pp, stop, host_tg, host_pp, cached_pp,
                        miss_cpu_us, miss_upload_us, concurrent)
 

@@ -10,6 +10,7 @@ them into base, stop and host-layer figures."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -17,7 +18,7 @@ import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..core import planner
 from ..core.cost_model import DeviceCosts, Sample, fit
@@ -33,9 +34,10 @@ from ..native.generate import Greedy, StopRules
 from . import miss_path as mp
 from .run import open_engine
 
-PROMPT_TOKENS = 128  # a prompt step per sample
-DECODE_TOKENS = 12  # decode tokens per sample
-REPEATS = 3  # the median of these
+PROMPT_TOKENS = 128  # at most this long a prompt step per timing
+DECODE_TOKENS = 32  # decode tokens per timing (bench passes its own -n, at least MIN_DECODE)
+MIN_DECODE = 16
+REPEATS = 3  # timings of each probe; the median
 FIT_MARGIN = 1 << 30  # device memory left free by the placements measured
 
 Progress = Callable[[str, int, int], None]
@@ -115,7 +117,27 @@ def _options(base: EngineOptions, g: ModelGeometry, p: Probe) -> EngineOptions:
         count_experts=False, trace=False, capture_topk=False)
 
 
-def _time(eng: Engine, prompt: Sequence[int]) -> tuple[float, float, CacheStats]:
+def probe_bytes(g: ModelGeometry, fixed_bytes: int, p: Probe) -> int:
+    """Device bytes of a probe's placement: the fixed bill, every resident layer's experts, k
+    slots a cached layer, the staging slices where a layer is cached (host layers move their
+    expert biases off the device too, as --n-cpu-moe does)."""
+    k, host, cached = g.n_expert_used, set(p.host), set(p.cached)
+    out = fixed_bytes
+    for l in g.layers:
+        if l.is_nextn or not l.is_moe:
+            continue
+        if l.index in host:
+            out -= l.expert_bias_bytes
+        elif l.index in cached:
+            out += k * l.expert_bytes_per_expert
+        else:
+            out += l.expert_bytes
+    if cached:
+        out += planner.staging_bytes(g, planner.stage_slices(g.n_expert, k, "auto"))
+    return out
+
+
+def _time(eng: Engine, prompt: Sequence[int], n_decode: int) -> tuple[float, float, CacheStats]:
     """One prompt step (us per token), one greedy decode (us per token) and its cache counters."""
     eng.reset()
     t0 = time.perf_counter()
@@ -123,36 +145,68 @@ def _time(eng: Engine, prompt: Sequence[int]) -> tuple[float, float, CacheStats]
     pp = (time.perf_counter() - t0) * 1e6 / len(prompt)
     eng.reset()
     last = None
-    for last in eng.stream_generate(list(prompt[:16]), sampler=Greedy(skip_eog=True), max_tokens=DECODE_TOKENS,
+    for last in eng.stream_generate(list(prompt[:16]), sampler=Greedy(skip_eog=True), max_tokens=n_decode,
                                     stop=StopRules(eog=False), on_prompt=lambda _: eng.reset_stats()):
         pass
     assert last is not None
-    return pp, last.gen_seconds * 1e6 / DECODE_TOKENS, last.cache
+    return pp, last.gen_seconds * 1e6 / n_decode, last.cache
 
 
-def _sample(base: EngineOptions, g: ModelGeometry, p: Probe, prompt: Sequence[int], home: Path,
-            on_miss: Callable[[mp.Calibration], None]) -> Sample:
-    opts = _options(base, g, p)
-    with open_engine(opts, "auto", g.fingerprint, home=home) as eng:
+@contextlib.contextmanager
+def _warm(base: EngineOptions, g: ModelGeometry, p: Probe, prompt: Sequence[int], home: Path,
+          on_miss: Callable[[mp.Calibration], None]) -> Iterator[Engine]:
+    """A probe's engine, open, its miss path calibrated where it caches, and warmed up."""
+    with open_engine(_options(base, g, p), "auto", g.fingerprint, home=home) as eng:
         if p.cached:
             cal, _ = mp.calibration(eng, g.fingerprint, home, list(p.cached))
             on_miss(cal)
-        _time(eng, prompt[:8])  # warm-up
-        runs = [_time(eng, prompt) for _ in range(REPEATS)]
+        _time(eng, prompt[:8], 2)
+        yield eng
+
+
+Timing = tuple[float, float, CacheStats]
+
+
+def _timings(base: EngineOptions, g: ModelGeometry, todo: Sequence[Probe], prompt: Sequence[int], n_decode: int,
+             home: Path, together: bool, on_miss: Callable[[mp.Calibration], None],
+             progress: Progress | None) -> list[list[Timing]]:
+    """REPEATS timings of each probe: with every probe open at once, one of each in turn (a
+    machine whose speed drifts drifts for all of them alike, as bench runs), else one probe after
+    another."""
+    out: list[list[Timing]] = [[] for _ in todo]
+    total, done = len(todo) * REPEATS, 0
+
+    def step(i: int, eng: Engine) -> None:
+        nonlocal done
+        out[i].append(_time(eng, prompt, n_decode))
+        done += 1
+        if progress:
+            progress("device costs", done, total)
+
+    if together:
+        with contextlib.ExitStack() as stack:
+            engines = [stack.enter_context(_warm(base, g, p, prompt, home, on_miss)) for p in todo]
+            for _ in range(REPEATS):
+                for i, eng in enumerate(engines):
+                    step(i, eng)
+        return out
+    for i, p in enumerate(todo):
+        with _warm(base, g, p, prompt, home, on_miss) as eng:
+            for _ in range(REPEATS):
+                step(i, eng)
+    return out
+
+
+def _sample(p: Probe, runs: Sequence[Timing], n_decode: int) -> Sample:
     pp = statistics.median(r[0] for r in runs)
     tg = statistics.median(r[1] for r in runs)
     cache = CacheStats.total(r[2] for r in runs)
-    miss_us = (cache.cpu_us + cache.upload_us) / (REPEATS * DECODE_TOKENS) if p.cached else 0.0
+    miss_us = (cache.cpu_us + cache.upload_us) / (len(runs) * n_decode) if p.cached else 0.0
     return Sample(p.name, len(p.host), len(p.cached), tg, pp, miss_us, 1.0 if p.cached else 0.0)
 
 
-def _median(cal: mp.Calibration, field: str) -> float:
-    v = sorted(x for c in cal.layers.values() if (x := getattr(c, field)) is not None)
-    return float(v[len(v) // 2]) if v else 0.0
-
-
 def measure(base: EngineOptions, g: ModelGeometry, prompt: Sequence[int], home: Path,
-            progress: Progress | None = None) -> tuple[DeviceCosts, list[Sample]]:
+            progress: Progress | None = None, n_decode: int = DECODE_TOKENS) -> tuple[DeviceCosts, list[Sample]]:
     """Time the probes on the first device of `base` and fit the cost model's figures."""
     dev = device_of(base)
     if dev is None:
@@ -160,26 +214,25 @@ def measure(base: EngineOptions, g: ModelGeometry, prompt: Sequence[int], home: 
     free, _ = devices.free_memory(dev)
     fixed = planner.fixed_bytes(g, base.n_ctx, base.type_k, base.type_v, base.n_ubatch, base.n_seq, base.kv_unified)
     todo = probes(g, free, fixed)
+    together = sum(probe_bytes(g, fixed, p) for p in todo) + FIT_MARGIN <= free
     prompt = list(prompt)[:PROMPT_TOKENS]
     miss: list[mp.Calibration] = []
-    samples = []
-    for i, p in enumerate(todo):
-        if progress:
-            progress("device costs", i, len(todo))
-        samples.append(_sample(base, g, p, prompt, home, miss.append))
     if progress:
-        progress("device costs", len(todo), len(todo))
+        progress("device costs", 0, len(todo) * REPEATS)
+    timings = _timings(base, g, todo, prompt, n_decode, home, together, miss.append, progress)
+    samples = [_sample(p, runs, n_decode) for p, runs in zip(todo, timings)]
     cal = miss[0] if miss else None
-    cpu_us = _median(cal, "cpu_us") if cal else 0.0
-    upload_us = _median(cal, "upload_us") if cal else 0.0
+    cpu_us = (cal.median("cpu_us") if cal else None) or 0.0
+    upload_us = (cal.median("upload_us") if cal else None) or 0.0
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    costs = fit(samples, g.n_expert_used, cpu_us, upload_us, device=mp.device_key(dev), source=f"measured {when}",
-                threads=base.threads, concurrent=not dev.name.startswith("RPC"))
+    order = "interleaved" if together else "one after another"
+    costs = fit(samples, g.n_expert_used, cpu_us, upload_us, device=mp.device_key(dev),
+                source=f"measured {when}, {order}", threads=base.threads, concurrent=not dev.name.startswith("RPC"))
     return costs, samples
 
 
 def ensure(base: EngineOptions, g: ModelGeometry, prompt: Sequence[int], home: Path,
-           progress: Progress | None = None) -> tuple[DeviceCosts | None, str]:
+           progress: Progress | None = None, n_decode: int = DECODE_TOKENS) -> tuple[DeviceCosts | None, str]:
     """The kept figures for this device, model and threads, or measured now and kept; (None, why)
     without a device. The second value says which, in one line."""
     dev = device_of(base)
@@ -188,7 +241,7 @@ def ensure(base: EngineOptions, g: ModelGeometry, prompt: Sequence[int], home: P
     kept = load(home, mp.device_key(dev), g.fingerprint, base.threads)
     if kept is not None:
         return kept, f"device costs: {kept.describe()}, kept"
-    costs, samples = measure(base, g, prompt, home, progress)
+    costs, samples = measure(base, g, prompt, home, progress, n_decode)
     note = ""
     try:
         save(home, g.fingerprint, costs, samples)

@@ -68,10 +68,14 @@ class Calibration:
     def costs(self) -> dict[int, MissCosts]:
         return {il: c.costs() for il, c in self.layers.items()}
 
-    def _median(self, field: str) -> str:
-        """The median over layers of one LayerCost field, in us ("n/a" when no layer measured it)."""
+    def median(self, field: str) -> float | None:
+        """The median over layers of one LayerCost field in us (None when no layer measured it)."""
         v = sorted(x for c in self.layers.values() if (x := getattr(c, field)) is not None)
-        return f"{v[len(v) // 2]:.0f} us" if v else "n/a"
+        return float(v[len(v) // 2]) if v else None
+
+    def _median(self, field: str) -> str:
+        v = self.median(field)
+        return f"{v:.0f} us" if v is not None else "n/a"
 
     def _threads(self) -> str:
         return f"{self.cpu_threads} thread{'s' if self.cpu_threads != 1 else ''}"
