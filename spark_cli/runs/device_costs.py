@@ -35,8 +35,8 @@ from . import miss_path as mp
 from .run import open_engine
 
 PROMPT_TOKENS = 128  # at most this long a prompt step per timing
-DECODE_TOKENS = 32  # decode tokens per timing (bench passes its own -n, at least MIN_DECODE)
-MIN_DECODE = 16
+DECODE_TOKENS = 32  # decode tokens per timing (bench: its own -n, at least MIN_DECODE)
+MIN_DECODE = 32
 REPEATS = 3  # timings of each probe; the median
 FIT_MARGIN = 1 << 30  # device memory left free by the placements measured
 
