@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spark_cli.core.simulator import MISS_PATHS, PolicyParams, simulate  # noqa: E402
+from spark_cli.core.simulator import FIXED_MISS_PATHS, PolicyParams, simulate  # noqa: E402
 from spark_cli.core.trace import RoutingTrace  # noqa: E402
 
 GRID = {
@@ -47,20 +47,20 @@ def main() -> None:
     print(f"{args.trace}: {full.n_rows} decode steps, {len(full.moe_layers())} MoE layers x {full.n_expert} "
           f"experts, top-{full.k}; tuning on {train.n_rows}, reporting on {test.n_rows}")
     belady = {(p, s, part): hit_rate(t, "belady", s, p, PolicyParams())
-              for p in MISS_PATHS for s in slots for part, t in (("train", train), ("test", test))}
+              for p in FIXED_MISS_PATHS for s in slots for part, t in (("train", train), ("test", test))}
     chosen: dict[str, PolicyParams] = {}
     for policy, grid in GRID.items():
         scores = []
         for params in grid:
             ratios = [hit_rate(train, policy, s, p, params) / belady[(p, s, "train")]
-                      for p, s in itertools.product(MISS_PATHS, slots)]
+                      for p, s in itertools.product(FIXED_MISS_PATHS, slots)]
             scores.append((sum(ratios) / len(ratios), params))
             if len(grid) > 1:
                 print(f"  train {policy:9s} {params}: mean vs Belady {scores[-1][0]:.4f}")
         chosen[policy] = max(scores, key=lambda x: x[0])[1]
         print(f"chosen {policy}: {chosen[policy]}")
     rows = []
-    for p in MISS_PATHS:
+    for p in FIXED_MISS_PATHS:
         print(f"\nheld-out ({test.n_rows} decode steps), miss path {p}: hit rate (vs Belady)")
         print("policy     " + "".join(f"{s:>18d}" for s in slots))
         for policy in (*GRID, "belady"):

@@ -34,7 +34,7 @@ def test_api_version() -> None:
 @pytest.mark.parametrize("c_enum,py_enum", [
     ("llama_expert_cache_status", ec.Status),
     ("llama_expert_cache_phase", ec.Phase),
-    ("llama_expert_cache_miss_path", ec.MissPath),
+    ("llama_expert_cache_miss_path", ec.NativeMissPath),
 ])
 def test_enums_cover_every_code(c_enum, py_enum) -> None:
     want = _enum(c_enum)

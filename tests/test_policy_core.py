@@ -25,7 +25,7 @@ from spark_cli.core.simulator import NATIVE_POLICY_IDS, POLICIES, LayerCache, Mi
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = [REPO / "native" / "src" / "llama-expert-cache-policy.cpp", REPO / "native" / "tests" / "policy-shim.cpp"]
 NATIVE_POLICIES = [p for p in POLICIES if p in ("lru", "lfu-aged", "slru", "tinylfu")]
-MISS_PATHS = {"upload": 0, "cpu": 1, "auto": 2}
+NATIVE_MISS_PATH_IDS = {"upload": 0, "cpu": 1, "auto": 2}
 
 i32p = ctypes.POINTER(ctypes.c_int32)
 
@@ -77,7 +77,7 @@ class Native:
                  n_stage: int = 0, costs: MissCosts = MissCosts()):
         self.lib, self.n_expert, self.S = lib, n_expert, slots
         pin = (ctypes.c_int32 * max(1, len(pinned)))(*pinned)
-        self.h = lib.ecp_new(n_expert, slots, pin, len(pinned), NATIVE_POLICY_IDS[policy], MISS_PATHS[miss_path],
+        self.h = lib.ecp_new(n_expert, slots, pin, len(pinned), NATIVE_POLICY_IDS[policy], NATIVE_MISS_PATH_IDS[miss_path],
                              max_admit, params.window, params.protected_num, params.protected_den, n_stage)
         lib.ecp_set_costs(self.h, costs.cpu_expert_ns, costs.cpu_ns, costs.upload_ns, int(costs.concurrent))
 
@@ -203,7 +203,7 @@ def replay(lib, policy, miss_path, case):
         nat.close()
 
 
-@pytest.mark.parametrize("miss_path", list(MISS_PATHS))
+@pytest.mark.parametrize("miss_path", list(NATIVE_MISS_PATH_IDS))
 @pytest.mark.parametrize("policy", NATIVE_POLICIES)
 def test_native_core_equals_layer_cache(built, policy, miss_path):
     core = loaded(built)

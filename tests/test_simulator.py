@@ -254,7 +254,7 @@ def test_not_run_layer_steps_are_skipped():
 
 # ---------------------------------------------------------------- policies of issue 12
 
-from spark_cli.core.simulator import (ALIASES, DEFAULT_POLICY, MISS_PATHS, ONLINE_POLICIES, POLICIES,  # noqa: E402
+from spark_cli.core.simulator import (ALIASES, DEFAULT_POLICY, FIXED_MISS_PATHS, ONLINE_POLICIES, POLICIES,  # noqa: E402
                                  LayerCache, canonical_policy)
 
 ALL = ("lru-pinned", "lfu-aged", "slru", "tinylfu", "belady")
@@ -305,7 +305,7 @@ def _replay_checked(steps, n_expert, slots, pinned, policy, miss_path, max_admit
 
 
 @pytest.mark.parametrize("policy", ALL)
-@pytest.mark.parametrize("miss_path", MISS_PATHS)
+@pytest.mark.parametrize("miss_path", FIXED_MISS_PATHS)
 @settings(max_examples=60, deadline=None)
 @given(steps=step_lists(8, 2, max_tokens=2, max_steps=40), slots=st.integers(4, 7), n_pin=st.integers(0, 2),
        max_admit=st.integers(1, 3))
@@ -316,7 +316,7 @@ def test_policy_invariants(policy, miss_path, steps, slots, n_pin, max_admit):
     _replay_checked(steps, 8, slots, pinned, policy, miss_path, max_admit)
 
 
-@pytest.mark.parametrize("miss_path", MISS_PATHS)
+@pytest.mark.parametrize("miss_path", FIXED_MISS_PATHS)
 @settings(max_examples=300, deadline=None)
 @given(steps=step_lists(7, 2, max_tokens=2, max_steps=30), slots=st.integers(2, 6), max_admit=st.integers(2, 3))
 def test_belady_never_worse_than_online_policies(miss_path, steps, slots, max_admit):
@@ -338,7 +338,7 @@ def test_belady_never_worse_than_online_policies(miss_path, steps, slots, max_ad
 
 
 @pytest.mark.parametrize("policy", ALL)
-@pytest.mark.parametrize("miss_path", MISS_PATHS)
+@pytest.mark.parametrize("miss_path", FIXED_MISS_PATHS)
 def test_policies_are_deterministic(policy, miss_path):
     rng = np.random.default_rng(3)
     p = 1.0 / np.arange(1, 13) ** 1.1

@@ -13,7 +13,8 @@ import typer
 from rich.markup import escape
 
 from ..core.options import LoadFlags
-from .common import MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, run_inputs
+from ..core.simulator import MissPath
+from .common import MISS_PATH_HELP, parse_miss_path, console, err_console, model_flags, model_or_demo, run_inputs
 from .help import SparkCommand
 from .tables import Whole
 
@@ -398,13 +399,9 @@ def register(app: typer.Typer) -> None:
         from ..files.atomic import check_output
         from ..files.corpus import bundled_corpus, read_corpus
         from ..errors import SparkError, UsageError
-        from ..runs.miss_path import check_choice
         from ..core.options import context_size
 
-        try:
-            check_choice(miss_path)
-        except SparkError as e:  # a flag value the command refuses: a usage error
-            raise UsageError(e.message, hint=e.hint) from None
+        miss_choice = parse_miss_path(miss_path)
         names = bench.parse_config_names(configs)
         if plot is not None:
             if importlib.util.find_spec("matplotlib") is None:
@@ -449,13 +446,14 @@ def register(app: typer.Typer) -> None:
                     err_console.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
             learn = not no_learn
             with faults.keeper(lambda: _keep_partial(report, output, learn)):
-                _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot, miss_path)
+                _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot, miss_choice)
         finally:
             if server is not None:
                 server.stop()
 
 
-def _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot, miss_path: str = "auto") -> None:
+def _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot,
+         miss_path: MissPath = MissPath.AUTO) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..runs import bench

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..core.options import LoadFlags
-from .common import JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, console, err_console, model_flags, model_or_demo
+from .common import JINJA_HELP, MISS_PATH_HELP, parse_miss_path, TEMPLATE_FILE_HELP, chat_templates, console, err_console, model_flags, model_or_demo
 from .help import SparkCommand
 from .tables import Whole
 
@@ -297,7 +297,8 @@ def register(app: typer.Typer) -> None:
         from ..runs.chat_session import ChatSession, Sampling
         from ..runs.run import engine_run
 
-        _check_flags(as_json, prompt, n_predict, miss_path_choice)
+        _check_flags(as_json, prompt, n_predict)
+        miss_choice = parse_miss_path(miss_path_choice) if miss_path_choice is not None else None
         templates = chat_templates(template_file, jinja)
         one_shot = prompt is not None
         say = err_console if one_shot else console
@@ -308,7 +309,7 @@ def register(app: typer.Typer) -> None:
         if info.warning():
             say.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
         where = session.resolve_placement(path, geometry, info, flags, plan_path=plan_path, vram_text=vram_text,
-                                          miss_path=miss_path_choice)
+                                          miss_path=miss_choice)
         for w in where.warnings:
             say.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
         devices, plan = where.devices, where.plan
@@ -323,8 +324,7 @@ def register(app: typer.Typer) -> None:
         def keep_on_loss() -> str | None:  # the device died mid-session: fold what was learned
             return _keep(path, geometry, chat, say) if learn and chat is not None else None
 
-        choice = miss_path_choice or (plan.miss_path if plan is not None else "auto")  # each cached layer's
-        with engine_run(opts, choice, geometry.fingerprint, keep=keep_on_loss,
+        with engine_run(opts, where.miss_path, geometry.fingerprint, keep=keep_on_loss,
                         on_why=lambda why: err_console.print(f"[dim]{escape(why)}[/]", soft_wrap=True),
                         loading=console.status(f"loading {path.name} ...") if not one_shot else None) as engine:
             chat = ChatSession(engine, sampling, system=system, cached_layers={c.il for c in opts.cache_layers},
@@ -354,20 +354,13 @@ def register(app: typer.Typer) -> None:
             say.print(f"[yellow]warning:[/] {escape(fold_error.one_line())}", soft_wrap=True)
 
 
-def _check_flags(as_json: bool, prompt: str | None, n_predict: int, miss_path_choice: str | None) -> None:
-    from ..errors import SparkError, UsageError
+def _check_flags(as_json: bool, prompt: str | None, n_predict: int) -> None:
+    from ..errors import UsageError
 
     if as_json and prompt is None:
         raise UsageError("--json needs --prompt", hint="spark chat MODEL --prompt 'text' --json")
     if n_predict < -1:
         raise UsageError(f"--n-predict {n_predict}: give -1 (until done), 0 or more")
-    if miss_path_choice is not None:
-        from ..runs.miss_path import check_choice
-
-        try:
-            check_choice(miss_path_choice)
-        except SparkError as e:  # a flag value the command refuses: a usage error
-            raise UsageError(e.message, hint=e.hint) from None
 
 
 def _texts(prompt: str | None, system: str | None) -> tuple[str | None, str | None]:

@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 
 from ..core.options import DEFAULT_CTX, LoadFlags
+from ..core.simulator import MissPath
+from ..errors import UsageError
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -144,6 +146,16 @@ MISS_PATH_HELP = ("where a cached layer computes an expert that is not on the de
                   "uploaded for the step or computed on the CPU, whichever is cheaper on this machine, measured "
                   "once and remembered), cpu (computed on the CPU, admitted in the background), upload (uploaded "
                   "and waited for), or layer (the cheaper of cpu and upload per layer, the rule before auto)")
+
+
+def parse_miss_path(text: str) -> MissPath:
+    """--miss-path as its MissPath: the one place the flag's value is checked."""
+    try:
+        return MissPath(text)
+    except ValueError:
+        raise UsageError(f"--miss-path: unknown miss path {text!r}", hint="use " + ", ".join(MissPath)) from None
+
+
 TEMPLATE_FILE_HELP = "Jinja chat template file to use instead of the GGUF's (llama-server's flag)"
 JINJA_HELP = "render the GGUF's Jinja chat template (the default when it has one); --no-jinja: llama.cpp's built-in"
 

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from ..core.options import LoadFlags
-from .common import JSON_HELP, MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, run_inputs
+from .common import JSON_HELP, MISS_PATH_HELP, parse_miss_path, console, err_console, model_flags, model_or_demo, run_inputs
 from .help import SparkCommand
 from .tables import Whole
 
@@ -203,7 +203,6 @@ def register(app: typer.Typer) -> None:
         from ..files.atomic import check_output
         from ..core.planner import AUTO_POLICY, held_out_check, plan_for
         from ..core.simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy
-        from ..runs.miss_path import check_choice
 
         say = err_console if as_json else console
         if output is not None:
@@ -214,7 +213,7 @@ def register(app: typer.Typer) -> None:
             raise UsageError(f"--policy {policy}: {e.message}") from None
         if pol not in ONLINE_POLICIES + (AUTO_POLICY,):
             raise UsageError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
-        check_choice(miss_path)
+        miss_choice = parse_miss_path(miss_path)
         card = _check_prediction_flags(objective, predict_for, host_bandwidth, host_cores, cold_hit)
         if card is not None:
             measure = False
@@ -245,7 +244,7 @@ def register(app: typer.Typer) -> None:
         info, routing = _routing(info, geometry, trace, trace_path)
         # NOTE: the same request chat and serve make for --vram (session.resolve_placement)
         costs = _costs(card, geometry, devs, flags, host_bandwidth, host_cores)
-        req = session.plan_request(info, budget.bytes, ctx, trace=trace, policy=pol, miss_path=miss_path,
+        req = session.plan_request(info, budget.bytes, ctx, trace=trace, policy=pol, miss_path=miss_choice,
                                    split=session.resolve_split(flags, budget), costs=costs, objective=objective,
                                    **session.kv_settings(flags))
         req = replace(req, assumed_cold_hit=cold_hit)

@@ -493,7 +493,7 @@ def simulate_cmd(
     from ..core.gguf_info import load_geometry
     from ..core.profile import RoutingProfile
     from ..core.planner import stage_slices as planned_stage_slices
-    from ..core.simulator import ALIASES, DEFAULT_POLICY, MISS_PATHS, POLICIES
+    from ..core.simulator import ALIASES, DEFAULT_POLICY, FIXED_MISS_PATHS, LAYER_MISS_PATHS, POLICIES
     from ..core.trace import RoutingTrace
 
     slot_counts = _parse_ints(slots, "--slots")
@@ -502,9 +502,9 @@ def simulate_cmd(
     if bad or not policies:
         raise UsageError(f"--policy {policy}: unknown {', '.join(bad) or 'empty list'}",
                          hint=f"use some of {', '.join(POLICIES)}")
-    if miss_path not in (*MISS_PATHS, "auto", "both"):
+    if miss_path not in (*LAYER_MISS_PATHS, "both"):
         raise UsageError(f"--miss-path {miss_path}: expected upload, cpu, auto or both")
-    paths = MISS_PATHS if miss_path == "both" else (miss_path,)
+    paths = FIXED_MISS_PATHS if miss_path == "both" else (miss_path,)
     costs = _miss_costs(miss_costs, not serial_uploads)
     if phases not in ("decode", "all"):
         raise UsageError(f"--phases {phases}: expected decode or all")

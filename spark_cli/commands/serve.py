@@ -3,168 +3,128 @@ planned placement; the traffic it serves tunes the model's profile."""
 
 from __future__ import annotations
 
-import dataclasses
+import os
 from pathlib import Path
 
 import typer
 
+from ..core.chat_output import REASONING_FORMATS
 from ..core.options import LoadFlags
-from .common import JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, err_console, model_flags, model_or_demo
+from ..errors import SparkError, UsageError
+from ..runs import session
+from ..serve.chat import Defaults
+from ..serve.guard import is_loopback
+from ..serve.server import bind, serve
+from ..serve.vertex import Vertex
+from ..serve.wiring import Access, wire
+from .common import (JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, err_console, model_flags,
+                     model_or_demo, parse_miss_path)
 from .help import SparkCommand
 
-def _engine_options(path: Path, geometry, plan, flags, n_ctx: int, learn: bool, miss_path: str):
-    from ..runs import session
 
-    opts = session.engine_options(path, geometry, plan, flags, n_ctx=n_ctx, learn=learn)
-    from ..runs.miss_path import initial_path
+@model_flags
+def serve_cmd(
+    model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),
+    plan_path: Path = typer.Option(None, "--plan", help="placement from spark plan -o (default: plan now)"),
+    vram_text: str = typer.Option(None, "--vram", help="device budget for planning now, e.g. 16GiB "
+                                  "(default: the device's free memory minus a margin)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="port to listen on (0: any free one)"),
+    miss_path: str = typer.Option(None, "--miss-path", help=MISS_PATH_HELP + " (default: the plan's, else auto)",
+                                  show_default=False),
+    api_key: str = typer.Option(None, "--api-key", envvar="SPARK_API_KEY", show_envvar=True,
+                                help="require 'Authorization: Bearer KEY' on every endpoint but /health"),
+    allowed_hosts: str = typer.Option(None, "--allowed-hosts", help="comma-separated names a request's Host "
+                                      "header may give besides IP addresses, localhost and --host ('*': any); "
+                                      "others are refused (DNS rebinding)"),
+    cors: str = typer.Option(None, "--cors", help="comma-separated browser origins allowed to call the API "
+                             "(e.g. http://localhost:3000; '*': any); other cross-origin requests are refused"),
+    read_timeout: float = typer.Option(30.0, "--read-timeout", min=0.1, help="seconds a client may take to send "
+                                       "a whole request (headers and body) before its connection is closed"),
+    max_connections: int = typer.Option(256, "--max-connections", min=1, help="open connections at most "
+                                        "(fewer under a low ulimit -n); more are answered 503 and closed"),
+    max_queue: int = typer.Option(32, "--queue", min=1, help="requests waiting at most; more get 503"),
+    learn_every: float = typer.Option(300.0, "--learn-every", min=0.0,
+                                      help="seconds between folds of routing counts into the profile "
+                                           "(0: only at exit)"),
+    learn: bool = typer.Option(True, "--learn/--no-learn", help="fold the served routing into the model's "
+                               "profile while serving and on exit"),
+    template_file: Path = typer.Option(None, "--chat-template-file", help=TEMPLATE_FILE_HELP),
+    jinja: bool = typer.Option(True, "--jinja/--no-jinja", help=JINJA_HELP),
+    reasoning_format: str = typer.Option("auto", "--reasoning-format", help="auto or deepseek: <think> text "
+                                         "(and gpt-oss analysis) goes to reasoning_content; none: left inline"),
+    alias: str = typer.Option(None, "--alias", "-a", help="the model's name in /v1/models, /props and responses "
+                              "(default: the GGUF's file name)", show_default=False),
+    n_predict: int = typer.Option(-1, "--n-predict", "-n", min=-1, help="tokens per answer at most when a "
+                                  "request gives no max_tokens (-1: until done or the context is full)"),
+    temp: float = typer.Option(0.8, "--temp", min=0.0, max=2.0, help="temperature when a request gives none "
+                               "(0: greedy)"),
+    seed: int = typer.Option(-1, "--seed", "-s", min=-1, max=(1 << 32) - 1,
+                             help="sampling seed when a request gives none (-1: random per request)"),
+    metrics_on: bool = typer.Option(True, "--metrics/--no-metrics", help="serve GET /metrics (llama-server "
+                                    "serves it only with --metrics; Spark by default)"),
+    slots_on: bool = typer.Option(True, "--slots/--no-slots", help="serve GET /slots (as llama-server's)"),
+    verbose: bool = typer.Option(False, "--verbose", help="every OpenAI answer carries __verbose, llama-server's "
+                                 "/completion body of it (the rendered prompt, the raw text; a request's "
+                                 "verbose: false leaves it out), as llama-server --verbose"),
+    flags: LoadFlags = None,
+) -> None:
+    """Serve the model over HTTP with OpenAI's API, as llama-server does."""
+    if api_key is not None and not api_key.strip() or api_key is None and os.environ.get("SPARK_API_KEY") == "":
+        where = "--api-key" if api_key is not None else "SPARK_API_KEY"
+        raise UsageError(f"{where}: the key is empty (an unset variable?); it would leave the server open",
+                         hint="give a key, or drop --api-key and unset SPARK_API_KEY to serve without one")
+    miss_choice = parse_miss_path(miss_path) if miss_path is not None else None
+    if reasoning_format not in REASONING_FORMATS:
+        raise UsageError(f"--reasoning-format {reasoning_format}: expected one of {', '.join(REASONING_FORMATS)}")
+    templates = chat_templates(template_file, jinja)
+    vertex = Vertex.from_env(os.environ)  # AIP_MODE=PREDICTION: Vertex AI's predict route, on AIP_HTTP_PORT
+    if vertex is not None and vertex.port != port:
+        err_console.print(f"[yellow]warning:[/] AIP_MODE=PREDICTION: serving on AIP_HTTP_PORT {vertex.port}, "
+                          f"not --port {port}", soft_wrap=True)
+        port = vertex.port
+    hosts = tuple(h.strip() for h in (allowed_hosts or "").split(",") if h.strip())
+    origins = tuple(o.strip() for o in (cors or "").split(",") if o.strip())
+    if not api_key and not is_loopback(host):
+        err_console.print(f"[yellow]warning:[/] --host {host} is reachable from other machines and there is no "
+                          "--api-key: anyone who can reach it can use the model", soft_wrap=True)
+    path = model_or_demo(model)
+    geometry = session.open_geometry(path)
+    info = session.load_profile(path, geometry)
+    if info.warning():
+        err_console.print(f"[yellow]warning:[/] {info.warning()}", soft_wrap=True, markup=False)
+    where = session.resolve_placement(path, geometry, info, flags, plan_path=plan_path, vram_text=vram_text,
+                                      miss_path=miss_choice)
+    for w in where.warnings:
+        err_console.print(f"warning: {w}", soft_wrap=True, markup=False)
+    served = wire(path, geometry, where, flags, Access(api_key or None, host, hosts, origins),
+                  templates=templates, chat_defaults=Defaults(temp, seed, n_predict, verbose),
+                  reasoning_format=reasoning_format, alias=alias, learn=learn, learn_every=learn_every,
+                  max_queue=max_queue, metrics=metrics_on, slots=slots_on, vertex=vertex,
+                  on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True))
+    sock = bind(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    device = f"{where.devices[0].name}" if where.devices else f"CPU ({where.cpu_reason})"
+    placement = (f"{len(served.cached)} cached MoE layers, plan {where.budget_source}" if where.plan is not None
+                 else "stock CPU path")
+    err_console.print(f"loading {path.name} on {device}: {placement}, context {where.n_ctx} ...", soft_wrap=True)
 
-    # NOTE: auto starts on the cpu path; resolve() then calibrates and sets each layer
-    opts.cache_layers = [dataclasses.replace(c, miss_path=initial_path(miss_path)) for c in opts.cache_layers]
-    return opts
+    def ready() -> None:
+        n_slots = len(served.worker.slots)
+        err_console.print(f"spark serve: {path.name} on http://{bound_host}:{bound_port}/v1 "
+                          f"({n_slots} slot{'s' if n_slots != 1 else ''}, queue {max_queue}; "
+                          f"{'learning' if learn else 'not learning'}; Ctrl-C stops)", soft_wrap=True)
 
-
-def _placement(devices, plan, cached: set[int], budget_source: str, cpu_reason: str | None,
-               miss_path: str) -> dict:
-    """What /props reports of where the model runs."""
-    if plan is None:
-        return {"device": "cpu", "why": cpu_reason, "cached_moe_layers": 0}
-    return {"device": devices[0].name if devices else "cpu", "cached_moe_layers": len(cached),
-            "budget": budget_source, "miss_path": miss_path, "planned_device_bytes": int(plan.breakdown["total"])}
+    out = serve(served.state, served.learner, sock, on_ready=ready, read_timeout=read_timeout,
+                max_connections=max_connections)
+    if out.folded_tokens:
+        err_console.print(f"[dim]learned: {out.folded_tokens:.0f} decode tokens folded into "
+                          f"{session.profile_path_for(path).name}[/]", soft_wrap=True)
+    if out.code:
+        prefix = "the engine failed: " if out.code == 1 else ""
+        raise SparkError(prefix + (out.message or "the server stopped"), exit_code=out.code)
+    err_console.print("stopped")
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("serve", cls=SparkCommand)
-    @model_flags
-    def serve_cmd(
-        model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),
-        plan_path: Path = typer.Option(None, "--plan", help="placement from spark plan -o (default: plan now)"),
-        vram_text: str = typer.Option(None, "--vram", help="device budget for planning now, e.g. 16GiB "
-                                      "(default: the device's free memory minus a margin)"),
-        host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
-        port: int = typer.Option(8080, "--port", min=0, max=65535, help="port to listen on (0: any free one)"),
-        miss_path: str = typer.Option(None, "--miss-path", help=MISS_PATH_HELP + " (default: the plan's, else auto)",
-                                      show_default=False),
-        api_key: str = typer.Option(None, "--api-key", envvar="SPARK_API_KEY", show_envvar=True,
-                                    help="require 'Authorization: Bearer KEY' on every endpoint but /health"),
-        allowed_hosts: str = typer.Option(None, "--allowed-hosts", help="comma-separated names a request's Host "
-                                          "header may give besides IP addresses, localhost and --host ('*': any); "
-                                          "others are refused (DNS rebinding)"),
-        cors: str = typer.Option(None, "--cors", help="comma-separated browser origins allowed to call the API "
-                                 "(e.g. http://localhost:3000; '*': any); other cross-origin requests are refused"),
-        read_timeout: float = typer.Option(30.0, "--read-timeout", min=0.1, help="seconds a client may take to send "
-                                           "a whole request (headers and body) before its connection is closed"),
-        max_connections: int = typer.Option(256, "--max-connections", min=1, help="open connections at most "
-                                            "(fewer under a low ulimit -n); more are answered 503 and closed"),
-        max_queue: int = typer.Option(32, "--queue", min=1, help="requests waiting at most; more get 503"),
-        learn_every: float = typer.Option(300.0, "--learn-every", min=0.0,
-                                          help="seconds between folds of routing counts into the profile "
-                                               "(0: only at exit)"),
-        learn: bool = typer.Option(True, "--learn/--no-learn", help="fold the served routing into the model's "
-                                   "profile while serving and on exit"),
-        template_file: Path = typer.Option(None, "--chat-template-file", help=TEMPLATE_FILE_HELP),
-        jinja: bool = typer.Option(True, "--jinja/--no-jinja", help=JINJA_HELP),
-        reasoning_format: str = typer.Option("auto", "--reasoning-format", help="auto or deepseek: <think> text "
-                                             "(and gpt-oss analysis) goes to reasoning_content; none: left inline"),
-        alias: str = typer.Option(None, "--alias", "-a", help="the model's name in /v1/models, /props and responses "
-                                  "(default: the GGUF's file name)", show_default=False),
-        n_predict: int = typer.Option(-1, "--n-predict", "-n", min=-1, help="tokens per answer at most when a "
-                                      "request gives no max_tokens (-1: until done or the context is full)"),
-        temp: float = typer.Option(0.8, "--temp", min=0.0, max=2.0, help="temperature when a request gives none "
-                                   "(0: greedy)"),
-        seed: int = typer.Option(-1, "--seed", "-s", min=-1, max=(1 << 32) - 1,
-                                 help="sampling seed when a request gives none (-1: random per request)"),
-        metrics_on: bool = typer.Option(True, "--metrics/--no-metrics", help="serve GET /metrics (llama-server "
-                                        "serves it only with --metrics; Spark by default)"),
-        slots_on: bool = typer.Option(True, "--slots/--no-slots", help="serve GET /slots (as llama-server's)"),
-        verbose: bool = typer.Option(False, "--verbose", help="every OpenAI answer carries __verbose, llama-server's "
-                                     "/completion body of it (the rendered prompt, the raw text; a request's "
-                                     "verbose: false leaves it out), as llama-server --verbose"),
-        flags: LoadFlags = None,
-    ) -> None:
-        """Serve the model over HTTP with OpenAI's API, as llama-server does."""
-        from ..runs import session
-        from ..errors import SparkError
-        from ..runs.miss_path import check_choice
-        from ..runs.run import open_engine
-        from ..core.chat_output import REASONING_FORMATS
-        from ..core.chat_template import TemplateSet
-        from ..serve.app import ServerState
-        from ..serve.chat import ChatConfig, Defaults
-        from ..serve.learn import Learner
-        from ..serve.server import bind, serve
-        from ..serve.stats import ServerStats
-        from ..serve.vertex import Vertex
-        from ..serve.worker import Worker
-
-        import os
-
-        from ..errors import UsageError
-        from ..serve.guard import is_loopback
-
-        if api_key is not None and not api_key.strip() or api_key is None and os.environ.get("SPARK_API_KEY") == "":
-            where = "--api-key" if api_key is not None else "SPARK_API_KEY"
-            raise UsageError(f"{where}: the key is empty (an unset variable?); it would leave the server open",
-                             hint="give a key, or drop --api-key and unset SPARK_API_KEY to serve without one")
-        if miss_path is not None:
-            check_choice(miss_path)
-        if reasoning_format not in REASONING_FORMATS:
-            raise UsageError(f"--reasoning-format {reasoning_format}: expected one of {', '.join(REASONING_FORMATS)}")
-        templates = chat_templates(template_file, jinja)
-        vertex = Vertex.from_env(os.environ)  # AIP_MODE=PREDICTION: Vertex AI's predict route, on AIP_HTTP_PORT
-        if vertex is not None and vertex.port != port:
-            err_console.print(f"[yellow]warning:[/] AIP_MODE=PREDICTION: serving on AIP_HTTP_PORT {vertex.port}, "
-                              f"not --port {port}", soft_wrap=True)
-            port = vertex.port
-        hosts = tuple(h.strip() for h in (allowed_hosts or "").split(",") if h.strip())
-        origins = tuple(o.strip() for o in (cors or "").split(",") if o.strip())
-        if not api_key and not is_loopback(host):
-            err_console.print(f"[yellow]warning:[/] --host {host} is reachable from other machines and there is no "
-                              "--api-key: anyone who can reach it can use the model", soft_wrap=True)
-        path = model_or_demo(model)
-        geometry = session.open_geometry(path)
-        info = session.load_profile(path, geometry)
-        if info.warning():
-            err_console.print(f"[yellow]warning:[/] {info.warning()}", soft_wrap=True, markup=False)
-        where = session.resolve_placement(path, geometry, info, flags, plan_path=plan_path, vram_text=vram_text,
-                                          miss_path=miss_path)
-        for w in where.warnings:
-            err_console.print(f"warning: {w}", soft_wrap=True, markup=False)
-        devices, plan, n_ctx = where.devices, where.plan, where.n_ctx
-        budget_source, cpu_reason = where.budget_source, where.cpu_reason
-        miss_path = miss_path or (plan.miss_path if plan is not None else "auto")
-        opts = _engine_options(path, geometry, plan, flags, n_ctx, learn, miss_path)
-        opts.chat_templates = templates
-        cached = {c.il for c in opts.cache_layers}
-        sock = bind(host, port)
-        bound_host, bound_port = sock.getsockname()[:2]
-        stats = ServerStats(cached_layers=cached, planned_bytes=int(plan.breakdown["total"]) if plan else 0)
-        learner = Learner(path, geometry, interval=learn_every, enabled=learn)
-        worker = Worker(lambda: open_engine(opts, miss_path, geometry.fingerprint,
-                                            on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True)),
-                        cached, stats, learner, max_queue=max_queue)
-        chat = ChatConfig.for_model(templates if templates is not None else TemplateSet(dict(geometry.chat_templates)),
-                                    geometry.arch, reasoning_format, defaults=Defaults(temp, seed, n_predict, verbose))
-        state = ServerState(worker, stats, alias or path.name, api_key=api_key or None, host=host,
-                            allowed_hosts=hosts, cors=origins, chat=chat, model_path=str(path),
-                            placement=_placement(devices, plan, cached, budget_source, cpu_reason, miss_path),
-                            metrics=metrics_on, slots_endpoint=slots_on, vertex=vertex,
-                            meta={"n_ctx_train": geometry.context_length, "n_embd": geometry.n_embd,
-                                  "size": geometry.file_size})
-        where = f"{devices[0].name}" if devices else f"CPU ({cpu_reason})"
-        placement = (f"{len(cached)} cached MoE layers, plan {budget_source}" if plan is not None
-                     else "stock CPU path")
-        err_console.print(f"loading {path.name} on {where}: {placement}, context {n_ctx} ...", soft_wrap=True)
-
-        def ready() -> None:
-            err_console.print(f"spark serve: {path.name} on http://{bound_host}:{bound_port}/v1 "
-                              f"({len(worker.slots)} slot{'s' if len(worker.slots) != 1 else ''}, queue {max_queue}; "
-                              f"{'learning' if learn else 'not learning'}; Ctrl-C stops)", soft_wrap=True)
-
-        out = serve(state, learner, sock, on_ready=ready, read_timeout=read_timeout, max_connections=max_connections)
-        if out.folded_tokens:
-            err_console.print(f"[dim]learned: {out.folded_tokens:.0f} decode tokens folded into "
-                              f"{session.profile_path_for(path).name}[/]", soft_wrap=True)
-        if out.code:
-            prefix = "the engine failed: " if out.code == 1 else ""
-            raise SparkError(prefix + (out.message or "the server stopped"), exit_code=out.code)
-        err_console.print("stopped")
+    app.command("serve", cls=SparkCommand)(serve_cmd)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -64,9 +65,20 @@ ONLINE_POLICIES = ("lru", "lfu-aged", "slru", "tinylfu")  # what a cache can run
 DEFAULT_POLICY = "tinylfu"
 # the native cache's enum llama_expert_cache_policy (belady is an oracle: simulator only)
 NATIVE_POLICY_IDS = {"lru": 0, "lru-pinned": 0, "lfu-aged": 1, "slru": 2, "tinylfu": 3}
-MISS_PATHS = ("upload", "cpu")  # the two fixed sides (calibration measures both)
-CACHE_MISS_PATHS = (*MISS_PATHS, "auto")  # a layer's miss path: "auto" splits each step's misses per expert
-MISS_PATH_CHOICES = ("auto", "cpu", "upload", "layer")  # --miss-path; layer: the per-layer rule before issue 25
+
+
+class MissPath(StrEnum):
+    """--miss-path, in its order: where a cached layer computes an expert that is not on the device.
+    A str: a plan file records it as its name. layer: the per-layer rule before issue 25."""
+
+    AUTO = "auto"
+    CPU = "cpu"
+    UPLOAD = "upload"
+    LAYER = "layer"
+
+
+FIXED_MISS_PATHS = (MissPath.UPLOAD, MissPath.CPU)  # the two fixed sides (calibration measures both)
+LAYER_MISS_PATHS = (*FIXED_MISS_PATHS, MissPath.AUTO)  # what one cached layer runs: auto splits each step's misses per expert
 _INF = 1 << 62
 _U32 = (1 << 32) - 1
 
@@ -271,8 +283,6 @@ class LayerCache:
         policy = ALIASES.get(policy, policy)
         if policy not in POLICIES:
             raise PlanError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
-        if miss_path not in CACHE_MISS_PATHS:
-            raise PlanError(f"unknown miss path {miss_path!r}: expected one of {', '.join(CACHE_MISS_PATHS)}")
         self.n_stage, self.costs = max(0, n_stage), costs
         pin = list(dict.fromkeys(int(e) for e in pinned))
         if len(pin) > slots:
@@ -631,8 +641,8 @@ def _check(policy: str, pinned: Mapping[int, Sequence[int]] | None, miss_path: s
     p = canonical_policy(policy)
     if p == "lru" and pinned and any(pinned.values()):
         raise PlanError("policy 'lru' has no pinned experts; use 'lru-pinned'")
-    if miss_path not in CACHE_MISS_PATHS:
-        raise PlanError(f"unknown miss path {miss_path!r}: expected one of {', '.join(CACHE_MISS_PATHS)}")
+    if miss_path not in LAYER_MISS_PATHS:
+        raise PlanError(f"unknown miss path {miss_path!r}: expected one of {', '.join(LAYER_MISS_PATHS)}")
     return p
 
 

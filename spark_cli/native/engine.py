@@ -26,9 +26,9 @@ from ..errors import DeviceError, ModelFileError, NativeError, SparkError, Usage
 from ..core.bill import MeasuredBill
 from ..core.capture import TopkRecord
 from ..core.trace import DECODE, PREFILL
-from ..core.simulator import MissCosts
+from ..core.simulator import MissCosts, MissPath
 from .generate import GenerationStep, NativeSampler, stream_generate
-from .expert_cache import MISS_PATHS, CacheLayer, CacheStats, ExpertCache, Phase
+from .expert_cache import CacheLayer, CacheStats, ExpertCache, Phase
 from ..core.chat_template import BoundTemplates, ChatTemplate, TemplateSet
 from ..core.gguf_info import ModelGeometry, load_geometry
 from ..core.placement import CPU, HOST, TensorOverride, cached_expert_overrides, stock_overrides
@@ -674,22 +674,19 @@ class Engine:
                 out[il] = s
         return out
 
-    def set_miss_path(self, path: str | dict[int, str]) -> None:
+    def set_miss_path(self, path: MissPath | dict[int, MissPath]) -> None:
         """Switch the miss path of every cached layer (or per layer: {il: path}); the graph stays."""
         per_layer = path if isinstance(path, dict) else {c.il: path for c in self.opts.cache_layers}
         for il, p in per_layer.items():
-            if p not in MISS_PATHS:
-                raise UsageError(f"--miss-path: unknown miss path {p!r}", hint="use " + ", ".join(MISS_PATHS))
-            self.cache.set_miss_path(il, MISS_PATHS[p])
+            self.cache.set_miss_path(il, p)
 
     def set_miss_costs(self, costs: dict[int, MissCosts]) -> None:
         """The auto path's costs per cached layer (simulator.MissCosts; `concurrent` is native's)."""
         for il, c in costs.items():
             self.cache.set_miss_costs(il, c)
 
-    def miss_paths(self) -> dict[int, str]:
-        names = {v: k for k, v in MISS_PATHS.items()}
-        return {c.il: names.get(self.cache.get_miss_path(c.il), "?") for c in self.opts.cache_layers}
+    def miss_paths(self) -> dict[int, MissPath | None]:
+        return {c.il: self.cache.get_miss_path(c.il) for c in self.opts.cache_layers}
 
     def routing_counts(self, phase: int) -> np.ndarray:
         """[n_layer, n_expert] routed occurrences in one phase (zeros for dense layers)."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..core import simulator, trace
 from ..core.bill import BufferBill, MeasuredBill
-from ..core.simulator import DEFAULT_POLICY
+from ..core.simulator import DEFAULT_POLICY, MissPath
 from ..errors import NativeError
 
 API_VERSION = 6  # LLAMA_EXPERT_CACHE_API_VERSION this binding matches
@@ -46,8 +46,8 @@ class Phase(IntEnum):
     DECODE = trace.DECODE
 
 
-class MissPath(IntEnum):
-    """enum llama_expert_cache_miss_path."""
+class NativeMissPath(IntEnum):
+    """enum llama_expert_cache_miss_path: a layer's MissPath (LAYER_MISS_PATHS) by the same name."""
 
     UPLOAD = 0
     CPU = 1
@@ -181,9 +181,6 @@ class CacheStats:
 assert [f.name for f in fields(CacheStats)] == [n for n, _ in Stats._fields_], "CacheStats must mirror Stats"
 
 
-MISS_PATHS = {name: MissPath[name.upper()] for name in simulator.CACHE_MISS_PATHS}
-
-
 @dataclass(frozen=True)
 class CacheLayer:
     """One cached MoE layer: `n_slots` device slots, the first `len(pinned)` pinned."""
@@ -191,7 +188,7 @@ class CacheLayer:
     il: int
     n_slots: int
     pinned: tuple[int, ...] = ()
-    miss_path: str = "upload"  # upload | cpu | auto (MISS_PATHS)
+    miss_path: MissPath = MissPath.UPLOAD  # one of LAYER_MISS_PATHS
     max_admit: int = -1  # CPU miss path: admissions per decode step (<0: experts used per token)
     policy: str = DEFAULT_POLICY  # a native policy (simulator.NATIVE_POLICY_IDS)
 
@@ -286,11 +283,8 @@ class ExpertCache:
         for i, c in enumerate(layers):
             pinned = (ctypes.c_int32 * max(1, len(c.pinned)))(*c.pinned)
             keep.append(pinned)
-            if c.miss_path not in MISS_PATHS:
-                raise NativeError(f"expert cache: layer {c.il}: unknown miss path {c.miss_path!r}",
-                                  hint="use " + " or ".join(MISS_PATHS))
             arr[i] = LayerParams(c.il, c.n_slots, len(c.pinned), ctypes.cast(pinned, ctypes.POINTER(ctypes.c_int32)),
-                                 int(MISS_PATHS[c.miss_path]), c.max_admit, native_policy_id(c.policy))
+                                 NativeMissPath[MissPath(c.miss_path).name], c.max_admit, native_policy_id(c.policy))
         p.layers = ctypes.cast(arr, ctypes.POINTER(LayerParams))
         p.n_layers = len(layers)
         p.device_budget = device_budget
@@ -317,10 +311,10 @@ class ExpertCache:
         return bool(self.api.enabled(self.ctx))
 
     def set_miss_path(self, il: int, miss_path: MissPath) -> None:
-        rc = self.api.set_miss_path(self.ctx, il, int(miss_path))
+        rc = self.api.set_miss_path(self.ctx, il, NativeMissPath[MissPath(miss_path).name])
         if rc != Status.OK:
             status = _status(rc)
-            raise NativeError(f"expert cache: layer {il}: cannot set miss path {MissPath(miss_path).name.lower()} "
+            raise NativeError(f"expert cache: layer {il}: cannot set miss path {miss_path} "
                               f"({status.name if status else rc})", hint=HINTS.get(status) if status else None)
 
     def set_miss_costs(self, il: int, costs: "simulator.MissCosts") -> None:
@@ -335,7 +329,7 @@ class ExpertCache:
     def get_miss_path(self, il: int) -> MissPath | None:
         """The layer's miss path, or None for a layer that is not cached."""
         rc = self.api.get_miss_path(self.ctx, il)
-        return MissPath(rc) if rc >= 0 else None
+        return MissPath[NativeMissPath(rc).name] if rc >= 0 else None
 
     def get_stats(self, il: int) -> CacheStats | None:
         s = Stats()

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from ..core.simulator import MISS_PATH_CHOICES, MISS_PATHS, MissCosts
+from ..core.simulator import FIXED_MISS_PATHS, MissCosts, MissPath
 from ..files.atomic import atomic_write_text
-from ..errors import SparkError, UsageError
+from ..errors import SparkError
 
 if TYPE_CHECKING:
     from ..native.expert_cache import CacheStats
@@ -46,13 +46,13 @@ class LayerCost:
         return MissCosts(cpu_ns=round(per_token * 1000), upload_ns=round(self.upload_us * 1000),
                          cpu_expert_ns=round((self.cpu_us - per_token) * 1000))
 
-    def choice(self) -> str:
+    def choice(self) -> MissPath:
         """The cheaper path; cpu (which never blocks on a copy) when a path saw no miss."""
         if self.cpu_us is None:
-            return "upload" if self.upload_us is not None else "cpu"
+            return MissPath.UPLOAD if self.upload_us is not None else MissPath.CPU
         if self.upload_us is None:
-            return "cpu"
-        return "cpu" if self.cpu_us <= self.upload_us else "upload"
+            return MissPath.CPU
+        return MissPath.CPU if self.cpu_us <= self.upload_us else MissPath.UPLOAD
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Calibration:
     layers: dict[int, LayerCost]
     cpu_threads: int  # the CPU miss path's threads when measured: its cost depends on them
 
-    def choose(self) -> dict[int, str]:
+    def choose(self) -> dict[int, MissPath]:
         return {il: c.choice() for il, c in self.layers.items()}
 
     def costs(self) -> dict[int, MissCosts]:
@@ -108,12 +108,6 @@ class Calibration:
                    int(d["cpu_threads"]))
 
 
-def check_choice(value: str, flag: str = "--miss-path") -> str:
-    if value not in MISS_PATH_CHOICES:
-        raise UsageError(f"{flag}: unknown miss path {value!r}", hint="use " + ", ".join(MISS_PATH_CHOICES))
-    return value
-
-
 def cache_file(home: Path, device: str, fingerprint: str, cpu_threads: int) -> Path:
     key = hashlib.sha1(f"{device}\n{fingerprint}\n{cpu_threads}".encode()).hexdigest()[:16]
     return home / "calibration" / f"miss-path-{key}.json"
@@ -142,7 +136,7 @@ def measure(engine, prompt: Sequence[int], n_decode: int = CALIB_DECODE) -> dict
 
     per_path: dict[str, dict] = {}
     prompt_cpu: dict = {}
-    for path in MISS_PATHS:
+    for path in FIXED_MISS_PATHS:
         engine.set_miss_path(path)
         engine.reset()
         engine.reset_stats()
@@ -236,29 +230,28 @@ CALIB_TEXT = ("Calibration text for the expert cache: it routes tokens through e
               "missed experts can be timed on both paths. The quick brown fox jumps over the lazy dog.")
 
 
-def initial_path(choice: str) -> str:
+def initial_path(choice: MissPath) -> MissPath:
     """The miss path a cache starts on before `resolve` (auto and layer calibrate from cpu)."""
-    return "cpu" if choice in ("auto", "layer") else choice
+    return MissPath.CPU if choice in (MissPath.AUTO, MissPath.LAYER) else choice
 
 
-def resolve(engine, choice: str, fingerprint: str, home: Path) -> tuple[dict[int, str], str]:
+def resolve(engine, choice: MissPath, fingerprint: str, home: Path) -> tuple[dict[int, MissPath], str]:
     """Put every cached layer of `engine` on its miss path and say why. `auto` and `layer` reuse
     the calibration cached for this device, model and thread count, or measure it (a few seconds)
     and cache it; auto hands its costs to each layer, layer picks the cheaper fixed path."""
-    check_choice(choice)
     layers = [c.il for c in engine.opts.cache_layers]
     if not layers:
         return {}, ""
-    if choice in MISS_PATHS:
+    if choice in FIXED_MISS_PATHS:
         picks = {il: choice for il in layers}
         engine.set_miss_path(picks)
         return picks, f"miss path {choice} on {len(layers)} cached layers"
     cal, source = calibration(engine, fingerprint, home, layers)
-    if choice == "layer":
+    if choice == MissPath.LAYER:
         picks = cal.choose()
         engine.set_miss_path(picks)
         return picks, f"{cal.why()}; {source}"
-    picks = {il: "auto" for il in layers}
+    picks = {il: MissPath.AUTO for il in layers}
     engine.set_miss_costs(cal.costs())
     engine.set_miss_path(picks)
     return picks, f"{cal.why_auto()}; {source}"

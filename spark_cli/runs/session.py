@@ -22,6 +22,7 @@ from .miss_path import device_key
 from ..files.paths import spark_home
 from ..core import planner, profile_store, split as split_mod, units, vram
 from ..files.atomic import lock_timeout_default
+from ..core.simulator import MissPath
 from ..core.trace import DECODE
 from ..native.engine import CacheLayer, Engine, EngineOptions
 from ..errors import PlanError, ProfileError
@@ -107,7 +108,7 @@ def kv_unified(flags: LoadFlags, plan: planner.Plan | None = None) -> bool:
 
 def plan_request(info: ProfileInfo, budget: int, n_ctx: int, *, type_k: str = "f16", type_v: str = "f16",
                  n_ubatch: int = DEFAULT_UBATCH, n_parallel: int = 1, kv_unified: bool = False, trace=None,
-                 policy: str | None = None, miss_path: str | None = None,
+                 policy: str | None = None, miss_path: MissPath | None = None,
                  split: split_mod.Split | None = None, costs: DeviceCosts | None = None,
                  objective: str = "decode") -> planner.PlanRequest:
     """What a placing command asks planner.plan_for: the profile's counts, and to replay
@@ -117,7 +118,7 @@ def plan_request(info: ProfileInfo, budget: int, n_ctx: int, *, type_k: str = "f
     if trace is None and info.profile is not None:
         trace = info.profile.recent_trace()
     return planner.PlanRequest(budget, n_ctx, type_k, type_v, n_ubatch, profile_counts(info), trace,
-                               policy or planner.AUTO_POLICY, miss_path or "auto", n_parallel=n_parallel,
+                               policy or planner.AUTO_POLICY, miss_path or MissPath.AUTO, n_parallel=n_parallel,
                                kv_unified=kv_unified, split=split, costs=costs, objective=objective)
 
 
@@ -279,6 +280,7 @@ class Placement:
     budget_source: str = ""
     cpu_reason: str | None = None
     warnings: list[str] = field(default_factory=list)
+    miss_path: MissPath = MissPath.AUTO  # the effective one: --miss-path, else the plan's, else auto
 
 
 def load_plan_file(plan_path: Path, geometry: ModelGeometry) -> planner.Plan:
@@ -290,17 +292,19 @@ def load_plan_file(plan_path: Path, geometry: ModelGeometry) -> planner.Plan:
 
 
 def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags, *,
-                      plan_path: Path | None, vram_text: str | None, miss_path: str | None = None) -> Placement:
+                      plan_path: Path | None, vram_text: str | None, miss_path: MissPath | None = None) -> Placement:
     """The devices -dev/--rpc select, and a plan: the --plan file, or one made now from --vram
     (or the device's free memory) as `spark plan` makes it (planner.plan_for; `miss_path`:
-    --miss-path, priced and recorded). No GPU-type device: the stock CPU path, without a plan."""
+    --miss-path, priced and recorded). No GPU-type device: the stock CPU path, without a plan.
+    The placement's miss path: --miss-path, else the plan's, else auto."""
     file_plan = load_plan_file(plan_path, geometry) if plan_path is not None else None  # checked even if unused
     sel = devices.parse(flags.device, flags.rpc)
     devs = devices.select(sel)
     if not devs:
         reason = "-dev none" if sel.cpu_only else "no GPU found"
         warnings = [f"{reason}: --plan/--vram ignored"] if plan_path is not None or vram_text else []
-        return Placement([], None, context_size(flags.ctx_size, geometry.context_length), "", reason, warnings)
+        return Placement([], None, context_size(flags.ctx_size, geometry.context_length), "", reason, warnings,
+                         miss_path or MissPath.AUTO)
     if file_plan is not None:
         out = Placement(devs, file_plan, context_size(flags.ctx_size, geometry.context_length, file_plan.n_ctx),
                         f"plan {Path(plan_path).name}")
@@ -331,6 +335,7 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
     ram_warning = host_ram.check(out.plan, flags)
     if ram_warning:
         out.warnings.append(ram_warning)
+    out.miss_path = miss_path or MissPath(out.plan.miss_path)  # the plan file's was checked when it loaded
     return out
 
 

@@ -1,0 +1,89 @@
+"""`spark serve`'s wiring: the engine options, the worker that opens the engine, the server state
+and the chat configuration of one model on its placement. The command parses flags and prints;
+this builds what `server.serve` runs."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..core.chat_template import TemplateSet
+from ..core.gguf_info import ModelGeometry
+from ..core.options import LoadFlags
+from ..native.engine import EngineOptions
+from ..runs import session
+from ..runs.miss_path import initial_path
+from ..runs.run import open_engine
+from ..runs.session import Placement
+from .app import ServerState
+from .chat import ChatConfig, Defaults
+from .learn import Learner
+from .stats import ServerStats
+from .vertex import Vertex
+from .worker import Worker
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may call the server: --api-key, the bound --host, --allowed-hosts, --cors."""
+
+    api_key: str | None
+    host: str
+    allowed_hosts: tuple[str, ...] = ()
+    cors: tuple[str, ...] = ()
+
+
+@dataclass
+class Served:
+    """What `server.serve` runs: the state the routes read, the learner it folds with."""
+
+    state: ServerState
+    learner: Learner
+    worker: Worker
+    cached: set[int]  # the cached MoE layers
+
+
+def engine_options(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags,
+                   learn: bool) -> EngineOptions:
+    opts = session.engine_options(path, geometry, where.plan, flags, n_ctx=where.n_ctx, learn=learn)
+    # NOTE: auto starts on the cpu path; miss_path.resolve then calibrates and sets each layer
+    start = initial_path(where.miss_path)
+    opts.cache_layers = [dataclasses.replace(c, miss_path=start) for c in opts.cache_layers]
+    return opts
+
+
+def placement_summary(where: Placement, cached: set[int]) -> dict[str, Any]:
+    """What /props reports of where the model runs."""
+    plan = where.plan
+    if plan is None:
+        return {"device": "cpu", "why": where.cpu_reason, "cached_moe_layers": 0}
+    return {"device": where.devices[0].name if where.devices else "cpu", "cached_moe_layers": len(cached),
+            "budget": where.budget_source, "miss_path": where.miss_path,
+            "planned_device_bytes": int(plan.breakdown["total"])}
+
+
+def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags, access: Access, *,
+         templates: TemplateSet | None, chat_defaults: Defaults, reasoning_format: str, alias: str | None,
+         learn: bool, learn_every: float, max_queue: int, metrics: bool, slots: bool, vertex: Vertex | None,
+         on_why: Callable[[str], None]) -> Served:
+    """The server of `path` on `where`: its engine opens in the worker (each cached layer on the
+    placement's miss path), its chat format comes from the templates (--chat-template-file, else
+    the GGUF's)."""
+    opts = engine_options(path, geometry, where, flags, learn)
+    opts.chat_templates = templates
+    cached = {c.il for c in opts.cache_layers}
+    plan = where.plan
+    stats = ServerStats(cached_layers=cached, planned_bytes=int(plan.breakdown["total"]) if plan else 0)
+    learner = Learner(path, geometry, interval=learn_every, enabled=learn)
+    worker = Worker(lambda: open_engine(opts, where.miss_path, geometry.fingerprint, on_why=on_why),
+                    cached, stats, learner, max_queue=max_queue)
+    chat = ChatConfig.for_model(templates if templates is not None else TemplateSet(dict(geometry.chat_templates)),
+                                geometry.arch, reasoning_format, defaults=chat_defaults)
+    state = ServerState(worker, stats, alias or path.name, api_key=access.api_key, host=access.host,
+                        allowed_hosts=access.allowed_hosts, cors=access.cors, chat=chat, model_path=str(path),
+                        placement=placement_summary(where, cached), metrics=metrics, slots_endpoint=slots,
+                        vertex=vertex, meta={"n_ctx_train": geometry.context_length, "n_embd": geometry.n_embd,
+                                             "size": geometry.file_size})
+    return Served(state, learner, worker, cached)
