@@ -356,100 +356,102 @@ def _plot(report: "Report", path: Path) -> None:
     save_or_recover(lambda p: atomic_write_bytes(p, data, "--plot"), path)
 
 
+@model_flags
+def bench_cmd(
+    model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),
+    vram_text: str = typer.Option(None, "--vram", help="device budget every configuration must fit, e.g. "
+                                  "16GiB (default: the device's free memory minus a margin)"),
+    residency: float = typer.Option(None, "--residency", min=0.0, max=1.0,
+                                    help="instead of --vram: a budget that holds this share of the expert "
+                                         "bytes beside everything else, e.g. 0.6"),
+    corpus_path: Path = typer.Option(None, "--corpus", help="text to run: a file or folder of "
+                                     ".txt/.md/.jsonl (default: the bundled sample corpus)"),
+    n_prompt: int = typer.Option(512, "--n-prompt", "-p", min=2, help="prompt-processing tokens per run"),
+    n_gen: int = typer.Option(128, "--n-gen", "-n", min=1, help="generated tokens per run (greedy)"),
+    reps: int = typer.Option(3, "--repetitions", "-r", min=1, help="runs per configuration"),
+    as_json: bool = typer.Option(False, "--json", help="print the full report as JSON on stdout"),
+    output: Path = typer.Option(None, "--output", "-o", help="write the full report as JSON here"),
+    md: bool = typer.Option(False, "--md", help="print a markdown table (for an issue) instead of the rich one"),
+    plot: Path = typer.Option(None, "--plot", help="write bar charts of prompt processing and generation "
+                              "tok/s, side by side (PNG); with -np N > 1 a third: N sequences together "
+                              "against one after another"),
+    configs: str = typer.Option(None, "--configs", help="comma-separated subset of: resident, cpu-moe, "
+                                "n-cpu-moe, spark-step, spark (the default), and spark-layer (the per-layer "
+                                "miss rule before per-expert misses)"),
+    ceiling: bool = typer.Option(False, "--ceiling", help="measure all-resident even when it is over the "
+                                 "budget (a reference; needs the device memory)"),
+    no_learn: bool = typer.Option(False, "--no-learn", help="do not fold this run's routing into the profile"),
+    miss_path: str = typer.Option("auto", "--miss-path", help=MISS_PATH_HELP),
+    flags: LoadFlags = None,
+) -> None:
+    """Tokens/s of Spark against stock llama.cpp offload and the all-resident ceiling, same budget.
+    --rpc auto starts a local RPC stand-in GPU for the run.
+
+    With -np/--parallel N > 1 every configuration is opened with N sequences and sized for them;
+    after the usual single-sequence runs, each repetition also decodes N corpus prompts (-n tokens
+    each) one after another and then all N together in one batch: aggregate generation tok/s of
+    both, their ratio, and the cache's hit rate and uploads per token (a third table and panel)."""
+    from ..runs import bench, session
+    from ..native import devices, faults
+    from ..native import rpc as rpc_mod
+    from ..files.atomic import check_output
+    from ..files.corpus import bundled_corpus, read_corpus
+    from ..errors import SparkError, UsageError
+    from ..core.options import context_size
+
+    miss_choice = parse_miss_path(miss_path)
+    names = bench.parse_config_names(configs)
+    if plot is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise SparkError("--plot: matplotlib is not installed", hint="pip install matplotlib, or drop --plot")
+    for flag, out in (("-o", output), ("--plot", plot)):  # before the runs, not after them
+        if out is not None:
+            check_output(out, flag, inputs=run_inputs(model, corpus=corpus_path))
+    if output is not None and plot is not None and Path(output).expanduser().resolve() == Path(plot).expanduser().resolve():
+        raise UsageError(f"-o {output} and --plot {plot}: the same file", hint="give two paths")
+    path = model_or_demo(model)
+    geometry = session.open_geometry(path)
+    ctx = context_size(flags.ctx_size, geometry.context_length)
+    corpus = read_corpus(corpus_path or bundled_corpus())
+    g = geometry
+
+    server = None
+    try:
+        if flags.rpc == "auto":
+            with err_console.status("starting a local RPC stand-in GPU ..."):
+                server = rpc_mod.RpcServer(threads=flags.threads).start()
+            flags = dataclasses.replace(flags, rpc=server.endpoint)
+        base = session.engine_options(path, g, None, flags, n_ctx=ctx, learn=False)
+        devs = devices.select(devices.parse(flags.device, flags.rpc))
+        notes = []
+        if not devs:
+            names = [bench.CPU_CONFIG]
+            notes.append("no GPU-type device: measured on the CPU only; use --rpc auto to compare "
+                         "placements on a local RPC stand-in GPU, or --rpc HOST:PORT")
+            err_console.print(f"[yellow]note:[/] {notes[-1]}")
+            budget, source = 0, "no device"
+        else:
+            budget, source = _budget(vram_text, residency, g, ctx, devs, session.kv_settings(flags))
+        if server is not None:
+            notes.append("device: a local RPC stand-in GPU (--rpc auto): its speed is the CPU's; "
+                         "compare the cold-hit and upload figures")
+        report = bench.Report(path, g, budget, source, ctx, n_prompt, n_gen, reps,
+                              devs[0].name if devs else "CPU", str(corpus_path or "bundled corpus"), notes=notes,
+                              cpu_threads=(base.threads, base.threads_batch), n_parallel=base.n_seq)
+        if any(n.startswith("spark") for n in names):
+            info = session.load_profile(path, g)
+            if info.warning():
+                err_console.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
+        learn = not no_learn
+        with faults.keeper(lambda: _keep_partial(report, output, learn)):
+            _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot, miss_choice)
+    finally:
+        if server is not None:
+            server.stop()
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("bench", cls=SparkCommand)
-    @model_flags
-    def bench_cmd(
-        model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),
-        vram_text: str = typer.Option(None, "--vram", help="device budget every configuration must fit, e.g. "
-                                      "16GiB (default: the device's free memory minus a margin)"),
-        residency: float = typer.Option(None, "--residency", min=0.0, max=1.0,
-                                        help="instead of --vram: a budget that holds this share of the expert "
-                                             "bytes beside everything else, e.g. 0.6"),
-        corpus_path: Path = typer.Option(None, "--corpus", help="text to run: a file or folder of "
-                                         ".txt/.md/.jsonl (default: the bundled sample corpus)"),
-        n_prompt: int = typer.Option(512, "--n-prompt", "-p", min=2, help="prompt-processing tokens per run"),
-        n_gen: int = typer.Option(128, "--n-gen", "-n", min=1, help="generated tokens per run (greedy)"),
-        reps: int = typer.Option(3, "--repetitions", "-r", min=1, help="runs per configuration"),
-        as_json: bool = typer.Option(False, "--json", help="print the full report as JSON on stdout"),
-        output: Path = typer.Option(None, "--output", "-o", help="write the full report as JSON here"),
-        md: bool = typer.Option(False, "--md", help="print a markdown table (for an issue) instead of the rich one"),
-        plot: Path = typer.Option(None, "--plot", help="write bar charts of prompt processing and generation "
-                                  "tok/s, side by side (PNG); with -np N > 1 a third: N sequences together "
-                                  "against one after another"),
-        configs: str = typer.Option(None, "--configs", help="comma-separated subset of: resident, cpu-moe, "
-                                    "n-cpu-moe, spark-step, spark (the default), and spark-layer (the per-layer "
-                                    "miss rule before per-expert misses)"),
-        ceiling: bool = typer.Option(False, "--ceiling", help="measure all-resident even when it is over the "
-                                     "budget (a reference; needs the device memory)"),
-        no_learn: bool = typer.Option(False, "--no-learn", help="do not fold this run's routing into the profile"),
-        miss_path: str = typer.Option("auto", "--miss-path", help=MISS_PATH_HELP),
-        flags: LoadFlags = None,
-    ) -> None:
-        """Tokens/s of Spark against stock llama.cpp offload and the all-resident ceiling, same budget.
-        --rpc auto starts a local RPC stand-in GPU for the run.
-
-        With -np/--parallel N > 1 every configuration is opened with N sequences and sized for them;
-        after the usual single-sequence runs, each repetition also decodes N corpus prompts (-n tokens
-        each) one after another and then all N together in one batch: aggregate generation tok/s of
-        both, their ratio, and the cache's hit rate and uploads per token (a third table and panel)."""
-        from ..runs import bench, session
-        from ..native import devices, faults
-        from ..native import rpc as rpc_mod
-        from ..files.atomic import check_output
-        from ..files.corpus import bundled_corpus, read_corpus
-        from ..errors import SparkError, UsageError
-        from ..core.options import context_size
-
-        miss_choice = parse_miss_path(miss_path)
-        names = bench.parse_config_names(configs)
-        if plot is not None:
-            if importlib.util.find_spec("matplotlib") is None:
-                raise SparkError("--plot: matplotlib is not installed", hint="pip install matplotlib, or drop --plot")
-        for flag, out in (("-o", output), ("--plot", plot)):  # before the runs, not after them
-            if out is not None:
-                check_output(out, flag, inputs=run_inputs(model, corpus=corpus_path))
-        if output is not None and plot is not None and Path(output).expanduser().resolve() == Path(plot).expanduser().resolve():
-            raise UsageError(f"-o {output} and --plot {plot}: the same file", hint="give two paths")
-        path = model_or_demo(model)
-        geometry = session.open_geometry(path)
-        ctx = context_size(flags.ctx_size, geometry.context_length)
-        corpus = read_corpus(corpus_path or bundled_corpus())
-        g = geometry
-
-        server = None
-        try:
-            if flags.rpc == "auto":
-                with err_console.status("starting a local RPC stand-in GPU ..."):
-                    server = rpc_mod.RpcServer(threads=flags.threads).start()
-                flags = dataclasses.replace(flags, rpc=server.endpoint)
-            base = session.engine_options(path, g, None, flags, n_ctx=ctx, learn=False)
-            devs = devices.select(devices.parse(flags.device, flags.rpc))
-            notes = []
-            if not devs:
-                names = [bench.CPU_CONFIG]
-                notes.append("no GPU-type device: measured on the CPU only; use --rpc auto to compare "
-                             "placements on a local RPC stand-in GPU, or --rpc HOST:PORT")
-                err_console.print(f"[yellow]note:[/] {notes[-1]}")
-                budget, source = 0, "no device"
-            else:
-                budget, source = _budget(vram_text, residency, g, ctx, devs, session.kv_settings(flags))
-            if server is not None:
-                notes.append("device: a local RPC stand-in GPU (--rpc auto): its speed is the CPU's; "
-                             "compare the cold-hit and upload figures")
-            report = bench.Report(path, g, budget, source, ctx, n_prompt, n_gen, reps,
-                                  devs[0].name if devs else "CPU", str(corpus_path or "bundled corpus"), notes=notes,
-                                  cpu_threads=(base.threads, base.threads_batch), n_parallel=base.n_seq)
-            if any(n.startswith("spark") for n in names):
-                info = session.load_profile(path, g)
-                if info.warning():
-                    err_console.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
-            learn = not no_learn
-            with faults.keeper(lambda: _keep_partial(report, output, learn)):
-                _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot, miss_choice)
-        finally:
-            if server is not None:
-                server.stop()
+    app.command("bench", cls=SparkCommand)(bench_cmd)
 
 
 def _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot,

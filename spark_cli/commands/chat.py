@@ -263,95 +263,97 @@ def _answer(chat, text: str, interactive: bool, stream: bool = True):
     return ans
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("chat", cls=SparkCommand)
-    @model_flags
-    def chat_cmd(
-        model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),
-        plan_path: Path = typer.Option(None, "--plan", help="placement from spark plan -o (default: plan now)"),
-        vram_text: str = typer.Option(None, "--vram", help="device budget for planning now, e.g. 16GiB "
-                                      "(default: the device's free memory minus a margin)"),
-        n_predict: int = typer.Option(-1, "--n-predict", "-n", help="tokens per answer at most (-1: until done)"),
-        temp: float = typer.Option(0.8, "--temp", min=0.0, help="temperature (0: greedy, deterministic)"),
-        top_k: int = typer.Option(40, "--top-k", min=0, help="top-k sampling (0: off)"),
-        top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="top-p sampling (1.0: off)"),
-        min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="min-p sampling (0.0: off)"),
-        repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", min=0.0,
-                                             help="penalize repeated tokens (1.0: off)"),
-        repeat_last_n: int = typer.Option(64, "--repeat-last-n", min=-1,
-                                          help="tokens the penalty looks back on (0: off, -1: the context)"),
-        seed: int = typer.Option(-1, "--seed", "-s", help="sampling seed (-1: random)"),
-        system: str = typer.Option(None, "--system-prompt", "-sys", help="system prompt"),
-        prompt: str = typer.Option(None, "--prompt", "-p", help="one-shot: answer this prompt and exit "
-                                   "('-' reads stdin)"),
-        as_json: bool = typer.Option(False, "--json", help="one-shot: print {answer, figures} as JSON on stdout"),
-        learn: bool = typer.Option(True, "--learn/--no-learn", help="fold this session's routing into the "
-                                   "model's profile on exit"),
-        miss_path_choice: str = typer.Option(None, "--miss-path", help=MISS_PATH_HELP + " (default: the plan's, else auto)"),
-        template_file: Path = typer.Option(None, "--chat-template-file", help=TEMPLATE_FILE_HELP),
-        jinja: bool = typer.Option(True, "--jinja/--no-jinja", help=JINJA_HELP),
-        flags: LoadFlags = None,
-    ) -> None:
-        """Chat with a model on the planned placement; --prompt answers once (for scripts)."""
-        from ..runs import session
-        from ..runs.chat_session import ChatSession, Sampling
-        from ..runs.run import engine_run
+@model_flags
+def chat_cmd(
+    model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),
+    plan_path: Path = typer.Option(None, "--plan", help="placement from spark plan -o (default: plan now)"),
+    vram_text: str = typer.Option(None, "--vram", help="device budget for planning now, e.g. 16GiB "
+                                  "(default: the device's free memory minus a margin)"),
+    n_predict: int = typer.Option(-1, "--n-predict", "-n", help="tokens per answer at most (-1: until done)"),
+    temp: float = typer.Option(0.8, "--temp", min=0.0, help="temperature (0: greedy, deterministic)"),
+    top_k: int = typer.Option(40, "--top-k", min=0, help="top-k sampling (0: off)"),
+    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="top-p sampling (1.0: off)"),
+    min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="min-p sampling (0.0: off)"),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", min=0.0,
+                                         help="penalize repeated tokens (1.0: off)"),
+    repeat_last_n: int = typer.Option(64, "--repeat-last-n", min=-1,
+                                      help="tokens the penalty looks back on (0: off, -1: the context)"),
+    seed: int = typer.Option(-1, "--seed", "-s", help="sampling seed (-1: random)"),
+    system: str = typer.Option(None, "--system-prompt", "-sys", help="system prompt"),
+    prompt: str = typer.Option(None, "--prompt", "-p", help="one-shot: answer this prompt and exit "
+                               "('-' reads stdin)"),
+    as_json: bool = typer.Option(False, "--json", help="one-shot: print {answer, figures} as JSON on stdout"),
+    learn: bool = typer.Option(True, "--learn/--no-learn", help="fold this session's routing into the "
+                               "model's profile on exit"),
+    miss_path_choice: str = typer.Option(None, "--miss-path", help=MISS_PATH_HELP + " (default: the plan's, else auto)"),
+    template_file: Path = typer.Option(None, "--chat-template-file", help=TEMPLATE_FILE_HELP),
+    jinja: bool = typer.Option(True, "--jinja/--no-jinja", help=JINJA_HELP),
+    flags: LoadFlags = None,
+) -> None:
+    """Chat with a model on the planned placement; --prompt answers once (for scripts)."""
+    from ..runs import session
+    from ..runs.chat_session import ChatSession, Sampling
+    from ..runs.run import engine_run
 
-        _check_flags(as_json, prompt, n_predict)
-        miss_choice = parse_miss_path(miss_path_choice) if miss_path_choice is not None else None
-        templates = chat_templates(template_file, jinja)
-        one_shot = prompt is not None
-        say = err_console if one_shot else console
-        prompt, system = _texts(prompt, system)
-        path = model_or_demo(model)
-        geometry = session.open_geometry(path)
-        info = session.load_profile(path, geometry)
-        if info.warning():
-            say.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
-        where = session.resolve_placement(path, geometry, info, flags, plan_path=plan_path, vram_text=vram_text,
-                                          miss_path=miss_choice)
-        for w in where.warnings:
-            say.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
-        devices, plan = where.devices, where.plan
-        opts = session.engine_options(path, geometry, plan, flags, n_ctx=where.n_ctx, learn=learn)
-        opts.chat_templates = templates
-        meter = _VramMeter(devices[0] if devices else None, plan)
-        sampling = Sampling(temp, top_k, top_p, seed if seed >= 0 else secrets.randbelow(1 << 31), n_predict,
-                            min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n)
-        chat = None
-        fold_error = None
+    _check_flags(as_json, prompt, n_predict)
+    miss_choice = parse_miss_path(miss_path_choice) if miss_path_choice is not None else None
+    templates = chat_templates(template_file, jinja)
+    one_shot = prompt is not None
+    say = err_console if one_shot else console
+    prompt, system = _texts(prompt, system)
+    path = model_or_demo(model)
+    geometry = session.open_geometry(path)
+    info = session.load_profile(path, geometry)
+    if info.warning():
+        say.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
+    where = session.resolve_placement(path, geometry, info, flags, plan_path=plan_path, vram_text=vram_text,
+                                      miss_path=miss_choice)
+    for w in where.warnings:
+        say.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
+    devices, plan = where.devices, where.plan
+    opts = session.engine_options(path, geometry, plan, flags, n_ctx=where.n_ctx, learn=learn)
+    opts.chat_templates = templates
+    meter = _VramMeter(devices[0] if devices else None, plan)
+    sampling = Sampling(temp, top_k, top_p, seed if seed >= 0 else secrets.randbelow(1 << 31), n_predict,
+                        min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n)
+    chat = None
+    fold_error = None
 
-        def keep_on_loss() -> str | None:  # the device died mid-session: fold what was learned
-            return _keep(path, geometry, chat, say) if learn and chat is not None else None
+    def keep_on_loss() -> str | None:  # the device died mid-session: fold what was learned
+        return _keep(path, geometry, chat, say) if learn and chat is not None else None
 
-        with engine_run(opts, where.miss_path, geometry.fingerprint, keep=keep_on_loss,
-                        on_why=lambda why: err_console.print(f"[dim]{escape(why)}[/]", soft_wrap=True),
-                        loading=console.status(f"loading {path.name} ...") if not one_shot else None) as engine:
-            chat = ChatSession(engine, sampling, system=system, cached_layers={c.il for c in opts.cache_layers},
-                               vram_probe=meter if devices else None)
+    with engine_run(opts, where.miss_path, geometry.fingerprint, keep=keep_on_loss,
+                    on_why=lambda why: err_console.print(f"[dim]{escape(why)}[/]", soft_wrap=True),
+                    loading=console.status(f"loading {path.name} ...") if not one_shot else None) as engine:
+        chat = ChatSession(engine, sampling, system=system, cached_layers={c.il for c in opts.cache_layers},
+                           vram_probe=meter if devices else None)
+        try:
+            if one_shot:
+                chat.check_fits(prompt)  # a prompt that cannot fit: one error line, no summary
+            if not one_shot or not as_json:
+                say.print(start_summary(path, geometry, engine.devices, plan, info, meter, engine.n_ctx,
+                                        sampling, where.cpu_reason, where.budget_source))
+            if one_shot:
+                ans = _answer(chat, prompt, interactive=False, stream=not as_json)
+                if as_json:
+                    typer.echo(json.dumps({"answer": ans.text, "figures": ans.figures.to_dict()},
+                                          ensure_ascii=False))
+            else:
+                _interactive(chat, plan, path.name)
+        finally:
             try:
-                if one_shot:
-                    chat.check_fits(prompt)  # a prompt that cannot fit: one error line, no summary
-                if not one_shot or not as_json:
-                    say.print(start_summary(path, geometry, engine.devices, plan, info, meter, engine.n_ctx,
-                                            sampling, where.cpu_reason, where.budget_source))
-                if one_shot:
-                    ans = _answer(chat, prompt, interactive=False, stream=not as_json)
-                    if as_json:
-                        typer.echo(json.dumps({"answer": ans.text, "figures": ans.figures.to_dict()},
-                                              ensure_ascii=False))
-                else:
-                    _interactive(chat, plan, path.name)
+                fold_error = _fold_at_exit(path, geometry, chat, say) if learn else None
             finally:
-                try:
-                    fold_error = _fold_at_exit(path, geometry, chat, say) if learn else None
-                finally:
-                    chat.close()
-        if fold_error is not None:
-            if info.problem is None:
-                raise fold_error
-            # NOTE: the unusable profile was announced at the start: its counts wait in a side file
-            say.print(f"[yellow]warning:[/] {escape(fold_error.one_line())}", soft_wrap=True)
+                chat.close()
+    if fold_error is not None:
+        if info.problem is None:
+            raise fold_error
+        # NOTE: the unusable profile was announced at the start: its counts wait in a side file
+        say.print(f"[yellow]warning:[/] {escape(fold_error.one_line())}", soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("chat", cls=SparkCommand)(chat_cmd)
 
 
 def _check_flags(as_json: bool, prompt: str | None, n_predict: int) -> None:

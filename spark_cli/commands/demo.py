@@ -16,54 +16,50 @@ from .common import console
 from .help import SparkCommand
 
 
-def register(app: typer.Typer) -> None:
-    register_demo(app)
+def demo_model_cmd(
+    n_expert: int = typer.Option(16, "--experts", "-E", help="experts per layer"),
+    n_used: int = typer.Option(4, "--experts-used", "-k", help="experts used per token"),
+    seed: int = typer.Option(0, "--seed", help="router seed"),
+    router: str = typer.Option("fit", "--router", help="fit (fit to SmolLM2's hidden states on bundled "
+                               "training text: experts group tokens by content) or random (a seeded "
+                               "random matrix, the router before demo format 2)"),
+    tiny: str = typer.Option(None, "--tiny", help="build a tiny random model of this architecture (or variant, "
+                             "e.g. qwen35moe-split) instead"),
+    fixture: str = typer.Option(None, "--fixture", help="build a real-sized geometry fixture without weights "
+                                "(a sparse GGUF for `spark plan`), e.g. qwen3.6-35b-a3b-q4_k_m; `list` "
+                                "lists them"),
+    out_dir: Path = typer.Option(None, "--out-dir", help="folder (default: $SPARK_HOME/models)"),
+) -> None:
+    """Build (or reuse) the upcycled SmolLM2 MoE demo model; prints its path on the last line."""
+    from ..files.atomic import check_folder
+    from ..runs.demo_model import build_demo_model
+    from ..runs.tiny_models import TINY_MODELS, build_tiny_model
 
-    @app.command("demo-model", cls=SparkCommand)
-    def demo_model(
-        n_expert: int = typer.Option(16, "--experts", "-E", help="experts per layer"),
-        n_used: int = typer.Option(4, "--experts-used", "-k", help="experts used per token"),
-        seed: int = typer.Option(0, "--seed", help="router seed"),
-        router: str = typer.Option("fit", "--router", help="fit (fit to SmolLM2's hidden states on bundled "
-                                   "training text: experts group tokens by content) or random (a seeded "
-                                   "random matrix, the router before demo format 2)"),
-        tiny: str = typer.Option(None, "--tiny", help="build a tiny random model of this architecture (or variant, "
-                                 "e.g. qwen35moe-split) instead"),
-        fixture: str = typer.Option(None, "--fixture", help="build a real-sized geometry fixture without weights "
-                                    "(a sparse GGUF for `spark plan`), e.g. qwen3.6-35b-a3b-q4_k_m; `list` "
-                                    "lists them"),
-        out_dir: Path = typer.Option(None, "--out-dir", help="folder (default: $SPARK_HOME/models)"),
-    ) -> None:
-        """Build (or reuse) the upcycled SmolLM2 MoE demo model; prints its path on the last line."""
-        from ..files.atomic import check_folder
-        from ..runs.demo_model import build_demo_model
-        from ..runs.tiny_models import TINY_MODELS, build_tiny_model
+    from ..runs.demo_router import ROUTERS
 
-        from ..runs.demo_router import ROUTERS
-
-        if seed < 0:
-            raise UsageError(f"--seed {seed}: give 0 or more")
-        if router not in ROUTERS:
-            raise UsageError(f"--router {router}: expected one of {', '.join(ROUTERS)}")
-        if out_dir is not None:
-            check_folder(out_dir, "--out-dir")
-        if fixture is not None:
-            _fixture(fixture, tiny, out_dir)
-            return
-        if tiny is not None:
-            if tiny not in TINY_MODELS:
-                raise UsageError(f"--tiny {tiny}: unknown architecture", hint="one of " + ", ".join(TINY_MODELS))
-            with console.status(f"building tiny {tiny} model ..."):
-                path = build_tiny_model(tiny, seed=seed, out_dir=out_dir)
-        else:
-            if not (1 <= n_used <= n_expert <= 256) or n_expert < 2:
-                raise UsageError(f"--experts {n_expert} --experts-used {n_used}: need 1 <= k <= E and "
-                                 "2 <= E <= 256 (a MoE model routes among at least two experts)")
-            with console.status(f"building demo model E={n_expert} k={n_used}, {router} router ..."):
-                path = build_demo_model(n_expert=n_expert, n_expert_used=n_used, seed=seed, out_dir=out_dir,
-                                        router=router)
-        console.print(f"{path.stat().st_size / 2**20:.0f} MiB", style="dim")
-        print(path)
+    if seed < 0:
+        raise UsageError(f"--seed {seed}: give 0 or more")
+    if router not in ROUTERS:
+        raise UsageError(f"--router {router}: expected one of {', '.join(ROUTERS)}")
+    if out_dir is not None:
+        check_folder(out_dir, "--out-dir")
+    if fixture is not None:
+        _fixture(fixture, tiny, out_dir)
+        return
+    if tiny is not None:
+        if tiny not in TINY_MODELS:
+            raise UsageError(f"--tiny {tiny}: unknown architecture", hint="one of " + ", ".join(TINY_MODELS))
+        with console.status(f"building tiny {tiny} model ..."):
+            path = build_tiny_model(tiny, seed=seed, out_dir=out_dir)
+    else:
+        if not (1 <= n_used <= n_expert <= 256) or n_expert < 2:
+            raise UsageError(f"--experts {n_expert} --experts-used {n_used}: need 1 <= k <= E and "
+                             "2 <= E <= 256 (a MoE model routes among at least two experts)")
+        with console.status(f"building demo model E={n_expert} k={n_used}, {router} router ..."):
+            path = build_demo_model(n_expert=n_expert, n_expert_used=n_used, seed=seed, out_dir=out_dir,
+                                    router=router)
+    console.print(f"{path.stat().st_size / 2**20:.0f} MiB", style="dim")
+    print(path)
 
 
 def _fixture(name: str, tiny: str | None, out_dir: Path | None) -> None:
@@ -146,71 +142,74 @@ def closing_lines(plan_path: Path, residency: float, answer: str | None, bench_p
     return out
 
 
-def register_demo(app: typer.Typer) -> None:
-    @app.command("demo", cls=SparkCommand)
-    def demo(
-        rpc: str = typer.Option(None, "--rpc", help="use this RPC server instead of a local stand-in GPU"),
-        residency: float = typer.Option(0.6, "--residency", min=0.05, max=1.0,
-                                        help="share of expert bytes the budget holds on the device"),
-        quick: bool = typer.Option(False, "--quick", help="shorter profile and bench (for smoke tests)"),
-    ) -> None:
-        """The main job on the demo model: profile -> plan -> one answer -> bench against stock offload."""
-        from ..runs.bench import residency_budget
-        from ..cli import main as spark
-        from ..files.corpus import bundled_corpus
-        from ..runs.demo_model import build_demo_model
-        from ..core.gguf_info import load_geometry
-        from ..files.paths import spark_home
-        from ..native.rpc import RpcServer
-        from ..native.devices import local_gpus
+def demo_cmd(
+    rpc: str = typer.Option(None, "--rpc", help="use this RPC server instead of a local stand-in GPU"),
+    residency: float = typer.Option(0.6, "--residency", min=0.05, max=1.0,
+                                    help="share of expert bytes the budget holds on the device"),
+    quick: bool = typer.Option(False, "--quick", help="shorter profile and bench (for smoke tests)"),
+) -> None:
+    """The main job on the demo model: profile -> plan -> one answer -> bench against stock offload."""
+    from ..runs.bench import residency_budget
+    from ..cli import main as spark
+    from ..files.corpus import bundled_corpus
+    from ..runs.demo_model import build_demo_model
+    from ..core.gguf_info import load_geometry
+    from ..files.paths import spark_home
+    from ..native.rpc import RpcServer
+    from ..native.devices import local_gpus
 
-        out = spark_home() / "demo"
-        out.mkdir(parents=True, exist_ok=True)
-        console.rule("1/5 demo model")
-        with console.status("building the demo model (first run only) ..."):
-            model = build_demo_model()
-        g = load_geometry(model)
-        console.print(f"{model} ({model.stat().st_size / 2**20:.0f} MiB): {g.arch}, {len(g.moe_layers)} MoE layers, "
-                      f"{g.n_expert} experts, {g.n_expert_used} used per token")
-        server = None
-        if rpc is None and not local_gpus():
-            server = RpcServer().start()
-            rpc = server.endpoint
-            console.print(f"no GPU here: using an RPC stand-in GPU on {rpc}")
-        dev = ["--rpc", rpc] if rpc else []
-        ctx = 2048
-        budget = residency_budget(g, ctx, residency)
-        trace = out / "demo-trace.npz"
-        plan = out / "demo-plan.json"
-        bench_json = out / "demo-bench.json"
-        answer = None
-        steps = [
-            ("2/5 profile: routing on the bundled corpus",
-             ["profile", str(model), "--corpus", str(bundled_corpus()), "--gen", "4" if quick else "16",
-              "--trace", str(trace), "--held-out", "0.25", "--plot", str(out / "demo-heatmap.png"), *dev]),
-            (f"3/5 plan: {residency:.0%} of the expert bytes on the device",
-             ["plan", str(model), "--vram", str(budget), "-c", str(ctx), "--trace", str(trace), "-o", str(plan)]),
-            ("4/5 chat: one answer through the expert cache", chat_argv(model, "--plan", str(plan), *dev)),
-            ("5/5 bench: Spark against stock llama.cpp offload, same budget",
-             ["bench", str(model), "--vram", str(budget), "-c", str(ctx), "-p", "64" if quick else "256",
-              "-n", "8" if quick else "48", "-r", "1" if quick else "3", "--ceiling", "-o", str(bench_json),
-              "--plot", str(out / "demo-bench.png"), *dev]),
-        ]
-        try:
-            for title, argv in steps:
-                console.rule(title)
-                if argv[0] == "chat":
-                    rc, answer = _chat_answer(spark, argv)
-                    console.print(f"{QUESTION}\n[bold]{escape(answer or '')}[/]")
-                else:
-                    rc = spark(argv)
-                if rc != 0:
-                    raise typer.Exit(rc)
-        finally:
-            if server:
-                server.stop()
-        console.rule("done")
-        for line in closing_lines(plan, residency, answer, bench_json):
-            console.print(line, soft_wrap=True, markup=False)
-        console.print(f"outputs in {out}: demo-plan.json, demo-trace.npz, demo-heatmap.png, demo-bench.json, "
-                      f"demo-bench.png; profile beside the model", soft_wrap=True)
+    out = spark_home() / "demo"
+    out.mkdir(parents=True, exist_ok=True)
+    console.rule("1/5 demo model")
+    with console.status("building the demo model (first run only) ..."):
+        model = build_demo_model()
+    g = load_geometry(model)
+    console.print(f"{model} ({model.stat().st_size / 2**20:.0f} MiB): {g.arch}, {len(g.moe_layers)} MoE layers, "
+                  f"{g.n_expert} experts, {g.n_expert_used} used per token")
+    server = None
+    if rpc is None and not local_gpus():
+        server = RpcServer().start()
+        rpc = server.endpoint
+        console.print(f"no GPU here: using an RPC stand-in GPU on {rpc}")
+    dev = ["--rpc", rpc] if rpc else []
+    ctx = 2048
+    budget = residency_budget(g, ctx, residency)
+    trace = out / "demo-trace.npz"
+    plan = out / "demo-plan.json"
+    bench_json = out / "demo-bench.json"
+    answer = None
+    steps = [
+        ("2/5 profile: routing on the bundled corpus",
+         ["profile", str(model), "--corpus", str(bundled_corpus()), "--gen", "4" if quick else "16",
+          "--trace", str(trace), "--held-out", "0.25", "--plot", str(out / "demo-heatmap.png"), *dev]),
+        (f"3/5 plan: {residency:.0%} of the expert bytes on the device",
+         ["plan", str(model), "--vram", str(budget), "-c", str(ctx), "--trace", str(trace), "-o", str(plan)]),
+        ("4/5 chat: one answer through the expert cache", chat_argv(model, "--plan", str(plan), *dev)),
+        ("5/5 bench: Spark against stock llama.cpp offload, same budget",
+         ["bench", str(model), "--vram", str(budget), "-c", str(ctx), "-p", "64" if quick else "256",
+          "-n", "8" if quick else "48", "-r", "1" if quick else "3", "--ceiling", "-o", str(bench_json),
+          "--plot", str(out / "demo-bench.png"), *dev]),
+    ]
+    try:
+        for title, argv in steps:
+            console.rule(title)
+            if argv[0] == "chat":
+                rc, answer = _chat_answer(spark, argv)
+                console.print(f"{QUESTION}\n[bold]{escape(answer or '')}[/]")
+            else:
+                rc = spark(argv)
+            if rc != 0:
+                raise typer.Exit(rc)
+    finally:
+        if server:
+            server.stop()
+    console.rule("done")
+    for line in closing_lines(plan, residency, answer, bench_json):
+        console.print(line, soft_wrap=True, markup=False)
+    console.print(f"outputs in {out}: demo-plan.json, demo-trace.npz, demo-heatmap.png, demo-bench.json, "
+                  f"demo-bench.png; profile beside the model", soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo", cls=SparkCommand)(demo_cmd)
+    app.command("demo-model", cls=SparkCommand)(demo_model_cmd)

@@ -154,123 +154,125 @@ def _costs(card, geometry, devs: list, flags: LoadFlags, host_bandwidth: float |
     return session.kept_costs(devs, geometry, flags)
 
 
+@model_flags
+def plan_cmd(
+    model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)",
+                                 show_default=False),
+    vram_text: str = typer.Option(None, "--vram", help="device budget, e.g. 16GiB (default: the device's "
+                                  "free memory minus a margin; required without a GPU)"),
+    profile_path: Path = typer.Option(None, "--profile", help="routing profile (default: the one beside "
+                                      "the model; a uniform prior when there is none)"),
+    trace_path: Path = typer.Option(None, "--trace", help="routing trace .npz to replay (default: the "
+                                    "profile's ring of recent decode steps)"),
+    policy: str = typer.Option("auto", "--policy", help="cache policy the plan is priced for and records: "
+                               "lru, lfu-aged, slru, tinylfu, or auto (replay the trace through each with "
+                               "the plan's slots and keep the best)"),
+    miss_path: str = typer.Option("auto", "--miss-path", help="the miss path the plan is priced for and "
+                                  "records (auto and upload hold staging slices for misses uploaded for one step); chat "
+                                  "and serve's --miss-path overrides it. " + MISS_PATH_HELP),
+    measure: bool = typer.Option(True, "--measure/--no-measure", help="measure the bill with a dry run "
+                                 "(llama.cpp no_alloc) on the device and fit the plan to it; needs a device "
+                                 "(-dev, --rpc or a local GPU)"),
+    check: bool = typer.Option(True, "--check/--no-check", help="print the held-out check (plan on 70%% "
+                               "of the replayed steps, predict the rest)"),
+    output: Path = typer.Option(None, "--output", "-o", help="write the plan JSON here (for --plan)"),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    objective: str = typer.Option("decode", "--objective", help="the time a plan minimises when it is priced "
+                                  "in time: decode (tg) or prompt (pp)"),
+    predict_for: str = typer.Option(None, "--predict-for", help="price the plan for a card that is not at hand, "
+                                    "from its published figures (e.g. rtx-4060-ti-16gb; an unknown name lists "
+                                    "them); --vram defaults to its memory"),
+    host_bandwidth: float = typer.Option(None, "--host-bandwidth", help="with --predict-for: the host's memory "
+                                         "bandwidth in GB/s (default 60: dual-channel DDR5)"),
+    host_cores: int = typer.Option(None, "--host-cores", help="with --predict-for: the host's CPU cores "
+                                   "(default: this machine's)"),
+    cold_hit: float = typer.Option(None, "--cold-hit", help="without a profile: the share of routed experts "
+                                   "a cached layer misses with k slots, assumed (0-1; default: the uniform "
+                                   "prior's)"),
+    flags: LoadFlags = None,
+) -> None:
+    """Place experts for a VRAM budget and show the bill (no GPU needed with --vram)."""
+    from ..native import devices
+    from ..runs import session
+    from ..errors import SparkError, UsageError
+    from ..core.options import context_size
+    from ..core.trace import RoutingTrace
+
+    from ..files.atomic import check_output
+    from ..core.planner import AUTO_POLICY, held_out_check, plan_for
+    from ..core.simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy
+
+    say = err_console if as_json else console
+    if output is not None:
+        check_output(output, "-o", inputs=run_inputs(model, profile=profile_path, trace=trace_path))
+    try:
+        pol = AUTO_POLICY if policy in (None, AUTO_POLICY) else canonical_policy(policy)
+    except SparkError as e:
+        raise UsageError(f"--policy {policy}: {e.message}") from None
+    if pol not in ONLINE_POLICIES + (AUTO_POLICY,):
+        raise UsageError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
+    miss_choice = parse_miss_path(miss_path)
+    card = _check_prediction_flags(objective, predict_for, host_bandwidth, host_cores, cold_hit)
+    if card is not None:
+        measure = False
+        vram_text = vram_text or f"{card.vram_gib:g}GiB"
+    if vram_text:
+        from ..core.units import parse_sizes
+
+        parse_sizes(vram_text, flag="--vram")  # a flag error before the model is read
+    path = model_or_demo(model)
+    geometry = session.open_geometry(path)
+    # NOTE: --vram needs no device; a device (when there is one) measures the bill
+    devs = _devices(flags, vram_text, measure)
+    sel = devices.parse(flags.device, flags.rpc)
+    budget = session.resolve_budget(vram_text, devs, () if devs or sel.cpu_only else tuple(sel.names or ()))
+    ctx = context_size(flags.ctx_size, geometry.context_length)
+    if not geometry.known_family:
+        say.print(f"[yellow]warning:[/] architecture {geometry.arch!r} is not in models.toml: experts "
+                  "found from tensor names only; check the placement")
+    if geometry.context_length and ctx > geometry.context_length:
+        say.print(f"[yellow]warning:[/] --ctx-size {ctx} is beyond the model's trained context "
+                  f"{geometry.context_length}")
+
+    info = session.load_profile(path, geometry, profile_path)
+    if info.warning():
+        say.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
+    trace = RoutingTrace.load(trace_path, expect_fingerprint=geometry.fingerprint,
+                              expect_shape=(geometry.n_layer, geometry.n_expert)) if trace_path else None
+    info, routing = _routing(info, geometry, trace, trace_path)
+    # NOTE: the same request chat and serve make for --vram (session.resolve_placement)
+    costs = _costs(card, geometry, devs, flags, host_bandwidth, host_cores)
+    req = session.plan_request(info, budget.bytes, ctx, trace=trace, policy=pol, miss_path=miss_choice,
+                               split=session.resolve_split(flags, budget), costs=costs, objective=objective,
+                               **session.kv_settings(flags))
+    req = replace(req, assumed_cold_hit=cold_hit)
+    replay_src = f"the trace {trace_path.name}" if trace_path else "the profile's recent decode steps"
+    from ..runs import dry_run, host_ram
+
+    placed = plan_for(geometry, req, dry_run.measurer(path, geometry, flags, ctx) if devs and measure else None)
+    plan = placed.plan
+    ram_warning = host_ram.check(plan, flags)
+    if ram_warning:
+        say.print(f"[yellow]warning:[/] {ram_warning}", soft_wrap=True)
+    priced = DEFAULT_POLICY if pol == AUTO_POLICY else pol  # auto prices with the default, then picks
+    check_result = held_out_check(geometry, replace(req, policy=plan.policy)) \
+        if check and placed.replay_steps and not as_json else None
+    if pol == AUTO_POLICY:
+        say.print(policy_line(plan), soft_wrap=True)
+
+    if output is not None:
+        _save(plan, output)
+    if as_json:
+        typer.echo(plan.to_json())
+        if output is not None:
+            say.print(f"wrote {output}")
+        return
+
+    _print_plan(path, geometry, routing, placed, budget.source, trace, replay_src, priced, req, check_result,
+                host_ram.host_ram(plan))
+    if output is not None:
+        console.print(f"wrote {output} (use it with --plan {output})")
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("plan", cls=SparkCommand)
-    @model_flags
-    def plan_cmd(
-        model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)",
-                                     show_default=False),
-        vram_text: str = typer.Option(None, "--vram", help="device budget, e.g. 16GiB (default: the device's "
-                                      "free memory minus a margin; required without a GPU)"),
-        profile_path: Path = typer.Option(None, "--profile", help="routing profile (default: the one beside "
-                                          "the model; a uniform prior when there is none)"),
-        trace_path: Path = typer.Option(None, "--trace", help="routing trace .npz to replay (default: the "
-                                        "profile's ring of recent decode steps)"),
-        policy: str = typer.Option("auto", "--policy", help="cache policy the plan is priced for and records: "
-                                   "lru, lfu-aged, slru, tinylfu, or auto (replay the trace through each with "
-                                   "the plan's slots and keep the best)"),
-        miss_path: str = typer.Option("auto", "--miss-path", help="the miss path the plan is priced for and "
-                                      "records (auto and upload hold staging slices for misses uploaded for one step); chat "
-                                      "and serve's --miss-path overrides it. " + MISS_PATH_HELP),
-        measure: bool = typer.Option(True, "--measure/--no-measure", help="measure the bill with a dry run "
-                                     "(llama.cpp no_alloc) on the device and fit the plan to it; needs a device "
-                                     "(-dev, --rpc or a local GPU)"),
-        check: bool = typer.Option(True, "--check/--no-check", help="print the held-out check (plan on 70%% "
-                                   "of the replayed steps, predict the rest)"),
-        output: Path = typer.Option(None, "--output", "-o", help="write the plan JSON here (for --plan)"),
-        as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
-        objective: str = typer.Option("decode", "--objective", help="the time a plan minimises when it is priced "
-                                      "in time: decode (tg) or prompt (pp)"),
-        predict_for: str = typer.Option(None, "--predict-for", help="price the plan for a card that is not at hand, "
-                                        "from its published figures (e.g. rtx-4060-ti-16gb; an unknown name lists "
-                                        "them); --vram defaults to its memory"),
-        host_bandwidth: float = typer.Option(None, "--host-bandwidth", help="with --predict-for: the host's memory "
-                                             "bandwidth in GB/s (default 60: dual-channel DDR5)"),
-        host_cores: int = typer.Option(None, "--host-cores", help="with --predict-for: the host's CPU cores "
-                                       "(default: this machine's)"),
-        cold_hit: float = typer.Option(None, "--cold-hit", help="without a profile: the share of routed experts "
-                                       "a cached layer misses with k slots, assumed (0-1; default: the uniform "
-                                       "prior's)"),
-        flags: LoadFlags = None,
-    ) -> None:
-        """Place experts for a VRAM budget and show the bill (no GPU needed with --vram)."""
-        from ..native import devices
-        from ..runs import session
-        from ..errors import SparkError, UsageError
-        from ..core.options import context_size
-        from ..core.trace import RoutingTrace
-
-        from ..files.atomic import check_output
-        from ..core.planner import AUTO_POLICY, held_out_check, plan_for
-        from ..core.simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy
-
-        say = err_console if as_json else console
-        if output is not None:
-            check_output(output, "-o", inputs=run_inputs(model, profile=profile_path, trace=trace_path))
-        try:
-            pol = AUTO_POLICY if policy in (None, AUTO_POLICY) else canonical_policy(policy)
-        except SparkError as e:
-            raise UsageError(f"--policy {policy}: {e.message}") from None
-        if pol not in ONLINE_POLICIES + (AUTO_POLICY,):
-            raise UsageError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
-        miss_choice = parse_miss_path(miss_path)
-        card = _check_prediction_flags(objective, predict_for, host_bandwidth, host_cores, cold_hit)
-        if card is not None:
-            measure = False
-            vram_text = vram_text or f"{card.vram_gib:g}GiB"
-        if vram_text:
-            from ..core.units import parse_sizes
-
-            parse_sizes(vram_text, flag="--vram")  # a flag error before the model is read
-        path = model_or_demo(model)
-        geometry = session.open_geometry(path)
-        # NOTE: --vram needs no device; a device (when there is one) measures the bill
-        devs = _devices(flags, vram_text, measure)
-        sel = devices.parse(flags.device, flags.rpc)
-        budget = session.resolve_budget(vram_text, devs, () if devs or sel.cpu_only else tuple(sel.names or ()))
-        ctx = context_size(flags.ctx_size, geometry.context_length)
-        if not geometry.known_family:
-            say.print(f"[yellow]warning:[/] architecture {geometry.arch!r} is not in models.toml: experts "
-                      "found from tensor names only; check the placement")
-        if geometry.context_length and ctx > geometry.context_length:
-            say.print(f"[yellow]warning:[/] --ctx-size {ctx} is beyond the model's trained context "
-                      f"{geometry.context_length}")
-
-        info = session.load_profile(path, geometry, profile_path)
-        if info.warning():
-            say.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
-        trace = RoutingTrace.load(trace_path, expect_fingerprint=geometry.fingerprint,
-                                  expect_shape=(geometry.n_layer, geometry.n_expert)) if trace_path else None
-        info, routing = _routing(info, geometry, trace, trace_path)
-        # NOTE: the same request chat and serve make for --vram (session.resolve_placement)
-        costs = _costs(card, geometry, devs, flags, host_bandwidth, host_cores)
-        req = session.plan_request(info, budget.bytes, ctx, trace=trace, policy=pol, miss_path=miss_choice,
-                                   split=session.resolve_split(flags, budget), costs=costs, objective=objective,
-                                   **session.kv_settings(flags))
-        req = replace(req, assumed_cold_hit=cold_hit)
-        replay_src = f"the trace {trace_path.name}" if trace_path else "the profile's recent decode steps"
-        from ..runs import dry_run, host_ram
-
-        placed = plan_for(geometry, req, dry_run.measurer(path, geometry, flags, ctx) if devs and measure else None)
-        plan = placed.plan
-        ram_warning = host_ram.check(plan, flags)
-        if ram_warning:
-            say.print(f"[yellow]warning:[/] {ram_warning}", soft_wrap=True)
-        priced = DEFAULT_POLICY if pol == AUTO_POLICY else pol  # auto prices with the default, then picks
-        check_result = held_out_check(geometry, replace(req, policy=plan.policy)) \
-            if check and placed.replay_steps and not as_json else None
-        if pol == AUTO_POLICY:
-            say.print(policy_line(plan), soft_wrap=True)
-
-        if output is not None:
-            _save(plan, output)
-        if as_json:
-            typer.echo(plan.to_json())
-            if output is not None:
-                say.print(f"wrote {output}")
-            return
-
-        _print_plan(path, geometry, routing, placed, budget.source, trace, replay_src, priced, req, check_result,
-                    host_ram.host_ram(plan))
-        if output is not None:
-            console.print(f"wrote {output} (use it with --plan {output})")
+    app.command("plan", cls=SparkCommand)(plan_cmd)

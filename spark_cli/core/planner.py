@@ -934,7 +934,7 @@ class PlanRequest:
     profile_counts: np.ndarray | None = field(default=None, compare=False)  # [n_layer, n_expert]; None: uniform
     trace: Any = field(default=None, compare=False)  # RoutingTrace to replay: --trace, else the profile's ring
     policy: str = DEFAULT_POLICY  # simulator.ONLINE_POLICIES
-    miss_path: str = "auto"  # recorded in the plan; cpu and auto replay the cpu path, upload and layer the upload path
+    miss_path: MissPath = MissPath.AUTO  # recorded in the plan; cpu and auto replay the cpu path, upload and layer the upload path
     max_admit: int | None = None  # cpu path admissions per decode step (None: k)
     compute_bytes: int | tuple[int, ...] | None = None  # measured compute buffers per device (the fit loop's); None: estimate
     n_parallel: int = 1  # -np: sequences the KV cache and recurrent state hold

@@ -45,6 +45,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from ..core import planner, units, vram
+from ..core.simulator import MissPath
 from ..core.trace import DECODE
 from ..native.engine import CacheLayer, CacheStats, Engine, EngineOptions
 from ..native.generate import BatchLoop, Decoding, GenerationStep, Greedy, StepShape, StopRules
@@ -121,7 +122,7 @@ class Config:
     planned_bytes: int = 0
     over_budget: bool = False  # the ceiling, run beyond the budget as a reference
     plan: planner.Plan | None = field(default=None, repr=False)
-    miss_path: str = "auto"  # spark: auto | cpu | upload (see miss_path.py)
+    miss_path: MissPath = MissPath.AUTO  # spark: auto | cpu | upload (see miss_path.py)
     predicted: Prediction | None = None  # the cost model's, with the device's costs (None: no costs)
 
     def key(self) -> tuple:
@@ -187,7 +188,7 @@ def make_configs(g: ModelGeometry, budget: int, n_ctx: int, names: Sequence[str]
             plan = {"spark-step": plan_step, "spark": plan_cache, "spark-layer": plan_layer}[name]
             label = {"spark-step": "Spark, step slots", "spark": "Spark + cache",
                      "spark-layer": "Spark, per-layer misses"}[name]
-            c = Config(name, label, "spark", miss_path="layer" if name == "spark-layer" else "auto")
+            c = Config(name, label, "spark", miss_path=MissPath.LAYER if name == "spark-layer" else MissPath.AUTO)
             if isinstance(plan, planner.Plan):
                 c.plan, c.planned_bytes = plan, plan.breakdown["total"]
                 c.cache_layers = tuple(CacheLayer(l.index, l.slots, tuple(l.pinned), policy=plan.policy)
@@ -793,7 +794,7 @@ def copy_result(cfg: Config, other: Result) -> Result:
 
 def run(report: "Report", base: EngineOptions, documents: Sequence, names: Sequence[str], *, ceiling: bool = False,
         learn: bool = True, progress: Progress | None = None, status: Callable[[str], None] | None = None,
-        miss_path: str = "auto", say: Callable[[str], None] | None = None) -> None:
+        miss_path: MissPath = MissPath.AUTO, say: Callable[[str], None] | None = None) -> None:
     """Tokenize the corpus and trace routing on held-out prompts (CPU), plan the Spark
     configurations from the profile plus that trace (one planner.plan_for call: "spark" is its
     plan, "spark-step" its pins+k candidate), then measure every configuration.
@@ -849,7 +850,7 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
             placed = planner.plan_for(g, req)
             plan_step, plan_cache = placed.candidate("pins+k"), placed.plan
             if "spark-layer" in names:  # the same request under the per-layer rule (no staging slices)
-                plan_layer = planner.plan_for(g, dataclasses.replace(req, miss_path="layer")).plan
+                plan_layer = planner.plan_for(g, dataclasses.replace(req, miss_path=MissPath.LAYER)).plan
         except PlanError as e:
             plan_step = plan_cache = plan_layer = e
     status("measuring")

@@ -24,7 +24,7 @@ from ..core import planner
 from ..core.cost_model import DeviceCosts, Sample, fit
 from ..core.gguf_info import ModelGeometry
 from ..core.placement import cached_expert_overrides
-from ..core.simulator import DEFAULT_POLICY
+from ..core.simulator import DEFAULT_POLICY, MissPath
 from ..errors import SparkError
 from ..files.atomic import atomic_write_text
 from ..native import devices
@@ -109,7 +109,7 @@ def probes(g: ModelGeometry, free_bytes: int, fixed_bytes: int) -> list[Probe]:
 
 def _options(base: EngineOptions, g: ModelGeometry, p: Probe) -> EngineOptions:
     k = g.n_expert_used
-    cache = [CacheLayer(il, k, (), miss_path=mp.initial_path("auto"), policy=DEFAULT_POLICY) for il in p.cached]
+    cache = [CacheLayer(il, k, (), miss_path=mp.initial_path(MissPath.AUTO), policy=DEFAULT_POLICY) for il in p.cached]
     return dataclasses.replace(
         base, host_layers=list(p.host), cache_layers=cache,
         stage_slices=planner.stage_slices(g.n_expert, k, "auto") if p.cached else 0,
