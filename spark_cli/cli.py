@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import typer
 
-from .errors import SparkError
+from .commands import bench, chat, demo, plan, profile, serve, system
+from .commands.runner import print_error, run_argv
+from .native import faults
+from .native.version import version_line
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -23,8 +25,6 @@ app = typer.Typer(
 
 def _show_version(value: bool) -> None:
     if value:
-        from .native.version import version_line
-
         typer.echo(version_line())
         raise typer.Exit(0)
 
@@ -45,8 +45,6 @@ def _register() -> None:
     if _registered:
         return
     _registered = True
-    from .commands import bench, chat, demo, plan, profile, serve, system
-
     system.register(app)
     demo.register(app)
     profile.register(app)
@@ -56,45 +54,11 @@ def _register() -> None:
     serve.register(app)
 
 
-def print_error(line: str) -> None:
-    from rich.console import Console
-    from rich.text import Text
-
-    Console(stderr=True, highlight=False).print(Text("error:", style="bold red") + Text(" " + line), soft_wrap=True)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: one red line and exit code 2 for a SparkError (SPARK_DEBUG=1: traceback)."""
+    """Entry point: every command registered, then the command line through run_argv's error boundary."""
     _register()
-    from .native import faults
-
     faults.set_printer(print_error)
-    from .commands.common import unalias
-
-    argv = unalias(list(sys.argv[1:] if argv is None else argv))
-    try:
-        rv = app(args=argv, standalone_mode=False)  # typer.Exit(code) comes back as rv
-    except SparkError as e:
-        if os.environ.get("SPARK_DEBUG"):
-            raise
-        print_error(e.one_line())
-        return e.exit_code
-    except typer.Abort:
-        print("aborted", file=sys.stderr)
-        return 130
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except SystemExit as e:
-        return int(e.code or 0)
-    except Exception as e:  # usage errors arrive here in standalone_mode=False
-        # NOTE: typer >= 0.20 vendors click (typer._click): duck-type its exceptions
-        show, code = getattr(e, "show", None), getattr(e, "exit_code", None)
-        if callable(show) and isinstance(code, int):
-            show()
-            return code
-        raise
-    return rv if isinstance(rv, int) else 0
+    return run_argv(typer.main.get_command(app), list(sys.argv[1:] if argv is None else argv))
 
 
 def run() -> None:

@@ -356,7 +356,6 @@ def _run_bench(model, budget, monkeypatch, capsys, tmp_path) -> None:
 def _run_demo(model, budget, monkeypatch, capsys, tmp_path) -> None:
     """spark demo places through its plan and bench steps (bench's own path is the bench row):
     the plan step runs for real, the other steps are recorded."""
-    from spark_cli import cli
     from spark_cli.commands import demo as demo_cmd
     from spark_cli.commands import plan as plan_cmd
     from spark_cli.runs import demo_model
@@ -370,20 +369,20 @@ def _run_demo(model, budget, monkeypatch, capsys, tmp_path) -> None:
     monkeypatch.setenv("SPARK_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(demo_model, "build_demo_model", lambda **kw: model)
     run = cli_runner(monkeypatch, capsys, "demo", both)
-    real_main, steps = cli.main, []
+    real_run, steps = demo_cmd.run_argv, []
 
-    def main(argv):
+    def run_step(root, argv):
         steps.append(argv[0])
-        if argv[0] in ("demo", "plan"):
-            return real_main(argv)
+        if argv[0] == "plan":
+            return real_run(root, argv)
         if argv[0] == "profile":  # the routing trace the plan step replays
             _drifting_trace(load_geometry(model), 60).save(argv[argv.index("--trace") + 1])
         return 0
 
-    monkeypatch.setattr(cli, "main", main)
+    monkeypatch.setattr(demo_cmd, "run_argv", run_step)
     rc, _, err = run("--rpc", "127.0.0.1:1", "--quick")
     assert rc == 0, err
-    assert steps == ["demo", "profile", "plan", "chat", "bench"]
+    assert steps == ["profile", "plan", "chat", "bench"]
 
 
 PLACING = [

@@ -12,11 +12,25 @@ from typing import TYPE_CHECKING
 import typer
 from rich.markup import escape
 
-from ..core.options import LoadFlags
+from ..core.options import LoadFlags, context_size
 from ..core.simulator import MissPath
-from .common import MISS_PATH_HELP, parse_miss_path, console, err_console, model_flags, model_or_demo, run_inputs
+from ..errors import SaveError, SparkError, UsageError
+from ..files.atomic import atomic_write_bytes, atomic_write_text, check_output
+from ..files.corpus import bundled_corpus, read_corpus
+from ..files.recovery import save_or_recover
+from ..native import devices, faults, rpc as rpc_mod
+from ..runs import bench, session
+from ..runs.bench import (ParallelResult, accounting_rows, footnotes, parallel_rows, prediction_rows, speed_rows,
+                          stop_rows, to_markdown)
+from .common import MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, parse_miss_path, run_inputs
 from .help import SparkCommand
+from .render_plan import fmt_bytes
 from .tables import Whole
+from rich.table import Table
+from rich.text import Text
+import numpy as np
+import io
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -30,8 +44,6 @@ if TYPE_CHECKING:
 def _budget(vram_text: str | None, residency: float | None, geometry, ctx: int, devs: list,
             kv: dict | None = None) -> tuple[int, str]:
     """--vram, else --residency with the run's -ctk/-ctv/-ub (kv: session.kv_settings), else the device's."""
-    from ..runs import bench, session
-    from ..errors import UsageError
 
     if vram_text and residency is not None:
         raise UsageError("--vram and --residency: give one of them")
@@ -71,7 +83,6 @@ def parallel_caption(n: int) -> str:
 def _rich_table(title: str, caption: str, data: list[dict[str, str]]) -> "Table":
     """An empty table with the columns of display rows `data` (the first left-aligned, the rest
     right), each at least as wide as its header's longest word: rich wraps a header, never cuts it."""
-    from rich.table import Table
 
     t = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     for col in data[0] if data else []:
@@ -82,7 +93,6 @@ def _rich_table(title: str, caption: str, data: list[dict[str, str]]) -> "Table"
 
 def speed_table(report: "Report") -> "Table":
     """(a) prompt and generation tok/s and the ratios; a configuration that did not run is dim."""
-    from ..runs.bench import speed_rows
 
     data = speed_rows(report)
     t = _rich_table(f"spark bench: {report.model.name} on {report.device}", SPEED_CAPTION, data)
@@ -93,7 +103,6 @@ def speed_table(report: "Report") -> "Table":
 
 def accounting_table(report: "Report") -> "Table":
     """(b) the per-token accounting: per generated token (tg), then per prompt token (pp), each configuration."""
-    from ..runs.bench import accounting_rows
 
     data = accounting_rows(report)
     t = _rich_table("per-token accounting", ACCOUNTING_CAPTION, data)
@@ -116,21 +125,18 @@ def _filled_table(title: str, caption: str, data: list[dict[str, str]]) -> "Tabl
 
 def prediction_table(report: "Report") -> "Table":
     """Predicted beside measured tok/s for every configuration the cost model priced."""
-    from ..runs.bench import prediction_rows
 
     return _filled_table("predicted and measured", PREDICTION_CAPTION, prediction_rows(report))
 
 
 def stops_table(report: "Report") -> "Table":
     """A decode token's stops and their round trips, each configuration."""
-    from ..runs.bench import stop_rows
 
     return _filled_table("stops and round trips per decode token", STOPS_CAPTION, stop_rows(report))
 
 
 def parallel_table(report: "Report") -> "Table":
     """(c) -np N: N sequences decoded together against one after another."""
-    from ..runs.bench import parallel_rows
 
     data = parallel_rows(report)
     t = _rich_table(f"{report.n_parallel} sequences: together against one after another",
@@ -165,7 +171,6 @@ def _parallel_lines(report) -> list[str]:
 
 
 def _summary_lines(report) -> list[str]:
-    from .render_plan import fmt_bytes
 
     g = report.geometry
     out = [f"budget {fmt_bytes(report.budget_bytes)} ({report.budget_source}); "
@@ -195,7 +200,6 @@ def _summary_lines(report) -> list[str]:
         out.append("generated tokens: Spark's equal the all-resident run's" if same else
                    "[yellow]generated tokens: Spark's differ from the all-resident run's[/]")
     out += _parallel_lines(report)
-    from ..runs.bench import footnotes
 
     return footnotes(report) + out + list(report.notes)
 
@@ -215,9 +219,6 @@ def print_report(report: "Report", to: "Console") -> None:
 
 
 def _write_outputs(report, as_json: bool, json_path: Path | None, md: bool, plot: Path | None) -> None:
-    from ..files.atomic import atomic_write_text
-    from ..runs.bench import to_markdown
-    from ..files.recovery import save_or_recover
 
     report.finalize()
     if as_json:
@@ -239,8 +240,6 @@ def _write_outputs(report, as_json: bool, json_path: Path | None, md: bool, plot
 
 def _keep_partial(report, json_path: Path | None, learn: bool) -> str | None:
     """The device was lost mid-bench: write the partial report and fold the routing measured so far."""
-    from ..files.atomic import atomic_write_text
-    from ..errors import SparkError
 
     report.interrupted = True
     report.notes.append("device lost: what was measured before it")
@@ -260,7 +259,6 @@ def _keep_partial(report, json_path: Path | None, learn: bool) -> str | None:
 
 
 def _plain(line: str) -> str:
-    from rich.text import Text
 
     return Text.from_markup(line).plain
 
@@ -287,10 +285,8 @@ def _speed_panel(ax: "Axes", done: list["Result"], what: str, xlabel: str) -> No
 def _parallel_panel(ax: "Axes", done: list["Result"], n: int, ylim: tuple[float, float]) -> None:
     """-np N: two bars per configuration, aggregate generation tok/s together (solid) and one
     after another (hatched), medians; rows level with the other panels' (ylim)."""
-    import numpy as np
 
     def med(runs) -> float:
-        from ..runs.bench import ParallelResult
 
         s = ParallelResult.spread(runs)
         return s.median if s is not None else 0.0
@@ -341,12 +337,9 @@ def speed_figure(report: "Report") -> "Figure":
 
 
 def _plot(report: "Report", path: Path) -> None:
-    import io
 
     import matplotlib.pyplot as plt
 
-    from ..files.atomic import atomic_write_bytes
-    from ..files.recovery import save_or_recover
 
     fig = speed_figure(report)
     buf = io.BytesIO()
@@ -391,13 +384,6 @@ def bench_cmd(
     after the usual single-sequence runs, each repetition also decodes N corpus prompts (-n tokens
     each) one after another and then all N together in one batch: aggregate generation tok/s of
     both, their ratio, and the cache's hit rate and uploads per token (a third table and panel)."""
-    from ..runs import bench, session
-    from ..native import devices, faults
-    from ..native import rpc as rpc_mod
-    from ..files.atomic import check_output
-    from ..files.corpus import bundled_corpus, read_corpus
-    from ..errors import SparkError, UsageError
-    from ..core.options import context_size
 
     miss_choice = parse_miss_path(miss_path)
     names = bench.parse_config_names(configs)
@@ -456,9 +442,7 @@ def register(app: typer.Typer) -> None:
 
 def _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot,
          miss_path: MissPath = MissPath.AUTO) -> None:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..runs import bench
 
     progress = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("tokens"), TimeElapsedColumn(), console=err_console)
@@ -492,8 +476,6 @@ def _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot,
 
 def _fold(report, learn: bool) -> None:
     """Self-tuning: the decode routing of the Spark run joins the model's profile."""
-    from ..runs import bench, session
-    from ..errors import SaveError
 
     if not learn:
         return

@@ -15,8 +15,16 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..core.options import LoadFlags
-from .common import JINJA_HELP, MISS_PATH_HELP, parse_miss_path, TEMPLATE_FILE_HELP, chat_templates, console, err_console, model_flags, model_or_demo
+from ..errors import SparkError, UsageError
+from ..files.text_input import read_stream, replaced_note, utf8_text
+from ..native.expert_cache import CacheStats
+from ..runs import session
+from ..runs.chat_session import ChatSession, Sampling
+from ..runs.run import engine_run
+from .common import (JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, console, err_console, model_flags,
+                     model_or_demo, parse_miss_path)
 from .help import SparkCommand
+from .render_plan import fmt_bytes
 from .tables import Whole
 
 HELP = ("/stats  per-layer cache table    /reset  forget the conversation    /system TEXT  set the system prompt\n"
@@ -55,7 +63,6 @@ class _VramMeter:
 
 
 def _fmt_bytes(n: int | None) -> str:
-    from .render_plan import fmt_bytes
 
     return "-" if n is None else fmt_bytes(n)
 
@@ -134,7 +141,6 @@ def stats_table(chat, plan) -> Table | str:
                  "upload ms", "syncs", "blocking", "async", "CPU experts", "CPU bytes", "steps cached", "steps stock"):
         t.add_column(name, justify="right")
     paths = chat.engine.miss_paths()
-    from ..native.expert_cache import CacheStats
 
     def row(label, s, pinned="", lru="", path=""):
         hr = s.hit_rate
@@ -163,7 +169,6 @@ def _interactive(chat, plan, model_name: str) -> None:
         import readline  # noqa: F401 - line editing and history for input()
     except ImportError:
         pass
-    from ..files.text_input import replaced_note, utf8_text
 
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdin.reconfigure(errors="surrogateescape")  # a non-UTF-8 line is replaced, not an exception
@@ -222,7 +227,6 @@ def _interactive(chat, plan, model_name: str) -> None:
 
 
 def _answer(chat, text: str, interactive: bool, stream: bool = True):
-    from ..errors import SparkError
 
     stop = threading.Event()
 
@@ -291,9 +295,6 @@ def chat_cmd(
     flags: LoadFlags = None,
 ) -> None:
     """Chat with a model on the planned placement; --prompt answers once (for scripts)."""
-    from ..runs import session
-    from ..runs.chat_session import ChatSession, Sampling
-    from ..runs.run import engine_run
 
     _check_flags(as_json, prompt, n_predict)
     miss_choice = parse_miss_path(miss_path_choice) if miss_path_choice is not None else None
@@ -357,7 +358,6 @@ def register(app: typer.Typer) -> None:
 
 
 def _check_flags(as_json: bool, prompt: str | None, n_predict: int) -> None:
-    from ..errors import UsageError
 
     if as_json and prompt is None:
         raise UsageError("--json needs --prompt", hint="spark chat MODEL --prompt 'text' --json")
@@ -367,7 +367,6 @@ def _check_flags(as_json: bool, prompt: str | None, n_predict: int) -> None:
 
 def _texts(prompt: str | None, system: str | None) -> tuple[str | None, str | None]:
     """--prompt ('-': stdin) and --system-prompt as text; bytes that are not UTF-8 are replaced, with a warning."""
-    from ..files.text_input import read_stream, replaced_note, utf8_text
 
     bad = {}
     if prompt == "-":
@@ -384,8 +383,6 @@ def _texts(prompt: str | None, system: str | None) -> tuple[str | None, str | No
 
 def _keep(path: Path, geometry, chat, say) -> str | None:
     """The device died mid-session: fold what was learned (a faults keeper's line)."""
-    from ..errors import SparkError
-    from ..runs import session
 
     chat.harvest_now()
     try:
@@ -397,8 +394,6 @@ def _keep(path: Path, geometry, chat, say) -> str | None:
 
 def _fold_at_exit(path: Path, geometry, chat, say):
     """Fold the session's routing at exit; the SaveError (counts kept in a side file it names), or None."""
-    from ..errors import SparkError
-    from ..runs import session
 
     try:
         n = _fold(path, geometry, chat, say)
@@ -412,7 +407,6 @@ def _fold_at_exit(path: Path, geometry, chat, say):
 def _fold(path: Path, geometry, chat, say, timeout: float | None = None) -> int:
     """Self-tuning: add the session's decode routing to the profile (locked, atomic), once.
     Returns the decode tokens folded; a failed save raises SaveError naming the side file."""
-    from ..runs import session
 
     counts, tokens = chat.learned.counts, chat.learned.tokens
     if counts is None or counts.sum() <= 0:

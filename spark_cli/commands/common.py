@@ -10,7 +10,9 @@ from typing import Any, Callable, List, Optional
 import typer
 from rich.console import Console
 
+from ..core.chat_template import TemplateSet, from_file
 from ..core.options import DEFAULT_CTX, LoadFlags
+from ..core.profile import profile_path_for
 from ..core.simulator import MissPath
 from ..errors import UsageError
 
@@ -135,7 +137,6 @@ def model_or_demo(model: Path | None) -> Path:
 def run_inputs(model: Path | None, *, profile: Path | None = None, plan: Path | None = None,
                trace: Path | None = None, corpus: Path | None = None) -> list[tuple[str, Path | None]]:
     """The files a run reads, for `check_output(..., inputs=)`: no output may replace one of them."""
-    from ..core.profile import profile_path_for
 
     return [("model", model), ("profile", profile if profile is not None else
                                 (profile_path_for(model) if model is not None else None)),
@@ -162,7 +163,6 @@ JINJA_HELP = "render the GGUF's Jinja chat template (the default when it has one
 
 def chat_templates(template_file: Path | None, jinja: bool):
     """--chat-template-file / --jinja as the engine's TemplateSet (None: the GGUF's own)."""
-    from ..core.chat_template import TemplateSet, from_file
 
     if template_file is not None:
         return from_file(template_file)

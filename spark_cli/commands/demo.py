@@ -11,9 +11,18 @@ from typing import Callable
 import typer
 from rich.markup import escape
 
+from ..core.gguf_info import load_geometry
+from ..core.planner import Plan
+from ..core.units import fmt_bytes
 from ..errors import UsageError
+from ..files.atomic import check_folder
+from ..files.corpus import bundled_corpus
+from ..files.paths import spark_home
+from ..native.rpc import RpcServer
+from ..runs.bench import residency_budget
 from .common import console
 from .help import SparkCommand
+from .runner import run_argv
 
 
 def demo_model_cmd(
@@ -31,7 +40,6 @@ def demo_model_cmd(
     out_dir: Path = typer.Option(None, "--out-dir", help="folder (default: $SPARK_HOME/models)"),
 ) -> None:
     """Build (or reuse) the upcycled SmolLM2 MoE demo model; prints its path on the last line."""
-    from ..files.atomic import check_folder
     from ..runs.demo_model import build_demo_model
     from ..runs.tiny_models import TINY_MODELS, build_tiny_model
 
@@ -64,7 +72,6 @@ def demo_model_cmd(
 
 def _fixture(name: str, tiny: str | None, out_dir: Path | None) -> None:
     """`--fixture NAME`: build one geometry fixture and print its path; `--fixture list`: the names."""
-    from ..core.units import fmt_bytes
     from ..runs.fixtures import FIXTURES, build_fixture, disk_bytes
 
     if tiny is not None:
@@ -109,7 +116,6 @@ def _chat_answer(spark: Callable[[list[str]], int], argv: list[str]) -> tuple[in
 
 
 def _plan_line(plan_path: Path, residency: float) -> str:
-    from ..core.planner import Plan
 
     plan = Plan.load(plan_path)
     cached = [l for l in plan.layers if l.mode == "cached"]
@@ -143,20 +149,20 @@ def closing_lines(plan_path: Path, residency: float, answer: str | None, bench_p
 
 
 def demo_cmd(
+    ctx: typer.Context,
     rpc: str = typer.Option(None, "--rpc", help="use this RPC server instead of a local stand-in GPU"),
     residency: float = typer.Option(0.6, "--residency", min=0.05, max=1.0,
                                     help="share of expert bytes the budget holds on the device"),
     quick: bool = typer.Option(False, "--quick", help="shorter profile and bench (for smoke tests)"),
 ) -> None:
     """The main job on the demo model: profile -> plan -> one answer -> bench against stock offload."""
-    from ..runs.bench import residency_budget
-    from ..cli import main as spark
-    from ..files.corpus import bundled_corpus
     from ..runs.demo_model import build_demo_model
-    from ..core.gguf_info import load_geometry
-    from ..files.paths import spark_home
-    from ..native.rpc import RpcServer
     from ..native.devices import local_gpus
+
+    root = ctx.find_root().command
+
+    def spark(argv: list[str]) -> int:  # each step as its own command line, through the same error boundary
+        return run_argv(root, argv)
 
     out = spark_home() / "demo"
     out.mkdir(parents=True, exist_ok=True)

@@ -8,10 +8,23 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from ..core.options import LoadFlags
-from .common import JSON_HELP, MISS_PATH_HELP, parse_miss_path, console, err_console, model_flags, model_or_demo, run_inputs
+from ..core import device_table
+from ..core.cost_model import OBJECTIVES
+from ..core.options import LoadFlags, context_size
+from ..core.planner import replay_path, replayed_miss
+from ..core.profile import RoutingProfile
+from ..core.simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy, cold_hit_rate
+from ..core.trace import RoutingTrace
+from ..errors import NativeError, SparkError, UsageError
+from ..files.atomic import check_output
+from ..native import devices
+from ..runs import dry_run, host_ram, session
+from . import render_plan
+from .common import (JSON_HELP, MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, parse_miss_path,
+                     run_inputs)
 from .help import SparkCommand
 from .tables import Whole
+import os
 
 
 def _save(plan, output: Path) -> None:
@@ -20,8 +33,6 @@ def _save(plan, output: Path) -> None:
 
 def trace_replay_line(trace, plan) -> str:
     """The plan replayed on the trace: static cold-hit, then experts off the device with its policy."""
-    from ..core.planner import replay_path, replayed_miss
-    from ..core.simulator import cold_hit_rate
 
     if trace.n_decode == 0:
         return "on the trace: no decode rows to replay"
@@ -51,8 +62,6 @@ def held_out_line(c, policy: str) -> str:
 
 def _routing(info, geometry, trace, trace_path: Path | None):
     """Where the plan's routing counts come from, in one line (a trace stands in for a missing profile)."""
-    from ..core.profile import RoutingProfile
-    from ..runs import session
 
     if info.profile is not None:
         p = info.profile
@@ -67,7 +76,6 @@ def _routing(info, geometry, trace, trace_path: Path | None):
 
 def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, replay_src: str, pol: str, req,
                 check_result, host) -> None:
-    from . import render_plan
 
     plan = placed.plan
     console.print(f"[bold]{path.name}[/]: {g.arch}, {g.n_layer} layers, {len(g.moe_layers)} MoE, "
@@ -99,8 +107,6 @@ def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, 
 def _devices(flags: LoadFlags, vram_text: str | None, measure: bool) -> list:
     """The devices to plan for: -dev/--rpc or the local GPU; with --vram and no -dev/--rpc, none when
     llama.cpp cannot be loaded (the estimate alone) or --no-measure."""
-    from ..errors import NativeError
-    from ..native import devices
 
     if vram_text and not measure:
         return []
@@ -115,9 +121,6 @@ def _devices(flags: LoadFlags, vram_text: str | None, measure: bool) -> list:
 def _check_prediction_flags(objective: str, predict_for: str | None, host_bandwidth: float | None,
                             host_cores: int | None, cold_hit: float | None):
     """The flags of a plan priced in time, checked before the model is read; the --predict-for card."""
-    from ..core import device_table
-    from ..core.cost_model import OBJECTIVES
-    from ..errors import UsageError
 
     if objective not in OBJECTIVES:
         raise UsageError(f"--objective: unknown objective {objective!r}", hint="use " + " or ".join(OBJECTIVES))
@@ -141,10 +144,7 @@ def _check_prediction_flags(objective: str, predict_for: str | None, host_bandwi
 def _costs(card, geometry, devs: list, flags: LoadFlags, host_bandwidth: float | None, host_cores: int | None):
     """The device costs a plan is priced with: a card's published figures (--predict-for), else those
     `spark bench` measured for the device, model and -t; None: placed by hits alone."""
-    import os
 
-    from ..core import device_table
-    from ..runs import session
 
     if card is not None:
         return device_table.predicted_costs(card, geometry, host_bandwidth or device_table.DEFAULT_HOST_GB_S,
@@ -192,15 +192,8 @@ def plan_cmd(
     flags: LoadFlags = None,
 ) -> None:
     """Place experts for a VRAM budget and show the bill (no GPU needed with --vram)."""
-    from ..native import devices
-    from ..runs import session
-    from ..errors import SparkError, UsageError
-    from ..core.options import context_size
-    from ..core.trace import RoutingTrace
 
-    from ..files.atomic import check_output
     from ..core.planner import AUTO_POLICY, held_out_check, plan_for
-    from ..core.simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy
 
     say = err_console if as_json else console
     if output is not None:
@@ -247,7 +240,6 @@ def plan_cmd(
                                **session.kv_settings(flags))
     req = replace(req, assumed_cold_hit=cold_hit)
     replay_src = f"the trace {trace_path.name}" if trace_path else "the profile's recent decode steps"
-    from ..runs import dry_run, host_ram
 
     placed = plan_for(geometry, req, dry_run.measurer(path, geometry, flags, ctx) if devs and measure else None)
     plan = placed.plan

@@ -20,13 +20,24 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
 
+from ..core import profile_store, routing_stats as rs
+from ..core.gguf_info import load_geometry
+from ..core.options import LoadFlags, context_size
+from ..core.planner import stage_slices as planned_stage_slices
+from ..core.profile import RESET_HINT, RoutingProfile, merge, profile_path_for
+from ..core.report import heatmap_png, held_out_cold_hit, layer_skew
+from ..core.simulator import ALIASES, DEFAULT_POLICY, FIXED_MISS_PATHS, LAYER_MISS_PATHS, MissCosts, POLICIES
+from ..core.trace import RoutingTrace
 from ..errors import PlanError, ProfileError, SparkError, UsageError
-from ..core.options import LoadFlags
-from ..runs.profiling import (CAPTURE_MODES, Gathered, StopFlag, _Capture, dropped_warning, gather,  # noqa: F401
-                              profiling_options, resolve_capture, split_held_out)
+from ..files.atomic import check_output, lock_timeout_default
+from ..files.corpus import CorpusError, bundled_corpus, make_chunks, read_corpus
+from ..files.recovery import save_or_recover
+from ..runs import run, session
 from .common import JSON_HELP, console, err_console, model_flags, model_or_demo, run_inputs
 from .help import SparkCommand
 from .tables import Whole
+from ..runs.profiling import (CAPTURE_MODES, Gathered, StopFlag, _Capture, dropped_warning, gather,  # noqa: F401
+                              profiling_options, resolve_capture, split_held_out)
 
 DEFAULT_RESIDENCIES = "0.4,0.6,0.8"
 
@@ -98,7 +109,6 @@ def _coverage_points(k: int, n_expert: int) -> list[int]:
 
 def skew_report(counts: np.ndarray, k: int, title: str) -> tuple[Table, dict[str, float]]:
     """Per-layer skew table and its means (entropy / max, top-k share)."""
-    from ..core.report import layer_skew
 
     counts = np.asarray(counts, dtype=np.float64)
     n_expert = counts.shape[1]
@@ -143,7 +153,6 @@ def _routing_for_report(prefill: np.ndarray, decode: np.ndarray) -> tuple[np.nda
 
 
 def held_out_report(train, test, geometry, residencies: Sequence[float]) -> Table:
-    from ..core.report import held_out_cold_hit
 
     bpe = {l.index: l.expert_bytes_per_expert for l in geometry.layers if l.is_moe}
     t = Table(title=f"held-out cold-hit ({train.n_rows:,} train rows, {test.n_rows:,} test rows, "
@@ -190,7 +199,6 @@ def run_cmd(
     residencies = _parse_floats(residency, "--residency", 0.0, 1.0)
     if capture not in CAPTURE_MODES:
         raise UsageError(f"--capture {capture}: expected one of {', '.join(CAPTURE_MODES)}")
-    from ..files.atomic import check_output
 
     inputs = run_inputs(model, profile=profile, corpus=corpus)
     for flag, out in (("--trace", trace), ("--plot", plot)):  # before the run, not after it
@@ -235,11 +243,6 @@ class _ProfileJob:
 def _prepare(model: Path, corpus: Path | None, gen: int, profile: Path | None, reset: bool, flags: LoadFlags,
              say) -> _ProfileJob:
     """Everything a run can refuse before it loads the model: context, profile, corpus."""
-    from ..core import profile_store
-    from ..core.gguf_info import load_geometry
-    from ..core.options import context_size
-    from ..core.profile import RESET_HINT, RoutingProfile, profile_path_for
-    from ..files.corpus import bundled_corpus, read_corpus
 
     geometry = load_geometry(model, require_moe=True)
     ctx = context_size(flags.ctx_size, geometry.context_length)
@@ -267,7 +270,6 @@ def _prepare(model: Path, corpus: Path | None, gen: int, profile: Path | None, r
 
 
 def _chunks(job: _ProfileJob, engine) -> list:
-    from ..files.corpus import CorpusError, make_chunks
 
     prefix = engine.tokenize("", add_special=True)
     chunks = list(make_chunks(
@@ -282,7 +284,6 @@ def _chunks(job: _ProfileJob, engine) -> list:
 
 def _keep_on_loss(job: _ProfileJob, g: Gathered):
     """The device died: fold the chunks done so far (a faults keeper)."""
-    from ..core import profile_store
 
     def keep() -> str | None:
         if g.tokens == 0:
@@ -301,7 +302,6 @@ def _gather_corpus(job: _ProfileJob, flags: LoadFlags, capture: str, gen: int, *
                    full_trace: bool, say) -> tuple[Gathered, int, str]:
     """The run sequence of profiling: open the engine, chunk the corpus, gather under the
     device-loss keeper with a progress bar (Ctrl-C keeps what was gathered)."""
-    from ..runs import run, session
 
     geometry = job.geometry
     mode = resolve_capture(capture)
@@ -343,8 +343,6 @@ def _gather_corpus(job: _ProfileJob, flags: LoadFlags, capture: str, gen: int, *
 
 def _save_profile(job: _ProfileJob, g: Gathered, n_chunks: int, failures: list, say):
     """Fold the run (counts and its recent decode steps) into the profile; a failure is kept for the end."""
-    from ..core import profile_store
-    from ..files.atomic import lock_timeout_default
 
     ident = job.geometry.identity()
     source = f"profile {job.corpus_path.name}" + (" (interrupted)" if g.interrupted else "")
@@ -373,7 +371,6 @@ def _save_profile(job: _ProfileJob, g: Gathered, n_chunks: int, failures: list, 
 def _report_run(job: _ProfileJob, g: Gathered, trace: Path | None, held_out: float, residencies, failures: list,
                 say):
     """The trace file, dropped steps, the run's skew and the held-out check; returns the counts shown."""
-    from ..files.recovery import save_or_recover
 
     if g.traces and (trace is not None or held_out > 0):
         from ..core.trace import concat
@@ -403,8 +400,6 @@ def _report_run(job: _ProfileJob, g: Gathered, trace: Path | None, held_out: flo
 
 
 def _save_plot(job: _ProfileJob, counts, what: str, plot: Path, failures: list, say) -> None:
-    from ..core.report import heatmap_png
-    from ..files.recovery import save_or_recover
 
     try:
         save_or_recover(lambda p: heatmap_png(counts, p, f"{job.model.name}: {what.split(' ')[0]} routing share",
@@ -429,9 +424,6 @@ def merge_cmd(
     output: Path = typer.Option(..., "--output", "-o", help="merged profile to write"),
 ) -> None:
     """Merge two profiles of one model: A aged by B's tokens, plus B."""
-    from ..files.atomic import check_output
-    from ..core.profile import RoutingProfile, merge
-    from ..files.recovery import save_or_recover
 
     check_output(output, "-o", inputs=[("profile", a), ("profile", b)])
     pa, pb = RoutingProfile.load(a), RoutingProfile.load(b)
@@ -490,11 +482,6 @@ def simulate_cmd(
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Replay a trace through cache policies: hit rate, uploads and bytes per token by slot count."""
-    from ..core.gguf_info import load_geometry
-    from ..core.profile import RoutingProfile
-    from ..core.planner import stage_slices as planned_stage_slices
-    from ..core.simulator import ALIASES, DEFAULT_POLICY, FIXED_MISS_PATHS, LAYER_MISS_PATHS, POLICIES
-    from ..core.trace import RoutingTrace
 
     slot_counts = _parse_ints(slots, "--slots")
     policies = list(dict.fromkeys(ALIASES.get(p.strip(), p.strip()) for p in policy.split(",") if p.strip()))
@@ -548,7 +535,6 @@ def simulate_cmd(
 
 def _miss_costs(text: str, concurrent: bool):
     """--miss-costs FIXED,PER_TOKEN,UPLOAD (microseconds) as the split's integer costs."""
-    from ..core.simulator import MissCosts
 
     try:
         fixed, per_token, upload = (float(v) for v in text.split(","))
@@ -574,10 +560,6 @@ def show_cmd(
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Report skew and coverage from the model's saved profile, and how real its routing looks."""
-    from ..files.atomic import check_output
-    from ..core.gguf_info import load_geometry
-    from ..core.profile import RESET_HINT, RoutingProfile, profile_path_for
-    from ..core.trace import RoutingTrace
 
     if plot is not None:
         check_output(plot, "--plot", inputs=run_inputs(model, profile=profile))
@@ -611,7 +593,6 @@ def show_cmd(
 
 def realism(p, geometry, tests: dict, residency: float) -> dict[str, Any]:
     """The routing-realism figures of a profile (core/routing_stats.py) and of held-out traces on it."""
-    from ..core import routing_stats as rs
 
     counts, _ = _routing_for_report(p.prefill, p.decode)
     ring = p.recent_trace()

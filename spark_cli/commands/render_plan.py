@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from rich.table import Table
 
 from ..core import units
-from ..core.units import fmt_bytes
 from ..core.placement import STOCK_EXPS_REGEX
 from ..core.planner import LayerPlan, Plan, StockBaseline
+from ..core.units import fmt_bytes
 
 COMPRESS_OVER = 16  # layers; above this, runs of identical rows share one line
 SHOW_PINNED_IDS = 8

@@ -12,11 +12,6 @@ from ..core.chat_output import REASONING_FORMATS
 from ..core.options import LoadFlags
 from ..errors import SparkError, UsageError
 from ..runs import session
-from ..serve.chat import Defaults
-from ..serve.guard import is_loopback
-from ..serve.server import bind, serve
-from ..serve.vertex import Vertex
-from ..serve.wiring import Access, wire
 from .common import (JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, err_console, model_flags,
                      model_or_demo, parse_miss_path)
 from .help import SparkCommand
@@ -70,6 +65,14 @@ def serve_cmd(
     flags: LoadFlags = None,
 ) -> None:
     """Serve the model over HTTP with OpenAI's API, as llama-server does."""
+    # NOTE: imported here, not at the top: the server stack (starlette, pydantic, jsonschema) costs
+    # spark --help about 0.4 s (python -X importtime)
+    from ..serve import server
+    from ..serve.chat import Defaults
+    from ..serve.guard import is_loopback
+    from ..serve.vertex import Vertex
+    from ..serve.wiring import Access, wire
+
     if api_key is not None and not api_key.strip() or api_key is None and os.environ.get("SPARK_API_KEY") == "":
         where = "--api-key" if api_key is not None else "SPARK_API_KEY"
         raise UsageError(f"{where}: the key is empty (an unset variable?); it would leave the server open",
@@ -102,7 +105,7 @@ def serve_cmd(
                   reasoning_format=reasoning_format, alias=alias, learn=learn, learn_every=learn_every,
                   max_queue=max_queue, metrics=metrics_on, slots=slots_on, vertex=vertex,
                   on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True))
-    sock = bind(host, port)
+    sock = server.bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     device = f"{where.devices[0].name}" if where.devices else f"CPU ({where.cpu_reason})"
     placement = (f"{len(served.cached)} cached MoE layers, plan {where.budget_source}" if where.plan is not None
@@ -115,7 +118,7 @@ def serve_cmd(
                           f"({n_slots} slot{'s' if n_slots != 1 else ''}, queue {max_queue}; "
                           f"{'learning' if learn else 'not learning'}; Ctrl-C stops)", soft_wrap=True)
 
-    out = serve(served.state, served.learner, sock, on_ready=ready, read_timeout=read_timeout,
+    out = server.serve(served.state, served.learner, sock, on_ready=ready, read_timeout=read_timeout,
                 max_connections=max_connections)
     if out.folded_tokens:
         err_console.print(f"[dim]learned: {out.folded_tokens:.0f} decode tokens folded into "

@@ -7,6 +7,9 @@ import json
 import typer
 from rich.table import Table
 
+from ..core.units import parse_size
+from ..native import llama_lib
+from ..native.rpc import connect, parse_endpoints
 from .common import JSON_HELP, RPC_HELP, console
 from .help import SparkCommand
 from .tables import Whole
@@ -21,7 +24,6 @@ def rpc_server_cmd(
                             "limited"),
 ) -> None:
     """Serve this machine's backend over ggml RPC in the foreground (like llama.cpp's rpc-server)."""
-    from ..core.units import parse_size
     from ..native.rpc import listen_address, serve
 
     size = parse_size(mem, "--mem") if mem else None
@@ -37,8 +39,6 @@ def devices_cmd(
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """List the ggml devices this build sees (CPU, CUDA, Vulkan, RPC): the names -dev takes."""
-    from ..native import llama_lib
-    from ..native.rpc import connect, parse_endpoints
 
     if rpc:
         connect(parse_endpoints(rpc))
