@@ -17,12 +17,14 @@ from rich.table import Table
 from ..core.options import LoadFlags
 from ..errors import SparkError, UsageError
 from ..files.text_input import read_stream, replaced_note, utf8_text
+from ..files.atomic import check_output
+from ..native import devices as native_devices
 from ..native.expert_cache import CacheStats
 from ..runs import session
 from ..runs.chat_session import ChatSession, Sampling
 from ..runs.run import engine_run
 from .common import (JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, console, err_console, model_flags,
-                     model_or_demo, parse_miss_path)
+                     model_or_demo, parse_miss_path, run_inputs)
 from .help import SparkCommand
 from .render_plan import fmt_bytes
 from .tables import Whole
@@ -43,9 +45,7 @@ class _VramMeter:
         self.before = self._free() if dev is not None else None
 
     def _free(self) -> int | None:
-        from ..native.devices import free_memory
-
-        free, total = free_memory(self.dev)
+        free, total = native_devices.free_memory(self.dev)
         return free if total else None
 
     def __call__(self) -> tuple[int | None, str]:
@@ -205,15 +205,10 @@ def _interactive(chat, plan, model_name: str) -> None:
                 chat.set_system(arg)
                 console.print(f"[dim]system prompt {'set' if arg else 'cleared'}[/]")
             elif cmd == "/save":
-                from ..errors import SparkError
-
                 if not arg:
                     console.print("[red]usage:[/] /save FILE")
                     continue
                 try:
-                    from ..files.atomic import check_output
-                    from .common import run_inputs
-
                     check_output(arg, "/save", inputs=run_inputs(chat.engine.opts.model_path))
                     console.print(f"[dim]saved {escape(str(chat.save(arg, model_name)))}[/]")
                 except SparkError as e:

@@ -18,6 +18,7 @@ from ..errors import UsageError
 from ..files.atomic import check_folder
 from ..files.corpus import bundled_corpus
 from ..files.paths import spark_home
+from ..native import devices
 from ..native.rpc import RpcServer
 from ..runs.bench import residency_budget
 from .common import console
@@ -157,7 +158,6 @@ def demo_cmd(
 ) -> None:
     """The main job on the demo model: profile -> plan -> one answer -> bench against stock offload."""
     from ..runs.demo_model import build_demo_model
-    from ..native.devices import local_gpus
 
     root = ctx.find_root().command
 
@@ -173,7 +173,7 @@ def demo_cmd(
     console.print(f"{model} ({model.stat().st_size / 2**20:.0f} MiB): {g.arch}, {len(g.moe_layers)} MoE layers, "
                   f"{g.n_expert} experts, {g.n_expert_used} used per token")
     server = None
-    if rpc is None and not local_gpus():
+    if rpc is None and not devices.local_gpus():
         server = RpcServer().start()
         rpc = server.endpoint
         console.print(f"no GPU here: using an RPC stand-in GPU on {rpc}")

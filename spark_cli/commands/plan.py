@@ -8,13 +8,14 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from ..core import device_table
+from ..core import device_table, planner
 from ..core.cost_model import OBJECTIVES
 from ..core.options import LoadFlags, context_size
-from ..core.planner import replay_path, replayed_miss
+from ..core.planner import AUTO_POLICY, held_out_check, replay_path, replayed_miss
 from ..core.profile import RoutingProfile
 from ..core.simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy, cold_hit_rate
 from ..core.trace import RoutingTrace
+from ..core.units import parse_sizes
 from ..errors import NativeError, SparkError, UsageError
 from ..files.atomic import check_output
 from ..native import devices
@@ -193,7 +194,6 @@ def plan_cmd(
 ) -> None:
     """Place experts for a VRAM budget and show the bill (no GPU needed with --vram)."""
 
-    from ..core.planner import AUTO_POLICY, held_out_check, plan_for
 
     say = err_console if as_json else console
     if output is not None:
@@ -210,8 +210,6 @@ def plan_cmd(
         measure = False
         vram_text = vram_text or f"{card.vram_gib:g}GiB"
     if vram_text:
-        from ..core.units import parse_sizes
-
         parse_sizes(vram_text, flag="--vram")  # a flag error before the model is read
     path = model_or_demo(model)
     geometry = session.open_geometry(path)
@@ -241,7 +239,7 @@ def plan_cmd(
     req = replace(req, assumed_cold_hit=cold_hit)
     replay_src = f"the trace {trace_path.name}" if trace_path else "the profile's recent decode steps"
 
-    placed = plan_for(geometry, req, dry_run.measurer(path, geometry, flags, ctx) if devs and measure else None)
+    placed = planner.plan_for(geometry, req, dry_run.measurer(path, geometry, flags, ctx) if devs and measure else None)
     plan = placed.plan
     ram_warning = host_ram.check(plan, flags)
     if ram_warning:

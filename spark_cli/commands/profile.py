@@ -373,8 +373,6 @@ def _report_run(job: _ProfileJob, g: Gathered, trace: Path | None, held_out: flo
     """The trace file, dropped steps, the run's skew and the held-out check; returns the counts shown."""
 
     if g.traces and (trace is not None or held_out > 0):
-        from ..core.trace import concat
-
         full = concat(g.traces)
         if trace is not None:
             try:
@@ -585,8 +583,6 @@ def show_cmd(
     if as_json:
         typer.echo(json.dumps(real))
     if plot is not None:
-        from ..core.report import heatmap_png
-
         heatmap_png(counts, plot, f"{model.name}: {what.split(' ')[0]} routing share", "--plot")
         say.print(f"heatmap {plot}")
 

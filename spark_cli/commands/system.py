@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from ..core.units import parse_size
-from ..native import llama_lib
+from ..native import llama_lib, rpc
 from ..native.rpc import connect, parse_endpoints
 from .common import JSON_HELP, RPC_HELP, console
 from .help import SparkCommand
@@ -24,14 +24,12 @@ def rpc_server_cmd(
                             "limited"),
 ) -> None:
     """Serve this machine's backend over ggml RPC in the foreground (like llama.cpp's rpc-server)."""
-    from ..native.rpc import listen_address, serve
-
     size = parse_size(mem, "--mem") if mem else None
-    listen_address(host, port)  # refused before the banner
+    rpc.listen_address(host, port)  # refused before the banner
     if host not in ("127.0.0.1", "localhost", "::1"):
         console.print(f"[yellow]warning:[/] serving on {host}: the RPC protocol has no authentication")
     console.print(f"spark rpc-server on {host}:{port} (Ctrl-C to stop)")
-    serve(host, port, threads or None, size)
+    rpc.serve(host, port, threads or None, size)
 
 
 def devices_cmd(
