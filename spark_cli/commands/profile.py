@@ -27,7 +27,7 @@ from ..core.planner import stage_slices as planned_stage_slices
 from ..core.profile import RESET_HINT, RoutingProfile, merge, profile_path_for
 from ..core.report import heatmap_png, held_out_cold_hit, layer_skew
 from ..core.simulator import ALIASES, DEFAULT_POLICY, FIXED_MISS_PATHS, LAYER_MISS_PATHS, MissCosts, POLICIES
-from ..core.trace import RoutingTrace
+from ..core.trace import RoutingTrace, concat
 from ..errors import PlanError, ProfileError, SparkError, UsageError
 from ..files.atomic import check_output, lock_timeout_default
 from ..files.corpus import CorpusError, bundled_corpus, make_chunks, read_corpus
