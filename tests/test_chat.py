@@ -307,7 +307,7 @@ def spark(monkeypatch, capsys):
 
 
 def _other_model_plan(tmp_path: Path) -> Path:
-    from spark_cli.runs.demo_model import build_tiny_model
+    from spark_cli.models.tiny_models import build_tiny_model
 
     tiny = load_geometry(build_tiny_model("qwen3moe"))
     p = tmp_path / "tiny-plan.json"

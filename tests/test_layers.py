@@ -1,6 +1,6 @@
 """The package's layers: each subpackage imports only its own layer and the ones below it.
 
-commands -> serve -> runs -> native -> core -> files -> errors. Pure layers (core, files)
+commands -> serve -> runs -> models -> native -> core -> files -> errors. Pure layers (core, files)
 import no llama_cpp, rich or typer; only native/ touches ctypes and llama_cpp. Function-local imports
 count too: a lazy import is still a dependency.
 """
@@ -15,13 +15,14 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "spark_cli"
 
 # rank of each part of the package; a module may import ranks <= its own
-RANKS = {"errors": 0, "__init__": 0, "files": 1, "core": 2, "native": 3, "runs": 4, "serve": 5,
-         "commands": 6, "cli": 6}  # cli.py assembles the commands; `spark demo` calls it back
+RANKS = {"errors": 0, "__init__": 0, "files": 1, "core": 2, "native": 3, "models": 4, "runs": 5, "serve": 6,
+         "commands": 7, "cli": 7}  # cli.py assembles the commands; `spark demo` calls it back
 # third-party modules a layer must not import
 FORBIDDEN = {
     "files": {"llama_cpp", "rich", "typer", "ctypes"},
     "core": {"llama_cpp", "rich", "typer", "ctypes"},
     "native": {"rich", "typer"},
+    "models": {"rich", "typer", "ctypes", "llama_cpp"},
     "runs": {"rich", "typer", "ctypes", "llama_cpp"},
     "serve": {"rich", "typer", "ctypes", "llama_cpp"},
     "commands": {"ctypes", "llama_cpp"},
@@ -98,6 +99,8 @@ def test_every_module_sits_in_a_layer():
     ("core", "import rich"),
     ("runs", "from ..commands.common import console"),
     ("native", "from ..runs import session"),
+    ("models", "from ..runs import session"),
+    ("native", "from ..models.demo_model import build_demo_model"),
     ("files", "from ..core import planner"),
     ("commands", "import ctypes"),
 ])

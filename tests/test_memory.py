@@ -16,7 +16,7 @@ from spark_cli.core.gguf_info import load_geometry
 from spark_cli.core.options import LoadFlags
 from spark_cli.errors import PlanError
 from spark_cli.runs import dry_run, host_ram, session
-from spark_cli.runs.tiny_models import TINY_MODELS
+from spark_cli.models.tiny_models import TINY_MODELS
 
 MiB = 1 << 20
 N_CTX = 2048
@@ -72,7 +72,7 @@ def test_demo_model_planned_is_measured_is_real(small_model, rpc_server):
 @pytest.mark.model
 @pytest.mark.parametrize("name", [n for n in TINY_MODELS])
 def test_tiny_families_planned_is_measured_is_real(name, rpc_server):
-    from spark_cli.runs.tiny_models import build_tiny_model
+    from spark_cli.models.tiny_models import build_tiny_model
 
     _check_planned_vs_measured(*_fit_and_load(build_tiny_model(name), rpc_server))
 
@@ -82,7 +82,7 @@ def test_tiny_families_planned_is_measured_is_real(name, rpc_server):
 def test_dry_run_measures_the_plans_sequences(name, rpc_server):
     """-np 3: the fit loop's dry runs allocate 3 sequences' KV cache and state, what the plan bills;
     a --plan run without -np measures the plan's 3 (session.engine_options), -np 1 fewer."""
-    from spark_cli.runs.tiny_models import build_tiny_model
+    from spark_cli.models.tiny_models import build_tiny_model
 
     path = build_tiny_model(name)
     g = load_geometry(path)
@@ -165,7 +165,7 @@ def test_plan_json_has_the_measured_bill(plan_cli, small_model, rpc_server, tmp_
 @pytest.mark.model
 @pytest.mark.slow
 def test_plan_on_the_qwen36_fixture_at_16gib_prints_a_measured_bill(plan_cli, rpc_server):
-    from spark_cli.runs.fixtures import build_fixture
+    from spark_cli.models.fixtures import build_fixture
 
     path = build_fixture("qwen3.6-35b-a3b-q4_k_m")
     rc, out, err = plan_cli(path, "--rpc", rpc_server.endpoint, "--vram", "16GiB", "--json", "--no-check")

@@ -359,7 +359,7 @@ def _run_demo(model, budget, monkeypatch, capsys, tmp_path) -> None:
     from spark_cli import cli
     from spark_cli.commands import demo as demo_cmd
     from spark_cli.commands import plan as plan_cmd
-    from spark_cli.runs import demo_model
+    from spark_cli.models import demo_model
 
     def both(app):
         if not getattr(app, "_spark_test_registered", False):

@@ -79,7 +79,7 @@ def test_installed_spark_runs(installed, argv, words) -> None:
 
 def test_installed_version_and_data(installed, tmp_path) -> None:
     from spark_cli import __version__
-    from spark_cli.runs.demo_model import build_tiny_model
+    from spark_cli.models.tiny_models import build_tiny_model
     from spark_cli.native.version import native_key
 
     bin_dir, work = installed

@@ -15,7 +15,7 @@ from conftest import cli_runner
 from spark_cli.native import devices
 from spark_cli.core import planner, vram
 from spark_cli.commands import plan as plan_cmd
-from spark_cli.runs.demo_model import TINY_ARCHES, build_tiny_model
+from spark_cli.models.tiny_models import TINY_ARCHES, build_tiny_model
 from spark_cli.errors import DeviceError, OutputError, PlanError, ProfileError, UsageError
 from spark_cli.core.options import DEFAULT_CTX
 from spark_cli.core.gguf_info import _open, load_geometry
@@ -331,7 +331,7 @@ def test_help_shows_llama_cpp_spellings(spark) -> None:
 def test_plan_prices_parallel_sequences(spark) -> None:
     """`spark plan -np 4` prices four sequences' KV cache and recurrent state (a hybrid tiny model:
     the same 4096 attention cells in 4 streams or one unified, the state 4 times) and records them."""
-    from spark_cli.runs.tiny_models import build_tiny_model as build_family_model
+    from spark_cli.models.tiny_models import build_tiny_model as build_family_model
 
     path = build_family_model("qwen35moe")
     g = load_geometry(path)
