@@ -47,12 +47,12 @@ def test_corpus_line_with_a_lone_surrogate_is_skipped_and_counted(tmp_path):
 
 
 def test_non_utf8_plan_file_is_one_line(tmp_path):
-    from spark_cli.core.planner import Plan
+    from spark_cli.core import plan_file
 
     p = tmp_path / "plan.json"
     p.write_bytes(b'{"format": "\xff\xfe"}')
     with pytest.raises(PlanError) as e:
-        Plan.load(p)
+        plan_file.load(p)
     assert "not UTF-8" in e.value.one_line() and "\n" not in e.value.one_line()
 
 

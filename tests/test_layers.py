@@ -2,12 +2,15 @@
 
 commands -> serve -> runs -> models -> native -> core -> files -> errors. Pure layers (core, files)
 import no llama_cpp, rich or typer; only native/ touches ctypes and llama_cpp. Function-local imports
-count too: a lazy import is still a dependency.
+count too: a lazy import is still a dependency. No two modules import each other, directly or round a
+circle (imports under `if TYPE_CHECKING:` aside: they never run), and no module imports another's
+private (`_x`) names.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,12 @@ FORBIDDEN = {
     "serve": {"rich", "typer", "ctypes", "llama_cpp"},
     "commands": {"ctypes", "llama_cpp"},
 }
+
+
+# TEMPORARY (issue 38): commands/ and cli.py are being reworked in another branch (command bodies at
+# module level, no call back from `spark demo` into cli); these two exceptions go when it merges.
+ALLOWED_CYCLE_EDGES = {("spark_cli.commands.demo", "spark_cli.cli")}  # demo.py calls cli.main back
+ALLOWED_PRIVATE_IMPORTS = {"spark_cli/commands/profile.py: imports _Capture from spark_cli.runs.profiling"}
 
 
 def part_of(module: str) -> str:
@@ -236,12 +245,14 @@ def _resolve(node: ast.ImportFrom, src: str, path: Path) -> str:
 
 
 def test_no_import_cycles():
-    cycles = [c for c in import_cycles(import_graph()) if not set(zip(c, c[1:])) <= ALLOWED_CYCLE_EDGES]
+    graph = {m: {t for t in ts if (m, t) not in ALLOWED_CYCLE_EDGES} for m, ts in import_graph().items()}
+    cycles = import_cycles(graph)
     assert cycles == [], "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 def test_no_private_name_crosses_modules():
-    assert private_imports() == []
+    found = [f for f in private_imports() if re.sub(r":\d+:", ":", f, count=1) not in ALLOWED_PRIVATE_IMPORTS]
+    assert found == []
 
 
 def test_a_cycle_and_a_private_import_are_caught(tmp_path):
@@ -257,6 +268,3 @@ def test_a_cycle_and_a_private_import_are_caught(tmp_path):
     assert private_imports(pkg) == ["spark_cli/core/a.py:1: imports _helper from spark_cli.core.b",
                                     "spark_cli/core/b.py:6: uses spark_cli.core.a._x"]
 
-
-# Cycles in commands/ and cli.py, being moved apart in another branch of issue 38; remove at merge.
-ALLOWED_CYCLE_EDGES: set[tuple[str, str]] = set()

@@ -113,9 +113,9 @@ def _chat_answer(spark: Callable[[list[str]], int], argv: list[str]) -> tuple[in
 
 
 def _plan_line(plan_path: Path, residency: float) -> str:
-    from ..core.planner import Plan
+    from ..core import plan_file
 
-    plan = Plan.load(plan_path)
+    plan = plan_file.load(plan_path)
     cached = [l for l in plan.layers if l.mode == "cached"]
     moe = [l for l in plan.layers if l.mode in ("resident", "cached", "host")]
     cold = "" if plan.predicted_cold_hit is None else f", predicted cold-hit {100 * plan.predicted_cold_hit:.1f}%"
