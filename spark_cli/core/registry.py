@@ -60,6 +60,7 @@ class Registry:
 
 
 def registry_path() -> Path:
+    """spark_cli/data/models.toml, in the source tree and the installed package alike."""
     return Path(__file__).resolve().parents[1] / "data" / "models.toml"
 
 
