@@ -243,7 +243,7 @@ def test_empty_corpus_is_one_line(small_model, tmp_path):
 
 
 def test_model_without_experts_is_one_line(tmp_path):
-    from spark_cli.runs.demo_model import fetch_smollm2
+    from spark_cli.models.smollm2 import fetch_smollm2
 
     dense = fetch_smollm2()
     rc, out, err = spark("profile", dense, "--profile", tmp_path / "p.json")

@@ -36,10 +36,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Build (or reuse) the upcycled SmolLM2 MoE demo model; prints its path on the last line."""
         from ..files.atomic import check_folder
-        from ..runs.demo_model import build_demo_model
-        from ..runs.tiny_models import TINY_MODELS, build_tiny_model
+        from ..models.demo_model import build_demo_model
+        from ..models.tiny_models import TINY_MODELS, build_tiny_model
 
-        from ..runs.demo_router import ROUTERS
+        from ..models.demo_router import ROUTERS
 
         if seed < 0:
             raise UsageError(f"--seed {seed}: give 0 or more")
@@ -69,7 +69,7 @@ def register(app: typer.Typer) -> None:
 def _fixture(name: str, tiny: str | None, out_dir: Path | None) -> None:
     """`--fixture NAME`: build one geometry fixture and print its path; `--fixture list`: the names."""
     from ..core.units import fmt_bytes
-    from ..runs.fixtures import FIXTURES, build_fixture, disk_bytes
+    from ..models.fixtures import FIXTURES, build_fixture, disk_bytes
 
     if tiny is not None:
         raise UsageError("--fixture and --tiny: give one of them")
@@ -113,9 +113,9 @@ def _chat_answer(spark: Callable[[list[str]], int], argv: list[str]) -> tuple[in
 
 
 def _plan_line(plan_path: Path, residency: float) -> str:
-    from ..core.planner import Plan
+    from ..core import plan_file
 
-    plan = Plan.load(plan_path)
+    plan = plan_file.load(plan_path)
     cached = [l for l in plan.layers if l.mode == "cached"]
     moe = [l for l in plan.layers if l.mode in ("resident", "cached", "host")]
     cold = "" if plan.predicted_cold_hit is None else f", predicted cold-hit {100 * plan.predicted_cold_hit:.1f}%"
@@ -158,7 +158,7 @@ def register_demo(app: typer.Typer) -> None:
         from ..runs.bench import residency_budget
         from ..cli import main as spark
         from ..files.corpus import bundled_corpus
-        from ..runs.demo_model import build_demo_model
+        from ..models.demo_model import build_demo_model
         from ..core.gguf_info import load_geometry
         from ..files.paths import spark_home
         from ..native.rpc import RpcServer

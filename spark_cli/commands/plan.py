@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
+from ..core import plan_file
 from ..core.options import LoadFlags
 from .common import JSON_HELP, MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, run_inputs
 from .help import SparkCommand
@@ -15,7 +16,7 @@ from .tables import Whole
 
 
 def _save(plan, output: Path) -> None:
-    plan.save(output, "-o")
+    plan_file.save(plan, output, "-o")
 
 
 def trace_replay_line(trace, plan) -> str:
@@ -250,9 +251,9 @@ def register(app: typer.Typer) -> None:
                                    **session.kv_settings(flags))
         req = replace(req, assumed_cold_hit=cold_hit)
         replay_src = f"the trace {trace_path.name}" if trace_path else "the profile's recent decode steps"
-        from ..runs import dry_run, host_ram
+        from ..runs import host_ram
 
-        placed = plan_for(geometry, req, dry_run.measurer(path, geometry, flags, ctx) if devs and measure else None)
+        placed = plan_for(geometry, req, session.measurer(path, geometry, flags, ctx) if devs and measure else None)
         plan = placed.plan
         ram_warning = host_ram.check(plan, flags)
         if ram_warning:
@@ -266,7 +267,7 @@ def register(app: typer.Typer) -> None:
         if output is not None:
             _save(plan, output)
         if as_json:
-            typer.echo(plan.to_json())
+            typer.echo(plan_file.to_json(plan))
             if output is not None:
                 say.print(f"wrote {output}")
             return
