@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from spark_cli.runs.demo_model import build_demo_model  # noqa: E402
+from spark_cli.models.demo_model import build_demo_model  # noqa: E402
 from spark_cli.core.trace import DECODE as PHASE_DECODE  # noqa: E402
 from spark_cli.native.engine import CacheLayer, Engine, EngineOptions  # noqa: E402
 from spark_cli.core.gguf_info import load_geometry  # noqa: E402

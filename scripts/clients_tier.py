@@ -240,7 +240,7 @@ def start_server(model: Path, ctx: int, threads: int, parallel: int, log: Path) 
 
 def demo_model() -> Path:
     sys.path.insert(0, str(REPO))
-    from spark_cli.runs.demo_model import build_demo_model
+    from spark_cli.models.demo_model import build_demo_model
 
     return build_demo_model(n_expert=8, n_expert_used=2)
 

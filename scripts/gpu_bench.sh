@@ -221,7 +221,7 @@ cmd_check() {  # scripts/gpu_check.sh: exactness on the device, after stage2 on 
     "$PY" -c 'import yaml, jinja2, typing_extensions' 2>/dev/null || PYTHONPATH=$PYTHONPATH:$WORK/py/fallback
     use_build
     t=$SECONDS
-    model=$("$PY" -c "from spark_cli.runs.demo_model import build_demo_model; print(build_demo_model(8, 2))") ||
+    model=$("$PY" -c "from spark_cli.models.demo_model import build_demo_model; print(build_demo_model(8, 2))") ||
         die "the E=8 demo model could not be built (did stage2 join the GGUF?)"
     timing "demo model E=8 k=2" $((SECONDS - t))
     if [ "$CUDA" != 1 ]; then
@@ -266,7 +266,7 @@ cmd_stage2() {
     if [ ! -f "$WORK/model.path" ]; then
         t=$SECONDS
         log "building the demo model E=$E k=$K (beside the llama.cpp build) ..."
-        "$PY" -c "from spark_cli.runs.demo_model import build_demo_model; print(build_demo_model($E, $K))" \
+        "$PY" -c "from spark_cli.models.demo_model import build_demo_model; print(build_demo_model($E, $K))" \
             >"$WORK/model.path.tmp" 2>"$WORK/model.log" || { cat "$WORK/model.log" >&2; die "demo model build failed"; }
         mv "$WORK/model.path.tmp" "$WORK/model.path"
         timing "demo model E=$E k=$K" $((SECONDS - t))

@@ -97,7 +97,7 @@ def main() -> int:
     bn = _load_build_native()
     sdist = bn.fetch_sdist()
     sys.path.insert(0, str(REPO))
-    from spark_cli.runs.demo_model import fetch_smollm2
+    from spark_cli.models.smollm2 import fetch_smollm2
 
     gguf = fetch_smollm2()
     if out.exists():

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spark_cli.core import routing_stats as rs  # noqa: E402
 from spark_cli.core.gguf_info import load_geometry  # noqa: E402
-from spark_cli.runs.demo_model import build_demo_model  # noqa: E402
-from spark_cli.runs.demo_router import eval_traces  # noqa: E402
+from spark_cli.models.demo_model import build_demo_model  # noqa: E402
+from spark_cli.models.demo_router import eval_traces  # noqa: E402
 
 
 def measure(model: Path) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """docs/what-fits.md's table: Spark's plan and stock `--n-cpu-moe N` per fixture and budget.
 
-Builds the geometry fixtures (sparse GGUFs, a few MB each; runs/fixtures.py), plans each one with
+Builds the geometry fixtures (sparse GGUFs, a few MB each; models/fixtures.py), plans each one with
 `planner.plan_for` at every budget (uniform routing prior: no profile) and prints a Markdown table:
 the share of expert bytes Spark keeps on the device (resident experts + cache slots), its layers
 (resident / cached / host), the device bill, and the smallest `--n-cpu-moe N` whose stock bill fits.
@@ -29,7 +29,7 @@ from spark_cli.core.options import DEFAULT_CTX  # noqa: E402
 from spark_cli.core.planner import PlanRequest, plan_for  # noqa: E402
 from spark_cli.core.units import GiB, fmt_bytes  # noqa: E402
 from spark_cli.errors import PlanError  # noqa: E402
-from spark_cli.runs.fixtures import FIXTURES, build_fixture  # noqa: E402
+from spark_cli.models.fixtures import FIXTURES, build_fixture  # noqa: E402
 
 
 def plan_row(g, budget: int, n_ctx: int, predict: dict | None = None) -> dict:

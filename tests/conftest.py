@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def small_model():
     """Upcycled SmolLM2 with 8 experts, top-2, content-fit router (the tests' demo model)."""
-    from spark_cli.runs.demo_model import build_demo_model
+    from spark_cli.models.demo_model import build_demo_model
 
     return build_demo_model(n_expert=8, n_expert_used=2)
 
@@ -41,7 +41,7 @@ def small_model():
 @pytest.fixture(scope="session")
 def small_random_model():
     """The same with the seeded random router (demo format 1's): exactness holds for both routers."""
-    from spark_cli.runs.demo_model import build_demo_model
+    from spark_cli.models.demo_model import build_demo_model
 
     return build_demo_model(n_expert=8, n_expert_used=2, router="random")
 

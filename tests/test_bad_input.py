@@ -47,12 +47,12 @@ def test_corpus_line_with_a_lone_surrogate_is_skipped_and_counted(tmp_path):
 
 
 def test_non_utf8_plan_file_is_one_line(tmp_path):
-    from spark_cli.core.planner import Plan
+    from spark_cli.core import plan_file
 
     p = tmp_path / "plan.json"
     p.write_bytes(b'{"format": "\xff\xfe"}')
     with pytest.raises(PlanError) as e:
-        Plan.load(p)
+        plan_file.load(p)
     assert "not UTF-8" in e.value.one_line() and "\n" not in e.value.one_line()
 
 
@@ -276,13 +276,13 @@ def test_bench_outputs_are_checked_before_the_runs(monkeypatch, capsys, tmp_path
 def test_demo_model_disk_full_is_one_line(monkeypatch, capsys, tmp_path):
     import errno
 
-    from spark_cli.runs import demo_model
+    from spark_cli.models import gguf_write
     from spark_cli.commands import demo
 
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(demo_model.os, "fsync", full)
+    monkeypatch.setattr(gguf_write.os, "fsync", full)
     run = cli_runner(monkeypatch, capsys, "demo-model", demo.register)
     rc, out, err = run("--tiny", "qwen3moe", "--out-dir", tmp_path)
     assert rc == 1 and "cannot write the model (the disk is full)" in err and "Traceback" not in err

@@ -16,7 +16,7 @@ from spark_cli.core.simulator import MissCosts
 from spark_cli.core.trace import DECODE
 from spark_cli.native.engine import CacheLayer, Engine, EngineOptions
 from spark_cli.native.generate import BatchLoop, Decoding, Greedy, StopRules
-from spark_cli.runs.tiny_models import build_tiny_model
+from spark_cli.models.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.model
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import cli_runner
 
-from spark_cli.core import planner
+from spark_cli.core import plan_file, planner
 from spark_cli.runs.chat_session import ChatSession, Sampling
 from spark_cli.commands import chat as chat_cmd
 from spark_cli.errors import DeviceError, ModelFileError, PlanError, SparkError
@@ -119,7 +119,7 @@ def test_one_shot_cache_matches_resident_and_learns(small_model, rpc_server, tmp
     plan = planner.plan_for(g, planner.PlanRequest(_min_budget(g, n_ctx), n_ctx)).plan
     cached = [l for l in plan.layers if l.mode == "cached"]
     assert len(cached) == len(g.moe_layers) and all(l.slots <= g.n_expert // 2 for l in cached)
-    plan.save(tmp_path / "plan.json")
+    plan_file.save(plan, tmp_path / "plan.json")
 
     r = _run(model, "--rpc", rpc_server.endpoint, "--plan", tmp_path / "plan.json", "--temp", "0", "-n", "12",
              "--prompt", QUESTION, "--json")
@@ -307,11 +307,11 @@ def spark(monkeypatch, capsys):
 
 
 def _other_model_plan(tmp_path: Path) -> Path:
-    from spark_cli.runs.demo_model import build_tiny_model
+    from spark_cli.models.tiny_models import build_tiny_model
 
     tiny = load_geometry(build_tiny_model("qwen3moe"))
     p = tmp_path / "tiny-plan.json"
-    planner.plan_for(tiny, planner.PlanRequest(4 << 30, 512)).plan.save(p)
+    plan_file.save(planner.plan_for(tiny, planner.PlanRequest(4 << 30, 512)).plan, p)
     return p
 
 

@@ -125,7 +125,7 @@ def test_chat_template_file(tmp_path):
 @pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss", "glm4moe"])
 def test_tiny_models_carry_their_family_template(name):
     from spark_cli.core.gguf_info import load_geometry
-    from spark_cli.runs.tiny_models import TINY_TEMPLATES, build_tiny_model
+    from spark_cli.models.tiny_models import TINY_TEMPLATES, build_tiny_model
 
     g = load_geometry(build_tiny_model(name), require_moe=False)
     assert dict(g.chat_templates)["tokenizer.chat_template"] == bundled(TINY_TEMPLATES[name])

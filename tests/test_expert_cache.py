@@ -8,7 +8,7 @@ import pytest
 from collections import OrderedDict
 
 from spark_cli.core.capture import records_to_counts, records_to_trace
-from spark_cli.runs.demo_model import TINY_ARCHES, build_tiny_model
+from spark_cli.models.tiny_models import TINY_ARCHES, build_tiny_model
 from spark_cli.core.trace import DECODE as PHASE_DECODE, PREFILL as PHASE_PREFILL
 from spark_cli.native.engine import CacheLayer, Engine, EngineOptions
 from spark_cli.errors import NativeError

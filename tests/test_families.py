@@ -13,7 +13,7 @@ from spark_cli.core.registry import load_registry
 from spark_cli.core.trace import DECODE, PREFILL
 from spark_cli.native.engine import CacheLayer, Engine, EngineOptions
 from spark_cli.runs.exactness import Reference, logits, reference
-from spark_cli.runs.tiny_models import TINY_MODELS, build_tiny_model, tiny_model_name
+from spark_cli.models.tiny_models import TINY_MODELS, build_tiny_model, tiny_model_name
 
 N_DECODE = 10
 # NOTE: the stand-in on one thread: on a shared 2-core machine, spinning thread pools of 2 on both
@@ -28,7 +28,7 @@ FALLBACK_LOG = "its expert ops cannot run on the CPU miss path; misses are uploa
 
 
 def test_every_family_has_a_tiny_model() -> None:
-    """A family added to models.toml without a tiny model (spark_cli/runs/tiny_models.py) fails here."""
+    """A family added to models.toml without a tiny model (spark_cli/models/tiny_models.py) fails here."""
     families = set(load_registry().archs)
     built = set(TINY_MODELS.values())
     assert not families - built, f"families in models.toml without a tiny model: {sorted(families - built)}"

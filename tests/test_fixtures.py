@@ -16,7 +16,7 @@ from spark_cli.core import vram
 from spark_cli.core.gguf_info import load_geometry
 from spark_cli.core.planner import PlanRequest, plan_for
 from spark_cli.core.units import GiB, MiB
-from spark_cli.runs.fixtures import FIXTURES, build_fixture, disk_bytes
+from spark_cli.models.fixtures import FIXTURES, build_fixture, disk_bytes
 
 NAMES = list(FIXTURES)
 
@@ -133,7 +133,7 @@ def test_demo_model_fixture_list_and_build(monkeypatch, capsys, tmp_path) -> Non
 _CHECK = """
 import sys
 from pathlib import Path
-from spark_cli.runs.fixtures import check_with_llama
+from spark_cli.models.fixtures import check_with_llama
 why = check_with_llama(Path(sys.argv[1]))
 print("LOADED" if why is None else why)
 """

@@ -158,14 +158,14 @@ _PLAN = """{"version": 2, "model": {"arch": "x", "n_layer": 2, "n_expert": 4, "n
 def test_hand_edited_plan_fields_are_refused_by_name(edit, want):
     import json
 
-    from spark_cli.core.planner import Plan
+    from spark_cli.core import plan_file
     from spark_cli.errors import PlanError
 
     d = _plan_dict()
-    Plan.from_json(json.dumps(d))  # the unedited plan reads
+    plan_file.from_json(json.dumps(d))  # the unedited plan reads
     edit(d)
     with pytest.raises(PlanError) as e:
-        Plan.from_json(json.dumps(d))
+        plan_file.from_json(json.dumps(d))
     assert want in e.value.one_line() and e.value.exit_code == 4, e.value.one_line()
 
 

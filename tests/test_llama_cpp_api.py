@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from spark_cli.native.engine import repack_is_safe
-from spark_cli.runs.demo_model import SMOLLM2_GGUF, fetch_smollm2
+from spark_cli.models.smollm2 import SMOLLM2_GGUF, fetch_smollm2
 
 pytestmark = pytest.mark.model
 

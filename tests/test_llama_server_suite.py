@@ -65,7 +65,7 @@ def test_shim_refuses_what_spark_cannot_do(argv, why):
 def test_suite_subset_passes_what_is_recorded(tmp_path):
     """The runner on the expectation file's suite files: per file, the tests that pass are the
     recorded ones (a new pass means: record it; a lost one is a regression)."""
-    from spark_cli.runs.tiny_models import build_tiny_model
+    from spark_cli.models.tiny_models import build_tiny_model
 
     expected = json.loads(EXPECTED.read_text())
     runner = _load(RUNNER, "llama_server_suite")

@@ -11,12 +11,12 @@ import pytest
 from conftest import cli_runner
 from spark_cli.commands import chat as chat_cmd
 from spark_cli.commands import plan as plan_cmd
-from spark_cli.core import planner, vram
+from spark_cli.core import plan_file, planner, vram
 from spark_cli.core.gguf_info import load_geometry
 from spark_cli.core.options import LoadFlags
 from spark_cli.errors import PlanError
-from spark_cli.runs import dry_run, host_ram, session
-from spark_cli.runs.tiny_models import TINY_MODELS
+from spark_cli.runs import host_ram, session
+from spark_cli.models.tiny_models import TINY_MODELS
 
 MiB = 1 << 20
 N_CTX = 2048
@@ -38,7 +38,7 @@ def _fit_and_load(path, rpc_server):
 
     g = load_geometry(path)
     flags = LoadFlags(rpc=rpc_server.endpoint, repack=False)
-    plan = planner.plan_for(g, planner.PlanRequest(_budget(g), N_CTX), dry_run.measurer(path, g, flags, N_CTX)).plan
+    plan = planner.plan_for(g, planner.PlanRequest(_budget(g), N_CTX), session.measurer(path, g, flags, N_CTX)).plan
     with Engine(session.engine_options(path, g, plan, flags, n_ctx=N_CTX, learn=False)) as engine:
         real = engine.memory_breakdown()
     return plan, plan.measured_bill(), real
@@ -72,7 +72,7 @@ def test_demo_model_planned_is_measured_is_real(small_model, rpc_server):
 @pytest.mark.model
 @pytest.mark.parametrize("name", [n for n in TINY_MODELS])
 def test_tiny_families_planned_is_measured_is_real(name, rpc_server):
-    from spark_cli.runs.tiny_models import build_tiny_model
+    from spark_cli.models.tiny_models import build_tiny_model
 
     _check_planned_vs_measured(*_fit_and_load(build_tiny_model(name), rpc_server))
 
@@ -82,20 +82,20 @@ def test_tiny_families_planned_is_measured_is_real(name, rpc_server):
 def test_dry_run_measures_the_plans_sequences(name, rpc_server):
     """-np 3: the fit loop's dry runs allocate 3 sequences' KV cache and state, what the plan bills;
     a --plan run without -np measures the plan's 3 (session.engine_options), -np 1 fewer."""
-    from spark_cli.runs.tiny_models import build_tiny_model
+    from spark_cli.models.tiny_models import build_tiny_model
 
     path = build_tiny_model(name)
     g = load_geometry(path)
     flags = LoadFlags(rpc=rpc_server.endpoint, repack=False, parallel=3)
     req = planner.PlanRequest(_budget(g), N_CTX, n_parallel=3)
-    plan = planner.plan_for(g, req, dry_run.measurer(path, g, flags, N_CTX)).plan
+    plan = planner.plan_for(g, req, session.measurer(path, g, flags, N_CTX)).plan
     (dev,) = plan.measured_bill().device_names()
     context = plan.measured_bill().device(dev)["context"]
     assert plan.n_parallel == 3 and plan.breakdown["kv_cache"] == vram.kv_cache_bytes(g, N_CTX, n_seq=3)
     assert context == plan.breakdown["kv_cache"]
     plain = LoadFlags(rpc=rpc_server.endpoint, repack=False)
-    assert dry_run.measure(path, g, plan, plain, N_CTX).device(dev)["context"] == context
-    one = dry_run.measure(path, g, plan, dataclasses.replace(plain, parallel=1), N_CTX).device(dev)["context"]
+    assert session.measurer(path, g, plain, N_CTX)(plan).device(dev)["context"] == context
+    one = session.measurer(path, g, dataclasses.replace(plain, parallel=1), N_CTX)(plan).device(dev)["context"]
     assert one == vram.kv_cache_bytes(g, N_CTX) < context
 
 
@@ -111,10 +111,10 @@ def test_estimate_fits_but_measurement_does_not_fit_loop_shrinks(small_model, rp
     monkeypatch.setattr(vram, "compute_buffer_bytes", lambda *a, **k: MiB)  # the guess says 1 MiB
     req = planner.PlanRequest(budget, N_CTX)
     estimated = planner.plan_for(g, req).plan
-    over = dry_run.measure(small_model, g, estimated, flags, N_CTX).device_bytes()
+    over = session.measurer(small_model, g, flags, N_CTX)(estimated).device_bytes()
     target = budget - planner.unmeasured_overhead()
     assert estimated.breakdown["total"] <= budget and over > target  # the estimate fits, the measurement not
-    fit = planner.plan_for(g, req, dry_run.measurer(small_model, g, flags, N_CTX)).plan
+    fit = planner.plan_for(g, req, session.measurer(small_model, g, flags, N_CTX)).plan
     assert fit.measured_device_bytes <= target < over
     assert fit.breakdown["expert_banks"] + fit.breakdown["experts_resident"] < \
         estimated.breakdown["expert_banks"] + estimated.breakdown["experts_resident"]
@@ -129,8 +129,8 @@ def test_under_budget_spends_the_difference(small_model, rpc_server):
     flags = LoadFlags(rpc=rpc_server.endpoint, repack=False)
     req = planner.PlanRequest(_budget(g, 0.3), N_CTX)
     estimated = planner.plan_for(g, req).plan
-    under = dry_run.measure(small_model, g, estimated, flags, N_CTX).device_bytes()
-    fit = planner.plan_for(g, req, dry_run.measurer(small_model, g, flags, N_CTX)).plan
+    under = session.measurer(small_model, g, flags, N_CTX)(estimated).device_bytes()
+    fit = planner.plan_for(g, req, session.measurer(small_model, g, flags, N_CTX)).plan
     assert under < fit.measured_device_bytes <= req.budget_bytes - planner.unmeasured_overhead()
     step = min(l.expert_bytes_per_expert for l in g.layers if l.is_moe)
     assert req.budget_bytes - planner.unmeasured_overhead() - fit.measured_device_bytes < 2 * step
@@ -153,7 +153,7 @@ def test_plan_json_has_the_measured_bill(plan_cli, small_model, rpc_server, tmp_
     assert d["measured_device_bytes"] == dev[name]["total"] > 0
     assert set(dev[name]) == {"model", "context", "compute", "banks", "total"}
     assert d["breakdown"]["compute"] == dev[name]["compute"]  # the measurement replaced the guess
-    back = planner.Plan.load(tmp_path / "p.json")
+    back = plan_file.load(tmp_path / "p.json")
     assert back.measured_device_bytes == d["measured_device_bytes"]
     rc, out, err = plan_cli(small_model, "--rpc", rpc_server.endpoint, "--vram", _budget(g), "-c", N_CTX)
     assert rc == 0, err
@@ -165,7 +165,7 @@ def test_plan_json_has_the_measured_bill(plan_cli, small_model, rpc_server, tmp_
 @pytest.mark.model
 @pytest.mark.slow
 def test_plan_on_the_qwen36_fixture_at_16gib_prints_a_measured_bill(plan_cli, rpc_server):
-    from spark_cli.runs.fixtures import build_fixture
+    from spark_cli.models.fixtures import build_fixture
 
     path = build_fixture("qwen3.6-35b-a3b-q4_k_m")
     rc, out, err = plan_cli(path, "--rpc", rpc_server.endpoint, "--vram", "16GiB", "--json", "--no-check")
@@ -192,8 +192,8 @@ def test_stale_plan_file_is_refused_naming_device_and_shortfall(chat_cli, small_
 
     g = load_geometry(small_model)
     flags = LoadFlags(rpc=rpc_server.endpoint, repack=False)
-    plan = planner.plan_for(g, planner.PlanRequest(_budget(g), N_CTX), dry_run.measurer(small_model, g, flags, N_CTX)).plan
-    plan.save(tmp_path / "plan.json")
+    plan = planner.plan_for(g, planner.PlanRequest(_budget(g), N_CTX), session.measurer(small_model, g, flags, N_CTX)).plan
+    plan_file.save(plan, tmp_path / "plan.json")
     free = plan.measured_device_bytes + planner.unmeasured_overhead() + 4 * MiB
     monkeypatch.setattr(devices, "free_memory", lambda dev: (free, 64 << 30))
     ok = session.resolve_placement(small_model, g, session.ProfileInfo(tmp_path / "none.json", None),

@@ -15,14 +15,14 @@ import pytest
 
 from conftest import cli_runner
 
-from spark_cli.core import planner
+from spark_cli.core import plan_file, planner
 from spark_cli.core.gguf_info import load_geometry
 from spark_cli.core.options import DEFAULT_UBATCH
 from spark_cli.core.profile import RoutingProfile, profile_path_for
 from spark_cli.core.simulator import DEFAULT_POLICY, ONLINE_POLICIES
 from spark_cli.core.trace import RoutingTrace
 from spark_cli.errors import SparkError
-from spark_cli.runs import dry_run
+from spark_cli.runs import session
 
 PKG = Path(__file__).resolve().parent.parent / "spark_cli"
 QUESTION = "What is the capital of France?"
@@ -142,20 +142,20 @@ def test_chat_vram_places_as_plan_vram_then_chat_plan(name, kv, miss_path, small
     now = json.loads(out)
     placed_now = rec.placement()
 
-    plan_file = tmp_path / "p.json"
+    plan_path = tmp_path / "p.json"
     plan_args = ["--miss-path", miss_path] if miss_path != "auto" else []  # auto: the default of both
     # the same device as chat: plan measures its bill there (dry run) as chat --vram does
     rc, _, err = plan(model, "--rpc", rpc_server.endpoint, "--vram", budget, "-c", n_ctx, *_kv_args(kv), *plan_args,
-                      "--no-check", "-o", plan_file)
+                      "--no-check", "-o", plan_path)
     assert rc == 0, err
-    rc, out, err = chat(*common, "--plan", plan_file, *chat_args)
+    rc, out, err = chat(*common, "--plan", plan_path, *chat_args)
     assert rc == 0, err
     from_file = json.loads(out)
     placed_file = rec.placement()
 
     assert placed_now == placed_file
     assert placed_now["cached"], "no cached layer: nothing compared"
-    p = planner.Plan.load(plan_file)
+    p = plan_file.load(plan_path)
     assert [(l.index, l.slots, tuple(l.pinned), p.policy) for l in p.layers if l.mode == "cached"] == \
         placed_now["cached"]
     # NOTE: not placed.plan's layers: the commands fit the plan to the bill measured on the device
@@ -174,7 +174,7 @@ def _plan_json_without_policy() -> str:
     from _geometry import make_geometry
 
     g = make_geometry(n_layer=3, n_expert=8, k=2)
-    d = json.loads(planner.plan_for(g, planner.PlanRequest(8 * GiB, 512)).plan.to_json())
+    d = json.loads(plan_file.to_json(planner.plan_for(g, planner.PlanRequest(8 * GiB, 512)).plan))
     del d["policy"]
     return json.dumps(d)
 
@@ -186,7 +186,7 @@ def _cache_layer_default() -> str:
 
 
 DEFAULTS = [
-    ("plan file without policy", lambda: planner.Plan.from_json(_plan_json_without_policy()).policy),
+    ("plan file without policy", lambda: plan_file.from_json(_plan_json_without_policy()).policy),
     ("Plan dataclass", lambda: planner.Plan.__dataclass_fields__["policy"].default),
     ("PlanRequest", lambda: planner.PlanRequest(1, 1).policy),
     ("expert_cache.CacheLayer", _cache_layer_default),
@@ -206,7 +206,7 @@ def test_one_default_policy(name, get) -> None:
 def fake_bench(monkeypatch, tmp_path):
     """bench's engine-side steps stubbed: a fake device, a calibration trace, no measurement."""
     from spark_cli.native import devices
-    from spark_cli.runs import bench, dry_run
+    from spark_cli.runs import bench
 
     class NoEngine:
         def __init__(self, opts):
@@ -220,7 +220,7 @@ def fake_bench(monkeypatch, tmp_path):
 
     monkeypatch.setattr(devices, "select", lambda sel: [SimpleNamespace(name="FAKE0", description="a fake device")])
     monkeypatch.setattr(devices, "free_memory", lambda dev: (8 * GiB, 16 * GiB))
-    monkeypatch.setattr(dry_run, "measure", _planned_bill)  # a fake device has no dry run: the plan's own sums
+    monkeypatch.setattr(session, "measurer", _planned_bills)  # a fake device has no dry run: the plan's own sums
     monkeypatch.setattr(bench, "Engine", NoEngine)
     monkeypatch.setattr(bench, "make_workload", lambda eng, docs, n: bench.Workload([1] * 8, [1] * 4, [[1] * 4]))
     monkeypatch.setattr(bench, "calibrate", lambda eng, g, prompts, progress=None: _drifting_trace(g, 80, seed=3))
@@ -298,7 +298,7 @@ class _Stop(SparkError):
     """Raised where a command would start an engine or a server: the placement is made."""
 
 
-def _planned_bill(model, geometry, plan, flags, n_ctx):
+def _planned_bill(plan):
     """A dry run's bill on FAKE0 that equals the plan's own sums."""
     from spark_cli.core.bill import BufferBill, MeasuredBill
 
@@ -307,12 +307,17 @@ def _planned_bill(model, geometry, plan, flags, n_ctx):
                                     + b["experts_resident"], b["kv_cache"], b["compute"], b["expert_banks"]),))
 
 
+def _planned_bills(model, geometry, flags, n_ctx):
+    """session.measurer on a fake device: the plan's own sums."""
+    return _planned_bill
+
+
 def _fake_device(monkeypatch) -> None:
     from spark_cli.native import devices
 
     monkeypatch.setattr(devices, "select", lambda sel: [SimpleNamespace(name="FAKE0", description="a fake device")])
     monkeypatch.setattr(devices, "free_memory", lambda dev: (8 * GiB, 16 * GiB))
-    monkeypatch.setattr(dry_run, "measure", _planned_bill)
+    monkeypatch.setattr(session, "measurer", _planned_bills)
 
 
 def _run_plan(model, budget, monkeypatch, capsys, tmp_path) -> None:
@@ -358,7 +363,7 @@ def _run_demo(model, budget, monkeypatch, capsys, tmp_path) -> None:
     the plan step runs for real, the other steps are recorded."""
     from spark_cli.commands import demo as demo_cmd
     from spark_cli.commands import plan as plan_cmd
-    from spark_cli.runs import demo_model
+    from spark_cli.models import demo_model
 
     def both(app):
         if not getattr(app, "_spark_test_registered", False):

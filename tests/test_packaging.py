@@ -55,8 +55,10 @@ def _env() -> dict:
 
 def test_the_wheel_holds_the_package_tree(installed) -> None:
     bin_dir, work = installed
-    r = _run([bin_dir / "python", "-c", "import spark_cli, spark_cli.commands.plan as p; print(spark_cli.__file__);"
-              "print(p.__file__)"], cwd=work, env=_env())
+    r = _run([bin_dir / "python", "-c", "import spark_cli, spark_cli.commands.plan as p, spark_cli.serve.app as s, "
+              "spark_cli.models.gguf_write as m; print(spark_cli.__file__); print(p.__file__); print(s.__file__); "
+              "print(m.__file__)"], cwd=work, env=_env())
+    assert len(r.stdout.split()) == 4, r.stdout
     for line in r.stdout.split():
         assert str(bin_dir.parent) in line and str(REPO) not in line, line  # the installed copy, not the checkout
 
@@ -79,7 +81,7 @@ def test_installed_spark_runs(installed, argv, words) -> None:
 
 def test_installed_version_and_data(installed, tmp_path) -> None:
     from spark_cli import __version__
-    from spark_cli.runs.demo_model import build_tiny_model
+    from spark_cli.models.tiny_models import build_tiny_model
     from spark_cli.native.version import native_key
 
     bin_dir, work = installed

@@ -10,7 +10,7 @@ import pytest
 
 from spark_cli.core import planner
 from spark_cli.runs import session
-from spark_cli.runs.demo_model import TINY_ARCHES, build_tiny_model
+from spark_cli.models.tiny_models import TINY_ARCHES, build_tiny_model
 from spark_cli.native.engine import Engine
 from spark_cli.core.gguf_info import load_geometry
 from spark_cli.core.options import LoadFlags

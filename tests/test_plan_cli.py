@@ -13,9 +13,9 @@ import pytest
 from conftest import cli_runner
 
 from spark_cli.native import devices
-from spark_cli.core import planner, vram
+from spark_cli.core import plan_file, planner, vram
 from spark_cli.commands import plan as plan_cmd
-from spark_cli.runs.demo_model import TINY_ARCHES, build_tiny_model
+from spark_cli.models.tiny_models import TINY_ARCHES, build_tiny_model
 from spark_cli.errors import DeviceError, OutputError, PlanError, ProfileError, UsageError
 from spark_cli.core.options import DEFAULT_CTX
 from spark_cli.core.gguf_info import _open, load_geometry
@@ -57,7 +57,7 @@ def test_writes_plan_that_loads_and_fits(spark, small_model, geo, tmp_path) -> N
     budget = partial_budget(geo)
     rc, stdout, stderr = spark(small_model, "--vram", budget, "-o", out)
     assert rc == 0, stderr
-    p = planner.Plan.load(out, expect_identity=geo.identity())
+    p = plan_file.load(out, expect_identity=geo.identity())
     assert p.budget_bytes == budget and p.n_ctx == min(geo.context_length, DEFAULT_CTX)
     assert p.breakdown["total"] <= budget
     modes = {l.mode for l in p.layers}
@@ -133,7 +133,7 @@ def test_plan_of_another_model_is_refused(spark, small_model, tmp_path) -> None:
     rc, _, stderr = spark(build_tiny_model("qwen3moe"), "--vram", "1GiB", "-o", out)
     assert rc == 0, stderr
     with pytest.raises(PlanError, match="plan is for another model"):
-        planner.Plan.load(out, expect_identity=load_geometry(small_model).identity())
+        plan_file.load(out, expect_identity=load_geometry(small_model).identity())
 
 
 def _beside(model: Path, folder: Path) -> Path:
@@ -158,7 +158,7 @@ def test_skewed_profile_pins_exactly_the_hot_experts(spark, small_model, geo, tm
     budget = fixed_bytes(geo) + floor_bytes(geo, stage=0) + len(hot) * len(geo.moe_layers) * bpe
     rc, stdout, stderr = spark(model, "--vram", budget, "--json", "--miss-path", "cpu")  # the floor alone
     assert rc == 0, stderr
-    p = planner.Plan.from_json(stdout)
+    p = plan_file.from_json(stdout)
     cached = [l for l in p.layers if l.mode == "cached"]
     assert len(cached) == len(geo.moe_layers)
     assert all(l.pinned == hot and l.lru_slots == geo.n_expert_used for l in cached)
@@ -216,12 +216,12 @@ def test_trace_sizes_lru_slots(spark, small_model, geo, tmp_path) -> None:
 
     # the same routing counts with and without the steps: the trace's plan is priced by replaying them,
     # a profile of counts alone (no ring of recent steps) plans from the counts with k slots per layer
-    with_trace = planner.Plan.from_json(spark(small_model, "--vram", budget, "--trace", path, "--json")[1])
+    with_trace = plan_file.from_json(spark(small_model, "--vram", budget, "--trace", path, "--json")[1])
     prof = tmp_path / "p.json"
     t = RoutingTrace.load(path)
     RoutingProfile.empty(geo.identity()).add(t.counts("prefill"), t.counts("decode"), t.n_rows - t.n_decode,
                                              t.n_decode, "t").save(prof)
-    without = planner.Plan.from_json(spark(small_model, "--vram", budget, "--profile", prof, "--json")[1])
+    without = plan_file.from_json(spark(small_model, "--vram", budget, "--profile", prof, "--json")[1])
     cached_without = [l for l in without.layers if l.mode == "cached"]
     cached_with = [l for l in with_trace.layers if l.mode == "cached"]
     assert cached_without and all(l.lru_slots == k for l in cached_without)
@@ -269,13 +269,13 @@ def test_byte_accounting_equals_gguf_tensor_sizes(spark, small_model, geo) -> No
     total = sum(int(t.n_bytes) for t in gguf.GGUFReader(small_model).tensors)  # an independent reader
     assert total == _tensor_bytes(small_model)
     rc, stdout, _ = spark(small_model, "--vram", "64GiB", "--json")
-    p = planner.Plan.from_json(stdout)
+    p = plan_file.from_json(stdout)
     assert all(l.mode == "resident" for l in p.layers)
     b = p.breakdown
     assert geo.output_tied  # SmolLM2: tok_embd is the output matrix, on the device
     assert b["weights_global"] + b["weights_layers_nonexpert"] + b["experts_resident"] == total
     rc, stdout, _ = spark(small_model, "--vram", partial_budget(geo), "--json")
-    assert _accounted(planner.Plan.from_json(stdout), geo) == total
+    assert _accounted(plan_file.from_json(stdout), geo) == total
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHES)
@@ -287,7 +287,7 @@ def test_byte_accounting_tiny_archs(spark, arch) -> None:
         budget = fixed_bytes(g, 512) + int(share * g.total_expert_bytes) + floor_bytes(g)
         rc, stdout, stderr = spark(path, "--vram", budget, "-c", 512, "--json")
         assert rc == 0, stderr
-        p = planner.Plan.from_json(stdout)
+        p = plan_file.from_json(stdout)
         assert p.breakdown["total"] <= budget
         assert _accounted(p, g) == total
         assert p.stock.device_bytes <= budget or not p.stock.fits
@@ -331,7 +331,7 @@ def test_help_shows_llama_cpp_spellings(spark) -> None:
 def test_plan_prices_parallel_sequences(spark) -> None:
     """`spark plan -np 4` prices four sequences' KV cache and recurrent state (a hybrid tiny model:
     the same 4096 attention cells in 4 streams or one unified, the state 4 times) and records them."""
-    from spark_cli.runs.tiny_models import build_tiny_model as build_family_model
+    from spark_cli.models.tiny_models import build_tiny_model as build_family_model
 
     path = build_family_model("qwen35moe")
     g = load_geometry(path)
@@ -341,7 +341,7 @@ def test_plan_prices_parallel_sequences(spark) -> None:
                              (["-np", "3", "--no-kv-unified"], 3, False)):
         rc, stdout, stderr = spark(path, "--vram", "64GiB", "-c", 4096, *argv, "--json")
         assert rc == 0, stderr
-        p = planner.Plan.from_json(stdout)
+        p = plan_file.from_json(stdout)
         assert (p.n_parallel, p.kv_unified) == (n, unified)
         assert p.breakdown["kv_cache"] == vram.kv_cache_bytes(g, 4096, n_seq=n, unified=unified)
         kv[n, unified] = p.breakdown["kv_cache"]

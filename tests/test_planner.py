@@ -13,9 +13,10 @@ from _geometry import MiB, make_geometry
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spark_cli.core import vram
+from spark_cli.core import plan_file, vram
 from spark_cli.errors import PlanError
-from spark_cli.core.planner import PLAN_VERSION, Plan, stage_slices, staging_bytes, stock_baseline
+from spark_cli.core.plan_file import PLAN_VERSION
+from spark_cli.core.planner import Plan, stage_slices, staging_bytes, stock_baseline
 from spark_cli.core.planner import _make_plan as make_plan  # the greedy under plan_for
 
 GiB = 1 << 30
@@ -240,7 +241,7 @@ def test_below_the_cache_floor_layers_stay_on_the_host() -> None:
     assert p2.stock.cpu_moe_fits
     with pytest.raises(PlanError, match="the model without experts needs"):
         make_plan(g, fixed - 3 * 4096 - 1, 4096)
-    assert Plan.from_json(p2.to_json()) == p2
+    assert plan_file.from_json(plan_file.to_json(p2)) == p2
 
 
 def test_profile_shape_checked() -> None:
@@ -281,32 +282,32 @@ def test_plan_carries_the_expert_overrides() -> None:
     assert moved == sum(l.host_bytes for l in plan.layers)
     assert {n for n in names if rx.search(n)} == {t.name for il in (2, 3) for t in g.layers[il].experts}
     assert not rx.search("blk.2.ffn_gate_up_exps.bias") and not rx.search("blk.12.ffn_gate_up_exps.weight")
-    assert Plan.from_json(plan.to_json()).overrides == plan.overrides
+    assert plan_file.from_json(plan_file.to_json(plan)).overrides == plan.overrides
 
 
 def test_json_round_trip_and_identity(tmp_path: Path) -> None:
     g = make_geometry(n_layer=4, n_expert=8, k=2)
     counts = np.arange(32, dtype=float).reshape(4, 8)
     plan = make_plan(g, fixed_bytes(g) + floor_bytes(g) + 100 * MiB, 4096, counts, "q8_0", "q8_0")
-    d = json.loads(plan.to_json())
+    d = json.loads(plan_file.to_json(plan))
     assert d["version"] == PLAN_VERSION and d["model"] == g.identity()
     assert set(d["breakdown"]) >= {"weights_global", "expert_banks", "kv_cache", "total"}
-    assert Plan.from_json(plan.to_json()) == plan
+    assert plan_file.from_json(plan_file.to_json(plan)) == plan
     path = tmp_path / "p" / "plan.json"
-    plan.save(path)
-    assert Plan.load(path, g.identity()) == plan
+    plan_file.save(plan, path)
+    assert plan_file.load(path, g.identity()) == plan
     other = make_geometry(n_layer=4, n_expert=8, k=2, fingerprint="0" * 64)
     with pytest.raises(PlanError, match=r"plan is for another model \(fingerprint ffffffffffff != 000000000000\)"):
-        Plan.load(path, other.identity())
+        plan_file.load(path, other.identity())
     d["version"] = 99
     path.write_text(json.dumps(d))
     with pytest.raises(PlanError, match=f"version: expected {PLAN_VERSION}, got 99"):
-        Plan.load(path)
+        plan_file.load(path)
     path.write_text("{not json")
     with pytest.raises(PlanError, match="not JSON"):
-        Plan.load(path)
+        plan_file.load(path)
     with pytest.raises(PlanError, match="cannot read plan"):
-        Plan.load(tmp_path / "missing.json")
+        plan_file.load(tmp_path / "missing.json")
 
 
 # ---------------------------------------------------------------- planning by replay (issue 12)
@@ -380,7 +381,7 @@ def test_staging_slices_per_expert_shape() -> None:
     assert cpu.breakdown["expert_banks"] == banks(cpu)
     assert banks(cpu) > banks(auto)  # the staging bytes came out of the slots
     assert make_plan(g, full_bytes(g), 4096).stage_slices == 0
-    again = Plan.from_json(auto.to_json())
+    again = plan_file.from_json(plan_file.to_json(auto))
     assert again.stage_slices == 8 and again == auto
 
 
@@ -417,13 +418,13 @@ def test_parallel_sequences_are_priced_and_recorded() -> None:
         assert (four.n_parallel, four.kv_unified) == (4, unified)
         assert four.breakdown["kv_cache"] - one.breakdown["kv_cache"] == 3 * state
         assert four.breakdown["kv_cache"] == vram.kv_cache_bytes(g, 4096, n_seq=4, unified=unified)
-        d = json.loads(four.to_json())
+        d = json.loads(plan_file.to_json(four))
         assert (d["n_parallel"], d["kv_unified"]) == (4, unified)
-        assert Plan.from_json(four.to_json()) == four
-    old = json.loads(one.to_json())
+        assert plan_file.from_json(plan_file.to_json(four)) == four
+    old = json.loads(plan_file.to_json(one))
     del old["n_parallel"], old["kv_unified"]
-    again = Plan.from_json(json.dumps(old))
+    again = plan_file.from_json(json.dumps(old))
     assert (again.n_parallel, again.kv_unified) == (1, False) and again == one
     for bad in ({"n_parallel": 0}, {"n_parallel": 257}, {"kv_unified": 1}):
         with pytest.raises(PlanError, match=next(iter(bad))):
-            Plan.from_json(json.dumps({**old, **bad}))
+            plan_file.from_json(json.dumps({**old, **bad}))

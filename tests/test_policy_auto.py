@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from _geometry import MiB, make_geometry
-from spark_cli.core import planner
+from spark_cli.core import plan_file, planner
 from spark_cli.core.simulator import DEFAULT_POLICY, ONLINE_POLICIES
 from spark_cli.core.trace import RoutingTrace
 
@@ -80,6 +80,6 @@ def test_auto_without_a_trace_is_the_default_and_says_so() -> None:
 
 def test_auto_choice_and_figures_survive_the_plan_file(tmp_path) -> None:
     plan, _, _ = _auto(_recency_rows(np.random.default_rng(3), 300))
-    plan.save(tmp_path / "p.json")
-    back = planner.Plan.load(tmp_path / "p.json")
+    plan_file.save(plan, tmp_path / "p.json")
+    back = plan_file.load(tmp_path / "p.json")
     assert back.policy == plan.policy and back.policy_replay == plan.policy_replay

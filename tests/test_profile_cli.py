@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spark_cli.runs.profiling import (_Capture, _held_out_indices, _pieces, gather, open_engine, resolve_capture,
+from spark_cli.runs.profiling import (Capture, _held_out_indices, _pieces, gather, open_engine, resolve_capture,
                                  split_held_out)
 from spark_cli.files.corpus import Chunk
 from spark_cli.native.engine import EngineOptions
@@ -96,7 +96,7 @@ def test_capture_paths_agree(small_model):
             bos = eng.tokenize("", add_special=True)
             toks = eng.tokenize(PROSE, add_special=False)
             chunks = [Chunk("a", bos + toks[:40]), Chunk("b", bos + toks[40:70])]
-            cap = _Capture(eng, mode, g.n_layer, g.n_expert, g.fingerprint, keep_trace=True)
+            cap = Capture(eng, mode, g.n_layer, g.n_expert, g.fingerprint, keep_trace=True)
             got[mode] = gather(eng, cap, chunks, gen=3, n_batch=16)  # several ubatches per chunk
         finally:
             eng.close()
@@ -243,7 +243,7 @@ def test_empty_corpus_is_one_line(small_model, tmp_path):
 
 
 def test_model_without_experts_is_one_line(tmp_path):
-    from spark_cli.runs.demo_model import fetch_smollm2
+    from spark_cli.models.smollm2 import fetch_smollm2
 
     dense = fetch_smollm2()
     rc, out, err = spark("profile", dense, "--profile", tmp_path / "p.json")

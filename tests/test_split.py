@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from _geometry import MiB, make_geometry
 
-from spark_cli.core import planner, split, units
+from spark_cli.core import plan_file, planner, split, units
 from spark_cli.core.bill import BufferBill, MeasuredBill
 from spark_cli.core.options import LoadFlags
 from spark_cli.errors import PlanError, UsageError
@@ -135,7 +135,7 @@ def test_each_device_spends_its_own_budget():
                                                                           and l.mode != "dense"))
                  for i in range(2)]
     assert per_layer[1] > per_layer[0]
-    back = planner.Plan.from_json(plan.to_json())
+    back = plan_file.from_json(plan_file.to_json(plan))
     assert back == plan and back.split() == dataclasses.replace(sp, budgets=sp.budgets)
 
 

@@ -123,11 +123,12 @@ def test_profile_tables_whole_in_a_pipe(geo, pipe) -> None:
 def test_the_demos_closing_lines_say_what_it_showed(geo, tmp_path) -> None:
     """spark demo's last lines, from the files its steps wrote: the plan, the answer, bench's verdict."""
     from spark_cli.commands import demo as demo_cmd
+    from spark_cli.core import plan_file
     from spark_cli.core.planner import PlanRequest, plan_for
 
     plan_path = tmp_path / "demo-plan.json"
     budget = int(0.6 * geo.total_expert_bytes) + (2 << 30)
-    plan_for(geo, PlanRequest(budget, 2048)).plan.save(plan_path)
+    plan_file.save(plan_for(geo, PlanRequest(budget, 2048)).plan, plan_path)
     rep = _wide_report(geo)
     bench_path = tmp_path / "demo-bench.json"
     bench_path.write_text(json.dumps(rep.to_dict()), encoding="utf-8")

@@ -46,7 +46,7 @@ CI_ARCHS = ("qwen3moe", "qwen35moe", "laguna")
 
 
 def _archs() -> list[str]:
-    from spark_cli.runs.tiny_models import TINY_MODELS
+    from spark_cli.models.tiny_models import TINY_MODELS
 
     want = os.environ.get("SPARK_VULKAN_FAMILIES", "").strip()
     if not want:
@@ -136,7 +136,7 @@ def test_upload_path_bit_identical_on_vulkan(arch, vulkan_device):
     splits the graph: models with gated-delta-net layers (qwen35moe, qwen3next) then fuse a few
     non-expert ops differently (logits differ by ~1e-5). Those are checked twice: bit-identical with
     fusion off (GGML_VK_DISABLE_FUSION=1), and within the stock --cpu-moe bound with it on."""
-    from spark_cli.runs.tiny_models import build_tiny_model
+    from spark_cli.models.tiny_models import build_tiny_model
 
     path = build_tiny_model(arch)
     g = load_geometry(path)
@@ -199,7 +199,7 @@ def test_miss_paths_within_the_stock_bound_on_vulkan(arch, miss_path, vulkan_dev
     Compared as the stock bound is measured: each prompt up to its first routing difference
     (exactness.routed_diff: a near-tie of expert scores that CPU against Vulkan kernels reverse,
     after which the runs compute different experts), and that difference must be a tie."""
-    from spark_cli.runs.tiny_models import build_tiny_model
+    from spark_cli.models.tiny_models import build_tiny_model
 
     path = build_tiny_model(arch)
     g = load_geometry(path)
@@ -254,7 +254,7 @@ def test_chat_runs_on_vulkan(small_model, vulkan_device, monkeypatch, capsys, tm
 def test_bench_runs_on_vulkan(vulkan_device, monkeypatch, capsys, tmp_path):
     from conftest import cli_runner, keep_device_costs
     from spark_cli.commands import bench as bench_cmd
-    from spark_cli.runs.tiny_models import build_tiny_model
+    from spark_cli.models.tiny_models import build_tiny_model
 
     model = tmp_path / "tiny.gguf"  # a private name: the profile bench writes stays in tmp
     model.symlink_to(build_tiny_model("qwen3moe"))

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import io
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import typer
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
 
 from ..core.options import LoadFlags, context_size
 from ..core.simulator import MissPath
@@ -26,11 +31,6 @@ from .common import MISS_PATH_HELP, console, err_console, model_flags, model_or_
 from .help import SparkCommand
 from .render_plan import fmt_bytes
 from .tables import Whole
-from rich.table import Table
-from rich.text import Text
-import numpy as np
-import io
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

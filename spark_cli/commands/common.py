@@ -128,7 +128,7 @@ def model_or_demo(model: Path | None) -> Path:
     """The model path given, or the built-in demo model (built and cached on first use)."""
     if model is not None:
         return model
-    from ..runs.demo_model import build_demo_model
+    from ..models.demo_model import build_demo_model
 
     with console.status("building the demo model (first run only) ..."):
         return build_demo_model()

@@ -41,10 +41,10 @@ def demo_model_cmd(
     out_dir: Path = typer.Option(None, "--out-dir", help="folder (default: $SPARK_HOME/models)"),
 ) -> None:
     """Build (or reuse) the upcycled SmolLM2 MoE demo model; prints its path on the last line."""
-    from ..runs.demo_model import build_demo_model
-    from ..runs.tiny_models import TINY_MODELS, build_tiny_model
+    from ..models.demo_model import build_demo_model
+    from ..models.tiny_models import TINY_MODELS, build_tiny_model
 
-    from ..runs.demo_router import ROUTERS
+    from ..models.demo_router import ROUTERS
 
     if seed < 0:
         raise UsageError(f"--seed {seed}: give 0 or more")
@@ -73,7 +73,7 @@ def demo_model_cmd(
 
 def _fixture(name: str, tiny: str | None, out_dir: Path | None) -> None:
     """`--fixture NAME`: build one geometry fixture and print its path; `--fixture list`: the names."""
-    from ..runs.fixtures import FIXTURES, build_fixture, disk_bytes
+    from ..models.fixtures import FIXTURES, build_fixture, disk_bytes
 
     if tiny is not None:
         raise UsageError("--fixture and --tiny: give one of them")
@@ -118,7 +118,7 @@ def _chat_answer(spark: Callable[[list[str]], int], argv: list[str]) -> tuple[in
 
 def _plan_line(plan_path: Path, residency: float) -> str:
 
-    plan = Plan.load(plan_path)
+    plan = plan_file.load(plan_path)
     cached = [l for l in plan.layers if l.mode == "cached"]
     moe = [l for l in plan.layers if l.mode in ("resident", "cached", "host")]
     cold = "" if plan.predicted_cold_hit is None else f", predicted cold-hit {100 * plan.predicted_cold_hit:.1f}%"
@@ -157,7 +157,7 @@ def demo_cmd(
     quick: bool = typer.Option(False, "--quick", help="shorter profile and bench (for smoke tests)"),
 ) -> None:
     """The main job on the demo model: profile -> plan -> one answer -> bench against stock offload."""
-    from ..runs.demo_model import build_demo_model
+    from ..models.demo_model import build_demo_model
 
     root = ctx.find_root().command
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
 import typer
 from rich.markup import escape
 
-from ..core import device_table, planner
+from ..core import device_table, plan_file, planner
 from ..core.cost_model import OBJECTIVES
 from ..core.options import LoadFlags, context_size
 from ..core.planner import AUTO_POLICY, held_out_check, replay_path, replayed_miss
@@ -19,17 +20,16 @@ from ..core.units import parse_sizes
 from ..errors import NativeError, SparkError, UsageError
 from ..files.atomic import check_output
 from ..native import devices
-from ..runs import dry_run, host_ram, session
+from ..runs import host_ram, session
 from . import render_plan
 from .common import (JSON_HELP, MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, parse_miss_path,
                      run_inputs)
 from .help import SparkCommand
 from .tables import Whole
-import os
 
 
 def _save(plan, output: Path) -> None:
-    plan.save(output, "-o")
+    plan_file.save(plan, output, "-o")
 
 
 def trace_replay_line(trace, plan) -> str:
@@ -239,7 +239,7 @@ def plan_cmd(
     req = replace(req, assumed_cold_hit=cold_hit)
     replay_src = f"the trace {trace_path.name}" if trace_path else "the profile's recent decode steps"
 
-    placed = planner.plan_for(geometry, req, dry_run.measurer(path, geometry, flags, ctx) if devs and measure else None)
+    placed = planner.plan_for(geometry, req, session.measurer(path, geometry, flags, ctx) if devs and measure else None)
     plan = placed.plan
     ram_warning = host_ram.check(plan, flags)
     if ram_warning:
@@ -253,7 +253,7 @@ def plan_cmd(
     if output is not None:
         _save(plan, output)
     if as_json:
-        typer.echo(plan.to_json())
+        typer.echo(plan_file.to_json(plan))
         if output is not None:
             say.print(f"wrote {output}")
         return

@@ -36,7 +36,7 @@ from ..runs import run, session
 from .common import JSON_HELP, console, err_console, model_flags, model_or_demo, run_inputs
 from .help import SparkCommand
 from .tables import Whole
-from ..runs.profiling import (CAPTURE_MODES, Gathered, StopFlag, _Capture, dropped_warning, gather,  # noqa: F401
+from ..runs.profiling import (CAPTURE_MODES, Gathered, StopFlag, Capture, dropped_warning, gather,  # noqa: F401
                               profiling_options, resolve_capture, split_held_out)
 
 DEFAULT_RESIDENCIES = "0.4,0.6,0.8"
@@ -326,7 +326,7 @@ def _gather_corpus(job: _ProfileJob, flags: LoadFlags, capture: str, gen: int, *
                   + (f" ({n_docs_cut} documents longer than the context were cut)" if n_docs_cut else "")
                   + (f", {gen} decoded tokens after each" if gen else "")
                   + ": Ctrl-C stops and keeps what was gathered")
-        cap = _Capture(engine, mode, geometry.n_layer, geometry.n_expert, geometry.fingerprint, keep_trace)
+        cap = Capture(engine, mode, geometry.n_layer, geometry.n_expert, geometry.fingerprint, keep_trace)
         cap.decode_only = not full_trace
         progress = Progress(TextColumn("{task.description}"), BarColumn(),
                             TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"), _RateColumn(),

@@ -1,7 +1,6 @@
 """The MoE families Spark knows (models.toml), read once into frozen dataclasses.
 
-The canonical file is `models.toml` at the repository root; an installed package
-reads its copy `spark_cli/data/models.toml` (kept identical, a test checks it).
+The file is `spark_cli/data/models.toml`, shipped in the package.
 """
 
 from __future__ import annotations
@@ -61,10 +60,8 @@ class Registry:
 
 
 def registry_path() -> Path:
-    """The source checkout's models.toml, else the packaged copy."""
-    here = Path(__file__).resolve().parents[1]  # the spark_cli package
-    root = here.parent / "models.toml"
-    return root if root.is_file() else here / "data" / "models.toml"
+    """spark_cli/data/models.toml, in the source tree and the installed package alike."""
+    return Path(__file__).resolve().parents[1] / "data" / "models.toml"
 
 
 def _fail(field: str, problem: str) -> SparkError:

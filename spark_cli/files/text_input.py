@@ -15,10 +15,6 @@ def _is_surrogate(c: str) -> bool:
     return 0xD800 <= ord(c) <= 0xDFFF
 
 
-def has_surrogates(text: str) -> bool:
-    return any(_is_surrogate(c) for c in text)
-
-
 def utf8_text(text: str) -> tuple[str, int]:
     """(text with undecodable bytes and lone surrogates as U+FFFD, how many were replaced)."""
     bad = sum(1 for c in text if _is_surrogate(c))

@@ -5,8 +5,9 @@ A measurement times a few placements on the device, whatever the budget (they on
 its free memory): stock --cpu-moe, stock --n-cpu-moe N (about half the MoE layers on the host),
 all resident where the device holds it, and every MoE layer cached with k policy slots (the cache
 floor, miss path auto: its miss costs come from the miss-path calibration it runs). Each is timed
-on a short prompt and a short greedy decode, three times (the median), and cost_model.fit turns
-them into base, stop and host-layer figures."""
+on a short prompt and a short greedy decode, three times (the fastest is kept: another process on
+the machine only ever adds time), and cost_model.fit turns them into base, stop and host-layer
+figures."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,7 +37,7 @@ from .run import open_engine
 PROMPT_TOKENS = 128  # at most this long a prompt step per timing
 DECODE_TOKENS = 32  # decode tokens per timing (bench: its own -n, at least MIN_DECODE)
 MIN_DECODE = 32
-REPEATS = 3  # timings of each probe; the median
+REPEATS = 3  # timings of each probe; the fastest is kept
 FIT_MARGIN = 1 << 30  # device memory left free by the placements measured
 
 Progress = Callable[[str, int, int], None]
@@ -198,8 +198,8 @@ def _timings(base: EngineOptions, g: ModelGeometry, todo: Sequence[Probe], promp
 
 
 def _sample(p: Probe, runs: Sequence[Timing], n_decode: int) -> Sample:
-    pp = statistics.median(r[0] for r in runs)
-    tg = statistics.median(r[1] for r in runs)
+    pp = min(r[0] for r in runs)
+    tg = min(r[1] for r in runs)
     cache = CacheStats.total(r[2] for r in runs)
     miss_us = (cache.cpu_us + cache.upload_us) / (len(runs) * n_decode) if p.cached else 0.0
     return Sample(p.name, len(p.host), len(p.cached), tg, pp, miss_us, 1.0 if p.cached else 0.0)

@@ -44,7 +44,7 @@ class Gathered:
                 "trace_dropped_steps": self.trace_dropped_steps}
 
 
-class _Capture:
+class Capture:
     """Routing since the last harvest, from the native counters or the eval callback."""
 
     def __init__(self, engine, mode: str, n_layer: int, n_expert: int, fingerprint: str, keep_trace: bool):
@@ -119,7 +119,7 @@ def _pieces(tokens: Sequence[int], n_batch: int) -> list[Sequence[int]]:
     return out
 
 
-def gather(engine, capture: _Capture, chunks: Sequence[Any], gen: int, stop: StopFlag | None = None,
+def gather(engine, capture: Capture, chunks: Sequence[Any], gen: int, stop: StopFlag | None = None,
            advance: Callable[[int], None] | None = None, drop: Callable[[int], None] | None = None,
            n_batch: int = 512, into: Gathered | None = None) -> Gathered:
     """Prefill every chunk (fresh KV each), then decode `gen` greedy tokens after it.

@@ -20,7 +20,7 @@ from ..native import devices
 from . import device_costs, dry_run, host_ram
 from .miss_path import device_key
 from ..files.paths import spark_home
-from ..core import planner, profile_store, split as split_mod, units, vram
+from ..core import plan_file, planner, profile_store, split as split_mod, units, vram
 from ..files.atomic import lock_timeout_default
 from ..core.simulator import MissPath
 from ..core.trace import DECODE
@@ -148,6 +148,11 @@ def engine_options(model: Path, geometry: ModelGeometry, plan: planner.Plan | No
         type_k=flags.type_k or (plan.type_k if plan else "f16"), type_v=flags.type_v or (plan.type_v if plan else "f16"),
         flash_attn=flags.flash_attn, use_mmap=flags.mmap, use_mlock=flags.mlock, repack=flags.repack,
         n_seq=n_parallel(flags, plan), kv_unified=kv_unified(flags, plan))
+
+
+def measurer(model: Path, geometry: ModelGeometry, flags: LoadFlags, n_ctx: int) -> planner.Measure:
+    """planner.plan_for's `measure` for this model and these flags: a plan's dry run (dry_run.measure)."""
+    return lambda plan: dry_run.measure(engine_options(model, geometry, plan, flags, n_ctx=n_ctx, learn=False))
 
 
 def counts_every_layer(plan: planner.Plan | None, learn: bool) -> bool:
@@ -286,8 +291,8 @@ class Placement:
 def load_plan_file(plan_path: Path, geometry: ModelGeometry) -> planner.Plan:
     if not Path(plan_path).is_file():
         raise PlanError(f"--plan {plan_path}: no such file", hint="write one with spark plan -o FILE")
-    plan = planner.Plan.load(plan_path, expect_identity=geometry.identity())
-    planner.check_plan(plan, geometry, f"--plan {plan_path}")
+    plan = plan_file.load(plan_path, expect_identity=geometry.identity())
+    plan_file.check_plan(plan, geometry, f"--plan {plan_path}")
     return plan
 
 
@@ -320,7 +325,7 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
                 dataclasses.replace(x, name=d.name) for x, d in zip(file_plan.devices, used_devices(devs, file_plan))))
         # NOTE: measured now, with this run's flags and context: a stale plan (another context size,
         # another device, less free memory) is refused here, before anything loads
-        bill = dry_run.measure(model, geometry, file_plan, flags, out.n_ctx)
+        bill = measurer(model, geometry, flags, out.n_ctx)(file_plan)
         dry_run.check_fits(bill, used_devices(devs, file_plan), f"--plan {plan_path}")
         out.plan = planner.with_measured(file_plan, bill)
     else:
@@ -328,7 +333,7 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
         budget = resolve_budget(vram_text, devs)
         req = plan_request(info, budget.bytes, n_ctx, miss_path=miss_path, split=resolve_split(flags, budget),
                            costs=kept_costs(devs, geometry, flags), **kv_settings(flags))
-        plan = planner.plan_for(geometry, req, dry_run.measurer(model, geometry, flags, n_ctx)).plan
+        plan = planner.plan_for(geometry, req, measurer(model, geometry, flags, n_ctx)).plan
         out = Placement(devs, plan, n_ctx, budget.source)
     if not any(l.mode in ("resident", "cached", "host") for l in out.plan.layers):
         raise PlanError("the plan places no MoE layer", hint="write it again with spark plan")

@@ -22,39 +22,39 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from .protocol import MAX_STOP, ApiError, _Strict, new_id, warn
+from .protocol import MAX_STOP, ApiError, Strict, new_id, warn
 
 MESSAGES_PATH = "/v1/messages"
 
 # ---------------------------------------------------------------- requests
 
 
-class TextBlock(_Strict):
+class TextBlock(Strict):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(Strict):
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: Union[str, list[TextBlock], None] = None
     is_error: bool = False
 
 
-class ThinkingBlock(_Strict):
+class ThinkingBlock(Strict):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class RedactedThinkingBlock(_Strict):
+class RedactedThinkingBlock(Strict):
     type: Literal["redacted_thinking"]
     data: str = ""
 
@@ -65,7 +65,7 @@ ALLOWED_BLOCKS = {"user": ("text", "tool_result"), "system": ("text",),
                   "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
 
 
-class Message(_Strict):
+class Message(Strict):
     # NOTE: a system message inside messages (Claude Code's mid-conversation-system beta) stands
     # where it is sent, as llama-server passes it to the template
     role: Literal["user", "assistant", "system"]
@@ -80,7 +80,7 @@ class Message(_Strict):
         return self
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: str | None = None  # None or "custom": a client tool; any other: a server tool (web_search_..., skipped)
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
@@ -98,7 +98,7 @@ class Tool(_Strict):
         return self.type in (None, "custom")
 
 
-class ToolChoice(_Strict):
+class ToolChoice(Strict):
     type: Literal["auto", "any", "none", "tool"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
@@ -110,12 +110,12 @@ class ToolChoice(_Strict):
         return self
 
 
-class Thinking(_Strict):
+class Thinking(Strict):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=0, le=(1 << 31) - 1)
 
 
-class OutputFormat(_Strict):
+class OutputFormat(Strict):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
@@ -123,12 +123,12 @@ class OutputFormat(_Strict):
 EFFORTS = ("low", "medium", "high")  # what templates read as reasoning_effort (gpt-oss); others are not passed
 
 
-class OutputConfig(_Strict):
+class OutputConfig(Strict):
     effort: str | None = None
     format: OutputFormat | None = None
 
 
-class CountRequest(_Strict):
+class CountRequest(Strict):
     """The body of /v1/messages/count_tokens (and what a message request has besides). Fields
     not named here are accepted and ignored (metadata, context_management, service_tier,
     cache_control on blocks, ...), as llama-server ignores what it does not use."""

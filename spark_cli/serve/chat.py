@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import secrets
 import threading
 import time
@@ -47,14 +46,14 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 from starlette.requests import ClientDisconnect, Request
 
-from ..core.chat_output import THINK_OPEN, ChatDelta, OutputParser
+from ..core.chat_output import ChatDelta, OutputParser
 from ..core.chat_template import TemplateSet
-from ..core.json_schema import violation
-from ..core.tool_calls import HERMES, ToolCall, ToolFormat, format_for, param_types
+from ..core.tool_calls import HERMES, ToolFormat, format_for, param_types
 from ..native.grammar import GrammarError, json_schema_gbnf, tool_call_gbnf
 from ..runs.chat_session import Sampling
 from .protocol import (FINISH, ApiError, ChatRequest, Envelope, GenerationRequest, Timings, TokenLogprob, Usage,
                        event_sse, warn)
+from .prepared_chat import OutputSchemas, PreparedChat
 from .worker import Done, Event, Failed, Job, Progress, Started, Text, Worker
 
 POLL_SECONDS = 0.25  # how often a waiting request checks that its client is still there
@@ -121,58 +120,6 @@ def build_fingerprint() -> str:
     except PackageNotFoundError:
         bindings = "unknown"
     return f"spark-{__version__}-llama-cpp-python-{bindings}"
-
-
-@dataclass(frozen=True)
-class OutputSchemas:
-    """The schemas a forced grammar was built from (the tools' parameters by name, the answer's
-    JSON Schema): the grammar may be looser (core/json_schema.relax), so the output is checked
-    against them once generated, and what breaks them is a warning in the log."""
-
-    tools: dict[str, Any] = field(default_factory=dict)
-    answer: Any = None
-
-    def problems(self, content: str, calls: Iterable[ToolCall], complete: bool = True) -> list[str]:
-        """How the output breaks the schemas (a call is parsed only once whole; the answer is
-        checked only when `complete`: not cut by max_tokens)."""
-        out = []
-        for call in calls:
-            schema = self.tools.get(call.name)
-            problem = schema is not None and violation(_json_or_text(call.arguments), schema)
-            if problem:
-                out.append(f"the arguments of the forced call to {call.name!r} break its schema: {problem}")
-        if self.answer is not None and complete:
-            problem = violation(_json_or_text(content), self.answer)
-            if problem:
-                out.append(f"the answer breaks its JSON Schema: {problem}")
-        return out
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-@dataclass(frozen=True)
-class PreparedChat:
-    messages: list[dict[str, Any]]  # as templates read them
-    tools: list[dict[str, Any]] | None  # what the template renders (None: no tools, or tool_choice none)
-    extras: dict[str, Any]  # chat_template_kwargs (enable_thinking, reasoning_effort, ...)
-    grammar: str | None
-    fmt: ToolFormat
-    parse_tools: bool
-    reasoning: str
-    types: dict[str, dict[str, str]] = field(default_factory=dict)
-    parallel: bool = True  # parallel_tool_calls: False keeps the first call only
-    prefill: bool = False  # the last message is the assistant's: continue it
-    schemas: OutputSchemas = OutputSchemas()  # what a forced grammar's output is checked against
-
-    def parser(self, prompt: str) -> OutputParser:
-        """A prompt that ends by opening <think> (Qwen3 thinking) starts the answer inside reasoning."""
-        return OutputParser(self.fmt, self.parse_tools, self.reasoning, prompt.rstrip().endswith(THINK_OPEN),
-                            self.types, max_calls=None if self.parallel else 1)
 
 
 def own_grammar(req: GenerationRequest) -> str | None:

@@ -60,7 +60,7 @@ def unavailable(message: str) -> ApiError:
 # ---------------------------------------------------------------- requests
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     # NOTE: unknown fields are ignored as llama-server does (clients send many); known ones are typed strictly
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -71,12 +71,12 @@ class _Strict(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: str = Field(min_length=1)
     arguments: Union[str, dict] = "{}"
 
@@ -94,13 +94,13 @@ class FunctionCall(_Strict):
         return obj
 
 
-class ToolCallIn(_Strict):
+class ToolCallIn(Strict):
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Strict):
+class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
@@ -128,7 +128,7 @@ class Message(_Strict):
         return d
 
 
-class FunctionDef(_Strict):
+class FunctionDef(Strict):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict | None = None
@@ -144,18 +144,18 @@ class FunctionDef(_Strict):
         return v
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class JsonSchemaSpec(_Strict):
+class JsonSchemaSpec(Strict):
     name: str = "response"
     schema_: dict = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
     schema_: dict | None = Field(None, alias="schema")  # llama-server also takes the schema here
@@ -178,7 +178,7 @@ TOOL_CHOICES = ("auto", "none", "required")
 REASONING = ("auto", "deepseek", "none")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
@@ -222,7 +222,7 @@ def _sampler_codes(v: Union[str, list[str]]) -> str:
     return kept
 
 
-def _refuse_unsupported(data: Any, extra: dict[str, tuple[Any, ...]], own: frozenset[str] = frozenset()) -> None:
+def refuse_unsupported(data: Any, extra: dict[str, tuple[Any, ...]], own: frozenset[str] = frozenset()) -> None:
     """A 400 naming the first field of UNSUPPORTED or `extra` (not in `own`: the endpoint's) that asks for something."""
     if not isinstance(data, dict):
         return
@@ -260,7 +260,7 @@ def _bias_pairs(v: Any) -> tuple[tuple[int | str, float], ...]:
     return tuple(out)
 
 
-class GenerationRequest(_Strict):
+class GenerationRequest(Strict):
     """What chat and completion bodies share: OpenAI's fields and llama-server's sampling ones."""
 
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {}  # per endpoint, beside UNSUPPORTED
@@ -302,7 +302,7 @@ class GenerationRequest(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
-        _refuse_unsupported(data, cls.REFUSED, cls.OWN)
+        refuse_unsupported(data, cls.REFUSED, cls.OWN)
         return data
 
     @field_validator("logit_bias")
@@ -466,7 +466,7 @@ class CompletionRequest(GenerationRequest):
         return v
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(Strict):
     """llama-server's POST /tokenize (its defaults: no BOS, special tokens parsed)."""
 
     content: str
@@ -475,7 +475,7 @@ class TokenizeRequest(_Strict):
     with_pieces: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     tokens: list[int] = Field(default_factory=list)
 
     @field_validator("tokens")

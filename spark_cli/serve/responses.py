@@ -39,7 +39,7 @@ from typing import Any, Literal, Union
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from .protocol import ApiError, ChatRequest, _refuse_unsupported, _Strict, new_id, parse, warn
+from .protocol import ApiError, ChatRequest, Strict, new_id, parse, refuse_unsupported, warn
 
 RESPONSES_PATHS = ("/v1/responses", "/responses")
 
@@ -64,7 +64,7 @@ def _bad(where: str, problem: str) -> ApiError:
 # ---------------------------------------------------------------- requests
 
 
-class TextFormat(_Strict):
+class TextFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     name: str = "response"
     schema_: dict | None = Field(None, alias="schema")
@@ -85,7 +85,7 @@ class TextFormat(_Strict):
         return {"type": "json_object"} if self.type == "json_object" else None
 
 
-class TextConfig(_Strict):
+class TextConfig(Strict):
     format: TextFormat | None = None
     verbosity: str | None = None
 
@@ -97,7 +97,7 @@ class TextConfig(_Strict):
         return v
 
 
-class ReasoningConfig(_Strict):
+class ReasoningConfig(Strict):
     effort: str | None = Field(None, min_length=1)
     # NOTE: accepted, as llama-server accepts them: Spark writes no summaries (the reasoning itself
     # is the reasoning item's content)
@@ -105,7 +105,7 @@ class ReasoningConfig(_Strict):
     generate_summary: str | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(Strict):
     """The Responses fields translated here; the others are kept (model_extra) for the chat request."""
 
     model_config = ConfigDict(extra="allow", strict=True)
@@ -125,7 +125,7 @@ class ResponsesRequest(_Strict):
         for name in STATEFUL:
             if isinstance(data, dict) and data.get(name):  # NOTE: "" or null asks for nothing
                 raise _bad(name, NO_STATE)
-        _refuse_unsupported(data, REFUSED)
+        refuse_unsupported(data, REFUSED)
         if isinstance(data, dict) and "messages" in data:
             raise _bad("messages", "/v1/responses takes input (messages is /v1/chat/completions' field)")
         return data

@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from ..errors import UsageError
 from .chat import ClientGone, read_body
-from .protocol import ApiError, _Strict, parse
+from .protocol import ApiError, Strict, parse
 
 MAX_INSTANCES = 128
 FORMAT_KEY = "@requestFormat"
@@ -65,7 +65,7 @@ def format_alias(path: str) -> str:
     return "".join(w if i == 0 else w[:1].upper() + w[1:] for i, w in enumerate(words))
 
 
-class PredictRequest(_Strict):
+class PredictRequest(Strict):
     instances: list[Any] = Field(max_length=MAX_INSTANCES)
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..native.engine import KVFullError
 from ..native.generate import BatchLoop, Decoding, GenerationStep, PromptProgress, StopRules, TokenProbs
@@ -23,12 +23,10 @@ from ..runs.chat_session import AnswerFigures, Sampling, make_sampler
 from ..errors import SparkError
 from .generation import ContextError, RequestPrompt
 from .learn import Learner
+from .prepared_chat import PreparedChat
 from .slots import DecodeCounts, Slot, pick_slot
 from .protocol import ApiError, Timings, TokenLogprob, Usage, unavailable
 from .stats import ServerStats
-
-if TYPE_CHECKING:
-    from .chat import PreparedChat
 
 
 @dataclass
@@ -74,7 +72,7 @@ Event = Started | Text | Progress | Done | Failed
 
 @dataclass
 class Job:
-    """One request: a chat (serve/chat.PreparedChat: rendered with the model's template, tools
+    """One request: a chat (serve/prepared_chat.PreparedChat: rendered with the model's template, tools
     included) or a completion (text), and where its events go; `count_only`: Started with the
     prompt's tokens and text, then Done, nothing generated; `progress`: Progress events while the
     prompt is evaluated (llama-server's return_progress)."""

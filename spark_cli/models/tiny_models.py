@@ -21,7 +21,8 @@ from gguf.quants import quantize
 
 from ..core.chat_template import bundled
 from ..files.paths import models_dir
-from .demo_model import _array_tensor, _cached_build, _read_kvs, _source_reader, _Tensor, _write_gguf, fetch_smollm2
+from .gguf_write import KeyValue, Tensor, array_tensor, cached_build, read_kvs, write_gguf
+from .smollm2 import fetch_smollm2, source_reader
 
 # Bump when the bytes a build of an existing name writes change, so stale cached files are not reused.
 TINY_FORMAT_VERSION = 2  # 2: the families' own chat templates
@@ -38,7 +39,7 @@ def build_tiny_model(name: str, seed: int = 0, out_dir: Path | str | None = None
     out = Path(out_dir) if out_dir is not None else models_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / tiny_model_name(name, seed)
-    return _cached_build(path, lambda p: _build_tiny(name, seed, p))
+    return cached_build(path, lambda p: _build_tiny(name, seed, p))
 
 
 class _Tiny:
@@ -48,8 +49,8 @@ class _Tiny:
         self.arch = arch
         name = name or arch  # the random stream follows the model's name: variants differ
         self.rng = np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(name.encode())]))
-        self.kvs: list[tuple[str, Any, GGUFValueType, Any]] = []
-        self.tensors: list[_Tensor] = []
+        self.kvs: list[KeyValue] = []
+        self.tensors: list[Tensor] = []
 
     def kv(self, key: str, val: Any) -> None:
         if isinstance(val, list):  # arrays of ints, as convert_hf_to_gguf writes them (INT32)
@@ -76,17 +77,17 @@ class _Tiny:
         elif kind == "decay":
             x = -np.exp(0.3 * x)
         if qtype == QT.F32:
-            self.tensors.append(_array_tensor(name, x))
+            self.tensors.append(array_tensor(name, x))
         elif qtype == QT.F16:
-            self.tensors.append(_array_tensor(name, x.astype(np.float16)))
+            self.tensors.append(array_tensor(name, x.astype(np.float16)))
         else:
-            self.tensors.append(_array_tensor(name, quantize(x, qtype), qtype))
+            self.tensors.append(array_tensor(name, quantize(x, qtype), qtype))
 
     def router(self, name: str, n_embd: int, n_expert: int) -> None:
         dirs = self.rng.standard_normal((n_expert, n_embd))
         dirs /= np.linalg.norm(dirs, axis=1, keepdims=True)
         gains = np.exp(0.6 * self.rng.standard_normal(n_expert))
-        self.tensors.append(_array_tensor(name, (dirs * 2.0 * gains[:, None]).astype(np.float32)))
+        self.tensors.append(array_tensor(name, (dirs * 2.0 * gains[:, None]).astype(np.float32)))
 
     def experts(self, il: int, n_embd: int, n_ff: int, n_expert: int, qtype: QT, bias: bool = False,
                 fused: bool = False) -> None:
@@ -105,9 +106,9 @@ class _Tiny:
         self.add(f"blk.{il}.ffn_down{suffix}.weight", (n_ff, n_embd))
 
 
-def _tokenizer_kvs(src: Path) -> tuple[list[tuple[str, Any, GGUFValueType, Any]], int]:
-    reader = _source_reader(src)
-    return _read_kvs(reader, lambda k: k.startswith("tokenizer.")), len(reader.fields["tokenizer.ggml.tokens"].data)
+def _tokenizer_kvs(src: Path) -> tuple[list[KeyValue], int]:
+    reader = source_reader(src)
+    return read_kvs(reader, lambda k: k.startswith("tokenizer.")), len(reader.fields["tokenizer.ggml.tokens"].data)
 
 
 def _build_tiny(name: str, seed: int, path: Path) -> None:
@@ -127,7 +128,7 @@ def _build_tiny(name: str, seed: int, path: Path) -> None:
                      ("attention.head_count", n_head), ("attention.layer_norm_rms_epsilon", 1e-6)):
         if not m.has(key):  # a layout may set a key itself (per-layer head counts)
             m.kv(key, val)
-    _write_gguf(path, arch, m.kvs + tok_kvs, m.tensors)
+    write_gguf(path, arch, m.kvs + tok_kvs, m.tensors)
 
 
 def _attn_norms(m: _Tiny, il: int, n_embd: int) -> None:

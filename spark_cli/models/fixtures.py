@@ -34,7 +34,7 @@ from gguf import GGML_QUANT_SIZES, GGUFValueType, GGUFWriter
 from gguf import GGMLQuantizationType as QT
 
 from ..files.paths import models_dir
-from .demo_model import _cached_build, staged_file
+from .gguf_write import KeyValue, cached_build, staged_file
 
 # Bump when the header a fixture name writes changes, so stale cached files are not reused.
 FIXTURE_FORMAT_VERSION = 1
@@ -135,10 +135,6 @@ FIXTURES: dict[str, FixtureSpec] = {s.name: s for s in (
 )}
 
 
-def fixture_names() -> list[str]:
-    return list(FIXTURES)
-
-
 def fixture_file_name(name: str) -> str:
     return f"fixture-{name}-v{FIXTURE_FORMAT_VERSION}.gguf"
 
@@ -150,7 +146,7 @@ def build_fixture(name: str, out_dir: Path | str | None = None) -> Path:
     out = Path(out_dir) if out_dir is not None else models_dir()
     out.mkdir(parents=True, exist_ok=True)
     path = out / fixture_file_name(name)
-    return _cached_build(path, lambda p: _write_sparse(p, FIXTURES[name]))
+    return cached_build(path, lambda p: _write_sparse(p, FIXTURES[name]))
 
 
 # ---------------------------------------------------------------- tensor list and types
@@ -301,9 +297,9 @@ def _nbytes(ti: _TI) -> int:
 
 # ---------------------------------------------------------------- metadata
 
-def _kvs(s: FixtureSpec) -> list[tuple[str, Any, GGUFValueType, Any]]:
+def _kvs(s: FixtureSpec) -> list[KeyValue]:
     a = s.arch
-    out: list[tuple[str, Any, GGUFValueType, Any]] = []
+    out: list[KeyValue] = []
 
     def kv(key: str, val: Any, full: bool = False) -> None:
         k = key if full else f"{a}.{key}"
@@ -384,7 +380,7 @@ def _byte_tokens() -> list[str]:
     return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
-def _tokenizer_kvs(n_vocab: int) -> list[tuple[str, Any, GGUFValueType, Any]]:
+def _tokenizer_kvs(n_vocab: int) -> list[KeyValue]:
     """A synthetic byte-level BPE vocabulary of exactly n_vocab tokens (no merges): bytes, unused
     fillers, and one end-of-text control token last. It tokenizes text byte by byte."""
     tokens = _byte_tokens() + [f"<|fixture_{i}|>" for i in range(256, n_vocab - 1)] + ["<|endoftext|>"]
