@@ -11,8 +11,8 @@ from typing import Callable
 import typer
 from rich.markup import escape
 
+from ..core import plan_file
 from ..core.gguf_info import load_geometry
-from ..core.planner import Plan
 from ..core.units import fmt_bytes
 from ..errors import UsageError
 from ..files.atomic import check_folder
