@@ -27,7 +27,7 @@ def measure(model: Path, geometry: ModelGeometry, plan: planner.Plan, flags: Loa
 
     opts = session.engine_options(model, geometry, plan, flags, n_ctx=n_ctx, learn=False)
     with Engine(dataclasses.replace(opts, dry_run=True)) as engine:
-        return engine.memory_breakdown()
+        return engine.cache.memory_breakdown()
 
 
 def measurer(model: Path, geometry: ModelGeometry, flags: LoadFlags, n_ctx: int) -> Callable[[planner.Plan], MeasuredBill]:
