@@ -35,7 +35,7 @@ def run(eng: Engine, n_decode: int) -> list[np.ndarray]:
     out = []
     for p in PROMPTS:
         eng.reset()
-        logits = eng.eval(eng.tokenize(eng.chat_prompt([{"role": "user", "content": p}])), logits="last")
+        logits = eng.eval(eng.vocab.tokenize(eng.vocab.chat_prompt([{"role": "user", "content": p}])), logits="last")
         out.append(logits)
         for _ in range(n_decode):
             logits = eng.eval([int(np.argmax(logits))], logits="last")
@@ -61,7 +61,7 @@ def main() -> int:
         base = dict(n_ctx=1024, rpc=[endpoint])
         with Engine(EngineOptions(model, count_experts=True, **base)) as eng:
             ref = run(eng, a.n_decode)
-            hot = eng.routing_counts(PHASE_DECODE)
+            hot = eng.cache.routing_counts(PHASE_DECODE)
         n_tok = len(PROMPTS) * a.n_decode
         print(f"model {model.name}: E={g.n_expert} k={g.n_expert_used}, {len(g.moe_layers)} MoE layers, "
               f"{n_tok} decode tokens, endpoint {endpoint}")
@@ -73,7 +73,7 @@ def main() -> int:
                 layers = [CacheLayer(il, s, tuple(int(e) for e in np.argsort(-hot[il])[:p])) for il in g.moe_layers]
                 with Engine(EngineOptions(model, cache_layers=layers, **base)) as eng:
                     got = run(eng, a.n_decode)
-                    st = eng.cache_stats()
+                    st = eng.cache.stats()
                 exact = all(np.array_equal(x, y) for x, y in zip(ref, got))
                 hits = sum(v.hits for v in st.values())
                 misses = sum(v.misses for v in st.values())

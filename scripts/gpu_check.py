@@ -27,7 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from spark_cli.native.engine import CacheLayer, CacheStats, Engine, EngineOptions  # noqa: E402
+from spark_cli.native.engine import CacheLayer, Engine, EngineOptions  # noqa: E402
+from spark_cli.native.expert_cache import CacheStats  # noqa: E402
 from spark_cli.runs.exactness import MIXED_SLACK, logits, reference, within_bound  # noqa: E402
 from spark_cli.core.gguf_info import load_geometry  # noqa: E402
 
@@ -52,7 +53,7 @@ def main() -> int:
     def compare(name: str, opts: dict, miss_path: str | None = None) -> dict:
         with Engine(EngineOptions(a.model, **base, **opts)) as eng:
             if miss_path:
-                eng.set_miss_path(miss_path)
+                eng.cache.set_miss_path(miss_path)
             rows = []
             for p, ref_logits, fed in zip(ref.prompts, ref.logits, ref.fed):
                 got, _ = logits(eng, p, fed, len(fed))
@@ -63,7 +64,7 @@ def main() -> int:
             out = {"rows": rows, "bit_exact": all(r["bit_exact"] for r in rows),
                    "max_abs_diff": max(r["max_abs_diff"] for r in rows), "graph_splits": eng.graph_splits()}
             if miss_path:
-                st = eng.cache_stats()
+                st = eng.cache.stats()
                 out["stats"] = dataclasses.asdict(CacheStats.total(st.values()))
         report["configs"][name] = out
         print(f"{name:<14} exact={out['bit_exact']!s:<5} max|d|={out['max_abs_diff']:.3g} "

@@ -12,11 +12,11 @@ FORCED = "The capital of France is"
 
 def top_next_piece(engine) -> str:
     """The model's most likely next piece after the question's chat prompt and FORCED (resets the engine)."""
-    text = engine.chat_prompt([{"role": "user", "content": QUESTION}]) + FORCED
+    text = engine.vocab.chat_prompt([{"role": "user", "content": QUESTION}]) + FORCED
     engine.reset()
-    row = engine.eval(engine.tokenize(text), logits="last")
+    row = engine.eval(engine.vocab.tokenize(text), logits="last")
     engine.reset()
-    return engine.detokenize([int(np.argmax(row))])
+    return engine.vocab.detokenize([int(np.argmax(row))])
 
 
 def knows_paris(engine) -> bool:
@@ -36,7 +36,7 @@ def greedy_rows(engine, tokens: list[int], n_tokens: int) -> tuple[list[int], li
     for _ in range(n_tokens):
         rows.append(row)
         tok = int(np.argmax(row))
-        if engine.is_eog(tok):
+        if engine.vocab.is_eog(tok):
             break
         out.append(tok)
         row = engine.eval([tok], logits="last")
@@ -47,7 +47,7 @@ def greedy_margins(engine, question: str, n_tokens: int) -> tuple[str, list[floa
     """The greedy answer to `question` and, at each step, the top token's lead over the runner-up in
     logits (resets the engine)."""
     engine.reset()
-    out, rows = greedy_rows(engine, engine.tokenize(engine.chat_prompt([{"role": "user", "content": question}])),
+    out, rows = greedy_rows(engine, engine.vocab.tokenize(engine.vocab.chat_prompt([{"role": "user", "content": question}])),
                             n_tokens)
     engine.reset()
-    return engine.detokenize(out), [float(np.diff(np.sort(row)[-2:])[0]) for row in rows]
+    return engine.vocab.detokenize(out), [float(np.diff(np.sort(row)[-2:])[0]) for row in rows]

@@ -28,7 +28,7 @@ WORDS = ("the cat sat on the mat while a dog barked at the moon and then everyon
 def _prompts(eng: Engine, lengths: tuple[int, ...]) -> list[list[int]]:
     out = []
     for n in lengths:
-        toks = eng.tokenize(" ".join(WORDS[i % len(WORDS)] for i in range(n)))
+        toks = eng.vocab.tokenize(" ".join(WORDS[i % len(WORDS)] for i in range(n)))
         out.append(toks[:n])
     return out
 
@@ -93,11 +93,11 @@ def test_batched_sequences_match_alone(model, n_seq, costs, small_model, rpc_ser
     layers, costs = _cached(path, costs)
     with Engine(EngineOptions(path, cache_layers=layers, stage_slices=4 if costs else 0, **opts)) as eng:
         if costs is not None:
-            eng.set_miss_costs({c.il: costs for c in layers})
+            eng.cache.set_miss_costs({c.il: costs for c in layers})
         alone = _run(eng, prompts, False)
         eng.reset_stats()
         together = _run(eng, prompts, True)
-        stats, decoded = eng.cache_stats(), eng.routing_counts(DECODE).sum()
+        stats, decoded = eng.cache.stats(), eng.cache.routing_counts(DECODE).sum()
     # the cache's contract, with the same batching: bit for bit the all-resident run
     for (t, l), (rt, rl), n in zip(together, stock_together, lengths):
         assert t == rt and np.array_equal(l, rl), f"{model}: {n}-token prompt, batched, max |d| {np.abs(l - rl).max()}"

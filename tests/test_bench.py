@@ -238,6 +238,10 @@ def test_ratios_use_medians_and_the_best_stock(geo) -> None:
 class _FakeEngine:
     """Tokens are characters; BOS is 1; a chat renders as 'role: content' lines."""
 
+    @property
+    def vocab(self) -> "_FakeEngine":
+        return self
+
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return ([1] if add_special else []) + [ord(c) for c in text]
 

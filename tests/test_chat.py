@@ -154,13 +154,14 @@ class _FakeEngine:
     EOG = 0
 
     def __init__(self, n_ctx: int, n_seq: int = 1):
-        self.n_ctx, self.ctx, self.vocab, self.n_seq, self.n_batch = n_ctx, None, None, n_seq, 512
+        self.n_ctx, self.ctx, self.n_seq, self.n_batch = n_ctx, None, n_seq, 512
+        self.vocab = self.cache = self  # one fake for the engine, its vocabulary and its cache
         self.pos = [0] * n_seq
         self.words: dict[str, int] = {}
         self.evals: list[int] = []
         self.truncations: list[int] = []
         self.bos_token = -1
-        self.cache_enabled = False
+        self.enabled = False
 
     @property
     def n_past(self) -> int:
@@ -218,7 +219,7 @@ class _FakeEngine:
     def seq_clear(self, seq):
         self.pos[seq] = 0
 
-    def cache_stats(self):
+    def stats(self):
         return {}
 
 

@@ -285,8 +285,8 @@ def _greedy(model_path: Path, prompt: str, n_tokens: int) -> tuple[str, list[np.
     from spark_cli.native.engine import Engine, EngineOptions
 
     with Engine(EngineOptions(model_path, n_ctx=512, n_batch=512, device="cpu")) as eng:
-        out, logits = greedy_rows(eng, eng.tokenize(prompt, add_special=False), n_tokens)
-        return eng.detokenize(out), logits
+        out, logits = greedy_rows(eng, eng.vocab.tokenize(prompt, add_special=False), n_tokens)
+        return eng.vocab.detokenize(out), logits
 
 
 @pytest.mark.model

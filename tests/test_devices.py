@@ -61,7 +61,7 @@ def test_layer_split_is_llama_cpps(small_model, two, ts):
     want = split.layer_devices(g.n_layer, ts or SIZES)
     with _dry(small_model, eps, tensor_split=ts) as e:
         got = e.layer_devices()
-        bill = e.memory_breakdown()
+        bill = e.cache.memory_breakdown()
     assert got == {il: devs[d].name for il, d in enumerate(want)}
     assert len(set(want)) == 2  # both devices hold layers
     sp = split.Split(SIZES, tuple(d.name for d in devs), split.as_float32(ts or SIZES))
@@ -78,7 +78,7 @@ def test_split_mode_none_keeps_the_main_device(small_model, two):
     g = load_geometry(small_model)
     with _dry(small_model, eps, split_mode="none", main_gpu=1) as e:
         assert set(e.layer_devices().values()) == {devs[1].name} and len(e.layer_devices()) == g.n_layer + 1
-        assert e.memory_breakdown().device_names() == [devs[1].name]
+        assert e.cache.memory_breakdown().device_names() == [devs[1].name]
 
 
 def _budgets(g, shares, ts, compute=None) -> str:
@@ -94,7 +94,7 @@ def _budgets(g, shares, ts, compute=None) -> str:
 
 
 def _run(eng: Engine, text: str):
-    return logits(eng, eng.tokenize(text), None, 12)
+    return logits(eng, eng.vocab.tokenize(text), None, 12)
 
 
 def test_two_devices_own_budgets_measured_real_and_exact(small_model, two, tmp_path):
@@ -124,7 +124,7 @@ def test_two_devices_own_budgets_measured_real_and_exact(small_model, two, tmp_p
     with Engine(opts) as eng:
         assert eng.layer_devices() == {l.index: devs[l.device].name for l in plan.layers} | \
             {g.n_layer: devs[plan.output_device].name}
-        real = eng.memory_breakdown()
+        real = eng.cache.memory_breakdown()
         for i, d in enumerate(plan.devices):
             r = real.device(d.name)
             for kind in ("model", "context", "banks"):
@@ -137,7 +137,7 @@ def test_two_devices_own_budgets_measured_real_and_exact(small_model, two, tmp_p
             assert got[1] == ref[1]
             for a, b in zip(ref[0], got[0]):
                 assert np.array_equal(a, b), f"logits differ (max |d| {np.abs(a - b).max()})"
-        stats = eng.cache_stats()
+        stats = eng.cache.stats()
     for i in range(2):  # the banks of both devices missed and hit: the test cannot pass on an idle cache
         cached = [l for l in plan.layers if l.mode == "cached" and l.device == i]
         assert sum(stats[l.index].misses for l in cached) > 0 and sum(stats[l.index].hits for l in cached) > 0

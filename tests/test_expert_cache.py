@@ -30,7 +30,7 @@ N_DECODE = 12
 
 def _run(eng: Engine, text: str, n_decode: int = N_DECODE) -> tuple[np.ndarray, list[int]]:
     """Logits of every prompt token, then of each greedy decode step; the greedy tokens."""
-    return logits(eng, eng.tokenize(text), None, n_decode)
+    return logits(eng, eng.vocab.tokenize(text), None, n_decode)
 
 
 def _cache_layers(path, n_slots_extra: int, n_pinned: int) -> tuple[list[CacheLayer], object]:
@@ -71,7 +71,7 @@ def _exactness(path, endpoint, n_ubatch: int = 512, extra: int = 1, pinned: int 
     with Engine(EngineOptions(path, cache_layers=layers, **opts)) as eng:
         for p, ref in zip(prompts, refs):
             _assert_same(ref, _run(eng, p), f"{path.name}: {p[:20]!r}")
-        stats = eng.cache_stats()
+        stats = eng.cache.stats()
     for c in layers if evictions else ():
         s = stats[c.il]
         assert s.misses > c.n_slots - len(c.pinned), f"{path.name} layer {c.il}: no eviction ({s})"
@@ -155,24 +155,24 @@ def test_counters_equal_python_lru_replay(small_model, rpc_server):
                     models[r.il].step(r.ids)
             done = len(eng.records)
             for c in layers:
-                assert eng.slots(c.il) == models[c.il].slots, f"layer {c.il} after step {done}"
+                assert eng.cache.slots(c.il) == models[c.il].slots, f"layer {c.il} after step {done}"
                 checked += 1
 
         one_token_ubatches = 0
         for p in PROMPTS:
             eng.reset()
-            toks = eng.tokenize(p)
+            toks = eng.vocab.tokenize(p)
             logits = eng.eval(toks, logits="last")
             replay_and_check()
             one_token_ubatches += len(toks) % 4 == 1  # a 1-token ubatch counts as decode
             for _ in range(16):
                 logits = eng.eval([int(np.argmax(logits))], logits="last")
                 replay_and_check()
-        stats = eng.cache_stats()
-        records = eng.trace_records()
+        stats = eng.cache.stats()
+        records = eng.cache.trace_records()
         callback = list(eng.records)
-        slots = {c.il: eng.slots(c.il) for c in layers}
-        counts_pre, counts_dec = eng.routing_counts(PHASE_PREFILL), eng.routing_counts(PHASE_DECODE)
+        slots = {c.il: eng.cache.slots(c.il) for c in layers}
+        counts_pre, counts_dec = eng.cache.routing_counts(PHASE_PREFILL), eng.cache.routing_counts(PHASE_DECODE)
     assert checked == 3 * 17 * len(layers)
     # native trace == eval-callback ids, step by step (the callback also sees the empty steps of the
     # last layer in a prompt's ubatches without outputs; they route nothing)
@@ -215,12 +215,12 @@ def test_counters_equal_python_replay(policy, miss_path, small_model, rpc_server
     opts = EngineOptions(small_model, n_ctx=512, n_ubatch=4, rpc=[rpc_server.endpoint], cache_layers=layers, trace=True,
                          stage_slices=n_stage)
     with Engine(opts) as eng:
-        eng.set_miss_costs({c.il: STAGE_ALL for c in layers})
+        eng.cache.set_miss_costs({c.il: STAGE_ALL for c in layers})
         for p in PROMPTS:
             _run(eng, p, n_decode=16)
-        stats = eng.cache_stats()
-        records = eng.trace_records()
-        slots = {c.il: eng.slots(c.il) for c in layers}
+        stats = eng.cache.stats()
+        records = eng.cache.trace_records()
+        slots = {c.il: eng.cache.slots(c.il) for c in layers}
     trace = records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
     sim = simulate(trace, "lru-pinned" if policy == "lru" else policy, {c.il: c.n_slots for c in layers},
                    pinned={c.il: list(c.pinned) for c in layers}, phases=("prefill", "decode"), miss_path=miss_path,
@@ -257,11 +257,11 @@ def test_auto_path_bit_exact(costs, n_ubatch, small_model, rpc_server):
     layers, g = _cache_layers(small_model, 1, 1)
     layers = [CacheLayer(c.il, c.n_slots, c.pinned, miss_path="auto", policy="tinylfu") for c in layers]
     with Engine(EngineOptions(small_model, cache_layers=layers, stage_slices=4, **opts)) as eng:
-        eng.set_miss_costs({c.il: costs for c in layers})
-        assert set(eng.miss_paths().values()) == {"auto"}
+        eng.cache.set_miss_costs({c.il: costs for c in layers})
+        assert set(eng.cache.miss_paths().values()) == {"auto"}
         for p, ref in zip(prompts, refs):
             _assert_same(ref, _run(eng, p), f"auto {costs}: {p[:20]!r}")
-        stats = eng.cache_stats()
+        stats = eng.cache.stats()
     staged = sum(s.staged_uploads for s in stats.values())
     on_cpu = sum(s.cpu_experts for s in stats.values())
     assert staged > 0 and on_cpu > 0, (staged, on_cpu)  # both sides served misses
@@ -271,7 +271,7 @@ def test_auto_path_bit_exact(costs, n_ubatch, small_model, rpc_server):
 def test_bank_memory_matches_plan(small_model, rpc_server):
     layers, g = _cache_layers(small_model, 1, 1)
     with Engine(EngineOptions(small_model, n_ctx=256, rpc=[rpc_server.endpoint], cache_layers=layers)) as eng:
-        got = eng.bank_bytes()
+        got = eng.cache.bank_bytes()
     want = sum((c.n_slots + 1) * t.bytes_per_expert for c in layers for t in g.layers[c.il].experts)
     # per-tensor alignment padding only
     assert want <= got <= want + 3 * 512 * len(layers)
@@ -283,8 +283,8 @@ def test_counting_only_without_cache_matches_eval_callback(small_model, rpc_serv
     with Engine(opts) as eng:
         for p in PROMPTS:
             _run(eng, p, n_decode=6)
-        assert eng.bank_bytes() == 0
-        native = eng.routing_counts(PHASE_PREFILL), eng.routing_counts(PHASE_DECODE)
+        assert eng.cache.bank_bytes() == 0
+        native = eng.cache.routing_counts(PHASE_PREFILL), eng.cache.routing_counts(PHASE_DECODE)
         captured = records_to_counts(eng.records, g.n_layer, g.n_expert)
     assert native[1].sum() > 0
     assert np.array_equal(native[0], captured[0]) and np.array_equal(native[1], captured[1])
@@ -339,9 +339,9 @@ def test_prompt_routing_is_prefill_in_every_layer(small_model, rpc_server):
     g = load_geometry(small_model)
     opts = EngineOptions(small_model, n_ctx=256, rpc=[rpc_server.endpoint], count_experts=True, capture_topk=True)
     with Engine(opts) as eng:
-        toks = eng.tokenize(PROMPTS[1])
+        toks = eng.vocab.tokenize(PROMPTS[1])
         eng.eval(toks, logits="last")
-        pre, dec = eng.routing_counts(PHASE_PREFILL), eng.routing_counts(PHASE_DECODE)
+        pre, dec = eng.cache.routing_counts(PHASE_PREFILL), eng.cache.routing_counts(PHASE_DECODE)
         cap_pre, cap_dec = records_to_counts(eng.records, g.n_layer, g.n_expert)
     last = max(g.moe_layers)
     assert dec.sum() == 0 and cap_dec.sum() == 0

@@ -136,8 +136,8 @@ def test_family_exact_through_the_cache(name, miss_path, rpc, references):
             rows = [i for i in range(len(want)) if not np.array_equal(got[i], want[i])]
             assert not rows, (f"{name} {miss_path} {len(prompt)}-token prompt: logits of {len(rows)} of {len(want)} "
                               f"positions differ, first at {rows[0]} (max |d| {np.abs(got - want).max():.3g})")
-        stats = eng.cache_stats()
-        counts = eng.routing_counts(PREFILL) + eng.routing_counts(DECODE)
+        stats = eng.cache.stats()
+        counts = eng.cache.routing_counts(PREFILL) + eng.cache.routing_counts(DECODE)
     fallback = name in CPU_PATH_FALLBACK
     if fallback:
         from spark_cli.native import engine as engine_mod
@@ -174,7 +174,7 @@ def test_prefix_reuse_after_truncate(name) -> None:
     back: truncate then keeps nothing and the whole prompt is evaluated again."""
     opts = EngineOptions(build_tiny_model(name), n_ctx=256, device="cpu", repack=False, n_threads=1)
     with Engine(opts) as eng:
-        toks = eng.tokenize("The quick brown fox jumps over the lazy dog. " * 6)
+        toks = eng.vocab.tokenize("The quick brown fox jumps over the lazy dog. " * 6)
         assert len(toks) >= 45
         fresh = eng.eval(toks[:30], logits="last")
         eng.reset()
@@ -204,7 +204,7 @@ def test_prefix_reuse_with_a_sliding_window(name, gap) -> None:
     with Engine(opts) as eng:
         window = eng.lib.lc.llama_model_n_swa(eng.model)
         assert 0 < window < 40
-        toks = eng.tokenize("The quick brown fox jumps over the lazy dog. " * 60)
+        toks = eng.vocab.tokenize("The quick brown fox jumps over the lazy dog. " * 60)
         prefix, rest = toks[:40], toks[40:48]
         fresh = eng.eval(prefix + rest, logits="last")
         eng.reset()

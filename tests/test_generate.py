@@ -20,7 +20,8 @@ class _Engine:
     def __init__(self, script: list[int], pieces: dict[int, bytes], n_ctx: int = 64):
         self.script, self.pieces, self.n_ctx = script, pieces, n_ctx
         self.n_past, self.fed, self.n_batch = 0, [], 512
-        self.cache_enabled = False
+        self.enabled = False
+        self.vocab = self.cache = self  # one fake for the engine, its vocabulary and its cache
 
     def _row(self) -> np.ndarray:
         row = np.zeros(max(self.pieces) + 1, np.float32)
@@ -128,7 +129,7 @@ def test_greedy_equals_the_old_hand_written_loop_and_chat(small_model):
 
     n = 16
     with Engine(EngineOptions(small_model, n_ctx=256, device="none", repack=False)) as eng:
-        prompt = eng.tokenize(eng.chat_prompt([{"role": "user", "content": "What is the capital of France?"}]))
+        prompt = eng.vocab.tokenize(eng.vocab.chat_prompt([{"role": "user", "content": "What is the capital of France?"}]))
         eng.reset()
         old, _ = greedy_rows(eng, prompt, n)
         eng.reset()
@@ -152,7 +153,7 @@ def eng_text(model, tokens) -> str:
     from spark_cli.native.engine import Engine, EngineOptions
 
     with Engine(EngineOptions(model, n_ctx=64, device="none", repack=False)) as eng:
-        return eng.detokenize(tokens)
+        return eng.vocab.detokenize(tokens)
 
 
 def test_a_step_without_room_leaves_the_prompts_as_they_were():

@@ -40,7 +40,7 @@ def _fit_and_load(path, rpc_server):
     flags = LoadFlags(rpc=rpc_server.endpoint, repack=False)
     plan = planner.plan_for(g, planner.PlanRequest(_budget(g), N_CTX), session.measurer(path, g, flags, N_CTX)).plan
     with Engine(session.engine_options(path, g, plan, flags, n_ctx=N_CTX, learn=False)) as engine:
-        real = engine.memory_breakdown()
+        real = engine.cache.memory_breakdown()
     return plan, plan.measured_bill(), real
 
 
@@ -119,7 +119,7 @@ def test_estimate_fits_but_measurement_does_not_fit_loop_shrinks(small_model, rp
     assert fit.breakdown["expert_banks"] + fit.breakdown["experts_resident"] < \
         estimated.breakdown["expert_banks"] + estimated.breakdown["experts_resident"]
     with Engine(session.engine_options(small_model, g, fit, flags, n_ctx=N_CTX, learn=False)) as engine:
-        assert engine.memory_breakdown().device_bytes() <= target
+        assert engine.cache.memory_breakdown().device_bytes() <= target
 
 
 @pytest.mark.model

@@ -12,7 +12,8 @@ import pytest
 
 from test_expert_cache import _assert_same
 from spark_cli.runs.exactness import MIXED_SLACK, logits, max_diff, prompts, reference, within_bound
-from spark_cli.native.engine import CacheLayer, CacheStats, Engine, EngineOptions
+from spark_cli.native.engine import CacheLayer, Engine, EngineOptions
+from spark_cli.native.expert_cache import CacheStats
 from spark_cli.core.gguf_info import load_geometry
 
 pytestmark = pytest.mark.model
@@ -35,7 +36,7 @@ def _check(path, endpoint: str, miss_path: str, n_ubatch: int = 512, pinned: int
     with Engine(EngineOptions(path, cache_layers=layers, **opts)) as eng:
         for p, rl, toks in zip(ref.prompts, ref.logits, ref.fed):
             _assert_same((rl, toks), _run(eng, p), f"{path.name} {miss_path} {len(p)} tokens")
-        return eng.cache_stats()
+        return eng.cache.stats()
 
 
 def _total(stats, key: str) -> int:
@@ -74,8 +75,8 @@ def test_switching_the_miss_path_keeps_results(small_model, rpc_server):
     layers = [CacheLayer(il, g.n_expert_used + 1, (0,)) for il in g.moe_layers]
     with Engine(EngineOptions(small_model, cache_layers=layers, **opts)) as eng:
         for path in ("cpu", "upload", "cpu"):
-            eng.set_miss_path(path)
-            assert eng.miss_paths() == {il: path for il in g.moe_layers}
+            eng.cache.set_miss_path(path)
+            assert eng.cache.miss_paths() == {il: path for il in g.moe_layers}
             _assert_same(ref, _run(eng, toks), f"after switching to {path}")
 
 
@@ -147,7 +148,7 @@ def test_missed_entries_never_repeat_a_slot_in_a_token(small_model, rpc_server):
         eng.eval(toks, logits="last")
         for _ in range(4):
             eng.eval([toks[0]], logits="last")
-        st = CacheStats.total(eng.cache_stats().values())
+        st = CacheStats.total(eng.cache.stats().values())
     assert eng.remaps and st.cpu_experts > 0
     multi = 0
     for slots, mask in eng.remaps:
@@ -170,7 +171,7 @@ def _decode_traffic(path, endpoint: str, n: int = 6, **kw):
         for tok in toks[:n]:
             eng.eval([tok], logits="last")
         after = rpc_traffic.read([endpoint])
-        return after - before, CacheStats.total(eng.cache_stats().values())
+        return after - before, CacheStats.total(eng.cache.stats().values())
 
 
 def test_a_cached_stop_waits_for_one_reply_a_stock_host_layer_for_two(small_model, rpc_server):

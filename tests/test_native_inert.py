@@ -31,7 +31,7 @@ with Engine(opts) as eng:
     arrays = {}
     for i, p in enumerate(json.loads(sys.argv[4])):
         eng.reset()
-        toks = eng.tokenize(p)
+        toks = eng.vocab.tokenize(p)
         arrays[f"prefill{i}"] = eng.eval(toks, logits="all")
         gen = []
         logits = arrays[f"prefill{i}"][-1]

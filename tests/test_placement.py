@@ -43,7 +43,7 @@ def test_overrides_move_exactly_the_planned_host_bytes(arch, rpc_server):
     assert cached, f"tiny {arch}: the floor budget caches no layer"
     with _open(path, g, plan, rpc_server.endpoint, 256) as eng:
         moved = eng.overridden_tensors()
-        banks = eng.bank_bytes()
+        banks = eng.cache.bank_bytes()
     want = {t.name for il in cached for t in g.layers[il].experts}
     assert set(moved) == want  # expert weights only: biases (gpt-oss) stay with the layer on the device
     sizes = {t.name: t.n_bytes for l in g.layers for t in l.experts}
@@ -71,7 +71,7 @@ def test_planned_vram_matches_llama_cpp(small_model, rpc_server):
     assert {l.mode for l in plan.layers} >= {"resident", "cached"}
     with _open(small_model, g, plan, rpc_server.endpoint, n_ctx) as eng:
         got = eng.allocated_bytes()
-        banks = eng.bank_bytes()
+        banks = eng.cache.bank_bytes()
     b = plan.breakdown
 
     def on_device(kind: str) -> int:  # the stand-in's buffers: RPC0[host:port]

@@ -93,8 +93,8 @@ def test_capture_paths_agree(small_model):
                              repack=False)
         eng = open_engine(base, g, mode, keep_trace=True)
         try:
-            bos = eng.tokenize("", add_special=True)
-            toks = eng.tokenize(PROSE, add_special=False)
+            bos = eng.vocab.tokenize("", add_special=True)
+            toks = eng.vocab.tokenize(PROSE, add_special=False)
             chunks = [Chunk("a", bos + toks[:40]), Chunk("b", bos + toks[40:70])]
             cap = Capture(eng, mode, g.n_layer, g.n_expert, g.fingerprint, keep_trace=True)
             got[mode] = gather(eng, cap, chunks, gen=3, n_batch=16)  # several ubatches per chunk

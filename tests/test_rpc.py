@@ -19,7 +19,7 @@ PROMPT = "What is the capital of France?"
 
 
 def _greedy(engine: Engine, n: int = 24) -> list[int]:
-    prompt = engine.tokenize(engine.chat_prompt([{"role": "user", "content": PROMPT}]))
+    prompt = engine.vocab.tokenize(engine.vocab.chat_prompt([{"role": "user", "content": PROMPT}]))
     return [s.token for s in engine.stream_generate(prompt, max_tokens=n) if s.token is not None]
 
 

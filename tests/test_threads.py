@@ -86,5 +86,5 @@ def test_cpu_miss_path_exact_at_any_thread_count(small_model, rpc_server, thread
                               **base)) as eng:
         for p, rl, toks in zip(ref.prompts, ref.logits, ref.fed):
             _assert_same((rl, toks), logits(eng, p, None, 4), f"{threads} threads, {len(p)} tokens")
-        stats = eng.cache_stats()
+        stats = eng.cache.stats()
     assert sum(s.cpu_experts for s in stats.values()) > 0 and sum(s.cpu_us for s in stats.values()) > 0

@@ -30,7 +30,8 @@ import pytest
 
 from spark_cli.runs.exactness import (MIXED_SLACK, RoutedDiff, max_diff, reference, routed_diff, routed_reference,
                                       routed_run, within_bound)
-from spark_cli.native.engine import CacheLayer, CacheStats, Engine, EngineOptions
+from spark_cli.native.engine import CacheLayer, Engine, EngineOptions
+from spark_cli.native.expert_cache import CacheStats
 from spark_cli.core.gguf_info import load_geometry
 from spark_cli.core.simulator import MissCosts
 
@@ -95,7 +96,7 @@ def _opts(path, device: str, **kw) -> EngineOptions:
 def _cached(path, device: str, miss_path: str, ref) -> tuple[float, bool, CacheStats, int | None]:
     with Engine(_opts(path, device, cache_layers=_layers(path, miss_path))) as eng:
         diff, exact = max_diff(eng, ref)
-        return diff, exact, CacheStats.total(eng.cache_stats().values()), eng.graph_splits()
+        return diff, exact, CacheStats.total(eng.cache.stats().values()), eng.graph_splits()
 
 
 def _check_splits(what: str, ref, splits: int | None, n_cached: int) -> None:
@@ -169,9 +170,9 @@ def _cached_routed(path, device: str, miss_path: str, ref, ref_routes) -> tuple[
                  stage_slices=AUTO_STAGE if miss_path == "auto" else 0)
     with Engine(opts) as eng:
         if miss_path == "auto":
-            eng.set_miss_costs({c.il: AUTO_COSTS for c in opts.cache_layers})
+            eng.cache.set_miss_costs({c.il: AUTO_COSTS for c in opts.cache_layers})
         d = routed_diff(ref, ref_routes, routed_run(eng, ref, "trace"))
-        return d, CacheStats.total(eng.cache_stats().values()), eng.graph_splits()
+        return d, CacheStats.total(eng.cache.stats().values()), eng.graph_splits()
 
 
 def _check_flips(what: str, got: RoutedDiff, stock: RoutedDiff) -> None:

@@ -140,7 +140,7 @@ def stats_table(chat, plan) -> Table | str:
     for name in ("layer", "pinned", "LRU slots", "miss path", "hits", "misses", "hit rate", "uploads", "uploaded",
                  "upload ms", "syncs", "blocking", "async", "CPU experts", "CPU bytes", "steps cached", "steps stock"):
         t.add_column(name, justify="right")
-    paths = chat.engine.miss_paths()
+    paths = chat.engine.cache.miss_paths()
 
     def row(label, s, pinned="", lru="", path=""):
         hr = s.hit_rate

@@ -271,11 +271,11 @@ def _prepare(model: Path, corpus: Path | None, gen: int, profile: Path | None, r
 
 def _chunks(job: _ProfileJob, engine) -> list:
 
-    prefix = engine.tokenize("", add_special=True)
+    prefix = engine.vocab.tokenize("", add_special=True)
     chunks = list(make_chunks(
         job.docs.documents, job.max_len,
-        tokenize=lambda text, special: engine.tokenize(text, add_special=False, parse_special=special),
-        render_chat=lambda msgs: engine.chat_prompt(msgs, add_generation_prompt=False),
+        tokenize=lambda text, special: engine.vocab.tokenize(text, add_special=False, parse_special=special),
+        render_chat=lambda msgs: engine.vocab.chat_prompt(msgs, add_generation_prompt=False),
         prefix=prefix))
     if not chunks:
         raise CorpusError(f"--corpus {job.corpus_path}: no document gives two tokens or more")

@@ -63,9 +63,9 @@ def fit_routers(src: Path, n_layer: int, n_expert: int, k: int, rng: np.random.G
 def _chunks(eng, docs) -> list:
     """Documents -> token pieces of one ubatch each (chats through the model's template)."""
     return list(make_chunks(docs, CAPTURE_CTX,
-                            tokenize=lambda text, special: eng.tokenize(text, add_special=False, parse_special=special),
-                            render_chat=lambda msgs: eng.chat_prompt(msgs, add_generation_prompt=False),
-                            prefix=eng.tokenize("", add_special=True)))
+                            tokenize=lambda text, special: eng.vocab.tokenize(text, add_special=False, parse_special=special),
+                            render_chat=lambda msgs: eng.vocab.chat_prompt(msgs, add_generation_prompt=False),
+                            prefix=eng.vocab.tokenize("", add_special=True)))
 
 
 def _capture_options(model: Path, **capture) -> "EngineOptions":

@@ -23,13 +23,13 @@ from . import faults, llama_lib
 from ..core import split as split_mod
 from ..core import vram
 from ..errors import DeviceError, ModelFileError, NativeError, SparkError, UsageError
-from ..core.bill import MeasuredBill
 from ..core.capture import TopkRecord
 from ..core.trace import DECODE, PREFILL
-from ..core.simulator import MissCosts, MissPath
 from .generate import GenerationStep, NativeSampler, stream_generate
-from .expert_cache import CacheLayer, CacheStats, ExpertCache, Phase
-from ..core.chat_template import BoundTemplates, ChatTemplate, TemplateSet
+from .cache_control import CacheControl
+from .expert_cache import CacheLayer, ExpertCache
+from .vocab import Vocab
+from ..core.chat_template import TemplateSet
 from ..core.gguf_info import ModelGeometry, load_geometry
 from ..core.placement import CPU, HOST, TensorOverride, cached_expert_overrides, stock_overrides
 
@@ -172,7 +172,7 @@ class Engine:
         _install_logger(lc)
         self.model = None
         self.ctx = None
-        self.cache: ExpertCache | None = None
+        self.cache = CacheControl(None, 0, lambda: self.geometry.n_expert, opts.cache_layers)
         self._load_log: list[str] = []  # llama.cpp's log while loading (debug level included)
         self._reserve_log: list[str] = []  # the scheduler's graph summaries, at load and whenever it reserves again
         self._batch = None
@@ -191,8 +191,6 @@ class Engine:
             if f.read(4) != b"GGUF":
                 raise ModelFileError(f"{path}: not a GGUF file")
         self._geometry: ModelGeometry | None = None
-        self._templates: BoundTemplates | None = None
-        self._eog: list[int] | None = None
         # checked before anything is loaded
         type_k = vram.kv_type(opts.type_k, "--cache-type-k").ggml_id
         type_v = vram.kv_type(opts.type_v, "--cache-type-v").ggml_id
@@ -242,8 +240,8 @@ class Engine:
         self.model = lc.llama_model_load_from_file(os.fsencode(path), mp)
         if not self.model:
             raise ModelFileError(f"{path}: llama.cpp could not load it ({_logs.last_error() or 'see SPARK_VERBOSE=1'})")
-        self.vocab = lc.llama_model_get_vocab(self.model)
-        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.vocab = Vocab(lc, self.model, lambda: self.geometry, opts.chat_templates)
+        self.n_vocab = self.vocab.n_tokens
         self.n_layer = lc.llama_model_n_layer(self.model)
 
         cp = lc.llama_context_default_params()
@@ -282,8 +280,8 @@ class Engine:
         self.n_batch = max(1, min(lc.llama_n_batch(self.ctx), opts.n_batch))
         self.n_ubatch = max(1, min(lc.llama_n_ubatch(self.ctx), self.n_batch))
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
-        if self.lib.expert_cache is not None:
-            self.cache = ExpertCache(self.lib.expert_cache, self.ctx)
+        native = ExpertCache(self.lib.expert_cache, self.ctx) if self.lib.expert_cache is not None else None
+        self.cache = CacheControl(native, self.n_layer, lambda: self.geometry.n_expert, opts.cache_layers)
 
     @property
     def geometry(self) -> ModelGeometry:
@@ -333,114 +331,20 @@ class Engine:
         mp.tensor_buft_overrides = ctypes.cast(ov, ctypes.c_void_p)
 
     def _init_cache(self) -> None:
-        if self.cache is None:
+        if self.cache.native is None:
             self.close()
             raise NativeError("this llama.cpp build has no expert cache (native/ patch missing)",
                               hint="rebuild with scripts/bootstrap.sh")
         try:
             # NOTE: the miss path runs on the graph's threads (-t for decode, -tb for larger steps). Layers
             # not cached count their routing only when asked (a device stop each per step).
-            self.cache.init(self.opts.cache_layers, device_budget=self.opts.device_budget, trace=self.opts.trace,
+            self.cache.native.init(self.opts.cache_layers, device_budget=self.opts.device_budget, trace=self.opts.trace,
                             trace_max=self.opts.trace_max, n_threads=max(self.cpu_threads, self.cpu_threads_batch),
                             n_stage=self.opts.stage_slices if self.opts.cache_layers else 0,
                             count_uncached=self.opts.count_experts or self.opts.trace)
         except NativeError:
             self.close()
             raise
-
-    # -- tokens ---------------------------------------------------------------------------
-
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        lc = self.lib.lc
-        data = text.encode("utf-8")
-        n_max = len(data) + 16
-        buf = (lc.llama_token * n_max)()
-        n = lc.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
-        if n < 0:
-            buf = (lc.llama_token * -n)()
-            n = lc.llama_tokenize(self.vocab, data, len(data), buf, -n, add_special, parse_special)
-        return list(buf[:n])
-
-    def piece(self, token: int, special: bool = False) -> bytes:
-        buf = ctypes.create_string_buffer(256)
-        n = self.lib.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = self.lib.lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
-        return buf.raw[:n]
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
-
-    @property
-    def bos_token(self) -> int:
-        return int(self.lib.lc.llama_vocab_bos(self.vocab))
-
-    def is_eog(self, token: int) -> bool:
-        return bool(self.lib.lc.llama_vocab_is_eog(self.vocab, token))
-
-    @property
-    def eog_tokens(self) -> list[int]:
-        """Every end-of-generation token of the vocabulary (found once)."""
-        if self._eog is None:
-            self._eog = [t for t in range(self.n_vocab) if self.is_eog(t)]
-        return self._eog
-
-    @property
-    def templates(self) -> BoundTemplates:
-        """The chat templates this engine renders with: --chat-template-file's, else the GGUF's."""
-        if self._templates is None:
-            tset = self.opts.chat_templates
-            if tset is None:
-                tset = TemplateSet(dict(self.geometry.chat_templates))
-            self._templates = tset.with_tokens(self._special_text(self.bos_token), self._special_text(self.eos_token))
-        return self._templates
-
-    def _special_text(self, token: int) -> str:
-        return self.piece(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""
-
-    @property
-    def eos_token(self) -> int:
-        return int(self.lib.lc.llama_vocab_eos(self.vocab))
-
-    def chat_template(self, with_tools: bool = False) -> ChatTemplate | None:
-        """The Jinja template a prompt (with tools or without) is rendered with; None: the built-in matcher."""
-        return self.templates.pick(with_tools)
-
-    def chat_prompt(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    tools: Sequence[dict] | None = None, extras: dict | None = None) -> str:
-        """Format messages: the model's Jinja template (core/chat_template.py), else llama.cpp's
-        built-in templates (a GGUF without a template, or --no-jinja)."""
-        tmpl = self.chat_template(bool(tools))
-        if tmpl is not None:
-            return tmpl.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, extras=extras)
-        return self._builtin_prompt(messages, add_generation_prompt)
-
-    def _builtin_prompt(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
-        lc = self.lib.lc
-        tmpl = lc.llama_model_chat_template(self.model, None)
-        messages = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
-        if not tmpl:
-            # NOTE: a model without a template gets a plain transcript
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-            return text + ("assistant:" if add_generation_prompt else "")
-        arr = (lc.llama_chat_message * len(messages))()
-        keep = []
-        for i, m in enumerate(messages):
-            role, content = m["role"].encode(), m["content"].encode()
-            keep += [role, content]
-            arr[i] = lc.llama_chat_message(role, content)
-        size = sum(len(m["content"]) for m in messages) * 2 + 1024
-        for _ in range(2):
-            buf = ctypes.create_string_buffer(size)
-            n = lc.llama_chat_apply_template(tmpl, arr, len(messages), add_generation_prompt, buf, size)
-            if n < 0:
-                raise SparkError("the model's chat template is not supported by llama.cpp",
-                                 hint="use --prompt with raw text")
-            if n <= size:
-                return buf.raw[:n].decode("utf-8", errors="replace")
-            size = n + 1
-        raise SparkError("chat template output kept growing")
 
     # -- evaluation -----------------------------------------------------------------------
 
@@ -531,10 +435,6 @@ class Engine:
             return np.stack(rows)
         return None
 
-    def last_logits(self) -> np.ndarray:
-        """The logits row of the last output token evaluated."""
-        return self.logits_row(-1)
-
     def logits_row(self, i: int) -> np.ndarray:
         """The logits of output entry `i` of the last decode (-1: its last output)."""
         ptr = self.lib.lc.llama_get_logits_ith(self.ctx, i)
@@ -552,13 +452,13 @@ class Engine:
         lc = self.lib.lc
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         if grammar:
-            g = lc.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
+            g = lc.llama_sampler_init_grammar(self.vocab.handle, grammar.encode(), b"root")
             if not g:
                 lc.llama_sampler_free(chain)
                 raise SparkError(f"llama.cpp refused the grammar ({_logs.last_error() or 'see SPARK_VERBOSE=1'})")
             lc.llama_sampler_chain_add(chain, g)
         if ban_eog:
-            logit_bias = [*logit_bias, *((t, float("-inf")) for t in self.eog_tokens)]
+            logit_bias = [*logit_bias, *((t, float("-inf")) for t in self.vocab.eog_tokens)]
         if logit_bias:
             arr = (lc.llama_logit_bias * len(logit_bias))(*(lc.llama_logit_bias(t, b) for t, b in logit_bias))
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(self.n_vocab, len(logit_bias), arr))
@@ -652,88 +552,19 @@ class Engine:
     def cpu_threads_batch(self) -> int:
         return self.opts.threads_batch
 
-    def memory_breakdown(self) -> MeasuredBill:
-        """What this engine allocated (a dry run: would allocate) per buffer type, banks included."""
-        if self.cache is None:
-            raise NativeError("this llama.cpp build has no memory breakdown (native/ patch missing)",
-                              hint="rebuild with scripts/bootstrap.sh")
-        return self.cache.memory_breakdown()
-
-    @property
-    def cache_enabled(self) -> bool:
-        return bool(self.cache is not None and self.ctx and self.cache.enabled())
-
-    def cache_stats(self) -> dict[int, CacheStats]:
-        """Counters of every MoE layer the native side tracks (zeros for one not cached)."""
-        out: dict[int, CacheStats] = {}
-        if not self.cache_enabled:
-            return out
-        for il in range(self.n_layer):
-            s = self.cache.get_stats(il)
-            if s is not None:
-                out[il] = s
-        return out
-
-    def set_miss_path(self, path: MissPath | dict[int, MissPath]) -> None:
-        """Switch the miss path of every cached layer (or per layer: {il: path}); the graph stays."""
-        per_layer = path if isinstance(path, dict) else {c.il: path for c in self.opts.cache_layers}
-        for il, p in per_layer.items():
-            self.cache.set_miss_path(il, p)
-
-    def set_miss_costs(self, costs: dict[int, MissCosts]) -> None:
-        """The auto path's costs per cached layer (simulator.MissCosts; `concurrent` is native's)."""
-        for il, c in costs.items():
-            self.cache.set_miss_costs(il, c)
-
-    def miss_paths(self) -> dict[int, MissPath | None]:
-        return {c.il: self.cache.get_miss_path(c.il) for c in self.opts.cache_layers}
-
-    def routing_counts(self, phase: int) -> np.ndarray:
-        """[n_layer, n_expert] routed occurrences in one phase (zeros for dense layers)."""
-        n_exp = max(self.geometry.n_expert, 1)
-        out = np.zeros((self.n_layer, n_exp), np.int64)
-        if not self.cache_enabled:
-            return np.zeros((self.n_layer, 0), np.int64)
-        for il in range(self.n_layer):
-            row = self.cache.get_counts(il, Phase(phase), n_exp)
-            if row is not None:
-                out[il, :len(row)] = row
-        return out
-
-    def slots(self, il: int) -> list[int]:
-        return self.cache.get_slots(il, max(self.geometry.n_expert, 1)) if self.cache_enabled else []
-
-    def trace_records(self) -> list[TopkRecord]:
-        if not self.cache_enabled:
-            return []
-        a = self.cache.get_trace()
-        out, i, n = [], 0, len(a)
-        while i < n:
-            il, n_tok, k, phase = (int(x) for x in a[i:i + 4])
-            out.append(TopkRecord(il, phase, a[i + 4:i + 4 + n_tok * k].reshape(n_tok, k).copy()))
-            i += 4 + n_tok * k
-        return out
-
-    def trace_dropped(self) -> int:
-        """Steps the native trace could not hold since the last reset (the counters still have them)."""
-        return self.cache.get_trace_dropped() if self.cache_enabled else 0
-
     def reset_stats(self) -> None:
-        if self.cache_enabled:
-            self.cache.reset_stats()
+        """Zero the expert cache's counters and trace, and drop the captured top-k records."""
+        self.cache.reset_stats()
         self.records.clear()
 
     def restart_cache(self) -> None:
         """The expert cache as it was attached: pinned experts only, empty policy slots, the
         options' miss paths, zero counters (after a calibration, so that it leaves no trace)."""
-        if self.cache_enabled and self.opts.cache_layers:
+        if self.cache.enabled and self.opts.cache_layers:
             self.lib.lc.llama_synchronize(self.ctx)
-            self.cache.free()  # NOTE: before the new banks: both sets would not fit a full device
+            self.cache.native.free()  # NOTE: before the new banks: both sets would not fit a full device
             self._init_cache()
             self.reset()
-
-    def bank_bytes(self) -> int:
-        return self.cache.device_bytes() if self.cache_enabled else 0
 
     def device_memory(self) -> list[tuple[str, int, int]]:
         """(name, free, total) of the devices in use, read now."""
@@ -791,8 +622,7 @@ class Engine:
             _logs.reserve = None
         if self.ctx:
             lc.llama_synchronize(self.ctx)
-            if self.cache is not None:
-                self.cache.free()
+            self.cache.close()
             if self._batch is not None:
                 lc.llama_batch_free(self._batch)
                 self._batch = None

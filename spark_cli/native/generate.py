@@ -94,9 +94,9 @@ class Greedy:
     def sample(self, engine, logits: np.ndarray | None, row: int = -1) -> int:
         row = engine.logits_row(row) if logits is None else logits
         tok = int(np.argmax(row))
-        if self.skip_eog and engine.is_eog(tok):
+        if self.skip_eog and engine.vocab.is_eog(tok):
             row = row.copy()
-            while engine.is_eog(tok):
+            while engine.vocab.is_eog(tok):
                 row[tok] = -np.inf
                 tok = int(np.argmax(row))
         return tok
@@ -237,9 +237,9 @@ class StopFilter:
 
 
 def _cache_total(engine, layers: set[int] | None) -> CacheStats:
-    if not getattr(engine, "cache_enabled", False):
+    if not engine.cache.enabled:
         return CacheStats()
-    return CacheStats.total(s for il, s in engine.cache_stats().items() if layers is None or il in layers)
+    return CacheStats.total(s for il, s in engine.cache.stats().items() if layers is None or il in layers)
 
 
 class Decoding:
@@ -293,7 +293,7 @@ class Decoding:
             self.finish = "context"
         else:
             tok = self._sample(logits, row)
-            if self.stop.eog and eng.is_eog(tok):
+            if self.stop.eog and eng.vocab.is_eog(tok):
                 self.finish = "eog"
             elif tok in self.stop.token_ids:
                 self.finish = "stop"
@@ -315,7 +315,7 @@ class Decoding:
     def evaluated(self, tok: int, row: int) -> GenerationStep:
         """The step of `tok`, now in the KV cache; its logits are output row `row`."""
         self.n += 1
-        piece = self.engine.piece(tok, special=True) if self.special else self.engine.piece(tok)
+        piece = self.engine.vocab.piece(tok, special=True) if self.special else self.engine.vocab.piece(tok)
         text = self.filt.feed(self.dec.decode(piece))
         if self.filt.hit:
             self.finish = "stop"

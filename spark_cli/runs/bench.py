@@ -47,7 +47,8 @@ import numpy as np
 from ..core import planner, units, vram
 from ..core.simulator import MissPath
 from ..core.trace import DECODE
-from ..native.engine import CacheLayer, CacheStats, Engine, EngineOptions
+from ..native.engine import CacheLayer, Engine, EngineOptions
+from ..native.expert_cache import CacheStats
 from ..native.generate import BatchLoop, Decoding, GenerationStep, Greedy, StepShape, StopRules
 from ..native.rpc_traffic import Traffic
 from ..native import rpc_traffic
@@ -262,13 +263,13 @@ def make_workload(engine: Engine, documents: Sequence, n_prompt: int) -> Workloa
     rendered, prompts = [], []
     for d in documents:
         if d.is_chat:
-            rendered.append(engine.chat_prompt(d.messages, add_generation_prompt=False))
-            prompts.append(engine.tokenize(engine.chat_prompt(_first_turn(d.messages)), add_special=True))
+            rendered.append(engine.vocab.chat_prompt(d.messages, add_generation_prompt=False))
+            prompts.append(engine.vocab.tokenize(engine.vocab.chat_prompt(_first_turn(d.messages)), add_special=True))
         else:
             rendered.append(d.text or "")
-            prompts.append(engine.tokenize(d.text or "", add_special=True)[:CALIB_PROMPT_TOKENS])
-    prefix = engine.tokenize("", add_special=True)  # BOS, where the model has one
-    body = engine.tokenize("\n\n".join(rendered), add_special=False)
+            prompts.append(engine.vocab.tokenize(d.text or "", add_special=True)[:CALIB_PROMPT_TOKENS])
+    prefix = engine.vocab.tokenize("", add_special=True)  # BOS, where the model has one
+    body = engine.vocab.tokenize("\n\n".join(rendered), add_special=False)
     if len(body) < 2:
         raise ProfileError("--corpus: the text tokenizes to nothing", hint="give a corpus with text")
     text = prefix + body
@@ -318,7 +319,7 @@ def calibrate(engine: Engine, g: ModelGeometry, prompts: Sequence[Sequence[int]]
         done += len(p) + n_decode
         if progress:
             progress("calibration", done, total)
-    records = engine.trace_records()
+    records = engine.cache.trace_records()
     engine.reset_stats()
     return records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
 
@@ -574,7 +575,7 @@ def geometry_fingerprint(opts: EngineOptions) -> str:
 
 def cache_total(eng: Engine) -> CacheStats:
     """The counters of every cached layer, summed (zeros without a cache)."""
-    return CacheStats.total(eng.cache_stats().values())
+    return CacheStats.total(eng.cache.stats().values())
 
 
 def _digest(tokens: Sequence[int]) -> str:
@@ -703,7 +704,7 @@ def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int
                          on_why=why.append) as eng:
             result.device_name = eng.devices[0].name if eng.devices else "CPU"
             if opts.cache_layers:
-                result.miss_path_why, result.miss_path = "".join(why), describe_paths(eng.miss_paths())
+                result.miss_path_why, result.miss_path = "".join(why), describe_paths(eng.cache.miss_paths())
             result.counted_uncached = opts.count_experts
             eng.reset()
             decode(eng, work.pp_tokens[:WARMUP_PROMPT], WARMUP_DECODE)
@@ -749,7 +750,7 @@ def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int
                     result.cache += last.cache
                     result.prompt_cache += pp_cache
                     if learn:
-                        c = eng.routing_counts(DECODE).astype(np.float64)
+                        c = eng.cache.routing_counts(DECODE).astype(np.float64)
                         if c.size:
                             result.counts = c if result.counts is None else result.counts + c
                 result.decode_tokens += n_gen
@@ -767,7 +768,7 @@ def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int
 
                 for _ in range(repetitions):
                     measure_parallel(eng, work, n_gen, result.parallel, on_step)
-            result.bank_bytes = eng.bank_bytes()
+            result.bank_bytes = eng.cache.bank_bytes()
         result.status = "ok"
     except KeyboardInterrupt:
         result.status, result.reason = "interrupted", f"after {len(result.runs)} of {repetitions} runs"

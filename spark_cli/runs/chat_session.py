@@ -117,9 +117,9 @@ class _Learned:
 
 def prompt_tokens(engine, text: str) -> list[int]:
     """A rendered chat prompt's tokens (special tokens parsed, one BOS)."""
-    toks = engine.tokenize(text, add_special=True, parse_special=True)
+    toks = engine.vocab.tokenize(text, add_special=True, parse_special=True)
     # NOTE: templates that write their own BOS would otherwise get two
-    if len(toks) > 1 and toks[0] == toks[1] and toks[0] == engine.bos_token:
+    if len(toks) > 1 and toks[0] == toks[1] and toks[0] == engine.vocab.bos_token:
         toks = toks[1:]
     return toks
 
@@ -175,7 +175,7 @@ class ChatSession:
         self._kv = []
 
     def _tokens(self, messages: list[dict]) -> list[int]:
-        return self._prompt_tokens(self.engine.chat_prompt(messages))
+        return self._prompt_tokens(self.engine.vocab.chat_prompt(messages))
 
     def _prompt_tokens(self, text: str) -> list[int]:
         return prompt_tokens(self.engine, text)
@@ -266,7 +266,7 @@ class ChatSession:
                 self._kv = []
         fig.generated_tokens = len(generated)
         if self.cached_layers:
-            paths = {p for il, p in eng.miss_paths().items() if il in self.cached_layers}
+            paths = {p for il, p in eng.cache.miss_paths().items() if il in self.cached_layers}
             fig.miss_path = paths.pop() if len(paths) == 1 else "mixed"
         if self.vram_probe:
             fig.vram_bytes, fig.vram_source = self.vram_probe()
@@ -310,7 +310,7 @@ class ChatSession:
     # -- figures, saving, teardown ---------------------------------------------------------
 
     def layer_stats(self) -> dict[int, CacheStats]:
-        return self.engine.cache_stats()
+        return self.engine.cache.stats()
 
     def totals(self) -> AnswerFigures:
         t = AnswerFigures(cached_layers=len(self.cached_layers), cpu_threads=getattr(self.engine, "cpu_threads", None))

@@ -23,7 +23,7 @@ def measure(options: EngineOptions) -> MeasuredBill:
     """What a run with these engine options (session.engine_options: a plan and the run's flags)
     would allocate, per buffer type (nothing is allocated)."""
     with Engine(dataclasses.replace(options, dry_run=True)) as engine:
-        return engine.memory_breakdown()
+        return engine.cache.memory_breakdown()
 
 
 def check_fits(bill: MeasuredBill, devs: list, source: str) -> None:

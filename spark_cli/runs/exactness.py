@@ -35,7 +35,7 @@ PROMPT_TOKENS = (1, 4, 12, 20, 40)
 
 
 def prompts(eng: Engine, lengths: tuple[int, ...] = PROMPT_TOKENS) -> list[list[int]]:
-    toks = eng.tokenize(TEXT)
+    toks = eng.vocab.tokenize(TEXT)
     assert len(toks) >= max(lengths)
     return [toks[:n] for n in lengths]
 
@@ -138,9 +138,9 @@ def routed_run(eng: Engine, ref: Reference, source: str) -> Routed:
     out = Routed([], [], [], tuple(eng.geometry.moe_layers))
     for p, fed in zip(ref.prompts, ref.fed):
         eng.records.clear()
-        n_before = len(eng.trace_records()) if source == "trace" else 0
+        n_before = len(eng.cache.trace_records()) if source == "trace" else 0
         got, _ = logits(eng, p, fed, len(fed))
-        recs = eng.records if source == "capture" else eng.trace_records()[n_before:]
+        recs = eng.records if source == "capture" else eng.cache.trace_records()[n_before:]
         ids, scores = _routes(list(recs), list(out.layers), len(got))
         out.logits.append(got)
         out.ids.append(ids)

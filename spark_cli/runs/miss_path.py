@@ -137,19 +137,19 @@ def measure(engine, prompt: Sequence[int], n_decode: int = CALIB_DECODE) -> dict
     per_path: dict[str, dict] = {}
     prompt_cpu: dict = {}
     for path in FIXED_MISS_PATHS:
-        engine.set_miss_path(path)
+        engine.cache.set_miss_path(path)
         engine.reset()
         engine.reset_stats()
 
         def prompt_done(_, path: str = path) -> None:
             if path == "cpu":
-                prompt_cpu.update(engine.cache_stats())
+                prompt_cpu.update(engine.cache.stats())
             engine.reset_stats()
 
         for _ in engine.stream_generate(list(prompt), max_tokens=n_decode, stop=StopRules(eog=False),
                                         on_prompt=prompt_done):
             pass
-        per_path[path] = engine.cache_stats()
+        per_path[path] = engine.cache.stats()
     engine.reset()
     engine.reset_stats()
     cached = sorted(c.il for c in engine.opts.cache_layers)
@@ -244,16 +244,16 @@ def resolve(engine, choice: MissPath, fingerprint: str, home: Path) -> tuple[dic
         return {}, ""
     if choice in FIXED_MISS_PATHS:
         picks = {il: choice for il in layers}
-        engine.set_miss_path(picks)
+        engine.cache.set_miss_path(picks)
         return picks, f"miss path {choice} on {len(layers)} cached layers"
     cal, source = calibration(engine, fingerprint, home, layers)
     if choice == MissPath.LAYER:
         picks = cal.choose()
-        engine.set_miss_path(picks)
+        engine.cache.set_miss_path(picks)
         return picks, f"{cal.why()}; {source}"
     picks = {il: MissPath.AUTO for il in layers}
-    engine.set_miss_costs(cal.costs())
-    engine.set_miss_path(picks)
+    engine.cache.set_miss_costs(cal.costs())
+    engine.cache.set_miss_path(picks)
     return picks, f"{cal.why_auto()}; {source}"
 
 
@@ -272,7 +272,7 @@ def calibration(engine, fingerprint: str, home: Path, layers: list[int]) -> tupl
     cal = load_cached(path, device, fingerprint, threads)
     source = "cached calibration"
     if cal is None or set(cal.layers) != set(layers):
-        measured = measure(engine, engine.tokenize(CALIB_TEXT))
+        measured = measure(engine, engine.vocab.tokenize(CALIB_TEXT))
         engine.restart_cache()  # NOTE: a run that calibrates starts from the slots a cached calibration's run has
         # NOTE: stats come back for every MoE layer (zeros where uncached): keep the cached ones
         cal = Calibration(device, fingerprint, {il: c for il, c in measured.items() if il in layers}, threads)

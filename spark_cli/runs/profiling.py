@@ -67,10 +67,10 @@ class Capture:
 
         e = self.engine
         if self.mode == "native":
-            pre = self._fit(e.routing_counts(PREFILL))
-            dec = self._fit(e.routing_counts(DECODE))
-            records = e.trace_records() if self.keep_trace else []
-            dropped = e.trace_dropped() if self.keep_trace else 0
+            pre = self._fit(e.cache.routing_counts(PREFILL))
+            dec = self._fit(e.cache.routing_counts(DECODE))
+            records = e.cache.trace_records() if self.keep_trace else []
+            dropped = e.cache.trace_dropped() if self.keep_trace else 0
         else:
             dropped = 0
             records = list(e.records)

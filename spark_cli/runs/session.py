@@ -167,9 +167,9 @@ def ubatch_size(flags: LoadFlags, plan: planner.Plan | None = None) -> int:
 
 
 def decode_counts(engine: Engine) -> np.ndarray | None:
-    if not engine.cache_enabled:
+    if not engine.cache.enabled:
         return None
-    return engine.routing_counts(DECODE).astype(np.float64)
+    return engine.cache.routing_counts(DECODE).astype(np.float64)
 
 
 def decode_tokens(geometry: ModelGeometry, counts: np.ndarray) -> float:

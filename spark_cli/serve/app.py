@@ -148,7 +148,7 @@ def _native_final(st: ServerState, run: Run, req: GenerationRequest, content: st
     the `__verbose` of an OpenAI answer."""
     assert run.usage is not None and run.sampling is not None
     # NOTE: ignore_eos's -inf biases are listed in generation_settings, as llama-server's
-    eog = getattr(st.worker.engine, "eog_tokens", ()) if run.sampling.ban_eog else ()
+    eog = getattr(st.worker.engine.vocab, "eog_tokens", ()) if run.sampling.ban_eog else ()
     body = llama_api.final_body(content, req.model or run.env.model, run.prompt, run.finish, run.stop_word,
                                 run.usage, run.timings, llama_api.settings(run.sampling, req, eog),
                                 run.probs if run.with_probs else None, run.slot,
@@ -228,10 +228,10 @@ async def tokenize(request: Request) -> Response:
     st: ServerState = request.app.state.spark
     req = await _body(request, TokenizeRequest)
     eng = _engine(st)
-    ids = eng.tokenize(req.content, add_special=req.add_special, parse_special=req.parse_special)
+    ids = eng.vocab.tokenize(req.content, add_special=req.add_special, parse_special=req.parse_special)
     if not req.with_pieces:
         return JSONResponse({"tokens": ids})
-    return JSONResponse({"tokens": [{"id": t, "piece": piece_json(eng.piece(t, special=True))} for t in ids]})
+    return JSONResponse({"tokens": [{"id": t, "piece": piece_json(eng.vocab.piece(t, special=True))} for t in ids]})
 
 
 async def detokenize(request: Request) -> Response:
@@ -243,7 +243,7 @@ async def detokenize(request: Request) -> Response:
     if bad:
         raise ApiError(400, f"tokens: {bad[0]} is not in the vocabulary (0 to {n_vocab - 1})", param="tokens")
     # NOTE: control tokens as their text, as llama-server's
-    text = b"".join(eng.piece(t, special=True) for t in req.tokens).decode("utf-8", errors="replace")
+    text = b"".join(eng.vocab.piece(t, special=True) for t in req.tokens).decode("utf-8", errors="replace")
     return JSONResponse({"content": text})
 
 
@@ -253,7 +253,7 @@ async def props(request: Request) -> Response:
     st: ServerState = request.app.state.spark
     eng = _engine(st)
     d = st.chat.defaults
-    plain, tools = eng.chat_template(False), eng.chat_template(True)
+    plain, tools = eng.vocab.chat_template(False), eng.vocab.chat_template(True)
     body: dict[str, Any] = {
         "default_generation_settings": {"n_ctx": eng.n_ctx, "params": {
             "temperature": d.temp, "seed": d.seed, "n_predict": d.n_predict, "max_tokens": d.n_predict,
@@ -262,8 +262,8 @@ async def props(request: Request) -> Response:
         "model_alias": st.model_name,
         "model_path": st.model_path,
         "chat_template": plain.source if plain is not None else "",
-        "bos_token": eng.piece(eng.bos_token, special=True).decode("utf-8", "replace") if eng.bos_token >= 0 else "",
-        "eos_token": eng.piece(eng.eos_token, special=True).decode("utf-8", "replace") if eng.eos_token >= 0 else "",
+        "bos_token": eng.vocab.piece(eng.vocab.bos_token, special=True).decode("utf-8", "replace") if eng.vocab.bos_token >= 0 else "",
+        "eos_token": eng.vocab.piece(eng.vocab.eos_token, special=True).decode("utf-8", "replace") if eng.vocab.eos_token >= 0 else "",
         "build_info": st.chat.fingerprint,
         "modalities": {"vision": False, "audio": False},
         "is_sleeping": False,

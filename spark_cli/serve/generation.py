@@ -43,10 +43,10 @@ class RequestPrompt:
         a fresh assistant turn after it instead."""
         text = None
         if prefill and messages[-1].get("content"):
-            whole = self.engine.chat_prompt(messages, add_generation_prompt=False, tools=tools, extras=extras)
+            whole = self.engine.vocab.chat_prompt(messages, add_generation_prompt=False, tools=tools, extras=extras)
             text = continued(whole, messages[-1]["content"])
         if text is None:
-            text = self.engine.chat_prompt(messages, tools=tools, extras=extras)
+            text = self.engine.vocab.chat_prompt(messages, tools=tools, extras=extras)
         self.tokens = prompt_tokens(self.engine, text)
         return text
 
@@ -54,19 +54,19 @@ class RequestPrompt:
         """A completion's prompt: text, or llama-server's list of token ids and texts (only the
         first text gets the BOS); the prompt's text. A token id past the vocabulary: SparkError."""
         if isinstance(prompt, str):
-            self.tokens = self.engine.tokenize(prompt, add_special=True, parse_special=True)
+            self.tokens = self.engine.vocab.tokenize(prompt, add_special=True, parse_special=True)
             return prompt
         n_vocab = getattr(self.engine, "n_vocab", None)
         toks: list[int] = []
         for i, part in enumerate(prompt):
             if isinstance(part, str):
-                toks += self.engine.tokenize(part, add_special=i == 0, parse_special=True)
+                toks += self.engine.vocab.tokenize(part, add_special=i == 0, parse_special=True)
             elif n_vocab is not None and not 0 <= part < n_vocab:
                 raise SparkError(f"prompt: token {part} is not in the vocabulary (0 to {n_vocab - 1})")
             else:
                 toks.append(part)
         self.tokens = toks
-        return self.engine.detokenize(toks)
+        return self.engine.vocab.detokenize(toks)
 
     def check_fits(self) -> None:
         """ContextError when the prompt leaves no room in one slot's context."""

@@ -81,9 +81,9 @@ class DecodeCounts:
         self.tokens = 0
 
     def _now(self) -> np.ndarray | None:
-        if not getattr(self.engine, "cache_enabled", False):
+        if not self.engine.cache.enabled:
             return None
-        return (self.engine.routing_counts(DECODE) + self.engine.routing_counts(PREFILL)).astype(np.float64)
+        return (self.engine.cache.routing_counts(DECODE) + self.engine.cache.routing_counts(PREFILL)).astype(np.float64)
 
     def before(self, shape: StepShape) -> None:
         """A step is about to be decoded: one with prompt tokens ends the run (uncounted)."""

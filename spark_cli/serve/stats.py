@@ -91,8 +91,8 @@ class ServerStats:
 
     def set_cache(self, engine) -> None:
         """Totals over the cached layers since the engine started (pinned uploads included)."""
-        tot = CacheStats.total(s for il, s in engine.cache_stats().items() if il in self.cached_layers)
-        dev = engine.bank_bytes()
+        tot = CacheStats.total(s for il, s in engine.cache.stats().items() if il in self.cached_layers)
+        dev = engine.cache.bank_bytes()
         with self._lock:
             self._s.cache = tot
             self._s.device_bytes = dev

@@ -96,7 +96,7 @@ def resolve_bias(sampling: Sampling, engine) -> Sampling:
         return sampling
     pairs: list[tuple[int, float]] = []
     for t, b in sampling.logit_bias:
-        toks = engine.tokenize(t, add_special=False, parse_special=False) if isinstance(t, str) else [t]
+        toks = engine.vocab.tokenize(t, add_special=False, parse_special=False) if isinstance(t, str) else [t]
         pairs += [(tok, b) for tok in toks]
     return dataclasses.replace(sampling, logit_bias=tuple(pairs))
 
@@ -118,7 +118,7 @@ class _ProbsFeed:
         self.pending: list[TokenLogprob] = []
 
     def _entry(self, token: int, prob: float, post: bool, top: tuple[TokenLogprob, ...] = ()) -> TokenLogprob:
-        return TokenLogprob(token, self.engine.piece(token, special=True), prob, top, post)
+        return TokenLogprob(token, self.engine.vocab.piece(token, special=True), prob, top, post)
 
     def add(self, p: TokenProbs) -> None:
         self.pending.append(self._entry(p.token, p.prob, p.post, tuple(self._entry(t, q, p.post) for t, q in p.top)))
