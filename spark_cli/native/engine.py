@@ -112,6 +112,9 @@ class EngineOptions:
 
 # the selection scores a MoE layer ranks (not the views llama.cpp derives from them, "... (reshaped)")
 _SCORES_RE = re.compile(rb"ffn_moe_probs(?:_biased|_masked)?-\d+")
+# a layer's routed ids; the scheduler's copies of it ("ffn_moe_topk-29 (copy)", the same ids on
+# another backend) are not asked for: each step's ids are read once
+_TOPK_RE = re.compile(rb"ffn_moe_topk-(\d+)")
 _OVERRIDE_RE = re.compile(r"tensor (?P<name>\S+) \(.*\) buffer type overridden to (?P<buft>\S+)")
 _SPLITS_RE = re.compile(r"graph.*: nodes = [^,]+, splits = (\d+)(?: / (\d+))?,")
 _LAYER_DEV_RE = re.compile(r"load_tensors: layer\s+(?P<il>\d+) assigned to device (?P<dev>[^,\s]+)")
@@ -494,17 +497,18 @@ class Engine:
         name = t.name
         hidden = self._hidden_prefix
         scores = self.opts.capture_topk and self.opts.capture_scores and _SCORES_RE.fullmatch(name) is not None
+        topk = _TOPK_RE.fullmatch(name) if self.opts.capture_topk else None
+        state = re.fullmatch(re.escape(hidden) + rb"(\d+)", name) if hidden is not None else None
         if ask:
-            return ((self.opts.capture_topk and name.startswith(b"ffn_moe_topk-"))
-                    or (hidden is not None and name.startswith(hidden)) or scores)
-        if hidden is not None and name.startswith(hidden):
-            self._record_hidden(t_ptr, t, int(name[len(hidden):]))
+            return topk is not None or state is not None or scores
+        if state is not None:
+            self._record_hidden(t_ptr, t, int(state.group(1)))
         if scores:
             # NOTE: ffn_moe_probs, then _biased (exp_probs_b) or _masked (expert groups) where the
             # model has them: the last one before the layer's top-k is what it ranked
             self._scores = self._read_rows(t_ptr, t)
-        if self.opts.capture_topk and name.startswith(b"ffn_moe_topk-"):
-            il = int(name.split(b"-", 1)[1])
+        if topk is not None:
+            il = int(topk.group(1))
             k, n_tok = t.ne[0], t.ne[1]
             # NOTE: the phase is the ubatch's: a new ubatch starts when the layer index does not grow,
             # and its first MoE layer routes every token (the last layer may route only the outputs)
