@@ -841,7 +841,7 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
     if spark:  # NOTE: measured for a Spark plan; stock configurations alone are priced with kept costs only
         status("device costs")
         costs, why = device_costs.ensure(base, g, work.pp_tokens, spark_home(), progress,
-                                         max(report.n_gen, device_costs.MIN_DECODE))
+                                         max(report.n_gen, device_costs.DECODE_TOKENS))
         report.notes.append(why)
     elif list(names) != [CPU_CONFIG]:
         costs = device_costs.for_run(base, g.fingerprint, spark_home())
