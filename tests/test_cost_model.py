@@ -89,6 +89,39 @@ def test_the_fit_recovers_the_figures_it_was_made_from() -> None:
         assert getattr(got, f) == pytest.approx(getattr(truth, f), rel=1e-6), f
 
 
+def test_stock_timings_are_the_stock_part_and_placements_between_them_interpolate() -> None:
+    """A host layer dearer the more there are (the stand-in in most runs): each timed stock placement
+    is predicted as measured, one between two timed counts lies on the segment between them (not
+    on one line through all three), and the cached placement's stop is what it adds to resident."""
+    n, miss = 30, 3_000.0
+    samples = [Sample("cpu-moe", n, 0, 81_000.0, 24_000.0), Sample("n-cpu-moe 15", 15, 0, 51_000.0, 23_500.0),
+               Sample("resident", 0, 0, 31_000.0, 19_500.0), Sample("cached", 0, n, 88_000.0, 28_000.0, miss, 1.0)]
+    got = fit(samples, 4, 250.0, 700.0, device="d", source="s", threads=1, concurrent=False)
+    assert got.stock_points == ((0, 31_000.0, 19_500.0), (15, 51_000.0, 23_500.0), (n, 81_000.0, 24_000.0))
+
+    def stock(h: int):
+        return predict([LayerLoad("host")] * h + [LayerLoad("resident")] * (n - h), got)
+
+    for s in samples[:3]:
+        assert stock(s.n_host).tg_us == pytest.approx(s.tg_us) and stock(s.n_host).pp_us == pytest.approx(s.pp_us)
+    assert stock(12).tg_us == pytest.approx(31_000 + 12 / 15 * 20_000)  # a straight line would say 55,000
+    assert stock(18).tg_us == pytest.approx(51_000 + 3 / 15 * 30_000)
+    assert got.base_tg_us == 31_000.0 and got.host_tg_us == pytest.approx(50_000 / n)
+    assert got.stop_us == pytest.approx((88_000 - miss - 31_000) / n)
+    assert got.cached_pp_us == pytest.approx((28_000 - 19_500) / n)
+    cached = predict([LayerLoad("cached", misses=miss / 250.0 / n)] * n, got, "cpu")
+    assert cached.tg_us == pytest.approx(88_000.0)
+    assert DeviceCosts.from_dict(json.loads(json.dumps(got.to_dict()))) == got
+    # without all resident timed: the nearest segment carries on below the fewest host layers
+    two = fit([samples[0], samples[1], samples[3]], 4, 250.0, 700.0, device="d", source="s", threads=1,
+              concurrent=False)
+    assert two.base_tg_us == pytest.approx(51_000 - 15 * 2_000)
+    for bad in ([[15, 1.0, 1.0], [0, 1.0, 1.0]], [[0, 1.0, 1.0], [0, 2.0, 2.0]], [[0, float("nan"), 1.0]],
+                [[-1, 1.0, 1.0]], [[0, 0.0, 1.0]]):
+        with pytest.raises(ValueError):
+            DeviceCosts.from_dict({**got.to_dict(), "stock_points": bad})
+
+
 def test_a_fit_without_a_resident_or_second_host_count_still_gives_figures() -> None:
     samples = [Sample("cpu-moe", 30, 0, 60_000.0, 900.0), Sample("cached", 0, 30, 70_000.0, 800.0, 5_000.0, 1.0)]
     got = fit(samples, 4, 300.0, 900.0, device="d", source="s", threads=1, concurrent=False)
@@ -112,7 +145,7 @@ def test_a_device_slower_than_the_cpu_fits_a_negative_host_layer_and_plans_cpu_m
     assert modes(plan) == {"resident": 0, "cached": 0, "host": n}
     alts = {a.name: a.prediction for a in planner.alternatives(geo, request(geo, counts, got), plan)}
     assert alts["spark"].tg_us == pytest.approx(alts["cpu-moe"].tg_us)
-    huge = dataclasses.replace(got, host_tg_us=-1e9)  # never a time below the floor
+    huge = dataclasses.replace(got, host_tg_us=-1e9, stock_points=())  # never a time below the floor
     assert predict([LayerLoad("host")] * n, huge).tg_us > 0
 
 

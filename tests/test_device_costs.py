@@ -55,6 +55,14 @@ def test_measured_on_the_stand_in_kept_and_used_by_plan(small_model, rpc_server,
     assert d["predicted"]["stops"] == 1 + sum(1 for l in d["layers"] if l["mode"] in ("cached", "host"))
 
 
+def test_a_probe_is_timed_again_while_its_timings_spread_wide() -> None:
+    assert not device_costs.settled([20.0, 20.5])  # fewer than REPEATS
+    assert device_costs.settled([20.0, 20.5, 21.0])  # within a quarter of their median: the median holds
+    assert not device_costs.settled([54.0, 78.0, 100.0])  # the stand-in's --cpu-moe at -t 2: not yet
+    assert not device_costs.settled([54.0, 78.0, 100.0, 72.0, 66.0, 99.0])
+    assert device_costs.settled([54.0, 78.0, 100.0, 72.0, 66.0, 99.0, 57.0])  # MAX_REPEATS: enough
+
+
 def test_predict_for_a_card_not_at_hand(small_model, plan) -> None:
     rc, out, err = plan(small_model, "--predict-for", "rtx-4060-ti-16gb", "--vram", "1GiB", "--cold-hit", "0.1",
                         "--host-bandwidth", "80", "--host-cores", "8", "--json")

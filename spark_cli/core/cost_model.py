@@ -19,6 +19,12 @@ A prompt token: pp = base_pp + h * host_pp + sum over cached layers of cached_pp
 off_l the layer's routed mass not pinned on the device (a prompt step is too large for the LRU
 slots: it runs read-only, its misses on the CPU or staged).
 
+Measured, the stock part (base + h * host) is not taken as a straight line: a host layer's cost
+depends on how many there are (on the stand-in the first 15 of 30 cost less each than the next
+15 in most runs, more in some), so where stock placements with two or more host-layer counts
+were timed, the stock part is read off those timings (`stock_points`), linearly between them and
+along the nearest segment beyond; each timed placement is then predicted as it was measured.
+
 The figures come from a measurement on the device at hand (runs/device_costs.py: a few
 placements timed, `fit`), kept per device, model and thread count, or from published figures
 for a card that is not at hand (core/device_table.py). Pure: no llama_cpp, rich or typer.
@@ -26,12 +32,14 @@ for a card that is not at hand (core/device_table.py). Pure: no llama_cpp, rich 
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 from dataclasses import asdict, dataclass, fields
 from typing import Sequence
 
 import numpy as np
 
-COSTS_VERSION = 1
+COSTS_VERSION = 2  # 2: median timings, stock_points
 # a host layer's figures may be negative: on a device slower than the CPU (lavapipe) a layer's
 # experts on the CPU take less time than on the device, stop included
 SIGNED = frozenset({"host_tg_us", "host_pp_us"})
@@ -56,6 +64,9 @@ class DeviceCosts:
     miss_upload_us: float  # a missed expert uploaded (staged) and waited for
     concurrent: bool = False  # a second device queue: uploads run beside compute
     predicted: bool = False  # from published figures, not measured
+    # stock placements timed: (host layers, us per decode token, us per prompt token), by host
+    # layers; with two or more, the stock part of a prediction is read off them (module docstring)
+    stock_points: tuple[tuple[int, float, float], ...] = ()
 
     def to_dict(self) -> dict:
         return {"version": COSTS_VERSION, **asdict(self)}
@@ -65,6 +76,7 @@ class DeviceCosts:
         if d.get("version") != COSTS_VERSION:
             raise ValueError("device costs version")
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        kw["stock_points"] = _points(kw.get("stock_points", ()))
         out = cls(**kw)
         for f in fields(cls):
             v = getattr(out, f.name)
@@ -72,6 +84,16 @@ class DeviceCosts:
                                              and (v >= 0 or f.name in SIGNED)):
                 raise ValueError(f"device costs: {f.name}")
         return out
+
+    def stock_us(self, n_host: int) -> tuple[float, float]:
+        """Decode and prompt time per token of stock's placement with `n_host` host layers."""
+        pts = self.stock_points
+        if len(pts) < 2:
+            return self.base_tg_us + n_host * self.host_tg_us, self.base_pp_us + n_host * self.host_pp_us
+        i = min(max(bisect.bisect_right([p[0] for p in pts], n_host) - 1, 0), len(pts) - 2)
+        (n0, tg0, pp0), (n1, tg1, pp1) = pts[i], pts[i + 1]
+        w = (n_host - n0) / (n1 - n0)
+        return tg0 + w * (tg1 - tg0), pp0 + w * (pp1 - pp0)
 
     def miss_us(self, miss_path: str) -> float:
         """One missed expert at decode on `miss_path` (auto and layer: the cheaper side)."""
@@ -85,6 +107,17 @@ class DeviceCosts:
         """One line: which device and where the figures come from."""
         th = f", {self.threads} thread{'s' if self.threads != 1 else ''}" if self.threads else ""
         return f"{self.device} ({self.source}{th})"
+
+
+def _points(raw) -> tuple[tuple[int, float, float], ...]:
+    """Stock points read from a file: host-layer counts distinct, ascending, from 0; times finite
+    and positive (ValueError otherwise)."""
+    out = tuple((int(n), float(tg), float(pp)) for n, tg, pp in raw)
+    ns = [p[0] for p in out]
+    if ns != sorted(set(ns)) or any(n < 0 for n in ns) or \
+            not all(np.isfinite(v) and v > 0 for p in out for v in p[1:]):
+        raise ValueError("device costs: stock_points")
+    return out
 
 
 @dataclass(frozen=True)
@@ -126,13 +159,11 @@ def predict(layers: Sequence[LayerLoad], costs: DeviceCosts, miss_path: str = "a
     """Predicted decode and prompt time per token of a placement (see the module docstring)."""
     c = costs
     miss = c.miss_us(miss_path)
-    tg, pp, upload_queue, stops = c.base_tg_us, c.base_pp_us, 0.0, 1
+    n_host = sum(1 for l in layers if l.mode == "host")
+    tg, pp = c.stock_us(n_host)
+    upload_queue, stops = 0.0, 1 + n_host
     for l in layers:
-        if l.mode == "host":
-            tg += c.host_tg_us
-            pp += c.host_pp_us
-            stops += 1
-        elif l.mode == "cached":
+        if l.mode == "cached":
             tg += c.stop_us + l.misses * miss
             pp += c.cached_pp_us * min(max(l.off_mass, 0.0), 1.0)
             upload_queue += l.admissions * c.miss_upload_us
@@ -163,34 +194,54 @@ class Sample:
         return asdict(self)
 
 
+def stock_points(samples: Sequence[Sample]) -> tuple[tuple[int, float, float], ...]:
+    """The stock placements among `samples` (no cached layer) as (host layers, tg, pp), by host
+    layers; several timings of one count are averaged."""
+    by_n: dict[int, list[Sample]] = {}
+    for s in samples:
+        if s.n_cached == 0:
+            by_n.setdefault(s.n_host, []).append(s)
+    return tuple((n, float(np.mean([s.tg_us for s in ss])), float(np.mean([s.pp_us for s in ss])))
+                 for n, ss in sorted(by_n.items()))
+
+
+def fit(samples: Sequence[Sample], k: int, miss_cpu_us: float, miss_upload_us: float, *, device: str,
+        source: str, threads: int, concurrent: bool) -> DeviceCosts:
+    """The cost model's figures from timed placements. With stock placements at two or more
+    host-layer counts, those timings are the stock part (`stock_points`; base and host figures
+    summarise them: the time with none on the host, the mean slope to the most), and a cached
+    layer's stop (and prompt cost) is what a cached placement adds to the stock part at its host
+    layers, its misses' measured time taken off. A host layer's figures keep their sign. With
+    fewer, a host layer is taken as its k experts on the CPU plus one cached stop."""
+    points = stock_points(samples)
+    cached = [s for s in samples if s.n_cached > 0]
+    if len(points) < 2 or not cached:
+        tg, pp = _fit_assuming_host(samples, k, miss_cpu_us)
+        base_tg, stop, base_pp, cached_pp = (max(float(v), 0.0) for v in (tg[0], tg[2], pp[0], pp[2]))
+        return DeviceCosts(device, source, threads, base_tg, base_pp, stop, float(tg[1]), float(pp[1]), cached_pp,
+                           miss_cpu_us, miss_upload_us, concurrent)
+    shape = DeviceCosts(device, source, threads, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, miss_cpu_us, miss_upload_us,
+                        concurrent, stock_points=points)
+    base_tg, base_pp = shape.stock_us(0)
+    top, top_tg, top_pp = points[-1]  # the most host layers timed (> 0: two counts or more)
+    stops, prompt = [], []
+    for s in cached:
+        tg_h, pp_h = shape.stock_us(s.n_host)
+        stops.append((s.tg_us - s.miss_tg_us - tg_h) / s.n_cached)
+        if s.off_mass > 0:
+            prompt.append((s.pp_us - pp_h) / (s.n_cached * s.off_mass))
+    return dataclasses.replace(
+        shape, base_tg_us=max(base_tg, 0.0), base_pp_us=max(base_pp, 0.0),
+        host_tg_us=(top_tg - base_tg) / top, host_pp_us=(top_pp - base_pp) / top,  # signed (SIGNED)
+        stop_us=max(float(np.mean(stops)), 0.0), cached_pp_us=max(float(np.mean(prompt)) if prompt else 0.0, 0.0))
+
+
 def _solve(rows: list[list[float]], y: list[float]) -> np.ndarray | None:
     """Least squares of y = rows @ x, or None when the rows do not determine x."""
     a, b = np.asarray(rows, np.float64), np.asarray(y, np.float64)
     if np.linalg.matrix_rank(a) < a.shape[1]:
         return None
     return np.linalg.lstsq(a, b, rcond=None)[0]
-
-
-def fit(samples: Sequence[Sample], k: int, miss_cpu_us: float, miss_upload_us: float, *, device: str,
-        source: str, threads: int, concurrent: bool) -> DeviceCosts:
-    """The cost model's figures from timed placements: decode (tg minus the misses' measured time)
-    = base + host layers * host_tg + cached layers * stop, and prompt = base_pp + host layers *
-    host_pp + cached layers * off_mass * cached_pp, by least squares (a host layer's figures keep
-    their sign; the others are at least 0). Where the samples leave
-    the base and a host layer's share apart undetermined (every placement with host layers has
-    the same count), a host layer is taken as its k experts on the CPU plus one cached stop."""
-    tg_rows = [[1.0, s.n_host, s.n_cached] for s in samples]
-    tg_y = [s.tg_us - s.miss_tg_us for s in samples]
-    pp_rows = [[1.0, s.n_host, s.n_cached * s.off_mass] for s in samples]
-    pp_y = [s.pp_us for s in samples]
-    tg = _solve(tg_rows, tg_y)
-    pp = _solve(pp_rows, pp_y)
-    if tg is None or pp is None:
-        tg, pp = _fit_assuming_host(samples, k, miss_cpu_us)
-    base_tg, stop, base_pp, cached_pp = (max(float(v), 0.0) for v in (tg[0], tg[2], pp[0], pp[2]))
-    host_tg, host_pp = float(tg[1]), float(pp[1])  # signed: a host layer can save time (SIGNED)
-    return DeviceCosts(device, source, threads, base_tg, base_pp, stop, host_tg, host_pp, cached_pp,
-                       miss_cpu_us, miss_upload_us, concurrent)
 
 
 def _fit_assuming_host(samples: Sequence[Sample], k: int, miss_cpu_us: float) -> tuple[np.ndarray, np.ndarray]:

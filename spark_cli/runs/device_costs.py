@@ -5,9 +5,11 @@ A measurement times a few placements on the device, whatever the budget (they on
 its free memory): stock --cpu-moe, stock --n-cpu-moe N (about half the MoE layers on the host),
 all resident where the device holds it, and every MoE layer cached with k policy slots (the cache
 floor, miss path auto: its miss costs come from the miss-path calibration it runs). Each is timed
-on a short prompt and a short greedy decode, three times (the fastest is kept: another process on
-the machine only ever adds time), and cost_model.fit turns them into base, stop and host-layer
-figures."""
+on a short prompt and a short greedy decode, three times or, while its decode timings spread
+wider than a quarter of their median, up to seven, and the median is kept (bench reports medians:
+a prediction from the fastest timings overshoots a machine that other work slows now and then,
+and the median of a wide spread needs more timings to settle). cost_model.fit turns them into the stock part (the stock placements' own timings), the
+stop and the host-layer figures."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,7 +39,9 @@ from .run import open_engine
 
 PROMPT_TOKENS = 128  # at most this long a prompt step per timing
 DECODE_TOKENS = 32  # decode tokens per timing, at least (bench: its own -n where longer)
-REPEATS = 3  # timings of each probe; the fastest is kept
+REPEATS = 3  # timings of each probe at least; the median is kept
+MAX_REPEATS = 7  # at most: a probe is timed again while its decode timings spread wider than SPREAD
+SPREAD = 0.25  # (slowest - fastest) / median of a probe's decode timings that ends its timing
 FIT_MARGIN = 1 << 30  # device memory left free by the placements measured
 
 Progress = Callable[[str, int, int], None]
@@ -166,39 +171,49 @@ def _warm(base: EngineOptions, g: ModelGeometry, p: Probe, prompt: Sequence[int]
 Timing = tuple[float, float, CacheStats]
 
 
+def settled(tg: Sequence[float]) -> bool:
+    """Whether a probe has been timed enough: REPEATS decode timings within SPREAD of their
+    median, or MAX_REPEATS of them."""
+    if len(tg) < REPEATS:
+        return False
+    return len(tg) >= MAX_REPEATS or max(tg) - min(tg) <= SPREAD * statistics.median(tg)
+
+
 def _timings(base: EngineOptions, g: ModelGeometry, todo: Sequence[Probe], prompt: Sequence[int], n_decode: int,
              home: Path, together: bool, on_miss: Callable[[mp.Calibration], None],
              progress: Progress | None) -> list[list[Timing]]:
-    """REPEATS timings of each probe: with every probe open at once, one of each in turn (a
-    machine whose speed drifts drifts for all of them alike, as bench runs), else one probe after
-    another."""
+    """Each probe's timings until settled(): with every probe open at once, one of each unsettled
+    probe in turn (a machine whose speed drifts drifts for all of them alike, as bench runs), else
+    one probe after another."""
     out: list[list[Timing]] = [[] for _ in todo]
-    total, done = len(todo) * REPEATS, 0
+
+    def done(i: int) -> bool:
+        return settled([t[1] for t in out[i]])
 
     def step(i: int, eng: Engine) -> None:
-        nonlocal done
         out[i].append(_time(eng, prompt, n_decode))
-        done += 1
         if progress:
-            progress("device costs", done, total)
+            total = sum(len(o) if done(j) else max(REPEATS, len(o) + 1) for j, o in enumerate(out))
+            progress("device costs", sum(len(o) for o in out), total)
 
     if together:
         with contextlib.ExitStack() as stack:
             engines = [stack.enter_context(_warm(base, g, p, prompt, home, on_miss)) for p in todo]
-            for _ in range(REPEATS):
+            while not all(done(i) for i in range(len(todo))):
                 for i, eng in enumerate(engines):
-                    step(i, eng)
+                    if not done(i):
+                        step(i, eng)
         return out
     for i, p in enumerate(todo):
         with _warm(base, g, p, prompt, home, on_miss) as eng:
-            for _ in range(REPEATS):
+            while not done(i):
                 step(i, eng)
     return out
 
 
 def _sample(p: Probe, runs: Sequence[Timing], n_decode: int) -> Sample:
-    pp = min(r[0] for r in runs)
-    tg = min(r[1] for r in runs)
+    pp = statistics.median(r[0] for r in runs)
+    tg = statistics.median(r[1] for r in runs)
     cache = CacheStats.total(r[2] for r in runs)
     miss_us = (cache.cpu_us + cache.upload_us) / (len(runs) * n_decode) if p.cached else 0.0
     return Sample(p.name, len(p.host), len(p.cached), tg, pp, miss_us, 1.0 if p.cached else 0.0)
