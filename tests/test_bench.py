@@ -71,6 +71,7 @@ def test_every_configuration_end_to_end(spark, model_link, corpus, rpc_server, t
 
     # interleaved on the stand-in (room for all): every configuration's run i before any one's run i + 1
     assert d["interleaved"] and any(n.startswith("configurations interleaved") for n in d["notes"])
+    assert d["cpu_steal"] is None or 0.0 <= d["cpu_steal"] <= 1.0  # Linux counts it; elsewhere null
     own = [c for c in by.values() if not c["same_as"]]
     assert len(own) >= 3
     for i in range(len(own[0]["runs"]) - 1):

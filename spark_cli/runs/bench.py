@@ -58,6 +58,7 @@ from ..core.options import DEFAULT_UBATCH
 from ..core.cost_model import Prediction
 from ..files.paths import spark_home
 from . import device_costs, session
+from .cpu_steal import CpuClock, steal_note, steal_share
 from .miss_path import initial_path
 
 REPORT_VERSION = 1
@@ -885,6 +886,7 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
     steps = [measuring(r.config, base, work, report.repetitions, report.n_gen, r, learn=learn,
                        progress=(lambda _n, d, t, c=r.config: progress(c.label, d, t)) if progress else None,
                        fingerprint=g.fingerprint, clock=clock) for r in jobs]
+    cpu_clock = CpuClock.now()
     try:
         if progress:
             for r in jobs:
@@ -893,6 +895,10 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
     finally:
         for i, c, r in copies:
             report.results[i] = copy_result(c, r)
+        report.cpu_steal = steal_share(cpu_clock, CpuClock.now())
+        note = steal_note(report.cpu_steal)
+        if note:
+            report.notes.append(note)
 
 
 def drive(steps: list[Iterator[None]], jobs: list[Result], interleaved: bool, repetitions: int,
@@ -980,6 +986,7 @@ class Report:
     ceiling: str | None = None
     n_parallel: int = 1  # -np: sequences every configuration is opened with (> 1: Result.parallel)
     interleaved: bool = False  # every configuration open at once, one repetition of each in turn (take_turns)
+    cpu_steal: float | None = None  # share of the machine's CPU time stolen while measuring (cpu_steal.py)
 
     def result(self, name: str) -> Result | None:
         return next((r for r in self.results if r.config.name == name), None)
@@ -1056,7 +1063,7 @@ class Report:
             "cpu_threads_batch": self.cpu_threads[1] if self.cpu_threads else None,
             "baseline": self.baseline, "ceiling": self.ceiling,
             "targets": self.targets(), "notes": list(self.notes), "interrupted": self.interrupted,
-            "interleaved": self.interleaved,
+            "interleaved": self.interleaved, "cpu_steal": self.cpu_steal,
             "configs": configs,
         }
 
