@@ -8,8 +8,8 @@ floor, miss path auto: its miss costs come from the miss-path calibration it run
 on a short prompt and a short greedy decode, three times or, while its decode timings spread
 wider than a quarter of their median, up to seven, and the median is kept (bench reports medians:
 a prediction from the fastest timings overshoots a machine that other work slows now and then,
-and the median of a wide spread needs more timings to settle). cost_model.fit turns them into the stock part (the stock placements' own timings), the
-stop and the host-layer figures."""
+and the median of a wide spread needs more timings to settle). cost_model.fit turns them into
+the stock part (the stock placements' own timings), the stop and the host-layer figures."""
 
 from __future__ import annotations
 
