@@ -33,7 +33,6 @@ for a card that is not at hand (core/device_table.py). Pure: no llama_cpp, rich 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from dataclasses import asdict, dataclass, fields
 from typing import Sequence
 
@@ -87,13 +86,9 @@ class DeviceCosts:
 
     def stock_us(self, n_host: int) -> tuple[float, float]:
         """Decode and prompt time per token of stock's placement with `n_host` host layers."""
-        pts = self.stock_points
-        if len(pts) < 2:
+        if len(self.stock_points) < 2:
             return self.base_tg_us + n_host * self.host_tg_us, self.base_pp_us + n_host * self.host_pp_us
-        i = min(max(bisect.bisect_right([p[0] for p in pts], n_host) - 1, 0), len(pts) - 2)
-        (n0, tg0, pp0), (n1, tg1, pp1) = pts[i], pts[i + 1]
-        w = (n_host - n0) / (n1 - n0)
-        return tg0 + w * (tg1 - tg0), pp0 + w * (pp1 - pp0)
+        return _read_off(self.stock_points, n_host)
 
     def miss_us(self, miss_path: str) -> float:
         """One missed expert at decode on `miss_path` (auto and layer: the cheaper side)."""
@@ -107,6 +102,15 @@ class DeviceCosts:
         """One line: which device and where the figures come from."""
         th = f", {self.threads} thread{'s' if self.threads != 1 else ''}" if self.threads else ""
         return f"{self.device} ({self.source}{th})"
+
+
+def _read_off(pts: Sequence[tuple[int, float, float]], n_host: int) -> tuple[float, float]:
+    """(tg, pp) at `n_host` host layers on two or more stock points: linear between them, along
+    the nearest segment beyond."""
+    i = min(max(bisect.bisect_right([p[0] for p in pts], n_host) - 1, 0), len(pts) - 2)
+    (n0, tg0, pp0), (n1, tg1, pp1) = pts[i], pts[i + 1]
+    w = (n_host - n0) / (n1 - n0)
+    return tg0 + w * (tg1 - tg0), pp0 + w * (pp1 - pp0)
 
 
 def _points(raw) -> tuple[tuple[int, float, float], ...]:
@@ -194,7 +198,7 @@ class Sample:
         return asdict(self)
 
 
-def stock_points(samples: Sequence[Sample]) -> tuple[tuple[int, float, float], ...]:
+def _stock_points(samples: Sequence[Sample]) -> tuple[tuple[int, float, float], ...]:
     """The stock placements among `samples` (no cached layer) as (host layers, tg, pp), by host
     layers; several timings of one count are averaged."""
     by_n: dict[int, list[Sample]] = {}
@@ -213,27 +217,25 @@ def fit(samples: Sequence[Sample], k: int, miss_cpu_us: float, miss_upload_us: f
     layer's stop (and prompt cost) is what a cached placement adds to the stock part at its host
     layers, its misses' measured time taken off. A host layer's figures keep their sign. With
     fewer, a host layer is taken as its k experts on the CPU plus one cached stop."""
-    points = stock_points(samples)
+    points = _stock_points(samples)
     cached = [s for s in samples if s.n_cached > 0]
     if len(points) < 2 or not cached:
         tg, pp = _fit_assuming_host(samples, k, miss_cpu_us)
         base_tg, stop, base_pp, cached_pp = (max(float(v), 0.0) for v in (tg[0], tg[2], pp[0], pp[2]))
         return DeviceCosts(device, source, threads, base_tg, base_pp, stop, float(tg[1]), float(pp[1]), cached_pp,
                            miss_cpu_us, miss_upload_us, concurrent)
-    shape = DeviceCosts(device, source, threads, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, miss_cpu_us, miss_upload_us,
-                        concurrent, stock_points=points)
-    base_tg, base_pp = shape.stock_us(0)
+    base_tg, base_pp = _read_off(points, 0)
     top, top_tg, top_pp = points[-1]  # the most host layers timed (> 0: two counts or more)
     stops, prompt = [], []
     for s in cached:
-        tg_h, pp_h = shape.stock_us(s.n_host)
+        tg_h, pp_h = _read_off(points, s.n_host)
         stops.append((s.tg_us - s.miss_tg_us - tg_h) / s.n_cached)
         if s.off_mass > 0:
             prompt.append((s.pp_us - pp_h) / (s.n_cached * s.off_mass))
-    return dataclasses.replace(
-        shape, base_tg_us=max(base_tg, 0.0), base_pp_us=max(base_pp, 0.0),
-        host_tg_us=(top_tg - base_tg) / top, host_pp_us=(top_pp - base_pp) / top,  # signed (SIGNED)
-        stop_us=max(float(np.mean(stops)), 0.0), cached_pp_us=max(float(np.mean(prompt)) if prompt else 0.0, 0.0))
+    stop, cached_pp = max(float(np.mean(stops)), 0.0), max(float(np.mean(prompt)) if prompt else 0.0, 0.0)
+    return DeviceCosts(device, source, threads, max(base_tg, 0.0), max(base_pp, 0.0), stop,
+                       (top_tg - base_tg) / top, (top_pp - base_pp) / top,  # host figures signed (SIGNED)
+                       cached_pp, miss_cpu_us, miss_upload_us, concurrent, stock_points=points)
 
 
 def _solve(rows: list[list[float]], y: list[float]) -> np.ndarray | None:
