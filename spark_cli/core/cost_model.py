@@ -114,7 +114,7 @@ def _read_off(pts: Sequence[tuple[int, float, float]], n_host: int) -> tuple[flo
 
 
 def _points(raw) -> tuple[tuple[int, float, float], ...]:
-    """Stock points read from a file: host-layer counts distinct, ascending, from 0; times finite
+    """Stock points read from a file: host-layer counts distinct, ascending, none negative; times finite
     and positive (ValueError otherwise)."""
     out = tuple((int(n), float(tg), float(pp)) for n, tg, pp in raw)
     ns = [p[0] for p in out]
