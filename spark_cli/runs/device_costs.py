@@ -9,7 +9,13 @@ on a short prompt and a short greedy decode, three times or, while its decode ti
 wider than a quarter of their median, up to seven, and the median is kept (bench reports medians:
 a prediction from the fastest timings overshoots a machine that other work slows now and then,
 and the median of a wide spread needs more timings to settle). cost_model.fit turns them into
-the stock part (the stock placements' own timings), the stop and the host-layer figures."""
+the stock part (the stock placements' own timings), the stop and the host-layer figures.
+
+Kept figures are checked before a bench uses them: the kept stock placements are timed again
+the same way, and where one now decodes or prompts more than DRIFT faster or slower than when
+kept (the machine's speed moved: another load, a power mode, a driver), every probe is measured
+again, so that the prediction beside each measured configuration comes from the machine as it
+is now."""
 
 from __future__ import annotations
 
@@ -55,13 +61,25 @@ def cache_file(home: Path, device: str, fingerprint: str, threads: int) -> Path:
 def load(home: Path, device: str, fingerprint: str, threads: int) -> DeviceCosts | None:
     """The kept figures of this device, model and thread count; None when there are none (or
     they cannot be read: they are measured again)."""
+    kept = _kept(home, device, fingerprint, threads)
+    return kept[0] if kept else None
+
+
+def _kept(home: Path, device: str, fingerprint: str, threads: int) -> tuple[DeviceCosts, list[Sample]] | None:
+    """The kept figures and the timings they were fitted from (samples that cannot be read: none)."""
     path = cache_file(home, device, fingerprint, threads)
     try:
         d = json.loads(path.read_text())
         costs = DeviceCosts.from_dict(d["costs"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return costs if (d.get("fingerprint"), costs.device, costs.threads) == (fingerprint, device, threads) else None
+    if (d.get("fingerprint"), costs.device, costs.threads) != (fingerprint, device, threads):
+        return None
+    try:
+        samples = [Sample(**s) for s in d.get("samples", [])]
+    except TypeError:
+        samples = []
+    return costs, samples
 
 
 def save(home: Path, fingerprint: str, costs: DeviceCosts, samples: Sequence[Sample]) -> Path:
@@ -181,7 +199,7 @@ def settled(tg: Sequence[float]) -> bool:
 
 def _timings(base: EngineOptions, g: ModelGeometry, todo: Sequence[Probe], prompt: Sequence[int], n_decode: int,
              home: Path, together: bool, on_miss: Callable[[mp.Calibration], None],
-             progress: Progress | None) -> list[list[Timing]]:
+             progress: Progress | None, label: str = "device costs") -> list[list[Timing]]:
     """Each probe's timings until settled(): with every probe open at once, one of each unsettled
     probe in turn (a machine whose speed drifts drifts for all of them alike, as bench runs), else
     one probe after another."""
@@ -194,7 +212,7 @@ def _timings(base: EngineOptions, g: ModelGeometry, todo: Sequence[Probe], promp
         out[i].append(_time(eng, prompt, n_decode))
         if progress:
             total = sum(len(o) if done(j) else max(REPEATS, len(o) + 1) for j, o in enumerate(out))
-            progress("device costs", sum(len(o) for o in out), total)
+            progress(label, sum(len(o) for o in out), total)
 
     if together:
         with contextlib.ExitStack() as stack:
@@ -222,19 +240,13 @@ def _sample(p: Probe, runs: Sequence[Timing], n_decode: int) -> Sample:
 def measure(base: EngineOptions, g: ModelGeometry, prompt: Sequence[int], home: Path,
             progress: Progress | None = None, n_decode: int = DECODE_TOKENS) -> tuple[DeviceCosts, list[Sample]]:
     """Time the probes on the first device of `base` and fit the cost model's figures."""
-    dev = device_of(base)
-    if dev is None:
-        raise SparkError("device costs: no device to measure", hint="give -dev or --rpc")
+    dev = _device(base)
     free, _ = devices.free_memory(dev)
     fixed = planner.fixed_bytes(g, base.n_ctx, base.type_k, base.type_v, base.n_ubatch, base.n_seq, base.kv_unified)
     todo = probes(g, free, fixed)
     together = sum(probe_bytes(g, fixed, p) for p in todo) + FIT_MARGIN <= free
-    prompt = list(prompt)[:PROMPT_TOKENS]
     miss: list[mp.Calibration] = []
-    if progress:
-        progress("device costs", 0, len(todo) * REPEATS)
-    timings = _timings(base, g, todo, prompt, n_decode, home, together, miss.append, progress)
-    samples = [_sample(p, runs, n_decode) for p, runs in zip(todo, timings)]
+    samples = _timed(base, g, todo, prompt, home, together, miss.append, progress, n_decode)
     cal = miss[0] if miss else None
     cpu_us = (cal.median("cpu_us") if cal else None) or 0.0
     upload_us = (cal.median("upload_us") if cal else None) or 0.0
@@ -245,20 +257,86 @@ def measure(base: EngineOptions, g: ModelGeometry, prompt: Sequence[int], home: 
     return costs, samples
 
 
+def _device(base: EngineOptions):
+    dev = device_of(base)
+    if dev is None:
+        raise SparkError("device costs: no device to measure", hint="give -dev or --rpc")
+    return dev
+
+
+def _timed(base: EngineOptions, g: ModelGeometry, todo: Sequence[Probe], prompt: Sequence[int], home: Path,
+           together: bool, on_miss: Callable[[mp.Calibration], None], progress: Progress | None,
+           n_decode: int, label: str = "device costs") -> list[Sample]:
+    """Each probe's sample: its median timings until settled()."""
+    prompt = list(prompt)[:PROMPT_TOKENS]
+    if progress:
+        progress(label, 0, len(todo) * REPEATS)
+    timings = _timings(base, g, todo, prompt, n_decode, home, together, on_miss, progress, label)
+    return [_sample(p, runs, n_decode) for p, runs in zip(todo, timings)]
+
+
+# ---------------------------------------------------------------- kept figures checked
+
+
+DRIFT = 0.15  # a kept stock placement timed again this much faster or slower (either phase): measured again
+
+
+def stock_probes(g: ModelGeometry, samples: Sequence[Sample]) -> list[Probe]:
+    """The stock placements among kept samples, to time again: --n-cpu-moe N hosts the first N
+    MoE layers, as probes() places them."""
+    moe = [l.index for l in g.layers if l.is_moe and not l.is_nextn]
+    return [Probe(s.name, tuple(moe[:s.n_host])) for s in samples if s.n_cached == 0 and s.n_host <= len(moe)]
+
+
+def drift(kept: Sequence[Sample], now: Sequence[Sample]) -> str | None:
+    """Why kept timings no longer hold, in a few words: the first placement (by name) whose decode
+    or prompt time now differs from the kept one by more than DRIFT; None when all hold."""
+    then = {s.name: s for s in kept}
+    for s in now:
+        old = then.get(s.name)
+        if old is None:
+            continue
+        for what, a, b in (("decodes", old.tg_us, s.tg_us), ("prompts", old.pp_us, s.pp_us)):
+            if a > 0 and b > 0 and abs(a / b - 1) > DRIFT:
+                return f"{s.name} {what} {a / b:.2f}x as fast as when kept"
+    return None
+
+
+def check(base: EngineOptions, g: ModelGeometry, samples: Sequence[Sample], prompt: Sequence[int], home: Path,
+          progress: Progress | None = None, n_decode: int = DECODE_TOKENS) -> str | None:
+    """Time the kept stock placements again, as measure() times them; why the kept figures no
+    longer hold (drift()), or None. Nothing to time again (no kept stock timings): None."""
+    todo = stock_probes(g, samples)
+    if not todo:
+        return None
+    free, _ = devices.free_memory(_device(base))
+    fixed = planner.fixed_bytes(g, base.n_ctx, base.type_k, base.type_v, base.n_ubatch, base.n_seq, base.kv_unified)
+    together = sum(probe_bytes(g, fixed, p) for p in todo) + FIT_MARGIN <= free
+    now = _timed(base, g, todo, prompt, home, together, lambda _: None, progress, n_decode, "device costs (check)")
+    return drift(samples, now)
+
+
 def ensure(base: EngineOptions, g: ModelGeometry, prompt: Sequence[int], home: Path,
            progress: Progress | None = None, n_decode: int = DECODE_TOKENS) -> tuple[DeviceCosts | None, str]:
-    """The kept figures for this device, model and threads, or measured now and kept; (None, why)
-    without a device. The second value says which, in one line."""
+    """The kept figures for this device, model and threads once their stock placements, timed
+    again, still hold (check()); else measured now and kept. (None, why) without a device. The
+    second value says which, in one line."""
     dev = device_of(base)
     if dev is None:
         return None, "no device: plans are not priced in time"
-    kept = load(home, mp.device_key(dev), g.fingerprint, base.threads)
+    kept = _kept(home, mp.device_key(dev), g.fingerprint, base.threads)
+    again = ""
     if kept is not None:
-        return kept, f"device costs: {kept.describe()}, kept"
+        costs, samples = kept
+        why = check(base, g, samples, prompt, home, progress, n_decode)
+        if why is None:
+            timed = f", its stock placements timed again within {DRIFT:.0%}" if stock_probes(g, samples) else ""
+            return costs, f"device costs: {costs.describe()}, kept{timed}"
+        again = f", measured again: {why}"
     costs, samples = measure(base, g, prompt, home, progress, n_decode)
     note = ""
     try:
         save(home, g.fingerprint, costs, samples)
     except (OSError, SparkError):
         note = " (not saved)"
-    return costs, f"device costs: {costs.describe()}{note}"
+    return costs, f"device costs: {costs.describe()}{again}{note}"
