@@ -12,7 +12,7 @@ import pytest
 from conftest import cli_runner, keep_device_costs
 
 from spark_cli.runs import bench
-from spark_cli.core import planner
+from spark_cli.core import planner, settle
 from spark_cli.commands import bench as bench_cmd
 from spark_cli.core.gguf_info import load_geometry
 from spark_cli.core.simulator import ONLINE_POLICIES
@@ -64,7 +64,12 @@ def test_every_configuration_end_to_end(spark, model_link, corpus, rpc_server, t
     assert list(by) == list(bench.DEFAULT_CONFIGS)
     for name, c in by.items():
         assert c["status"] == "ok", (name, c["reason"])
-        assert len(c["runs"]) == 2 and all(r["tg_tokens"] == 8 and r["pp_tokens"] == 32 for r in c["runs"])
+        assert all(r["tg_tokens"] == 8 and r["pp_tokens"] == 32 for r in c["runs"])
+    # -r 2 at least; interleaved, every configuration takes a further run alike, while any spreads wide
+    counts = {len(c["runs"]) for c in by.values()}
+    assert len(counts) == 1 and 2 <= counts.pop() <= bench.MORE * 2
+    wide = any(not settle.settled([r["tg_seconds"] / r["tg_tokens"] for r in c["runs"][:2]], 2, 4) for c in by.values())
+    assert wide == (len(by["resident"]["runs"]) > 2) == any(n.startswith("runs added while") for n in d["notes"])
     assert by["resident"]["over_budget"] and by["resident"]["vram_planned_bytes"] > d["budget_bytes"]
     for name in ("cpu-moe", "n-cpu-moe", "spark-step", "spark"):
         assert by[name]["vram_planned_bytes"] <= d["budget_bytes"], name
@@ -559,3 +564,21 @@ def test_an_interrupt_in_one_turn_closes_every_engine_and_marks_the_open_ones() 
     assert sorted(closed) == ["done", "fails", "open"]
     assert [r.status for r in jobs] == ["ok", "interrupted", "interrupted"]
     assert jobs[1].reason == "after 2 of 3 runs" and len(jobs[2].runs) == 1  # its turn came before the failing one
+
+
+def test_runs_are_added_alike_while_generation_timings_spread_wide() -> None:
+    def job(*tg_seconds: float) -> bench.Result:
+        r = bench.Result(bench.Config("x", "x", "stock"))
+        r.runs = [bench.Run(32, 1.0, 4, t) for t in tg_seconds]
+        return r
+
+    quiet = job(1.00, 1.10, 1.05, 1.00, 1.02, 1.01)
+    noisy = job(1.00, 2.00, 1.50, 1.00, 1.05, 1.00)  # its first three spread wide, its first four too
+    both = bench.Turns(3, [quiet, noisy])  # interleaved: each asks with the runs it has
+    assert both.more(0) and both.more(2)  # -r 3 first
+    assert both.more(3) and both.more(4)  # noisy's first three, then four, spread wider than 25% of their median
+    assert not bench.Turns(3, [quiet]).more(3)  # one after another: the quiet one alone stops at -r
+    assert not both.more(bench.MORE * 3)  # at most twice -r, however they spread
+    assert not bench.Turns(3, [quiet, job(1.0, 2.0)]).more(3)  # a configuration stopped early is not waited for
+    assert bench.more_runs_note([quiet], 3).startswith("runs added while generation timings spread wider than 25%")
+    assert bench.more_runs_note([job(1.0, 1.0, 1.0)], 3) == ""

@@ -176,7 +176,7 @@ def _summary_lines(report) -> list[str]:
     out = [f"budget {fmt_bytes(report.budget_bytes)} ({report.budget_source}); "
            f"{len(g.moe_layers)} MoE layers x {g.n_expert} experts (top-{g.n_expert_used}), "
            f"{fmt_bytes(g.total_expert_bytes)} of experts; pp {report.n_prompt} tokens, "
-           f"tg {report.n_gen} tokens, median (min-max) of {report.repetitions}"
+           f"tg {report.n_gen} tokens, median (min-max) of {bench.run_counts(report)}"
            + (f"; -np {report.n_parallel}: {report.n_parallel} sequences per configuration"
               if report.n_parallel > 1 else "")]
     spark = report.result("spark")
@@ -361,7 +361,8 @@ def bench_cmd(
                                      ".txt/.md/.jsonl (default: the bundled sample corpus)"),
     n_prompt: int = typer.Option(512, "--n-prompt", "-p", min=2, help="prompt-processing tokens per run"),
     n_gen: int = typer.Option(128, "--n-gen", "-n", min=1, help="generated tokens per run (greedy)"),
-    reps: int = typer.Option(3, "--repetitions", "-r", min=1, help="runs per configuration"),
+    reps: int = typer.Option(3, "--repetitions", "-r", min=1, help="runs per configuration, at least: up to "
+                            "twice as many while generation timings spread wider than a quarter of their median"),
     as_json: bool = typer.Option(False, "--json", help="print the full report as JSON on stdout"),
     output: Path = typer.Option(None, "--output", "-o", help="write the full report as JSON here"),
     md: bool = typer.Option(False, "--md", help="print a markdown table (for an issue) instead of the rich one"),

@@ -44,7 +44,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..core import planner, units, vram
+from ..core import planner, settle, units, vram
 from ..core.simulator import MissPath
 from ..core.trace import DECODE
 from ..native.engine import CacheLayer, Engine, EngineOptions
@@ -673,14 +673,41 @@ def measure_parallel(eng: Engine, work: Workload, n_gen: int, par: ParallelResul
         par.together_digest = _digest([t for seq in batched for t in seq])
 
 
+MORE = 2  # runs per configuration: at most this many times -r, while timings spread wide (Turns)
+
+
+@dataclass
+class Turns:
+    """How many runs the configurations in `jobs` take: -r at least, then while any one's
+    generation timings spread wider than a quarter of their median (core/settle.py), one more
+    each, up to MORE times -r. Each configuration asks before its next run with the number it has
+    run, and only that many runs of each are looked at, so every configuration of an interleaved
+    bench decides alike in a round, whichever goes first."""
+
+    least: int
+    jobs: list[Result]
+
+    def more(self, n_runs: int) -> bool:
+        if n_runs < self.least:
+            return True
+        if n_runs >= MORE * self.least:
+            return False
+        return any(not settle.settled([r.tg_seconds / r.tg_tokens for r in j.runs[:n_runs]], self.least,
+                                      MORE * self.least)
+                   for j in self.jobs if len(j.runs) >= n_runs)
+
+
 def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int, n_gen: int,
               result: Result, progress: Progress | None = None, learn: bool = True,
-              home: Path | None = None, fingerprint: str = "", clock: float | None = None) -> Iterator[None]:
-    """Load the configuration and warm up (then yield), then `repetitions` runs of prompt
-    processing and generation (a yield after each), so that several open configurations can take
-    turns (run: take_turns). Fills `result` as it goes: an interrupted bench keeps the finished
-    runs. Closing it early closes the engine. `clock`: the perf_counter value Run.started counts from."""
+              home: Path | None = None, fingerprint: str = "", clock: float | None = None,
+              more: Callable[[int], bool] | None = None) -> Iterator[None]:
+    """Load the configuration and warm up (then yield), then runs of prompt processing and
+    generation (a yield after each) while `more(runs so far)` (default: `repetitions` runs), so
+    that several open configurations can take turns (run: take_turns). Fills `result` as it goes:
+    an interrupted bench keeps the finished runs. Closing it early closes the engine. `clock`:
+    the perf_counter value Run.started counts from."""
     clock = time.perf_counter() if clock is None else clock
+    more = more or (lambda n: n < repetitions)
     spark = cfg.kind == "spark"
     first_path = initial_path(cfg.miss_path)
     cpu = cfg.device == "none"
@@ -692,7 +719,8 @@ def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int
                                count_experts=spark and session.counts_every_layer(cfg.plan, learn), trace=False,
                                capture_topk=False)
     n_seq = max(1, opts.n_seq)
-    total = repetitions * (len(work.pp_tokens) + n_gen + (2 * n_seq * n_gen if n_seq > 1 else 0))
+    per_run, parallel = len(work.pp_tokens) + n_gen, repetitions * 2 * n_seq * n_gen if n_seq > 1 else 0
+    total = repetitions * per_run + parallel
     done = 0
     result.status = "running"
     try:
@@ -713,7 +741,8 @@ def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int
             if mem is not None and after is not None and mem[1] > after[1]:
                 result.device_used_bytes = mem[1] - after[1]
             yield
-            for rep in range(repetitions):
+            while more(len(result.runs)):
+                total = max(repetitions, len(result.runs) + 1) * per_run + parallel
                 eng.reset()
                 s0 = cache_total(eng)
                 n0 = rpc_traffic.read(opts.rpc)
@@ -745,7 +774,7 @@ def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int
                 tg_s = last.gen_seconds
                 result.traffic = _add_traffic(result.traffic, n0, rpc_traffic.read(opts.rpc))
                 done += n_gen
-                if rep == 0:
+                if not result.runs:
                     result.tokens_digest = _digest(toks)
                 if spark:
                     result.cache += last.cache
@@ -883,9 +912,10 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
     report.interleaved, why = take_turns(jobs, base)
     report.notes.append(why)
     clock = time.perf_counter()
+    turns = [Turns(report.repetitions, jobs if report.interleaved else [r]) for r in jobs]
     steps = [measuring(r.config, base, work, report.repetitions, report.n_gen, r, learn=learn,
                        progress=(lambda _n, d, t, c=r.config: progress(c.label, d, t)) if progress else None,
-                       fingerprint=g.fingerprint, clock=clock) for r in jobs]
+                       fingerprint=g.fingerprint, clock=clock, more=t.more) for r, t in zip(jobs, turns)]
     cpu_clock = CpuClock.now()
     try:
         if progress:
@@ -896,9 +926,24 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
         for i, c, r in copies:
             report.results[i] = copy_result(c, r)
         report.cpu_steal = steal_share(cpu_clock, CpuClock.now())
-        note = steal_note(report.cpu_steal)
-        if note:
-            report.notes.append(note)
+        for note in (steal_note(report.cpu_steal), more_runs_note(jobs, report.repetitions)):
+            if note:
+                report.notes.append(note)
+
+
+def more_runs_note(jobs: Sequence[Result], repetitions: int) -> str:
+    """The configurations that ran more than -r times (Turns), in one line; "" when none did."""
+    extra = [f"{r.config.label} {len(r.runs)}" for r in jobs if len(r.runs) > repetitions]
+    if not extra:
+        return ""
+    return (f"runs added while generation timings spread wider than {settle.SPREAD:.0%} of their median "
+            f"(at most {MORE}x -r {repetitions}): " + ", ".join(extra))
+
+
+def run_counts(report: "Report") -> str:
+    """How many runs each median is of: "5", or "5-10" where Turns added some."""
+    n = sorted({len(r.runs) for r in report.results if r.runs} or {report.repetitions})
+    return str(n[0]) if n[0] == n[-1] else f"{n[0]}-{n[-1]}"
 
 
 def drive(steps: list[Iterator[None]], jobs: list[Result], interleaved: bool, repetitions: int,

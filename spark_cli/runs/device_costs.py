@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from ..core import planner
+from ..core import planner, settle
 from ..core.cost_model import DeviceCosts, Sample, fit
 from ..core.gguf_info import ModelGeometry
 from ..core.placement import cached_expert_overrides
@@ -46,8 +46,7 @@ from .run import open_engine
 PROMPT_TOKENS = 128  # at most this long a prompt step per timing
 DECODE_TOKENS = 32  # decode tokens per timing, at least (bench: its own -n where longer)
 REPEATS = 3  # timings of each probe at least; the median is kept
-MAX_REPEATS = 7  # at most: a probe is timed again while its decode timings spread wider than SPREAD
-SPREAD = 0.25  # (slowest - fastest) / median of a probe's decode timings that ends its timing
+MAX_REPEATS = 7  # at most: a probe is timed again while its decode timings spread wide (core/settle.py)
 FIT_MARGIN = 1 << 30  # device memory left free by the placements measured
 
 Progress = Callable[[str, int, int], None]
@@ -190,11 +189,9 @@ Timing = tuple[float, float, CacheStats]
 
 
 def settled(tg: Sequence[float]) -> bool:
-    """Whether a probe has been timed enough: REPEATS decode timings within SPREAD of their
-    median, or MAX_REPEATS of them."""
-    if len(tg) < REPEATS:
-        return False
-    return len(tg) >= MAX_REPEATS or max(tg) - min(tg) <= SPREAD * statistics.median(tg)
+    """Whether a probe has been timed enough (core/settle.py): REPEATS decode timings within a
+    quarter of their median, or MAX_REPEATS of them."""
+    return settle.settled(tg, REPEATS, MAX_REPEATS)
 
 
 def _timings(base: EngineOptions, g: ModelGeometry, todo: Sequence[Probe], prompt: Sequence[int], n_decode: int,
