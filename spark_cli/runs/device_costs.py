@@ -238,10 +238,9 @@ def measure(base: EngineOptions, g: ModelGeometry, prompt: Sequence[int], home: 
             progress: Progress | None = None, n_decode: int = DECODE_TOKENS) -> tuple[DeviceCosts, list[Sample]]:
     """Time the probes on the first device of `base` and fit the cost model's figures."""
     dev = _device(base)
-    free, _ = devices.free_memory(dev)
-    fixed = planner.fixed_bytes(g, base.n_ctx, base.type_k, base.type_v, base.n_ubatch, base.n_seq, base.kv_unified)
+    free, fixed = _room(base, g)
     todo = probes(g, free, fixed)
-    together = sum(probe_bytes(g, fixed, p) for p in todo) + FIT_MARGIN <= free
+    together = _fit_together(g, fixed, free, todo)
     miss: list[mp.Calibration] = []
     samples = _timed(base, g, todo, prompt, home, together, miss.append, progress, n_decode)
     cal = miss[0] if miss else None
@@ -259,6 +258,19 @@ def _device(base: EngineOptions):
     if dev is None:
         raise SparkError("device costs: no device to measure", hint="give -dev or --rpc")
     return dev
+
+
+def _room(base: EngineOptions, g: ModelGeometry) -> tuple[int, int]:
+    """The device's free bytes, and the bytes every placement of a run with these options needs
+    beside its experts (planner.fixed_bytes)."""
+    free, _ = devices.free_memory(_device(base))
+    return free, planner.fixed_bytes(g, base.n_ctx, base.type_k, base.type_v, base.n_ubatch, base.n_seq,
+                                     base.kv_unified)
+
+
+def _fit_together(g: ModelGeometry, fixed: int, free: int, todo: Sequence[Probe]) -> bool:
+    """Whether the probes fit the device's free memory all at once (then they are timed in turn)."""
+    return sum(probe_bytes(g, fixed, p) for p in todo) + FIT_MARGIN <= free
 
 
 def _timed(base: EngineOptions, g: ModelGeometry, todo: Sequence[Probe], prompt: Sequence[int], home: Path,
@@ -306,9 +318,8 @@ def check(base: EngineOptions, g: ModelGeometry, samples: Sequence[Sample], prom
     todo = stock_probes(g, samples)
     if not todo:
         return None
-    free, _ = devices.free_memory(_device(base))
-    fixed = planner.fixed_bytes(g, base.n_ctx, base.type_k, base.type_v, base.n_ubatch, base.n_seq, base.kv_unified)
-    together = sum(probe_bytes(g, fixed, p) for p in todo) + FIT_MARGIN <= free
+    free, fixed = _room(base, g)
+    together = _fit_together(g, fixed, free, todo)
     now = _timed(base, g, todo, prompt, home, together, lambda _: None, progress, n_decode, "device costs (check)")
     return drift(samples, now)
 
