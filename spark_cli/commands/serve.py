@@ -62,13 +62,20 @@ def serve_cmd(
     verbose: bool = typer.Option(False, "--verbose", help="every OpenAI answer carries __verbose, llama-server's "
                                  "/completion body of it (the rendered prompt, the raw text; a request's "
                                  "verbose: false leaves it out), as llama-server --verbose"),
+    grammar_max_bytes: int = typer.Option(256 * 1024, "--grammar-max-bytes", min=1, help="bytes a request's "
+                                          "grammar (raw, or made from a JSON schema) may have"),
+    grammar_max_depth: int = typer.Option(64, "--grammar-max-depth", min=1, help="parentheses a grammar, or groups "
+                                          "a schema's pattern, may nest"),
+    grammar_max_width: int = typer.Option(16, "--grammar-max-width", min=1, help="optional items a grammar may "
+                                          "chain (a wide class or . counts 2): each costs the sampler time on "
+                                          "every token"),
     flags: LoadFlags = None,
 ) -> None:
     """Serve the model over HTTP with OpenAI's API, as llama-server does."""
     # NOTE: imported here, not at the top: the server stack (starlette, pydantic, jsonschema) costs
     # spark --help about 0.4 s (python -X importtime)
     from ..serve import server
-    from ..serve.chat import Defaults
+    from ..serve.chat import Defaults, GrammarLimits
     from ..serve.guard import is_loopback
     from ..serve.vertex import Vertex
     from ..serve.wiring import Access, wire
@@ -104,6 +111,7 @@ def serve_cmd(
                   templates=templates, chat_defaults=Defaults(temp, seed, n_predict, verbose),
                   reasoning_format=reasoning_format, alias=alias, learn=learn, learn_every=learn_every,
                   max_queue=max_queue, metrics=metrics_on, slots=slots_on, vertex=vertex,
+                  grammar_limits=GrammarLimits(grammar_max_bytes, grammar_max_depth, grammar_max_width),
                   on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True))
     sock = server.bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]

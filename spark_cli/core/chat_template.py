@@ -16,6 +16,8 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
+import threading
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -49,19 +51,127 @@ def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: b
                       sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
-@functools.lru_cache(maxsize=16)
-def _compile(source: str):
-    from jinja2 import TemplateError as JinjaError
+RENDER_SECONDS = 5.0  # a render may take (real templates take milliseconds, even for long agent chats)
+# NOTE: a 131,072-token context of 32-byte pieces: a longer prompt cannot fit any context
+RENDER_MAX_BYTES = 4 * 1024 * 1024
+_budget = threading.local()  # the running render's deadline, per thread (the engine's, the HTTP pool's)
+
+
+class _Over(Exception):
+    """A render past its time or size bound (turned into a TemplateError by _render)."""
+
+
+def _check_time() -> None:
+    deadline = getattr(_budget, "deadline", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise _Over(f"took longer than {RENDER_SECONDS:g} s")
+
+
+def _check_size(n: int) -> None:
+    if n > RENDER_MAX_BYTES:
+        raise _Over(f"builds a text of {n} characters, past the {RENDER_MAX_BYTES} bytes a prompt may have "
+                    "(it exceeds the available context size)")
+
+
+def _bounded_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    _check_time()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > RENDER_MAX_BYTES:
+            _check_size(abs(a))  # a width or a count that would build that much
+
+
+def _bounded_filter(f):
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        _bounded_args(args, kwargs)
+        out = f(*args, **kwargs)
+        if isinstance(out, str):
+            _check_size(len(out))
+        return out
+    return run
+
+
+def _bounded_range(*args: int):
+    from jinja2.sandbox import safe_range
+
+    for i in safe_range(*args):
+        _check_time()
+        yield i
+
+
+def _bounded_join(seq) -> str:
+    parts = [str(x) for x in seq]
+    _check_size(sum(map(len, parts)))
+    return "".join(parts)
+
+
+def _environment():
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class Bounded(ImmutableSandboxedEnvironment):
+        """The sandbox, with every call, attribute, operator and loop step under the render's
+        deadline, and no value built past RENDER_MAX_BYTES (`"x" * n`, `s ~ s`, `ljust(n)`)."""
+
+        intercepted_binops = frozenset({"*", "**", "+"})
+
+        def call_binop(self, context, operator, left, right):
+            _check_time()
+            if operator == "*" and isinstance(right, int) and isinstance(left, (str, list, tuple)):
+                _check_size(len(left) * right)
+            if operator == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)):
+                _check_size(len(right) * left)
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+                _check_size(right * abs(left).bit_length() // 8)
+            if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                _check_size(len(left) + len(right))
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
+            _bounded_args(args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def getattr(self, obj, attribute):
+            _check_time()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            _check_time()
+            return super().getitem(obj, argument)
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
+    env.filters.update({name: _bounded_filter(f) for name, f in env.filters.items()})
+    env.globals.update(raise_exception=_raise, strftime_now=_strftime_now, range=_bounded_range)
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(source: str):
+    from jinja2 import TemplateError as JinjaError
+
     try:
-        return env.from_string(source)
+        tmpl = _environment().from_string(source)
     except JinjaError as e:
         raise TemplateError(f"does not compile: {e}") from None
+    # NOTE: `a ~ b` compiles to the template module's own str_join: bound it there
+    tmpl.root_render_func.__globals__["str_join"] = _bounded_join
+    return tmpl
+
+
+def _generate(tmpl, ctx: Mapping[str, Any]) -> str:
+    """The template's text, streamed, under the deadline and the size bound."""
+    _budget.deadline = time.monotonic() + RENDER_SECONDS
+    try:
+        parts, size = [], 0
+        for chunk in tmpl.generate(**ctx):
+            size += len(chunk)
+            _check_size(size)
+            _check_time()
+            parts.append(chunk)
+        return "".join(parts)
+    finally:
+        _budget.deadline = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +212,10 @@ class ChatTemplate:
                "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token,
                "eos_token": self.eos_token, **dict(extras or {})}
         try:
-            return _compile(self.source).render(**ctx)
+            return _generate(_compile(self.source), ctx)
+        except _Over as e:
+            raise TemplateError(f"chat template {self.name}: the render {e}",
+                                hint="fix the template or pass another with --chat-template-file") from None
         except TemplateError as e:
             raise TemplateError(f"chat template {self.name}: {e.message}",
                                 hint="fix the template or pass another with --chat-template-file") from None

@@ -43,6 +43,8 @@ def invalid(schema: Any) -> str | None:
     except jsonschema.SchemaError as e:
         where = ".".join(str(p) for p in e.absolute_path)
         return f"not valid JSON Schema: {e.message}" + (f" (at {where})" if where else "")
+    except RecursionError:
+        return "nested too deep to check"
     return None
 
 

@@ -20,6 +20,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ..files.atomic import atomic_write_with
+from ..files.regular import not_a_file
 from ..errors import ProfileError
 
 TRACE_FORMAT = "spark-trace"
@@ -172,8 +173,9 @@ class RoutingTrace:
     def load(cls, path: Path | str, expect_fingerprint: str | None = None,
              expect_shape: tuple[int, int] | None = None) -> "RoutingTrace":
         path = Path(path)
-        if not path.is_file():
-            raise ProfileError(f"trace {path} not found")
+        why = not_a_file(path)
+        if why is not None:
+            raise ProfileError(f"trace {path} not found" if why == "no such file" else f"trace {path}: {why}")
         try:
             with np.load(path, allow_pickle=False) as z:
                 missing = [key for key in ("ids", "phase", "step", "n_expert", "fingerprint")

@@ -44,7 +44,7 @@ class Corpus:
     files: int = 0  # files that gave at least one document
     non_utf8: list[Path] = field(default_factory=list)  # skipped
     unreadable: list[tuple[Path, str]] = field(default_factory=list)  # (path, reason)
-    bad_lines: int = 0  # .jsonl lines that are not JSON (or hold lone surrogates), or neither messages nor text
+    bad_lines: int = 0  # .jsonl lines not JSON (or with lone surrogates, huge integers), or neither messages nor text
     ignored: int = 0  # files of other types in a folder
     empty: int = 0  # files or records without text
 
@@ -101,7 +101,7 @@ def _read_jsonl(path: Path, name: str, text: str, corpus: Corpus) -> list[Docume
         try:
             obj = json.loads(line)
             json.dumps(obj, ensure_ascii=False).encode("utf-8")  # NOTE: "\ud800" escapes decode to lone surrogates
-        except (json.JSONDecodeError, UnicodeEncodeError):
+        except (ValueError, RecursionError):  # not JSON, a lone surrogate, an integer past int's digits, too deep
             corpus.bad_lines += 1
             continue
         where = f"{name}:{i}"

@@ -16,6 +16,19 @@ from .atomic import kind_of
 MAX_INPUT_BYTES = 1 << 30  # a corpus file, a profile or a plan larger than this is refused
 
 
+def not_a_file(path: Path | str) -> str | None:
+    """Why `path` (a symlink's target) is no file to read, for messages: "no such file", "is a
+    device, not a regular file", ...; None for a regular file."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return "no such file"
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    kind = kind_of(st.st_mode)
+    return f"is {kind}, not a regular file" if kind is not None else None
+
+
 def read_regular(path: Path | str, limit: int = MAX_INPUT_BYTES) -> bytes:
     """The bytes of a regular file (a symlink's target) of at most `limit` bytes, else OSError."""
     # NOTE: O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting

@@ -14,19 +14,20 @@ from typing import Any, Mapping, Sequence
 
 from llama_cpp.llama_grammar import PRIMITIVE_RULES, RESERVED_NAMES, SchemaConverter
 
+from ..core.gbnf import GrammarError, GrammarLimits, check, check_patterns
 from ..core.json_schema import EmptyRange, bounds, integer_gbnf, integer_range, invalid, number_gbnf, relax
 from ..core.tool_calls import ToolFormat
-from ..errors import SparkError
+
+__all__ = ["GrammarError", "GrammarLimits", "check_schema", "json_schema_gbnf", "tool_call_gbnf"]
 
 
-class GrammarError(SparkError):
-    """A schema that is not valid JSON Schema, or that no value satisfies."""
-
-    exit_code = 2
-
-
-def check_schema(schema: Any, where: str) -> None:
-    """GrammarError when `schema` is not valid JSON Schema (naming where)."""
+def check_schema(schema: Any, where: str, limits: GrammarLimits = GrammarLimits()) -> None:
+    """GrammarError when `schema` is not valid JSON Schema or a pattern of it is nested past
+    the grammar's bound (checked first: Python's regex parser recurses per group), naming where."""
+    try:
+        check_patterns(schema, limits)
+    except GrammarError as e:
+        raise GrammarError(f"{where}.{e.message}") from None
     problem = invalid(schema)
     if problem:
         raise GrammarError(f"{where}: {problem}", hint="fix the schema (JSON Schema 2020-12 unless $schema names a "
@@ -70,21 +71,34 @@ def _converter() -> _Converter:
 def _visit(conv, schema: Mapping[str, Any], name: str, where: str) -> str:
     try:
         return conv.visit(conv.resolve_refs(relax(dict(schema)), ""), name)
+    except RecursionError:
+        raise GrammarError(f"{where}: nested too deep for the grammar converter") from None
     except EmptyRange as e:
         raise GrammarError(f"{where}: {e}") from None
     except Exception as e:  # noqa: BLE001 - the converter raises bare exceptions with the schema in the text
         raise GrammarError(f"{where}: the grammar converter cannot handle this schema ({e})") from None
 
 
-def json_schema_gbnf(schema: Mapping[str, Any], where: str = "response_format.json_schema.schema") -> str:
-    """A grammar whose root is one JSON value valid against `schema`."""
-    check_schema(schema, where)
+def json_schema_gbnf(schema: Mapping[str, Any], where: str = "response_format.json_schema.schema",
+                     limits: GrammarLimits = GrammarLimits()) -> str:
+    """A grammar whose root is one JSON value valid against `schema`, within `limits`."""
+    check_schema(schema, where, limits)
     conv = _converter()
     _visit(conv, schema, "", where)
-    return conv.format_grammar()
+    return _bounded(conv.format_grammar(), where, limits)
 
 
-def tool_call_gbnf(fmt: ToolFormat, tools: Sequence[tuple[int, Mapping[str, Any]]]) -> str:
+def _bounded(gbnf: str, where: str, limits: GrammarLimits) -> str:
+    """`gbnf` when it is within `limits`; GrammarError naming where the schema came from."""
+    try:
+        check(gbnf, limits)
+    except GrammarError as e:
+        raise GrammarError(f"{where}: its grammar: {e.message}") from None
+    return gbnf
+
+
+def tool_call_gbnf(fmt: ToolFormat, tools: Sequence[tuple[int, Mapping[str, Any]]],
+                   limits: GrammarLimits = GrammarLimits()) -> str:
     """A grammar whose root is one call, in `fmt`, of one of `tools` (OpenAI tool objects, each
     with its index in the request's tools: the errors name it)."""
     conv = _converter()
@@ -93,7 +107,7 @@ def tool_call_gbnf(fmt: ToolFormat, tools: Sequence[tuple[int, Mapping[str, Any]
         fn = t["function"]
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         where = f"tools.{i}.function.parameters"
-        check_schema(params, where)
+        check_schema(params, where, limits)
         args = _visit(conv, params, f"args{i}", where)
         per_param = []
         if fmt.args != "json":  # xml / glm: one element per parameter; text values stay raw
@@ -104,4 +118,5 @@ def tool_call_gbnf(fmt: ToolFormat, tools: Sequence[tuple[int, Mapping[str, Any]
                         else _visit(conv, ps, f"p{i}-{j}", f"{where}.properties.{p}"))
                 per_param.append((p, rule))
         alts.append(fmt.gbnf_call(fn["name"], args, per_param))
-    return conv.format_grammar().rstrip("\n") + "\nroot ::= " + " | ".join(f"( {a} )" for a in alts) + "\n"
+    gbnf = conv.format_grammar().rstrip("\n") + "\nroot ::= " + " | ".join(f"( {a} )" for a in alts) + "\n"
+    return _bounded(gbnf, "tools", limits)

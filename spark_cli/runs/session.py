@@ -22,6 +22,7 @@ from .miss_path import device_key
 from ..files.paths import spark_home
 from ..core import plan_file, planner, profile_store, split as split_mod, units, vram
 from ..files.atomic import lock_timeout_default
+from ..files.regular import not_a_file
 from ..core.simulator import MissPath
 from ..core.trace import DECODE
 from ..native.engine import CacheLayer, Engine, EngineOptions
@@ -289,8 +290,9 @@ class Placement:
 
 
 def load_plan_file(plan_path: Path, geometry: ModelGeometry) -> planner.Plan:
-    if not Path(plan_path).is_file():
-        raise PlanError(f"--plan {plan_path}: no such file", hint="write one with spark plan -o FILE")
+    why = not_a_file(plan_path)
+    if why is not None:
+        raise PlanError(f"--plan {plan_path}: {why}", hint="write one with spark plan -o FILE")
     plan = plan_file.load(plan_path, expect_identity=geometry.identity())
     plan_file.check_plan(plan, geometry, f"--plan {plan_path}")
     return plan

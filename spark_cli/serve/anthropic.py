@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from .protocol import MAX_STOP, ApiError, Strict, new_id, warn
 
@@ -140,6 +140,23 @@ class CountRequest(Strict):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _with_content(cls, v: list[Message]) -> list[Message]:
+        """No message without content, but a last assistant one (an empty prefill), as Anthropic's."""
+        for i, m in enumerate(v):
+            if m.content == [] and not (i == len(v) - 1 and m.role == "assistant"):
+                raise ApiError(400, f"messages.{i}.content: empty; a message needs at least one content block "
+                                    "or a text", param=f"messages.{i}.content")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _any_needs_tools(cls, c: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if c is not None and c.type == "any" and not any(t.is_client for t in info.data.get("tools") or ()):
+            raise ValueError('"any" needs tools the model can call (the request has none)')
+        return c
 
     def client_tools(self) -> list[tuple[int, Tool]]:
         """The tools the model may call, with their index in `tools`: server tools (web search,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -25,6 +26,12 @@ from .vertex import Vertex, routes as predict_routes
 from .worker import Progress, Text, Worker
 
 MAX_BODY_BYTES = 1 << 20
+# /tokenize's content at most: this many bytes per token of a slot's context (a text past it cannot
+# be one prompt; tokens average 4 bytes, long ones 16 to 32), and at least MIN_TOKENIZE_BYTES (a
+# small -c still counts a document). Special tokens cost llama.cpp superlinear time (520 KB of
+# them: 7 s), so the bound also bounds each request's work.
+TOKENIZE_BYTES_PER_TOKEN = 32
+MIN_TOKENIZE_BYTES = 64 << 10
 
 
 @dataclass
@@ -222,19 +229,41 @@ async def _body(request: Request, model: type[Any]) -> Any:
         raise HTTPException(499, "the client went away") from None
 
 
-async def tokenize(request: Request) -> Response:
-    """llama-server's POST /tokenize: ids, or {id, piece} with with_pieces (a piece that is not
-    UTF-8 as its bytes)."""
-    st: ServerState = request.app.state.spark
-    req = await _body(request, TokenizeRequest)
-    eng = _engine(st)
+def tokenize_limit(n_ctx: int) -> int:
+    """The bytes of content /tokenize takes from a server whose slots hold `n_ctx` tokens."""
+    return max(MIN_TOKENIZE_BYTES, TOKENIZE_BYTES_PER_TOKEN * n_ctx)
+
+
+def _tokenized(eng: Any, req: TokenizeRequest) -> JSONResponse:
     ids = eng.vocab.tokenize(req.content, add_special=req.add_special, parse_special=req.parse_special)
     if not req.with_pieces:
         return JSONResponse({"tokens": ids})
     return JSONResponse({"tokens": [{"id": t, "piece": piece_json(eng.vocab.piece(t, special=True))} for t in ids]})
 
 
+async def tokenize(request: Request) -> Response:
+    """llama-server's POST /tokenize: ids, or {id, piece} with with_pieces (a piece that is not
+    UTF-8 as its bytes). In a thread (llama_tokenize only reads the vocabulary, as llama-server's
+    HTTP threads call it beside the decode): the loop answers the others meanwhile."""
+    st: ServerState = request.app.state.spark
+    req = await _body(request, TokenizeRequest)
+    eng = _engine(st)
+    size, limit = len(req.content.encode("utf-8")), tokenize_limit(eng.n_ctx)
+    if size > limit:
+        raise ApiError(400, f"content: {size} bytes, over the {limit}-byte limit ({TOKENIZE_BYTES_PER_TOKEN} bytes "
+                            f"per token of a slot's {eng.n_ctx}-token context, at least {MIN_TOKENIZE_BYTES}); send "
+                            "it in parts, or start spark serve with a larger -c", param="content")
+    return await asyncio.to_thread(_tokenized, eng, req)
+
+
+def _detokenized(eng: Any, tokens: list[int]) -> JSONResponse:
+    # NOTE: control tokens as their text, as llama-server's
+    text = b"".join(eng.vocab.piece(t, special=True) for t in tokens).decode("utf-8", errors="replace")
+    return JSONResponse({"content": text})
+
+
 async def detokenize(request: Request) -> Response:
+    """llama-server's POST /detokenize, in a thread as /tokenize (a body holds half a million ids)."""
     st: ServerState = request.app.state.spark
     req = await _body(request, DetokenizeRequest)
     eng = _engine(st)
@@ -242,9 +271,7 @@ async def detokenize(request: Request) -> Response:
     bad = [t for t in req.tokens if n_vocab is not None and t >= n_vocab]
     if bad:
         raise ApiError(400, f"tokens: {bad[0]} is not in the vocabulary (0 to {n_vocab - 1})", param="tokens")
-    # NOTE: control tokens as their text, as llama-server's
-    text = b"".join(eng.vocab.piece(t, special=True) for t in req.tokens).decode("utf-8", errors="replace")
-    return JSONResponse({"content": text})
+    return await asyncio.to_thread(_detokenized, eng, req.tokens)
 
 
 async def props(request: Request) -> Response:

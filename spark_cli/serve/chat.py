@@ -49,7 +49,7 @@ from starlette.requests import ClientDisconnect, Request
 from ..core.chat_output import ChatDelta, OutputParser
 from ..core.chat_template import TemplateSet
 from ..core.tool_calls import HERMES, ToolFormat, format_for, param_types
-from ..native.grammar import GrammarError, json_schema_gbnf, tool_call_gbnf
+from ..native.grammar import GrammarError, GrammarLimits, check, json_schema_gbnf, tool_call_gbnf
 from ..runs.chat_session import Sampling
 from .protocol import (FINISH, ApiError, ChatRequest, Envelope, GenerationRequest, Timings, TokenLogprob, Usage,
                        event_sse, warn)
@@ -65,7 +65,8 @@ class ClientGone(Exception):
 
 async def read_body(request: Request, limit: int) -> bytes:
     too_big = ApiError(413, f"the request body is over {limit} bytes")
-    declared = request.headers.get("content-length", "")
+    # NOTE: beside Transfer-Encoding the length means nothing (RFC 9112 6.3: the chunks are the body)
+    declared = "" if "transfer-encoding" in request.headers else request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_big
     body = bytearray()
@@ -96,11 +97,12 @@ class Defaults:
 @dataclass(frozen=True)
 class ChatConfig:
     """What a server knows before any request: the model's tool-call format, --reasoning-format,
-    the request defaults and the build (system_fingerprint)."""
+    the request defaults, the grammar bounds (--grammar-max-*) and the build (system_fingerprint)."""
 
     fmt: ToolFormat = HERMES
     reasoning: str = "auto"
     defaults: Defaults = Defaults()
+    grammar_limits: GrammarLimits = GrammarLimits()
     fingerprint: str = field(default_factory=lambda: build_fingerprint())
 
     @classmethod
@@ -122,12 +124,19 @@ def build_fingerprint() -> str:
     return f"spark-{__version__}-llama-cpp-python-{bindings}"
 
 
-def own_grammar(req: GenerationRequest) -> str | None:
-    """llama-server's `json_schema` (over `grammar`): the GBNF a request asks for itself."""
+def own_grammar(req: GenerationRequest, limits: GrammarLimits = GrammarLimits()) -> str | None:
+    """llama-server's `json_schema` (over `grammar`): the GBNF a request asks for itself, checked
+    against `limits` before llama.cpp parses it (ApiError 400 naming the field)."""
+    name = "json_schema" if req.json_schema is not None else "grammar"
     try:
-        return json_schema_gbnf(req.json_schema) if req.json_schema is not None else req.grammar
+        if req.json_schema is not None:
+            return json_schema_gbnf(req.json_schema, "json_schema", limits)
+        if req.grammar is not None:
+            check(req.grammar, limits)
+        return req.grammar
     except GrammarError as e:
-        raise ApiError(400, f"json_schema: {e.message}", param="json_schema") from None
+        message = e.message if e.message.startswith(name) else f"{name}: {e.message}"
+        raise ApiError(400, message, param=name) from None
 
 
 def prepare(req: ChatRequest, config: ChatConfig) -> PreparedChat:
@@ -140,16 +149,16 @@ def prepare(req: ChatRequest, config: ChatConfig) -> PreparedChat:
     try:
         if tools and choice not in ("auto", "none"):
             forced = [(i, t) for i, t in enumerate(tools) if choice in ("required", t["function"]["name"])]
-            grammar = tool_call_gbnf(config.fmt, forced)
+            grammar = tool_call_gbnf(config.fmt, forced, config.grammar_limits)
             schemas = OutputSchemas({t["function"]["name"]: t["function"].get("parameters") or {} for _, t in forced})
         elif answer_schema is not None:
-            grammar = json_schema_gbnf(answer_schema)
+            grammar = json_schema_gbnf(answer_schema, limits=config.grammar_limits)
             schemas = OutputSchemas(answer=answer_schema)
     except GrammarError as e:
         raise ApiError(400, e.message, param=e.message.split(":", 1)[0]) from None
     if grammar is None and req.json_schema is not None:
         schemas = OutputSchemas(answer=req.json_schema)
-    grammar = grammar or own_grammar(req)
+    grammar = grammar or own_grammar(req, config.grammar_limits)
     on = bool(tools) and choice != "none"
     return PreparedChat(req.message_dicts(), tools if on else None, req.template_kwargs(), grammar,
                         config.fmt, on, req.reasoning_format or config.reasoning, param_types(tools) if on else {},
@@ -381,16 +390,23 @@ class _Queued:
                    schemas=self.prepared.schemas if self.prepared else OutputSchemas())
 
 
-def _queue(request: Request, req: GenerationRequest, worker: Worker, model: str, config: ChatConfig,
-           count_only: bool, n: int) -> list[_Queued]:
+def _prepared(req: GenerationRequest, config: ChatConfig) -> tuple[PreparedChat | None, str | None]:
+    """A chat's template inputs (None: a completion) and the grammar the request samples with."""
+    prepared = prepare(req, config) if isinstance(req, ChatRequest) else None
+    return prepared, prepared.grammar if prepared else own_grammar(req, config.grammar_limits)
+
+
+async def _queue(request: Request, req: GenerationRequest, worker: Worker, model: str, config: ChatConfig,
+                 count_only: bool, n: int) -> list[_Queued]:
     """`n` jobs of `req` in the worker's queue at once; job j samples with the seed + j (llama-server's
     child tasks), and answers choice j. None queued when one cannot be (ApiError)."""
-    prepared = prepare(req, config) if isinstance(req, ChatRequest) else None
-    sampling = sampling_for(req, config.defaults, prepared.grammar if prepared else own_grammar(req))
-    env = Envelope(prepared is not None, req.model or model, config.fingerprint)
     if n > worker.queue.maxsize:
         raise ApiError(400, f"n: {n} choices wait in the request queue together, which holds {worker.queue.maxsize} "
                             "(spark serve --queue)", param="n")
+    # NOTE: in a thread: a large schema takes seconds to become a grammar, and the loop serves everyone
+    prepared, grammar = await asyncio.to_thread(_prepared, req, config)
+    sampling = sampling_for(req, config.defaults, grammar)
+    env = Envelope(prepared is not None, req.model or model, config.fingerprint)
     queued: list[_Queued] = []
     try:
         for j in range(n):
@@ -398,7 +414,7 @@ def _queue(request: Request, req: GenerationRequest, worker: Worker, model: str,
             s = dataclasses.replace(sampling, seed=(sampling.seed + j) & 0xFFFFFFFF) if j else sampling
             worker.submit(Job(feed.emit, s, chat=prepared, text=None if prepared else req.prompt, stops=req.stops,
                               cancel=feed.cancel, count_only=count_only, cache_prompt=req.cache_prompt,
-                              progress=req.stream and req.return_progress))
+                              progress=req.stream and req.return_progress, id_slot=req.id_slot))
             queued.append(_Queued(feed, dataclasses.replace(env, index=j), prepared, s, req.n_probs is not None,
                                   req.timings_per_token))
     except BaseException:
@@ -411,7 +427,7 @@ def _queue(request: Request, req: GenerationRequest, worker: Worker, model: str,
 async def open_run(request: Request, req: GenerationRequest, worker: Worker, model: str,
                    config: ChatConfig = ChatConfig(), count_only: bool = False) -> Run:
     """Queue `req` and wait for it to start; `count_only`: render and count the prompt, generate nothing."""
-    return await _queue(request, req, worker, model, config, count_only, 1)[0].started()
+    return await (await _queue(request, req, worker, model, config, count_only, 1))[0].started()
 
 
 async def _merged(gens: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
@@ -495,7 +511,7 @@ class Choices:
 async def open_choices(request: Request, req: GenerationRequest, worker: Worker, model: str,
                        config: ChatConfig = ChatConfig()) -> Choices:
     """Queue `req.n` jobs of `req` and wait for the first to start."""
-    queued = _queue(request, req, worker, model, config, False, req.n)
+    queued = await _queue(request, req, worker, model, config, False, req.n)
     try:
         first = await queued[0].started()
     except BaseException:

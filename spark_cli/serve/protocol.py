@@ -174,6 +174,10 @@ class ResponseFormat(Strict):
         return None
 
 
+# NOTE: the variables every render passes the template itself (core/chat_template.ChatTemplate._render's
+# context and the helpers of its environment): a chat_template_kwargs key of these would replace them
+TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+                      "strftime_now")
 TOOL_CHOICES = ("auto", "none", "required")
 REASONING = ("auto", "deepseek", "none")
 
@@ -192,7 +196,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "dry_multiplier": (0, 0.0), "lora": ([],), "n_keep": (0, -1),
     "min_keep": (0,), "n_indent": (0,), "n_cache_reuse": (0,),
     "return_tokens": (False,), "t_max_predict_ms": (0,),
-    "id_slot": (-1, 0), "functions": (), "function_call": (), "audio": (), "prediction": (),
+    "functions": (), "function_call": (), "audio": (), "prediction": (),
     "web_search_options": (), "modalities": (["text"],),
 }
 MAX_LOGIT_BIAS = 1024  # entries at most
@@ -298,6 +302,7 @@ class GenerationRequest(Strict):
     return_tokens: bool = False  # llama-server's: the final body's `tokens` (/completion's; UNSUPPORTED elsewhere)
     response_fields: list[str] = Field(default_factory=list)  # llama-server's: the native body's fields kept
     verbose: bool | None = None  # llama-server's: `__verbose`, the native body, beside the answer (None: --verbose)
+    id_slot: int = -1  # llama-server's: the slot that serves it, waited for while busy; -1: any (range: worker.submit)
 
     @model_validator(mode="before")
     @classmethod
@@ -400,6 +405,17 @@ class ChatRequest(GenerationRequest):
         if not self.logprobs:
             return None
         return self.top_logprobs if self.top_logprobs is not None else 20  # llama-server's default
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_variables(cls, v: dict | None) -> dict | None:
+        """Extras only: a key the render passes itself (the validated messages, tools...) is refused."""
+        for key in v or {}:
+            if key in TEMPLATE_VARIABLES:
+                raise ApiError(400, f"chat_template_kwargs.{key}: spark serve sets {key} from the request itself "
+                                    f"(chat_template_kwargs adds variables; it may not replace "
+                                    f"{', '.join(TEMPLATE_VARIABLES)})", param=f"chat_template_kwargs.{key}")
+        return v
 
     @field_validator("reasoning_format")
     @classmethod
@@ -511,7 +527,8 @@ MAX_INT = (1 << 63) - 1
 
 def _check_values(data: Any) -> None:
     """ApiError(400) for what json.loads accepts but nothing downstream can take: nesting past
-    MAX_DEPTH, integers past 64 bits, strings with lone surrogates (not UTF-8)."""
+    MAX_DEPTH, integers past 64 bits, NaN (not JSON; every bound compares false with it), strings
+    with lone surrogates (not UTF-8)."""
     todo: list[tuple[Any, str, int]] = [(data, "body", 0)]
     while todo:
         v, where, depth = todo.pop()
@@ -527,6 +544,8 @@ def _check_values(data: Any) -> None:
             keys = ()
             if isinstance(v, int) and not isinstance(v, bool) and not -MAX_INT - 1 <= v <= MAX_INT:
                 raise ApiError(400, f"{where}: integer out of range", param=where)
+            if isinstance(v, float) and math.isnan(v):
+                raise ApiError(400, f"{where}: not a number (NaN, which JSON does not have)", param=where)
             if isinstance(v, str):
                 keys = (v,)
         for text in keys:

@@ -114,8 +114,19 @@ def fd_ceiling() -> int:
     return 1 << 30 if soft == resource.RLIM_INFINITY else max(16, soft - FD_RESERVE)
 
 
+CLOSE = (b"connection", b"close")
+
+
+def ambiguous_framing(headers: list[tuple[bytes, bytes]]) -> bool:
+    """A request with both Content-Length and Transfer-Encoding (lower-case names): its body is
+    the chunks, and the connection must close after the answer (RFC 9112 6.1: request smuggling)."""
+    names = {k for k, _ in headers}
+    return b"content-length" in names and b"transfer-encoding" in names
+
+
 def protocol_class(read_timeout: float, max_connections: int, refusals: _Refusals):
-    """uvicorn's h11 protocol with a deadline to read each request and a cap on connections."""
+    """uvicorn's h11 protocol with a deadline to read each request, a cap on connections, and a
+    close after a request framed both ways (ambiguous_framing)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -159,6 +170,14 @@ def protocol_class(read_timeout: float, max_connections: int, refusals: _Refusal
                     and self.conn.their_state in (h11.IDLE, h11.SEND_BODY)):
                 self.transport.close()
 
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle and self.cycle is not None and ambiguous_framing(self.cycle.scope["headers"]):
+                # NOTE: as if it said Connection: close: uvicorn answers with that header, h11 then closes
+                self.cycle.scope["headers"].append(CLOSE)
+                self.cycle.keep_alive = False
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing():
@@ -171,13 +190,14 @@ def protocol_class(read_timeout: float, max_connections: int, refusals: _Refusal
     return GuardedH11
 
 
-def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: float = 10.0,
+def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: float = 3.0,
           on_ready: Callable[[], None] | None = None, read_timeout: float = READ_TIMEOUT,
           max_connections: int = MAX_CONNECTIONS) -> Outcome:
     import uvicorn
 
     worker: Worker = state.worker
     stop = threading.Event()
+    stopped = True
     failure: list[tuple[str, int]] = []
 
     def on_fatal(message: str, code: int) -> None:
@@ -200,7 +220,7 @@ def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: f
     logging.getLogger("asyncio").addFilter(accept_errors)
     warnings = _warnings_to_stderr()
     config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=int(grace) + 5, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=int(grace) + 3, timeout_keep_alive=5,
                             http=protocol_class(read_timeout, max_connections, refusals))
     http = uvicorn.Server(config)
     http_thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="spark-http", daemon=True)
@@ -219,7 +239,7 @@ def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: f
                 if not http_thread.is_alive():
                     failure.append(("the HTTP server stopped", 1))
                     break
-            worker.shutdown(grace)
+            stopped = worker.shutdown(grace)
             http.should_exit = True
             http_thread.join(timeout=grace + 10)
     finally:
@@ -230,7 +250,8 @@ def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: f
         try:
             learner.close()
         finally:
-            worker.close_engine()
+            if stopped:  # NOTE: an engine still inside a native step is not freed under it
+                worker.close_engine()
             sock.close()
     message, code = failure[0] if failure else (None, 0)
     return Outcome(code, message, learner.folded_tokens)

@@ -59,9 +59,12 @@ class Slot:
                                 "n_remain": n_predict - n_decoded if n_predict >= 0 else -1}]}
 
 
-def pick_slot(slots: list[Slot], prompt: Sequence[int]) -> Slot:
-    """The idle slot whose cached tokens share the longest prefix with `prompt`; with none
-    shared, the one idle longest (llama-server's choice)."""
+def pick_slot(slots: list[Slot], prompt: Sequence[int], wanted: int = -1) -> Slot:
+    """Slot `wanted` (a request's id_slot, idle), or else the idle slot whose cached tokens share
+    the longest prefix with `prompt`; with none shared, the one idle longest (llama-server's choice)."""
+    if wanted >= 0:
+        assert slots[wanted].job is None, "a request's slot is busy"
+        return slots[wanted]
     idle = [s for s in slots if s.job is None]
     best = max(idle, key=lambda s: (s.common(prompt), -s.last_used))
     if best.common(prompt) == 0:

@@ -18,7 +18,7 @@ from ..runs.miss_path import initial_path
 from ..runs.run import open_engine
 from ..runs.session import Placement
 from .app import ServerState
-from .chat import ChatConfig, Defaults
+from .chat import ChatConfig, Defaults, GrammarLimits
 from .learn import Learner
 from .stats import ServerStats
 from .vertex import Vertex
@@ -67,7 +67,7 @@ def placement_summary(where: Placement, cached: set[int]) -> dict[str, Any]:
 def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags, access: Access, *,
          templates: TemplateSet | None, chat_defaults: Defaults, reasoning_format: str, alias: str | None,
          learn: bool, learn_every: float, max_queue: int, metrics: bool, slots: bool, vertex: Vertex | None,
-         on_why: Callable[[str], None]) -> Served:
+         on_why: Callable[[str], None], grammar_limits: GrammarLimits = GrammarLimits()) -> Served:
     """The server of `path` on `where`: its engine opens in the worker (each cached layer on the
     placement's miss path), its chat format comes from the templates (--chat-template-file, else
     the GGUF's)."""
@@ -80,7 +80,8 @@ def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags
     worker = Worker(lambda: open_engine(opts, where.miss_path, geometry.fingerprint, on_why=on_why),
                     cached, stats, learner, max_queue=max_queue)
     chat = ChatConfig.for_model(templates if templates is not None else TemplateSet(dict(geometry.chat_templates)),
-                                geometry.arch, reasoning_format, defaults=chat_defaults)
+                                geometry.arch, reasoning_format, defaults=chat_defaults,
+                                grammar_limits=grammar_limits)
     state = ServerState(worker, stats, alias or path.name, api_key=access.api_key, host=access.host,
                         allowed_hosts=access.allowed_hosts, cors=access.cors, chat=chat, model_path=str(path),
                         placement=placement_summary(where, cached), metrics=metrics, slots_endpoint=slots,

@@ -1,6 +1,7 @@
 """The one thread that owns the engine: loads it, then serves requests in its -np slots.
 
-Requests wait in a bounded FIFO queue (full: 503) until a slot is free. Each slot is one
+Requests wait in a bounded FIFO queue (full: 503) until a slot is free; one that asks for a
+slot (llama-server's id_slot) waits for that one, out of the queue (still counted). Each slot is one
 sequence of the KV cache; every step decodes the next token of every busy slot, and chunks of
 the prompts still pending, in one llama_decode (continuous batching, native/generate.BatchLoop),
 so a slot that finishes takes the next request at once. Each job's events come from its own
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -85,6 +87,7 @@ class Job:
     count_only: bool = False
     cache_prompt: bool = True  # False: reuse nothing from the KV cache
     progress: bool = False
+    id_slot: int = -1  # the slot it asked for (waited for while busy); -1: the free one that holds most of it
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -148,6 +151,7 @@ class Worker:
         self.fatal: str | None = None
         self.closing = False
         self.slots: list[Slot] = []
+        self._pinned: list[Job] = []  # taken from the queue for a slot (id_slot) busy then: the engine thread's
         self._loop: BatchLoop | None = None
         self._counts: DecodeCounts | None = None
         self._stopping = False
@@ -159,32 +163,53 @@ class Worker:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queue a job, or raise ApiError(503) while loading, failed, shutting down or full."""
+        """Queue a job, or raise ApiError(503) while loading, failed, shutting down or full (the jobs
+        that wait for their slot count), ApiError(400) for an id_slot this server does not have."""
         if self.fatal:
             raise unavailable(f"the engine failed: {self.fatal}")
         if self.closing:
             raise unavailable("the server is shutting down")
         if not self.ready.is_set():
             raise unavailable("Loading model")
-        try:
-            self.queue.put_nowait(job)
-        except queue.Full:
+        if not -1 <= job.id_slot < len(self.slots):
+            raise ApiError(400, f"id_slot: {job.id_slot} is not a slot of this server (0 to {len(self.slots) - 1}, "
+                                "or -1 for any; spark serve -np sets how many)", param="id_slot")
+        full = self.waiting() >= self.queue.maxsize
+        if not full:
+            try:
+                self.queue.put_nowait(job)
+            except queue.Full:
+                full = True
+        if full:
             self.stats.rejected()
-            raise unavailable(f"the request queue is full ({self.queue.maxsize} waiting); retry later") from None
-        self.stats.set_deferred(self.queue.qsize())
+            raise unavailable(f"the request queue is full ({self.queue.maxsize} waiting); retry later")
+        self.stats.set_deferred(self.waiting())
+
+    def waiting(self) -> int:
+        """Jobs not started yet: in the queue, or out of it waiting for the slot they asked for."""
+        return self.queue.qsize() + len(self._pinned)
 
     def running(self) -> list[Job]:
         return [s.job for s in list(self.slots) if s.job is not None]
 
-    def shutdown(self, grace: float) -> None:
-        """Take no more jobs, refuse the queued ones, give the running ones `grace` seconds."""
+    def shutdown(self, grace: float, stuck_after: float = 2.0) -> bool:
+        """Take no more jobs, refuse the queued ones, give the running ones `grace` seconds in all,
+        then cancel them. False when the engine thread is still inside one step `stuck_after`
+        seconds later (a native call cannot be interrupted): its requests get a 503, the counts
+        so far go to the learner, and the engine is left for the process's exit to free."""
         self.closing = True
         self._refuse_queued(unavailable("the server is shutting down"))
+        deadline = time.monotonic() + grace
         for job in self.running():
-            if not job.done.wait(grace):
+            if not job.done.wait(max(0.0, deadline - time.monotonic())):
                 job.cancel.set()
         self.queue.put(None)
-        self._thread.join()
+        self._thread.join(timeout=stuck_after)
+        if not self._thread.is_alive():
+            return True
+        self.abort("the server is shutting down (the request's step did not end)")
+        self.harvest_now()
+        return False
 
     def slots_info(self) -> list[dict]:
         """llama-server's GET /slots: one entry per slot."""
@@ -216,26 +241,49 @@ class Worker:
                     break
                 self._counts.flush()
                 job = self.queue.get()
-                self.stats.set_deferred(self.queue.qsize())
+                self.stats.set_deferred(self.waiting())
                 if job is None:
                     break
-                self._start(job)
+                self._start(job)  # NOTE: every slot is free here, the one a job asks for too
                 continue
             self._step()
         self._counts.flush()
+        self._refuse_pinned(unavailable(f"the engine failed: {self.fatal}" if self.fatal else
+                                        "the server is shutting down"))
 
     def _admit(self) -> None:
-        """Start queued jobs while a slot is free."""
-        while not self._stopping and any(s.job is None for s in self.slots):
-            try:
-                job = self.queue.get_nowait()
-            except queue.Empty:
+        """Start waiting jobs while a slot is free: first those whose slot (id_slot) is, then the
+        queue's in order (one whose slot is busy waits for it, out of the queue)."""
+        if self.closing and self._pinned:
+            self._refuse_pinned(unavailable("the server is shutting down"))
+        while not self._stopping:
+            free = {s.id for s in self.slots if s.job is None}
+            job = next((j for j in self._pinned if j.id_slot in free or j.cancel.is_set()), None)
+            if job is not None:
+                self._pinned.remove(job)
+            elif not free:
                 return
-            self.stats.set_deferred(self.queue.qsize())
-            if job is None:
-                self._stopping = True
-                return
+            else:
+                try:
+                    job = self.queue.get_nowait()
+                except queue.Empty:
+                    return
+                if job is None:
+                    self._stopping = True
+                    return
+                if job.id_slot >= 0 and job.id_slot not in free:
+                    self._pinned.append(job)
+                    continue
+            self.stats.set_deferred(self.waiting())
             self._start(job)
+
+    def _refuse_pinned(self, err: ApiError) -> None:
+        """Answer the jobs that wait for their slot (the engine thread's; the queue's: _refuse_queued)."""
+        for job in self._pinned:
+            job.emit(Failed(err))
+            job.done.set()
+        self._pinned.clear()
+        self.stats.set_deferred(self.waiting())
 
     def _step(self) -> None:
         busy = sum(1 for s in self.slots if s.job is not None)
@@ -287,7 +335,7 @@ class Worker:
             job.emit(Failed(ApiError(400, e.one_line(), param="grammar" if job.sampling.grammar else None)))
             job.done.set()
             return
-        slot = pick_slot(self.slots, toks if job.cache_prompt else [])
+        slot = pick_slot(self.slots, toks if job.cache_prompt else [], job.id_slot)
         keep = min(slot.common(toks), len(toks) - 1) if job.cache_prompt else 0
         kept = eng.truncate(keep, seq=slot.id)
         slot.begin(job, toks, kept)
@@ -387,7 +435,7 @@ class Worker:
                 continue
             job.emit(Failed(err))
             job.done.set()
-        self.stats.set_deferred(0)
+        self.stats.set_deferred(self.waiting())
 
     def abort(self, message: str) -> None:
         """The engine cannot go on (called from the thread that failed): 503 to everyone waiting."""
