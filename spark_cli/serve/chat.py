@@ -49,7 +49,8 @@ from starlette.requests import ClientDisconnect, Request
 from ..core.chat_output import ChatDelta, OutputParser
 from ..core.chat_template import TemplateSet
 from ..core.tool_calls import HERMES, ToolFormat, format_for, param_types
-from ..native.grammar import GrammarError, GrammarLimits, check, json_schema_gbnf, tool_call_gbnf
+from ..core.gbnf import GrammarError, GrammarLimits, check
+from ..native.grammar import json_schema_gbnf, tool_call_gbnf
 from ..runs.chat_session import Sampling
 from .protocol import (FINISH, ApiError, ChatRequest, Envelope, GenerationRequest, Timings, TokenLogprob, Usage,
                        event_sse, warn)
