@@ -43,6 +43,7 @@ HUGE = "{% for i in range(100000) %}{{ 'x' * 500 }}{% endfor %}" + HELLO
     ('root ::= "a" (', "expecting"),
     ("root ::= undefined-rule", "undefined rule"),
     ('item ::= "a"', "no rule named root"),
+    ('root ::= x "a" | "a"\nx ::= "b"? root', "left recursion"),
 ])
 def test_a_grammar_past_a_bound_or_broken_is_refused_before_llama_cpp(text, words):
     t0 = time.monotonic()

@@ -358,6 +358,41 @@ def width(g: Grammar, cap: int) -> int:
     return best
 
 
+def left_recursive(g: Grammar) -> str | None:
+    """A rule that references itself at a place no character has been read yet, or None."""
+    nullable = _fixpoint(g, lambda alts, get: any(all(_nullable(it, get) for it in alt) for alt in alts), False,
+                         False)
+    leading: dict[str, set[str]] = {r: set() for r in g.rules}
+    for r, alts in g.rules.items():
+        for alt in alts:
+            for it in alt:
+                inner = it
+                while inner.kind == "rep":
+                    inner = inner.inner
+                if inner.kind == "ref":
+                    leading[r].add(inner.name)
+                if not _nullable(it, nullable.__getitem__):
+                    break
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    for start in g.rules:
+        if state.get(start):
+            continue
+        path = [(start, iter(sorted(leading[start])))]
+        state[start] = 1
+        while path:
+            r, nxt = path[-1]
+            child = next(nxt, None)
+            if child is None:
+                state[r] = 2
+                path.pop()
+            elif state.get(child) == 1:
+                return child
+            elif not state.get(child) and child in leading:
+                state[child] = 1
+                path.append((child, iter(sorted(leading[child]))))
+    return None
+
+
 def _minlen(it: _Item, get) -> int:
     """The fewest characters the item matches (capped by the caller's fixpoint)."""
     if it.kind == "t":
@@ -452,6 +487,10 @@ def check(text: str, limits: GrammarLimits = GrammarLimits()) -> None:
     g = parse(text, limits)
     if "root" not in g.rules:
         raise GrammarError("no rule named root (the output starts at root ::= ...)")
+    looped = left_recursive(g)
+    if looped is not None:
+        raise GrammarError(f"rule {looped!r} can reach itself before any character (a left recursion, which "
+                           "llama.cpp refuses)")
     w = width(g, limits.max_width)
     if w > limits.max_width:
         raise GrammarError(f"a run of optional items opens more than {limits.max_width} parse positions at once, "
