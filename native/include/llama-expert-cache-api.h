@@ -11,6 +11,9 @@
 // ones with most tokens are uploaded into staging slices for that step while that ends it
 // sooner, by the layer's costs, and the rest are computed on the CPU.
 // Routed ids are remapped to slot ids for the expert matmuls only, so results are exact.
+// The file tier (params.file_path): layers that run on the CPU keep their slots in RAM (banks on
+// the CPU buffer type) and read each miss from the model file with pread, a step's reads in
+// flight together, instead of faulting the mapping in; their misses are always uploaded.
 // Without a cache (llama_expert_cache_init never called) the graph is stock.
 #pragma once
 
@@ -20,7 +23,7 @@
 #include <stdint.h>
 
 // NOTE: bump when a struct or a function below changes; bindings check it at load
-#define LLAMA_EXPERT_CACHE_API_VERSION 6
+#define LLAMA_EXPERT_CACHE_API_VERSION 7
 
 #ifdef __cplusplus
 extern "C" {
@@ -34,6 +37,7 @@ extern "C" {
         LLAMA_EXPERT_CACHE_ERR_EXPERT_ID = -4, // a pinned expert id out of range or repeated
         LLAMA_EXPERT_CACHE_ERR_NO_MEMORY = -5, // the banks do not fit the device budget or allocation failed
         LLAMA_EXPERT_CACHE_ERR_PLACEMENT = -6, // experts not in plain host memory, or layer not on a GPU-type device
+                                               // (nor a file tier), or the file tier's file cannot be read
         LLAMA_EXPERT_CACHE_ERR_LAYER     = -7, // layer index out of range or listed twice
         LLAMA_EXPERT_CACHE_ERR_INTERNAL  = -8, // unexpected exception (see the log)
         LLAMA_EXPERT_CACHE_ERR_VERSION   = -9, // params.size does not match this library's struct
@@ -89,6 +93,10 @@ extern "C" {
         bool    count_uncached; // MoE layers that are not cached get a counting node too (their routing counts
                                 // and trace), at one device -> host stop per layer and step; false: they keep
                                 // the stock graph (no stop). Counting only (n_layers 0) counts every layer.
+        const char * file_path; // the file tier: the model's GGUF (one file), from which cached layers that run
+                                // on the CPU read their misses; null: only layers on a GPU-type device are cached
+        int32_t n_readers;      // file tier: preads in flight at most (<= 0: 4)
+        size_t  host_budget;    // file tier: bytes the RAM banks may take (0: not checked)
     };
 
     struct llama_expert_cache_stats {

@@ -11,15 +11,24 @@ void llama_expert_cache::upload_staged(llama_expert_cache_layer & L, int32_t n_s
     if (n_staged == 0) {
         return;
     }
-    const bool background = L.slots.costs.concurrent && L.compute_backend != nullptr;
+    const bool background = !L.file_tier && L.slots.costs.concurrent && L.compute_backend != nullptr;
     uint64_t bytes = 0, blocking = 0;
+    if (L.file_tier) {
+        std::vector<int32_t> ss(n_staged);
+        for (int32_t i = 0; i < n_staged; ++i) {
+            ss[i] = L.slots.stage_base + i;
+        }
+        read_experts(L, L.slots.stage_expert.data(), ss.data(), n_staged);
+    }
     for (int32_t i = 0; i < n_staged; ++i) {
         const int32_t e = L.slots.stage_expert[i];
         const size_t  s = (size_t) (L.slots.stage_base + i);
         for (auto & b : L.banks) {
             const size_t nb = b.src->nb[2];
             const void * src = (const char *) b.src->data + (size_t) e * nb;
-            if (background) {
+            if (L.file_tier) {
+                blocking++;
+            } else if (background) {
                 ggml_backend_tensor_set_async(L.upload_backend, b.bank, src, s * nb, nb);
             } else {
                 ggml_backend_tensor_set(b.bank, src, s * nb, nb);
@@ -59,13 +68,18 @@ void llama_expert_cache::wait_admissions(llama_expert_cache_layer & L) {
 void llama_expert_cache::upload_admissions(llama_expert_cache_layer & L, int32_t n_admit, bool background, bool any_wait) {
     uint64_t bytes = 0, blocking = 0;
     const int64_t t0 = ggml_time_us();
+    if (L.file_tier && n_admit > 0) { // NOTE: every miss of the step in flight at once
+        read_experts(L, &L.slots.admit[0], &L.slots.admit[1], n_admit, 2);
+    }
     for (int32_t a = 0; a < n_admit; ++a) {
         const int32_t e = L.slots.admit[2 * a];
         const int32_t s = L.slots.admit[2 * a + 1];
         for (auto & b : L.banks) {
             const size_t nb = b.src->nb[2];
             const void * src = (const char *) b.src->data + (size_t) e * nb;
-            if (background) {
+            if (L.file_tier) {
+                blocking++;
+            } else if (background) {
                 ggml_backend_tensor_set_async(L.upload_backend, b.bank, src, (size_t) s * nb, nb);
             } else {
                 ggml_backend_tensor_set(b.bank, src, (size_t) s * nb, nb);

@@ -26,6 +26,9 @@ struct llama_expert_cache_params llama_expert_cache_default_params(void) {
     p.slru_protected_den = 4;
     p.n_stage       = 0;
     p.count_uncached = true;
+    p.file_path     = nullptr;
+    p.n_readers     = 4;
+    p.host_budget   = 0;
     return p;
 }
 

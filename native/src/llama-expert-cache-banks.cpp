@@ -128,7 +128,7 @@ int32_t llama_expert_cache::alloc_banks(llama_expert_cache_bank_needs & need, st
             size_t bytes = 0;
             ggml_backend_buffer_t buf = dry_buffer(c, buft, bytes);
             bank_bytes[buft] += bytes;
-            device_bytes     += bytes;
+            device_bytes     += ggml_backend_buft_is_host(buft) ? 0 : bytes;
             bufs.emplace_back(buf);
             continue;
         }
@@ -141,7 +141,7 @@ int32_t llama_expert_cache::alloc_banks(llama_expert_cache_bank_needs & need, st
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         ggml_backend_buffer_clear(buf, 0); // zeroed guard slices (and empty slots)
         bank_bytes[buft] += ggml_backend_buffer_get_size(buf);
-        device_bytes     += ggml_backend_buffer_get_size(buf);
+        device_bytes     += ggml_backend_buft_is_host(buft) ? 0 : ggml_backend_buffer_get_size(buf); // NOTE: file tier banks are RAM
         bufs.emplace_back(buf);
     }
     size_t n_views = 0;
@@ -192,7 +192,11 @@ void llama_expert_cache::make_views(const llama_expert_cache_arena & a, ggml_con
             } else {
                 GGML_ASSERT(ggml_backend_view_init(v) == GGML_STATUS_SUCCESS);
             }
-            L.banks.push_back({ srcs[k], v });
+            int64_t off = -1;
+            for (const auto & [t, o] : L.file_offs) {
+                off = t == srcs[k] ? o : off;
+            }
+            L.banks.push_back({ srcs[k], v, off });
         }
     }
 }

@@ -80,12 +80,15 @@ ggml_tensor * llama_expert_cache::build(
     // layer was analysed, see finish) any ubatch is remapped: misses read filler slots and go to
     // the CPU. Without it, a step whose ids may not all fit the LRU slots takes the stock path.
     const bool fits   = n_tokens * k <= L->slots.n_slots - L->slots.n_pinned;
-    const bool hybrid = L->cpu_ok == 1 && !L->recipe.empty() && cur != nullptr && !workers.empty() &&
+    // NOTE: the file tier never computes a miss from the mapping: its misses are read into slots
+    const bool hybrid = !L->file_tier && L->cpu_ok == 1 && !L->recipe.empty() && cur != nullptr && !workers.empty() &&
                         down_exps && *down_exps && cur->ne[1] == n_tokens && cur->ne[2] == 1 && cur->ne[3] == 1 &&
                         L->compute_backend != nullptr;
     ggml_tensor ** wts[4] = { up_exps, gate_exps, down_exps, gate_up_exps };
     ggml_tensor *  swap[4] = { nullptr, nullptr, nullptr, nullptr };
-    const bool remap = can_remap && L->slots.n_slots > 0 && (fits || hybrid) && bank_swaps(*L, wts, swap);
+    // NOTE: the file tier stages every miss of a step too large for its LRU slots (stage_file_step)
+    const bool staged = L->file_tier && L->slots.n_stage >= n_expert - L->slots.n_pinned;
+    const bool remap = can_remap && L->slots.n_slots > 0 && (fits || hybrid || staged) && bank_swaps(*L, wts, swap);
 
     // NOTE: the stop reads one device tensor: the routed ids, or (hybrid) the ids packed with the
     // matmuls' input, so that the scheduler copies one tensor down per stop

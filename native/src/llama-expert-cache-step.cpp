@@ -92,6 +92,10 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
         return;
     }
     L.stats.steps_cached++;
+    if (L.file_tier && v.n_tokens * v.k > L.slots.n_slots - L.slots.n_pinned) {
+        stage_file_step(L, v, (int32_t *) dst->data, lock);
+        return;
+    }
 
     const bool hybrid = n.hybrid && !L.recipe.empty();
     const llama_expert_cache_mode m = L.slots.mode(v.n_tokens, v.k, n.phase == LLAMA_EXPERT_CACHE_PHASE_DECODE, hybrid);

@@ -111,7 +111,10 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
             return rc;
         }
     }
-    int32_t rc = plan_arenas(params.n_stage, need, err);
+    int32_t rc = open_file_tier(params, err);
+    if (rc == LLAMA_EXPERT_CACHE_OK) {
+        rc = plan_arenas(params.n_stage, need, err);
+    }
     if (rc == LLAMA_EXPERT_CACHE_OK && !dry) {
         rc = check_budget(params, need, err); // NOTE: a dry run measures, never refuses
     }
@@ -122,6 +125,9 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
         return rc;
     }
     init_workers();
+    if (!dry) {
+        release_mapping();
+    }
     upload_pinned(params);
     if (trace_on) {
         trace.reserve((size_t) std::min<int64_t>(trace_max, (int64_t) 1 << 20));
@@ -194,13 +200,18 @@ int32_t llama_expert_cache::check_layer(const llama_expert_cache_layer_params & 
 }
 
 // the layer's expert tensors must be plain host tensors
-int32_t llama_expert_cache::check_layer_tensors(const llama_expert_cache_layer_params & lp, llama_expert_cache_bank_needs & need,
-        size_t & expert_bytes, std::string & err) {
+int32_t llama_expert_cache::check_layer_tensors(const llama_expert_cache_layer_params & lp, bool file_tier,
+        llama_expert_cache_bank_needs & need, size_t & expert_bytes, std::string & err) {
     ggml_backend_dev_t dev = model.dev_layer(lp.il);
-    if (!is_gpu(dev)) {
-        err = fmt("layer %d runs on %s, not on a GPU-type device: offload the layer (n_gpu_layers) to cache it",
-                lp.il, dev ? ggml_backend_dev_name(dev) : "the CPU");
+    if (!is_gpu(dev) && !(file_tier && dev)) {
+        err = fmt("layer %d runs on %s, not on a GPU-type device: offload the layer (n_gpu_layers) to cache it, "
+                "or give the file tier a file_path", lp.il, dev ? ggml_backend_dev_name(dev) : "the CPU");
         return LLAMA_EXPERT_CACHE_ERR_PLACEMENT;
+    }
+    if (!is_gpu(dev) && lp.miss_path != LLAMA_EXPERT_CACHE_MISS_UPLOAD) {
+        err = fmt("layer %d runs on the CPU (the file tier): its misses are read into slots, miss path %d is not one",
+                lp.il, lp.miss_path);
+        return LLAMA_EXPERT_CACHE_ERR_ARG;
     }
     ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(dev);
     need.dev[buft] = dev;
@@ -234,12 +245,13 @@ int32_t llama_expert_cache::configure_layer(const llama_expert_cache_params & pa
     size_t expert_bytes = 0;
     int32_t rc = check_layer(lp, err);
     if (rc == LLAMA_EXPERT_CACHE_OK) {
-        rc = check_layer_tensors(lp, need, expert_bytes, err);
+        rc = check_layer_tensors(lp, params.file_path != nullptr, need, expert_bytes, err);
     }
     if (rc != LLAMA_EXPERT_CACHE_OK) {
         return rc;
     }
     llama_expert_cache_layer & L = *layer(lp.il);
+    L.file_tier = !L.on_device;
     const int32_t k = (int32_t) model.hparams.n_expert_used(lp.il);
     L.slots.init(n_expert, lp.n_slots, lp.n_pinned, lp.policy, lp.miss_path, lp.max_admit < 0 ? k : lp.max_admit,
             params.policy_window, params.slru_protected_num, params.slru_protected_den, params.n_stage);
@@ -250,6 +262,14 @@ int32_t llama_expert_cache::configure_layer(const llama_expert_cache_params & pa
 int32_t llama_expert_cache::check_budget(const llama_expert_cache_params & params, llama_expert_cache_bank_needs & need, std::string & err) {
     for (const auto & [buft, bytes] : need.bytes) {
         size_t budget = params.device_budget;
+        if (ggml_backend_buft_is_host(buft)) { // the file tier's RAM banks
+            if (params.host_budget > 0 && bytes > params.host_budget) {
+                err = fmt("the file tier's RAM banks need %.3f GiB but the RAM budget leaves them %.3f GiB",
+                        bytes / 1073741824.0, params.host_budget / 1073741824.0);
+                return LLAMA_EXPERT_CACHE_ERR_NO_MEMORY;
+            }
+            continue;
+        }
         if (budget == 0) {
             // NOTE: never all free memory: compute buffers, pools and graphs allocate after the banks
             size_t free = 0, total = 0;
@@ -268,6 +288,9 @@ int32_t llama_expert_cache::check_budget(const llama_expert_cache_params & param
 // background admissions: a second backend on the device (its own stream) and an event per slot
 void llama_expert_cache::init_admissions(llama_expert_cache_layer & L, ggml_backend_dev_t dev) {
     L.slot_event.assign(L.slots.n_slots, nullptr);
+    if (L.file_tier) {
+        return; // NOTE: reads land before the step's matmuls; nothing is uploaded in the background
+    }
     if (upload_backends.find(dev) == upload_backends.end()) {
         ggml_backend_t ub = ggml_backend_dev_init(dev, nullptr);
         upload_backends[dev] = ub;
@@ -324,9 +347,14 @@ void llama_expert_cache::upload_pinned(const llama_expert_cache_params & params)
                 continue;
             }
             const int64_t t0 = ggml_time_us();
+            if (L.file_tier) {
+                read_experts(L, &e, &j, 1);
+            }
             for (auto & b : L.banks) {
                 const size_t nb = b.src->nb[2];
-                ggml_backend_tensor_set(b.bank, (const char *) b.src->data + (size_t) e * nb, (size_t) j * nb, nb);
+                if (!L.file_tier) {
+                    ggml_backend_tensor_set(b.bank, (const char *) b.src->data + (size_t) e * nb, (size_t) j * nb, nb);
+                }
                 L.stats.bytes_uploaded += nb;
             }
             L.stats.upload_us += ggml_time_us() - t0;

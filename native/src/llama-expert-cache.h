@@ -10,10 +10,12 @@
 #include "ggml-cpp.h"
 
 #include <atomic>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 struct llama_model;
@@ -24,6 +26,37 @@ struct llama_expert_cache_bank {
     ggml_tensor * src  = nullptr; // host tensor [ne0, ne1, n_expert]
     ggml_tensor * bank = nullptr; // device view [ne0, ne1, ..] of its arena from the layer's slot 0: n_slots slots,
                                   // a zeroed guard, other layers' banks, then the shared staging slices
+    int64_t file_off = -1;        // file tier: the host tensor's offset in the model file (-1: copied from src)
+};
+
+// The file tier's reads: preads of expert slices from the model file into RAM banks, a step's reads
+// in flight together on a few threads owned by the cache (the caller is one of them). Each read is
+// dropped from the page cache after it lands (the banks hold the bytes; the page cache would only
+// compete with them for the run's RAM).
+struct llama_expert_cache_reader {
+    struct job {
+        void *  dst = nullptr;
+        size_t  n   = 0;
+        int64_t off = 0;
+    };
+    ~llama_expert_cache_reader();
+    int32_t open(const char * path, int32_t n_threads, std::string & err);
+    void    run(std::vector<job> & js); // throws std::runtime_error naming the file on a failed read
+
+    std::string path;
+    int fd = -1;
+  private:
+    void loop();
+    void work(std::unique_lock<std::mutex> & lk);
+    std::string read_one(const job & j) const;
+
+    std::vector<std::thread> threads;
+    std::mutex m;
+    std::condition_variable cv_job, cv_done;
+    std::vector<job> jobs;
+    size_t next = 0, done = 0;
+    bool   stop = false;
+    std::string error;
 };
 
 // The banks of the cached layers whose expert tensors have the same types and shapes, on one buffer
@@ -112,12 +145,14 @@ struct llama_expert_cache_layer {
     int32_t il        = -1;
     int32_t cpu_ok    = -1; // the graph's expert ops can run on the CPU for misses: -1 unknown, 0 no, 1 yes
     bool    on_device = false;
+    bool    file_tier = false; // on the CPU, slots in RAM, misses read from the model file
     size_t  expert_bytes = 0; // host bytes of one expert across the layer's expert tensors
 
     ggml_backend_t compute_backend = nullptr; // the scheduler's backend of the layer's device
     ggml_backend_t upload_backend  = nullptr; // owned by the cache (per device), null: uploads block
 
     std::vector<llama_expert_cache_bank> banks;
+    std::vector<std::pair<const ggml_tensor *, int64_t>> file_offs; // file tier: each expert tensor's offset in the file
 
     llama_expert_cache_slots slots; // the policy core: slot table, counts, decisions
 
@@ -187,7 +222,7 @@ struct llama_expert_cache {
     // parts of init
     void    make_layers();
     int32_t check_layer(const llama_expert_cache_layer_params & lp, std::string & err);
-    int32_t check_layer_tensors(const llama_expert_cache_layer_params & lp, llama_expert_cache_bank_needs & need,
+    int32_t check_layer_tensors(const llama_expert_cache_layer_params & lp, bool file_tier, llama_expert_cache_bank_needs & need,
                                 size_t & expert_bytes, std::string & err);
     int32_t configure_layer(const llama_expert_cache_params & params, const llama_expert_cache_layer_params & lp,
                             llama_expert_cache_bank_needs & need, std::string & err);
@@ -199,6 +234,13 @@ struct llama_expert_cache {
     void    init_admissions(llama_expert_cache_layer & L, ggml_backend_dev_t dev);
     void    init_workers();
     void    upload_pinned(const llama_expert_cache_params & params);
+    int32_t open_file_tier(const llama_expert_cache_params & params, std::string & err);
+    void    release_mapping();
+    void    stage_file_step(llama_expert_cache_layer & L, const llama_expert_cache_ids & v, int32_t * out,
+                            std::unique_lock<std::mutex> & lock);
+
+    // the file tier: read experts es[i] into slices ss[i] of every bank of L (blocking, all in flight)
+    void    read_experts(llama_expert_cache_layer & L, const int32_t * es, const int32_t * ss, int32_t n, size_t stride = 1);
 
     // parts of build and analyse
     static ggml_backend_t backend_of(ggml_backend_sched_t sched, ggml_backend_dev_t dev);
@@ -233,6 +275,7 @@ struct llama_expert_cache {
     std::vector<ggml_context_ptr>        ctxs;
     std::vector<ggml_backend_buffer_ptr> bufs;
     std::map<ggml_backend_dev_t, ggml_backend_t> upload_backends; // owned
+    std::unique_ptr<llama_expert_cache_reader> reader;            // the file tier's, null without one
     size_t device_bytes = 0;
     std::map<ggml_backend_buffer_type_t, size_t> bank_bytes; // per device buffer type (a dry run's: what it would hold)
     bool   dry = false; // the model was loaded with no_alloc: banks are sized, never allocated or filled

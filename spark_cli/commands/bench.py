@@ -398,6 +398,10 @@ def bench_cmd(
         raise UsageError(f"-o {output} and --plot {plot}: the same file", hint="give two paths")
     path = model_or_demo(model)
     geometry = session.open_geometry(path)
+    if flags.ram is not None:  # NOTE: here --ram is the cap of the memory cgroup each run gets
+        from . import bench_ram
+
+        return bench_ram.run_cmd(path, flags, n_prompt, n_gen, reps, as_json, output, md)
     ctx = context_size(flags.ctx_size, geometry.context_length)
     corpus = read_corpus(corpus_path or bundled_corpus())
     g = geometry

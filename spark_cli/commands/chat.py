@@ -307,7 +307,8 @@ def chat_cmd(
     for w in where.warnings:
         say.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
     devices, plan = where.devices, where.plan
-    opts = session.engine_options(path, geometry, plan, flags, n_ctx=where.n_ctx, learn=learn)
+    opts = session.with_ram_tier(session.engine_options(path, geometry, plan, flags, n_ctx=where.n_ctx, learn=learn),
+                                 where.ram, geometry)
     opts.chat_templates = templates
     meter = _VramMeter(devices[0] if devices else None, plan)
     sampling = Sampling(temp, top_k, top_p, seed if seed >= 0 else secrets.randbelow(1 << 31), n_predict,

@@ -57,6 +57,12 @@ MODEL_FLAGS: dict[str, tuple[Any, Any]] = {
     "kv_unified": (Optional[bool], _opt(None, "--kv-unified/--no-kv-unified", "-kvu/-no-kvu", show_default=False,
                                         help="one KV cache shared by every sequence: each may use all of -c "
                                              "(default: off, or the plan's)")),
+    "ram": (Optional[str], _opt(None, "--ram", show_default=False,
+                                help="RAM the weights may use, e.g. 8GiB (default: the available memory, or the "
+                                     "memory cgroup's limit less its usage, less the KV cache and compute "
+                                     "buffers). A model bigger than that keeps its non-expert weights and "
+                                     "hottest experts in RAM and reads the rest from the model file "
+                                     "(-dev none runs)")),
     "no_mmap": (bool, _opt(False, "--no-mmap", help="read the model into memory instead of mapping it")),
     "mlock": (bool, _opt(False, "--mlock", help="keep the model in RAM (no swapping)")),
     "no_repack": (bool, _opt(False, "--no-repack", "-nr", help="disable weight repacking for the CPU (AMX, "

@@ -41,6 +41,7 @@ class LoadFlags:
     tensor_split: tuple[float, ...] | None = None  # -ts: layer proportions per device (None: the budgets, or the plan's)
     split_mode: str | None = None  # -sm: layer | none (None: layer, or the plan's)
     main_gpu: int | None = None  # -mg: the device -sm none keeps (None: 0, or the plan's)
+    ram: int | None = None  # --ram: bytes of RAM the run's weights may use (None: what the host, or its cgroup, has)
 
     @classmethod
     def from_cli(cls, *, ctx_size: int | None = None, threads: int | None = None, type_k: str | None = None,
@@ -49,8 +50,8 @@ class LoadFlags:
                  no_repack: bool = False, device: str | None = None, rpc: str | None = None,
                  override_tensor: Sequence[str] | None = None, threads_batch: int | None = None,
                  parallel: int | None = None, kv_unified: bool | None = None, tensor_split: str | None = None,
-                 split_mode: str | None = None, main_gpu: int | None = None) -> "LoadFlags":
-        from . import split, vram
+                 split_mode: str | None = None, main_gpu: int | None = None, ram: str | None = None) -> "LoadFlags":
+        from . import split, units, vram
 
         fa = flash_attn.lower()
         if fa in ("1", "true", "enabled"):
@@ -68,7 +69,8 @@ class LoadFlags:
             raise UsageError(f"--main-gpu {main_gpu}: expected a device index >= 0 (-dev none for the CPU only)")
         return cls(ctx_size, threads, type_k, type_v, fa, batch_size, ubatch_size, not no_mmap, mlock,
                    not no_repack, device, rpc, tuple(override_tensor or ()), threads_batch, parallel,
-                   kv_unified, split.parse_tensor_split(tensor_split), mode, main_gpu)
+                   kv_unified, split.parse_tensor_split(tensor_split), mode, main_gpu,
+                   units.parse_size(ram, flag="--ram") if ram is not None else None)
 
 
 def context_size(requested: int | None, trained: int, plan_ctx: int | None = None) -> int:

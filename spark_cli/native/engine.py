@@ -88,6 +88,11 @@ class EngineOptions:
     # one over several devices: the plan checks each device against its own budget before this
     device_budget: int = 0             # bytes the expert banks may take per device (0: its free memory)
     stage_slices: int = 0              # staging slices per expert shape (a plan's stage_slices)
+    # the file tier (--ram): cached layers on the CPU hold their slots in RAM and read misses from the
+    # model file (preads, file_readers in flight); host_budget: bytes those RAM banks may take
+    file_tier: bool = False
+    file_readers: int = 4
+    host_budget: int = 0
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: str = "auto"           # -fa on|off|auto
@@ -221,7 +226,8 @@ class Engine:
             mp.tensor_split = ts
         self._set_overrides(mp, self._overrides())
         # NOTE: the cache copies expert slices byte for byte: host weights must keep plain layout
-        mp.use_extra_bufts = bool(opts.repack and not opts.cache_layers and repack_is_safe())
+        # (the file tier overrides its experts to the plain CPU type, so the other weights may repack)
+        mp.use_extra_bufts = bool(opts.repack and (not opts.cache_layers or opts.file_tier) and repack_is_safe())
         if opts.use_mlock or not opts.use_mmap:  # else llama.cpp's default (auto: mmap)
             mp.load_mode = ((LOAD_MODE_MMAP_MLOCK if opts.use_mmap else LOAD_MODE_MLOCK) if opts.use_mlock
                             else LOAD_MODE_NONE)
@@ -296,7 +302,9 @@ class Engine:
         """Expert placement (the plan's, or derived from the cached and stock layers), then -ot."""
         o = self.opts
         if not self.devices:
-            return list(o.tensor_overrides)
+            # NOTE: the file tier's layers keep plain, mapped expert tensors (never repacked into RAM)
+            ram = cached_expert_overrides(self.geometry, [c.il for c in o.cache_layers]) if o.file_tier else ()
+            return [*ram, *o.tensor_overrides]
         placed = o.expert_overrides
         if placed is None:
             stock = sorted(set(o.host_layers) - {c.il for c in o.cache_layers})
@@ -308,7 +316,7 @@ class Engine:
         lib = self.lib
         if target == HOST:
             # NOTE: cached experts live in the device's pinned host memory where it has one (faster uploads)
-            return lib.dev_host_buffer_type(self.devices[0].handle) or lib.cpu_buffer_type()
+            return (lib.dev_host_buffer_type(self.devices[0].handle) if self.devices else None) or lib.cpu_buffer_type()
         if target == CPU:
             return lib.cpu_buffer_type()
         names = {}
@@ -344,7 +352,9 @@ class Engine:
             self.cache.native.init(self.opts.cache_layers, device_budget=self.opts.device_budget, trace=self.opts.trace,
                             trace_max=self.opts.trace_max, n_threads=max(self.cpu_threads, self.cpu_threads_batch),
                             n_stage=self.opts.stage_slices if self.opts.cache_layers else 0,
-                            count_uncached=self.opts.count_experts or self.opts.trace)
+                            count_uncached=self.opts.count_experts or self.opts.trace,
+                            file_path=str(self.opts.model_path) if self.opts.file_tier else None,
+                            n_readers=self.opts.file_readers, host_budget=self.opts.host_budget)
         except NativeError:
             self.close()
             raise

@@ -9,6 +9,7 @@ after the C functions (llama_expert_cache_<name>).
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Sequence
@@ -20,7 +21,7 @@ from ..core.bill import BufferBill, MeasuredBill
 from ..core.simulator import DEFAULT_POLICY, MissPath
 from ..errors import NativeError
 
-API_VERSION = 6  # LLAMA_EXPERT_CACHE_API_VERSION this binding matches
+API_VERSION = 7  # LLAMA_EXPERT_CACHE_API_VERSION this binding matches
 REBUILD_HINT = "rerun scripts/bootstrap.sh to install the native build of this checkout"
 
 
@@ -60,7 +61,8 @@ HINTS: dict[Status, str] = {
     Status.ERR_SLOTS: "give each cached layer at least as many LRU slots as experts used per token",
     Status.ERR_EXPERT_ID: "pinned expert ids must be distinct and below the expert count",
     Status.ERR_NO_MEMORY: "lower the slot counts or raise the device budget",
-    Status.ERR_PLACEMENT: "cached layers must run on a GPU-type device with their experts in host RAM",
+    Status.ERR_PLACEMENT: "cached layers must run on a GPU-type device with their experts in host RAM, "
+                          "or on the CPU with the file tier (--ram) reading a one-file GGUF",
     Status.ERR_LAYER: "list each layer once, within the model's layer count",
     Status.ERR_INTERNAL: "see SPARK_VERBOSE=1 for llama.cpp's log",
     Status.ERR_VERSION: REBUILD_HINT,
@@ -98,6 +100,9 @@ class Params(ctypes.Structure):
         ("slru_protected_den", ctypes.c_int32),
         ("n_stage", ctypes.c_int32),
         ("count_uncached", ctypes.c_bool),
+        ("file_path", ctypes.c_char_p),
+        ("n_readers", ctypes.c_int32),
+        ("host_budget", ctypes.c_size_t),
     ]
 
 
@@ -268,11 +273,14 @@ class ExpertCache:
     def init(self, layers: Sequence[CacheLayer], *, device_budget: int = 0, device_margin: int | None = None,
              trace: bool = False, trace_max: int | None = None, n_threads: int | None = None,
              policy_params: simulator.PolicyParams = simulator.PolicyParams(), n_stage: int = 0,
-             count_uncached: bool = True) -> None:
+             count_uncached: bool = True, file_path: str | None = None, n_readers: int | None = None,
+             host_budget: int = 0) -> None:
         """Attach a cache (n_layers 0: counting only). NativeError with the library's reason.
         The policies' tunables come from the simulator, their specification. n_stage: staging
         slices, shared by the layers of one expert shape (misses uploaded for one step).
-        count_uncached: the layers not cached count their routing too, at a device stop each per step."""
+        count_uncached: the layers not cached count their routing too, at a device stop each per step.
+        file_path: the file tier: cached layers on the CPU keep their slots in RAM and read misses from
+        this model file, n_readers reads in flight; host_budget: bytes those RAM banks may take (0: any)."""
         p = self.default_params()
         p.n_stage = n_stage
         p.count_uncached = count_uncached
@@ -295,6 +303,13 @@ class ExpertCache:
             p.trace_max = trace_max
         if n_threads is not None:
             p.n_threads = n_threads
+        if file_path is not None:
+            path = os.fsencode(file_path)
+            keep.append(path)
+            p.file_path = path
+        if n_readers is not None:
+            p.n_readers = n_readers
+        p.host_budget = host_budget
         err = ctypes.create_string_buffer(512)
         rc = self.api.init(self.ctx, ctypes.byref(p), err, len(err))
         if rc != Status.OK:

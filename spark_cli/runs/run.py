@@ -27,7 +27,7 @@ def open_engine(opts: EngineOptions, miss_path: str, fingerprint: str, *, home: 
     with loading or contextlib.nullcontext():
         engine = _load(opts, host_layers, on_why)
     try:
-        if opts.cache_layers:
+        if opts.cache_layers and not opts.file_tier:  # NOTE: the file tier reads every miss into a slot
             # NOTE: before any generation: an `auto` calibration resets the KV cache and counters
             _, why = mp.resolve(engine, miss_path, fingerprint, home or spark_home())
             if why and on_why:

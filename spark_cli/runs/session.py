@@ -20,13 +20,13 @@ from ..native import devices
 from . import device_costs, dry_run, host_ram
 from .miss_path import device_key
 from ..files.paths import spark_home
-from ..core import plan_file, planner, profile_store, split as split_mod, units, vram
+from ..core import plan_file, planner, profile_store, ram_tier, split as split_mod, units, vram
 from ..files.atomic import lock_timeout_default
 from ..files.regular import not_a_file
 from ..core.simulator import MissPath
 from ..core.trace import DECODE
 from ..native.engine import CacheLayer, Engine, EngineOptions
-from ..errors import PlanError, ProfileError
+from ..errors import PlanError, ProfileError, UsageError
 from ..core.gguf_info import ModelGeometry, load_geometry
 from ..core.options import DEFAULT_UBATCH, LoadFlags, context_size
 from ..core.placement import parse_override_tensor
@@ -287,6 +287,7 @@ class Placement:
     cpu_reason: str | None = None
     warnings: list[str] = field(default_factory=list)
     miss_path: MissPath = MissPath.AUTO  # the effective one: --miss-path, else the plan's, else auto
+    ram: ram_tier.RamTier | None = None  # the weights do not fit the run's RAM: the file tier (CPU runs)
 
 
 def load_plan_file(plan_path: Path, geometry: ModelGeometry) -> planner.Plan:
@@ -310,8 +311,14 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
     if not devs:
         reason = "-dev none" if sel.cpu_only else "no GPU found"
         warnings = [f"{reason}: --plan/--vram ignored"] if plan_path is not None or vram_text else []
-        return Placement([], None, context_size(flags.ctx_size, geometry.context_length), "", reason, warnings,
-                         miss_path or MissPath.AUTO)
+        n_ctx = context_size(flags.ctx_size, geometry.context_length)
+        tier = resolve_ram_tier(model, geometry, info, flags, n_ctx)
+        if tier is not None:
+            warnings.append(tier.line())
+        return Placement([], None, n_ctx, "", reason, warnings, miss_path or MissPath.AUTO, tier)
+    if flags.ram is not None:
+        raise UsageError("--ram: the RAM tier runs on the CPU so far (-dev none); with a device, --vram places "
+                         "the experts", hint="add -dev none, or drop --ram")
     if file_plan is not None:
         out = Placement(devs, file_plan, context_size(flags.ctx_size, geometry.context_length, file_plan.n_ctx),
                         f"plan {Path(plan_path).name}")
@@ -344,6 +351,41 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
         out.warnings.append(ram_warning)
     out.miss_path = miss_path or MissPath(out.plan.miss_path)  # the plan file's was checked when it loaded
     return out
+
+
+RAM_MARGIN = 64 << 20  # left free of the run's RAM: threads' stacks, allocator slack, the reads' page cache
+
+
+def resolve_ram_tier(model: Path, geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags,
+                     n_ctx: int) -> ram_tier.RamTier | None:
+    """The file tier of a CPU run whose weights do not fit its RAM (None: they fit, nothing changes).
+    The weights' budget: --ram, else the available RAM (or the memory cgroup's headroom) less what the
+    run needs besides them, its KV cache and compute buffers as llama.cpp's dry run measures them, and
+    RAM_MARGIN. PlanError (one line, before anything loads) when too small for the resident weights."""
+    if not geometry.moe_layers:
+        return None
+    if flags.ram is not None:
+        budget, source = flags.ram, "--ram"
+    else:
+        if host_ram.available()[0] >= geometry.file_size + (1 << 30):  # NOTE: plenty: no dry run for the common case
+            return None
+        bill = dry_run.measure(engine_options(model, geometry, None, flags, n_ctx=n_ctx, learn=False)).host()
+        free, where = host_ram.available()  # NOTE: after the dry run: llama.cpp's libraries are resident now
+        budget = max(0, free - bill["context"] - bill["compute"] - RAM_MARGIN)
+        source = f"{where}: {units.fmt_bytes(free)} free less {units.fmt_bytes(bill['context'] + bill['compute'])} " \
+                 f"of KV cache and compute buffers"
+    return ram_tier.plan(geometry, budget, source, profile_counts(info),
+                         flag="--ram" if flags.ram is not None else "the RAM budget")
+
+
+def with_ram_tier(opts: EngineOptions, tier: ram_tier.RamTier | None, geometry: ModelGeometry) -> EngineOptions:
+    """Engine options that realise a RAM tier: every MoE layer cached on the CPU with its RAM slots and
+    the staging slices prefill reads into, misses read from the model file."""
+    if tier is None:
+        return opts
+    cache = [CacheLayer(l.il, l.n_slots, l.pinned) for l in tier.layers]
+    return dataclasses.replace(opts, cache_layers=cache, file_tier=True, host_budget=tier.bank_bytes,
+                               stage_slices=tier.n_stage)
 
 
 def kept_costs(devs: list, geometry: ModelGeometry, flags: LoadFlags) -> DeviceCosts | None:

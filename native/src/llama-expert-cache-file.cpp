@@ -1,0 +1,237 @@
+// Spark expert cache: the file tier. Cached layers that run on the CPU keep their slots in RAM
+// (banks on the CPU buffer type) and read a missed expert's slices from the model file with
+// pread, all of a step's reads in flight together, instead of touching the mapping: the kernel's
+// page cache, which faults one page at a time inside the compute threads and keeps what was
+// touched last, never decides what stays resident.
+#include "llama-expert-cache-impl.h"
+
+#include "gguf.h"
+
+#include <cerrno>
+#include <fcntl.h>
+#include <stdexcept>
+#include <sys/mman.h>
+#include <unistd.h>
+
+using namespace llama_expert_cache_impl;
+
+llama_expert_cache_reader::~llama_expert_cache_reader() {
+    {
+        std::lock_guard<std::mutex> lk(m);
+        stop = true;
+    }
+    cv_job.notify_all();
+    for (auto & t : threads) {
+        t.join();
+    }
+    if (fd >= 0) {
+        ::close(fd);
+    }
+}
+
+int32_t llama_expert_cache_reader::open(const char * p, int32_t n_threads, std::string & err) {
+    path = p;
+    fd   = ::open(p, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        err = fmt("%s: cannot open it for the file tier (%s)", p, strerror(errno));
+        return LLAMA_EXPERT_CACHE_ERR_PLACEMENT;
+    }
+    // NOTE: the calling thread reads too, so n_threads reads are in flight with n_threads - 1 helpers
+    for (int32_t i = 1; i < n_threads; ++i) {
+        threads.emplace_back([this] { loop(); });
+    }
+    return LLAMA_EXPERT_CACHE_OK;
+}
+
+void llama_expert_cache_reader::loop() {
+    std::unique_lock<std::mutex> lk(m);
+    for (;;) {
+        cv_job.wait(lk, [&] { return stop || next < jobs.size(); });
+        if (stop) {
+            return;
+        }
+        work(lk);
+    }
+}
+
+// take jobs until none is left (the lock held between jobs, never across a read)
+void llama_expert_cache_reader::work(std::unique_lock<std::mutex> & lk) {
+    while (next < jobs.size()) {
+        const job j = jobs[next++];
+        lk.unlock();
+        std::string e = read_one(j);
+        lk.lock();
+        if (!e.empty() && error.empty()) {
+            error = std::move(e);
+        }
+        if (++done == jobs.size()) {
+            cv_done.notify_all();
+        }
+    }
+}
+
+std::string llama_expert_cache_reader::read_one(const job & j) const {
+    size_t got = 0;
+    while (got < j.n) {
+        const ssize_t r = ::pread(fd, (char *) j.dst + got, j.n - got, (off_t) (j.off + (int64_t) got));
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r <= 0) {
+            return fmt("%s: reading %zu bytes at offset %lld failed (%s)", path.c_str(), j.n, (long long) j.off,
+                    r < 0 ? strerror(errno) : "end of file: the model file changed since it was loaded");
+        }
+        got += (size_t) r;
+    }
+    // NOTE: the bank holds the bytes now; left cached they would only compete with the banks for RAM
+    posix_fadvise(fd, (off_t) j.off, (off_t) j.n, POSIX_FADV_DONTNEED);
+    return {};
+}
+
+void llama_expert_cache_reader::run(std::vector<job> & js) {
+    if (js.empty()) {
+        return;
+    }
+    std::unique_lock<std::mutex> lk(m);
+    jobs.swap(js);
+    next = done = 0;
+    error.clear();
+    cv_job.notify_all();
+    work(lk);
+    cv_done.wait(lk, [&] { return done == jobs.size(); });
+    jobs.clear();
+    next = done = 0;
+    if (!error.empty()) {
+        throw std::runtime_error(error);
+    }
+}
+
+// The file tier's file and each CPU-cached layer's tensor offsets in it, checked against the loaded
+// tensors (same size), before anything is allocated.
+int32_t llama_expert_cache::open_file_tier(const llama_expert_cache_params & params, std::string & err) {
+    bool any = false;
+    for (auto & L : layers) {
+        any = any || (L && L->file_tier);
+    }
+    if (!any) {
+        return LLAMA_EXPERT_CACHE_OK;
+    }
+    gguf_init_params gp = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+    gguf_context * g = gguf_init_from_file(params.file_path, gp);
+    if (!g) {
+        err = fmt("%s: not a readable GGUF file (the file tier reads misses from the model's own file)", params.file_path);
+        return LLAMA_EXPERT_CACHE_ERR_PLACEMENT;
+    }
+    const size_t base = gguf_get_data_offset(g);
+    int32_t rc = LLAMA_EXPERT_CACHE_OK;
+    for (auto & L : layers) {
+        if (!L || !L->file_tier || rc != LLAMA_EXPERT_CACHE_OK) {
+            continue;
+        }
+        for (const ggml_tensor * t : { model.layers[L->il].ffn_gate_exps, model.layers[L->il].ffn_up_exps,
+                                       model.layers[L->il].ffn_down_exps, model.layers[L->il].ffn_gate_up_exps }) {
+            if (!t) {
+                continue;
+            }
+            const int64_t id = gguf_find_tensor(g, t->name);
+            if (id < 0 || gguf_get_tensor_size(g, id) != ggml_nbytes(t) || gguf_get_tensor_type(g, id) != t->type) {
+                err = fmt("%s: %s is not in this file as loaded (a split GGUF? the file tier reads one-file models)",
+                        params.file_path, t->name);
+                rc = LLAMA_EXPERT_CACHE_ERR_PLACEMENT;
+                break;
+            }
+            L->file_offs.push_back({ t, (int64_t) (base + gguf_get_tensor_offset(g, id)) });
+        }
+    }
+    gguf_free(g);
+    if (rc != LLAMA_EXPERT_CACHE_OK) {
+        return rc;
+    }
+    reader = std::make_unique<llama_expert_cache_reader>();
+    return reader->open(params.file_path, params.n_readers > 0 ? params.n_readers : 4, err);
+}
+
+// The file tier's expert tensors leave RAM: llama.cpp maps the file with MAP_POPULATE, so their pages
+// are mapped and cached from the load on, and would compete with the banks for the run's RAM. Their
+// mapped pages are dropped (a read-only file mapping: a later touch faults the same bytes back in
+// from the file, as stock's page cache does) and then their cached pages.
+void llama_expert_cache::release_mapping() {
+    const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    for (auto & L : layers) {
+        if (!L || !L->file_tier) {
+            continue;
+        }
+        for (const auto & b : L->banks) {
+            if (b.file_off < 0 || !b.src->data) {
+                continue;
+            }
+            const uintptr_t lo = ((uintptr_t) b.src->data + page - 1) / page * page;
+            const uintptr_t hi = ((uintptr_t) b.src->data + ggml_nbytes(b.src)) / page * page;
+            if (hi > lo) {
+                madvise((void *) lo, hi - lo, MADV_DONTNEED);
+                madvise((void *) lo, hi - lo, MADV_RANDOM); // NOTE: no read-ahead if the stock path touches them
+            }
+            posix_fadvise(reader->fd, (off_t) b.file_off, (off_t) ggml_nbytes(b.src), POSIX_FADV_DONTNEED);
+        }
+    }
+}
+
+// A file-tier step larger than the LRU slots (a prefill ubatch): the resident experts are read where
+// they are, untouched (the decode working set stays as it was), and every other routed expert is read
+// once into a staging slice for this step; nothing is admitted. (under the lock, released for the reads)
+void llama_expert_cache::stage_file_step(llama_expert_cache_layer & L, const llama_expert_cache_ids & v, int32_t * out,
+        std::unique_lock<std::mutex> & lock) {
+    const auto & S = L.slots;
+    std::vector<int32_t> where(n_expert, -1), es, ss;
+    uint64_t hits = 0;
+    for (int64_t t = 0; t < v.n_tokens; ++t) {
+        for (int64_t j = 0; j < v.k; ++j) {
+            const int32_t e = v.at(t, j);
+            if (e < 0 || e >= n_expert) {
+                throw std::runtime_error(fmt("layer %d: routed expert id %d out of range", L.il, e));
+            }
+            if (where[e] < 0) {
+                if (S.expert_slot[e] >= 0) {
+                    where[e] = S.expert_slot[e];
+                    hits++;
+                } else {
+                    if ((int32_t) es.size() >= S.n_stage) {
+                        throw std::runtime_error(fmt("layer %d: more misses than the %d staging slices", L.il, S.n_stage));
+                    }
+                    where[e] = S.stage_base + (int32_t) es.size();
+                    es.push_back(e);
+                    ss.push_back(where[e]);
+                }
+            }
+            out[t * v.k + j] = where[e];
+        }
+    }
+    L.stats.hits   += hits;
+    L.stats.misses += es.size();
+    lock.unlock();
+    const int64_t t0 = ggml_time_us();
+    read_experts(L, es.data(), ss.data(), (int32_t) es.size());
+    const int64_t dt = ggml_time_us() - t0;
+    lock.lock();
+    L.stats.staged_uploads        += es.size();
+    L.stats.staged_upload_bytes   += (uint64_t) es.size() * L.expert_bytes;
+    L.stats.blocking_upload_bytes += (uint64_t) es.size() * L.expert_bytes;
+    L.stats.blocking_calls        += (uint64_t) es.size() * L.banks.size();
+    L.stats.upload_us             += dt;
+}
+
+// every bank slice of the listed experts, in flight together; counted as the layer's uploads
+void llama_expert_cache::read_experts(llama_expert_cache_layer & L, const int32_t * es, const int32_t * ss, int32_t n, size_t stride) {
+    std::vector<llama_expert_cache_reader::job> js;
+    js.reserve((size_t) n * L.banks.size());
+    for (int32_t i = 0; i < n; ++i) {
+        const int32_t e = es[(size_t) i * stride];
+        const int32_t s = ss[(size_t) i * stride];
+        for (const auto & b : L.banks) {
+            const size_t nb = b.src->nb[2];
+            GGML_ASSERT(b.file_off >= 0 && b.bank->data != nullptr);
+            js.push_back({ (char *) b.bank->data + (size_t) s * nb, nb, b.file_off + (int64_t) e * (int64_t) nb });
+        }
+    }
+    reader->run(js);
+}

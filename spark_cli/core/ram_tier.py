@@ -1,0 +1,128 @@
+"""The RAM tier: when a model's weights do not fit the run's RAM, the model file is the tier below.
+
+The non-expert weights stay resident. Each MoE layer gets slots in RAM (the native file tier's
+banks): its hottest experts by the profile's decode counts pinned, the rest of the slots LRU; an
+expert that is not resident is read from the model file when routed (preads, a step's reads in
+flight together) instead of being faulted in through the mapping. A prefill ubatch that routes to
+more experts than the LRU slots hold reads each missing expert once into a staging slice (one
+layer's worth, shared by the layers), so prompts keep their ubatch, and their kernels.
+
+Sizes are the GGUF's own tensor bytes (gguf_info); the RAM the run needs besides the weights
+(KV cache, compute buffers, the runtime) is the caller's to subtract first. Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import numpy as np
+
+from . import units
+from .gguf_info import ModelGeometry
+from ..errors import PlanError
+
+LRU_SHARE = 0.5  # of a layer's slots left to LRU (the rest pin the hottest experts), at least 2 x k
+
+
+@dataclass(frozen=True)
+class RamLayer:
+    il: int
+    n_slots: int
+    pinned: tuple[int, ...]
+    expert_bytes: int  # one expert across the layer's expert tensors
+
+    @property
+    def bank_bytes(self) -> int:
+        return (self.n_slots + 1) * self.expert_bytes  # NOTE: the native bank's zeroed guard slice
+
+
+@dataclass(frozen=True)
+class RamTier:
+    """What sits where when the weights do not fit `budget`: resident weights, RAM slots, the file."""
+
+    budget: int  # bytes of RAM for weights
+    source: str  # where the budget came from (--ram, a cgroup, psutil, SPARK_RAM_LIMIT)
+    resident_bytes: int  # non-expert weights, resident
+    layers: tuple[RamLayer, ...]
+    total_expert_bytes: int
+    n_stage: int  # staging slices (the experts of a layer not pinned)
+    stage_bytes: int
+
+    @property
+    def bank_bytes(self) -> int:
+        """RAM the native banks take: every layer's slots and guard, and the staging slices."""
+        return sum(l.bank_bytes for l in self.layers) + self.stage_bytes
+
+    @property
+    def resident_share(self) -> float:
+        """Share of the expert bytes held in RAM slots."""
+        held = sum(l.n_slots * l.expert_bytes for l in self.layers)
+        return held / self.total_expert_bytes if self.total_expert_bytes else 1.0
+
+    def line(self) -> str:
+        return (f"RAM tier: {units.fmt_bytes(self.budget)} for weights ({self.source}): "
+                f"{units.fmt_bytes(self.resident_bytes)} non-expert resident, {units.fmt_bytes(self.bank_bytes)} "
+                f"of expert slots ({self.resident_share:.0%} of the experts), the rest read from the model file")
+
+
+def resident_bytes(g: ModelGeometry) -> int:
+    """The weights that stay resident: everything but the routed experts."""
+    return g.global_bytes + sum(l.nonexpert_bytes for l in g.layers)
+
+
+def fits(g: ModelGeometry, budget: int) -> bool:
+    return resident_bytes(g) + g.total_expert_bytes <= budget
+
+
+def stage_bytes(g: ModelGeometry) -> int:
+    """A layer's worth of staging slices (the largest layer's experts), shared by every layer."""
+    return g.n_expert * max((g.layers[il].expert_bytes_per_expert for il in g.moe_layers), default=0)
+
+
+def minimum(g: ModelGeometry) -> int:
+    """The smallest budget the file tier runs in: the resident weights, the staging slices and k LRU
+    slots (and a guard) per MoE layer."""
+    k = g.n_expert_used
+    return resident_bytes(g) + stage_bytes(g) + sum((k + 1) * g.layers[il].expert_bytes_per_expert
+                                                     for il in g.moe_layers)
+
+
+def plan(g: ModelGeometry, budget: int, source: str, counts: np.ndarray | None = None,
+         flag: str = "--ram") -> RamTier | None:
+    """The RAM tier for `budget` bytes of weights (None: everything fits, nothing changes).
+    `counts`: the profile's decode counts [n_layer, n_expert] (None: no pins, all slots LRU).
+    PlanError, one line, when the budget cannot hold the resident weights and k slots a layer."""
+    if fits(g, budget):
+        return None
+    need = minimum(g)
+    if budget < need:
+        raise PlanError(f"{flag}: {units.fmt_bytes(budget)} for weights ({source}) is too small for this model: "
+                        f"its non-expert weights ({units.fmt_bytes(resident_bytes(g))}), a layer of staging slices "
+                        f"and {g.n_expert_used} expert slots per MoE layer need {units.fmt_bytes(need)}",
+                        hint="give the run more RAM (--ram, the container's memory limit) or use a smaller model")
+    moe = list(g.moe_layers)
+    left = budget - resident_bytes(g) - stage_bytes(g)
+    per_slot = sum(g.layers[il].expert_bytes_per_expert for il in moe)
+    # NOTE: one slot count for every layer (the guard slice included); spread evenly, the rest to early layers
+    n_slots = min(g.n_expert, left // per_slot - 1)
+    layers = []
+    spare = left - (n_slots + 1) * per_slot
+    for il in moe:
+        eb = g.layers[il].expert_bytes_per_expert
+        s = n_slots
+        if s < g.n_expert and spare >= eb:
+            s, spare = s + 1, spare - eb
+        layers.append(RamLayer(il, int(s), _pins(counts, il, int(s), g.n_expert_used), eb))
+    return RamTier(budget, source, resident_bytes(g), tuple(layers), g.total_expert_bytes, g.n_expert,
+                   stage_bytes(g))
+
+
+def _pins(counts: np.ndarray | None, il: int, n_slots: int, k: int) -> tuple[int, ...]:
+    """The layer's hottest experts by decode count (ties: lower id), leaving LRU_SHARE of the slots, at
+    least 2 x k, to LRU; none without counts."""
+    if counts is None or il >= counts.shape[0] or counts[il].sum() <= 0:
+        return ()
+    lru = min(n_slots, max(2 * k, int(np.ceil(n_slots * LRU_SHARE))))
+    row = counts[il]
+    order = sorted(range(row.shape[0]), key=lambda e: (-int(row[e]), e))
+    return tuple(int(e) for e in order[:n_slots - lru] if row[e] > 0)
+

@@ -1,0 +1,194 @@
+"""The RAM tier: the budget (cgroups v1 and v2), the placement, the native file tier's exactness,
+and a capped end-to-end run against stock's page cache in a memory cgroup."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from spark_cli.core import ram_tier
+from spark_cli.core.gguf_info import load_geometry
+from spark_cli.errors import PlanError
+from spark_cli.runs import host_ram, memcg
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def qwen36():
+    from spark_cli.models.fixtures import build_fixture
+
+    return load_geometry(build_fixture("qwen3.6-35b-a3b-q4_k_m"))
+
+
+def test_plan_leaves_a_model_that_fits_alone(qwen36):
+    assert ram_tier.plan(qwen36, qwen36.file_size * 2, "--ram") is None
+
+
+def test_plan_places_resident_weights_slots_and_the_file(qwen36):
+    budget = 8 << 30  # a 21 GB model on 8 GiB
+    counts = np.zeros((qwen36.n_layer, qwen36.n_expert), dtype=np.uint64)
+    counts[:, 17] = 100
+    counts[:, 3] = 50
+    tier = ram_tier.plan(qwen36, budget, "--ram", counts)
+    assert tier is not None
+    assert tier.resident_bytes == ram_tier.resident_bytes(qwen36)
+    assert tier.resident_bytes + tier.bank_bytes <= budget
+    assert budget - (tier.resident_bytes + tier.bank_bytes) < sum(l.expert_bytes for l in tier.layers)  # spent
+    assert [l.il for l in tier.layers] == list(qwen36.moe_layers)
+    assert 0.2 < tier.resident_share < 0.5
+    first = tier.layers[0]
+    assert first.pinned == (17, 3)  # the hottest, by count; experts never routed are not pinned
+    k = qwen36.n_expert_used
+    assert all(l.n_slots - len(l.pinned) >= 2 * k for l in tier.layers)
+    assert tier.n_stage == qwen36.n_expert and tier.stage_bytes == ram_tier.stage_bytes(qwen36)
+    assert "read from the model file" in tier.line()
+
+
+def test_plan_refuses_a_budget_below_the_resident_weights_in_one_line(qwen36):
+    with pytest.raises(PlanError) as e:
+        ram_tier.plan(qwen36, 1 << 30, "--ram")
+    msg = e.value.one_line()
+    assert "\n" not in msg and "--ram" in msg and "non-expert weights" in msg
+    need = ram_tier.minimum(qwen36)
+    assert ram_tier.plan(qwen36, need, "--ram") is not None
+    with pytest.raises(PlanError):
+        ram_tier.plan(qwen36, need - 1, "--ram")
+
+
+def _v1_tree(tmp: Path, limit: int, usage: int, inactive: int) -> tuple[Path, Path]:
+    root = tmp / "cg"
+    d = root / "memory" / "box" / "job"
+    d.mkdir(parents=True)
+    for path, lim in ((d, limit), (d.parent, memcg_no_limit()), (root / "memory", memcg_no_limit())):
+        (path / "memory.limit_in_bytes").write_text(f"{lim}\n")
+        (path / "memory.usage_in_bytes").write_text(f"{usage}\n")
+        (path / "memory.stat").write_text(f"cache 1\ntotal_inactive_file {inactive}\n")
+    proc = tmp / "cgroup"
+    proc.write_text("5:cpu:/\n4:memory:/box/job\n0::/\n")
+    return proc, root
+
+
+def memcg_no_limit() -> int:
+    return 9223372036854771712
+
+
+def test_cgroup_v1_headroom_is_limit_less_working_set(tmp_path):
+    proc, root = _v1_tree(tmp_path, 700 * MiB, 300 * MiB, 100 * MiB)
+    free, where = host_ram.cgroup_free(proc, root)
+    assert free == 500 * MiB and where == "memory cgroup /box/job"
+    # the process's own resident pages count even when they are still inactive page cache
+    assert host_ram.cgroup_free(proc, root, own_rss=350 * MiB)[0] == 350 * MiB
+
+
+def test_cgroup_v2_takes_the_tightest_ancestor(tmp_path):
+    root = tmp_path / "cg"
+    child = root / "user.slice" / "spark.scope"
+    child.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    for d, mx, cur in ((child, "max", 10 * MiB), (child.parent, str(600 * MiB), 200 * MiB)):
+        (d / "memory.max").write_text(mx + "\n")
+        (d / "memory.current").write_text(f"{cur}\n")
+        (d / "memory.stat").write_text(f"inactive_file {50 * MiB}\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/user.slice/spark.scope\n")
+    free, where = host_ram.cgroup_free(proc, root)
+    assert free == 450 * MiB and where == "memory cgroup /user.slice"
+
+
+def test_no_limited_cgroup_means_none(tmp_path):
+    proc, root = _v1_tree(tmp_path, memcg_no_limit(), 300 * MiB, 0)
+    assert host_ram.cgroup_free(proc, root) is None
+    assert host_ram.cgroup_free(tmp_path / "missing", root) is None
+
+
+def _greedy(engine, n: int) -> tuple[list[int], np.ndarray]:
+    logits = engine.eval(engine.vocab.tokenize("Write a short story about a cat who learns to fly."), logits="last")
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = engine.eval([out[-1]])
+    return out, np.array(logits, copy=True)
+
+
+@pytest.mark.model
+def test_file_tier_is_bit_identical_and_reads_the_misses(small_model):
+    """Every MoE layer on the CPU with 3 RAM slots of 8 (top-2): misses read from the file, logits
+    bit-identical to the same run with every expert mapped (same kernels: plain layout, ubatch 1)."""
+    from spark_cli.native.engine import Engine, EngineOptions
+    from spark_cli.native.expert_cache import CacheLayer
+    from spark_cli.runs.bench import cache_total
+
+    g = load_geometry(small_model)
+    base = EngineOptions(small_model, n_ctx=256, n_threads=2, device="none", repack=False, n_ubatch=1)
+    with Engine(base) as e:
+        ref = _greedy(e, 12)
+    cached = dataclasses.replace(base, cache_layers=[CacheLayer(il, 3, (0,)) for il in g.moe_layers], file_tier=True,
+                                 file_readers=3)
+    with Engine(cached) as e:
+        got = _greedy(e, 12)
+        st = cache_total(e)
+    assert got[0] == ref[0]
+    assert np.array_equal(got[1], ref[1])
+    eb = g.layers[g.moe_layers[0]].expert_bytes_per_expert
+    assert st.misses > 0 and st.steps_stock == 0 and st.cpu_experts == 0
+    assert st.bytes_uploaded == st.uploads * eb  # every miss and pin read whole from the file
+
+
+@pytest.mark.model
+def test_file_tier_refuses_what_it_cannot_serve(small_model, tmp_path):
+    from spark_cli.errors import NativeError
+    from spark_cli.native.engine import Engine, EngineOptions
+    from spark_cli.native.expert_cache import CacheLayer
+    from spark_cli.core.simulator import MissPath
+
+    g = load_geometry(small_model)
+    il = g.moe_layers[0]
+    base = EngineOptions(small_model, n_ctx=256, n_threads=1, device="none", repack=False)
+    with pytest.raises(NativeError, match="file tier"):  # the CPU miss path has nothing to compute from
+        Engine(dataclasses.replace(base, cache_layers=[CacheLayer(il, 4, (), MissPath.CPU)], file_tier=True))
+    with pytest.raises(NativeError, match="GPU-type device"):  # no file: CPU layers are not cached
+        Engine(dataclasses.replace(base, cache_layers=[CacheLayer(il, 4)]))
+    with pytest.raises(NativeError, match="RAM budget"):
+        Engine(dataclasses.replace(base, cache_layers=[CacheLayer(il, 4)], file_tier=True, host_budget=MiB))
+
+
+def _cgroup_or_skip() -> None:
+    try:
+        memcg.make(256 * MiB, "spark-test-probe").remove()
+    except memcg.CgroupError as e:
+        pytest.skip(f"no memory cgroup can be made here: {e.one_line()}")
+
+
+@pytest.mark.model
+def test_capped_run_is_exact_reads_less_than_stock_and_stays_under_the_cap(small_model):
+    """The small model (447 MB file) in a 430 MiB cgroup: Spark finds the cap itself, runs the RAM tier,
+    gives stock's tokens and reads fewer bytes from the disk; the cgroup's peak is within the cap."""
+    from spark_cli.runs import ram_bench
+
+    _cgroup_or_skip()
+    cap = 430 * MiB
+    b = ram_bench.run(small_model, cap, reps=1, n_prompt=64, n_gen=16, threads=2, n_ctx=256)
+    stock, spark = b.of("stock"), b.of("spark")
+    assert len(stock) == 1 and len(spark) == 1, [r.error for r in b.runs]
+    assert b.exact() is True
+    assert 0 < spark[0].resident_share < 1, spark[0].tier
+    assert spark[0].file_bytes_per_token > 0
+    assert spark[0].read_bytes_per_token < stock[0].read_bytes_per_token
+    assert all(r.peak <= cap and r.oom_kills == 0 for r in b.runs)
+
+
+def test_bench_cap_is_enforced_by_the_cgroup(tmp_path):
+    """A process that allocates past the cap is stopped by the cgroup, and the peak stays within it."""
+    import sys
+
+    _cgroup_or_skip()
+    cap = 64 * MiB
+    with memcg.make(cap, "spark-test-cap") as cg:
+        p = cg.run([sys.executable, "-c", "b = bytearray(200 << 20); print(len(b))"], capture_output=True)
+        assert p.returncode != 0
+        assert 0 < cg.peak() <= cap
+        assert cg.oom_kills() >= 1
