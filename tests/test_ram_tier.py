@@ -192,3 +192,51 @@ def test_bench_cap_is_enforced_by_the_cgroup(tmp_path):
         assert p.returncode != 0
         assert 0 < cg.peak() <= cap
         assert cg.oom_kills() >= 1
+
+
+@pytest.fixture
+def plan_cli(monkeypatch, capsys, tmp_path):
+    from conftest import cli_runner
+    from spark_cli.commands import plan as plan_cmd
+
+    monkeypatch.setenv("SPARK_HOME", str(tmp_path / "home"))
+    return cli_runner(monkeypatch, capsys, "plan", plan_cmd.register)
+
+
+def test_plan_on_a_fixture_bigger_than_ram_places_and_prices_the_tiers(plan_cli, qwen36, tmp_path):
+    """spark plan --ram on the 21 GB Qwen3.6 header: RAM (resident + slots), the file; the profile's
+    trace replayed into bytes per token, priced by the disk once it is known."""
+    import json
+
+    from spark_cli.core.cost_model import DiskCosts
+    from spark_cli.core.trace import DECODE, TraceBuilder
+    from spark_cli.runs import disk_costs
+    from spark_cli.runs.ram_bench import READERS
+
+    path = Path(qwen36.path)
+    rc, out, err = plan_cli(path, "--ram", "12GiB")
+    assert rc == 0, err
+    assert "RAM:" in out and "file:" in out and "no decode routing" in out
+    # a recorded trace: every token routes to the same 8 experts of each layer, but for one that changes
+    b = TraceBuilder(n_layer=qwen36.n_layer, k=qwen36.n_expert_used, n_expert=qwen36.n_expert,
+                     fingerprint=qwen36.fingerprint)
+    for t in range(40):
+        for il in qwen36.moe_layers:
+            b.add(il, 1, 8, "decode", np.array([[0, 1, 2, 3, 4, 5, 6, 8 + t]], dtype=np.int32))
+    tr = tmp_path / "t.npz"
+    b.build().save(tr)
+    disk = DiskCosts(disk_costs.read_size(qwen36), READERS, 2e9, 1e-4)
+    kept = disk_costs.cache_file(tmp_path / "home", path, disk.read_bytes, READERS)
+    kept.parent.mkdir(parents=True)
+    kept.write_text(json.dumps(dataclasses.asdict(disk)))
+    rc, out, err = plan_cli(path, "--ram", "12GiB", "--trace", tr, "--json")
+    assert rc == 0, err
+    d = json.loads(out)["ram_tier"]
+    assert d["resident_bytes"] + d["bank_bytes"] <= 12 << 30 and 0 < d["resident_share"] < 1
+    assert d["file_bytes"] > 0
+    n_moe = len(qwen36.moe_layers)
+    # 40 tokens, each with one new expert a layer: every one a miss (slots >> 8: nothing evicted)
+    assert d["misses_per_token"] == pytest.approx(n_moe * (40 + 7) / 40)
+    eb = np.mean([qwen36.layers[il].expert_bytes_per_expert for il in qwen36.moe_layers])
+    assert d["file_bytes_per_token"] == pytest.approx(d["misses_per_token"] * eb)
+    assert d["disk_bound_tok_s"] == pytest.approx(2e9 / d["file_bytes_per_token"])

@@ -19,7 +19,8 @@ KEYS = (("pp_tok_s", "pp tok/s", "{:.2f}"), ("tg_tok_s", "tg tok/s", "{:.2f}"),
         ("pp_read_bytes_per_token", "pp disk read / token", "bytes"),
         ("read_bytes_per_token", "disk read / token", "bytes"), ("major_faults_per_token", "major faults / token", "{:.1f}"),
         ("file_bytes_per_token", "file tier read / token", "bytes"), ("hit_rate", "RAM hit rate", "{:.1%}"),
-        ("resident_share", "experts in RAM", "{:.0%}"), ("peak", "cgroup peak", "bytes"))
+        ("resident_share", "experts in RAM", "{:.0%}"), ("peak", "cgroup peak", "bytes"),
+        ("predicted_tg_tok_s", "predicted tg tok/s", "{:.2f}"))
 
 
 def _fmt(v, how: str) -> str:
@@ -59,7 +60,7 @@ def run_cmd(path: Path, flags: LoadFlags, n_prompt: int, n_gen: int, reps: int, 
     assert flags.ram is not None
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*cols, console=err_console, transient=True) as prog:
-        task = prog.add_task(f"runs under {units.fmt_bytes(flags.ram)}", total=reps * len(ram_bench.CONFIGS))
+        task = prog.add_task(f"runs under {units.fmt_bytes(flags.ram)}", total=reps * len(ram_bench.CONFIGS) + 1)
 
         def on_run(i: int, n: int, r: ram_bench.RamRun) -> None:
             prog.update(task, completed=i)
@@ -79,4 +80,12 @@ def run_cmd(path: Path, flags: LoadFlags, n_prompt: int, n_gen: int, reps: int, 
     out.print(table(b, md))
     if tier:
         out.print(f"[dim]{escape(tier)}[/]", soft_wrap=True)
+    if b.base is not None and b.base.ok and b.disk is not None:
+        pred, meas = b.median("spark", "predicted_tg_tok_s"), b.median("spark", "tg_tok_s")
+        ratio = f"; predicted over measured {pred / meas:.2f}" if pred and meas else ""
+        same = {True: "the same tokens as", False: "OTHER TOKENS THAN", None: "not compared with"}[b.exact_vs_uncapped()]
+        out.print(f"physical limits: uncapped {b.base.tg_tok_s:.2f} tok/s tg, {b.base.pp_tok_s:.2f} pp (Spark, no cap: "
+                  f"{same} the capped runs); the disk {units.fmt_bytes(int(b.disk.bytes_per_s))}/s at "
+                  f"{units.fmt_bytes(b.disk.read_bytes)} reads, {b.disk.depth} in flight{ratio}",
+                  soft_wrap=True, markup=False)
     out.print(verdict(b), soft_wrap=True, markup=False)

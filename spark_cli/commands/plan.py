@@ -213,6 +213,14 @@ def plan_cmd(
         parse_sizes(vram_text, flag="--vram")  # a flag error before the model is read
     path = model_or_demo(model)
     geometry = session.open_geometry(path)
+    if flags.ram is not None:  # the RAM tier: what sits in RAM and in the file (a CPU run's)
+        from . import plan_ram
+
+        info = session.load_profile(path, geometry, profile_path)
+        trace = RoutingTrace.load(trace_path, expect_fingerprint=geometry.fingerprint,
+                                  expect_shape=(geometry.n_layer, geometry.n_expert)) if trace_path else None
+        recent = trace if trace is not None else info.profile.recent_trace() if info.profile is not None else None
+        return plan_ram.show(path, geometry, session.profile_counts(info), recent, flags.ram, as_json, say)
     # NOTE: --vram needs no device; a device (when there is one) measures the bill
     devs = _devices(flags, vram_text, measure)
     sel = devices.parse(flags.device, flags.rpc)

@@ -255,3 +255,22 @@ def _fit_assuming_host(samples: Sequence[Sample], k: int, miss_cpu_us: float) ->
     base_tg, stop = (tg if tg is not None else np.array([min(s.tg_us for s in samples), 0.0]))
     base_pp, per = (pp if pp is not None else np.array([min(s.pp_us for s in samples), 0.0]))
     return np.array([base_tg, stop + k * miss_cpu_us, stop]), np.array([base_pp, per, per])
+
+
+# ---------------------------------------------------------------- the file tier
+
+
+@dataclass(frozen=True)
+class DiskCosts:
+    """The disk under a model file (runs/disk_costs.py): reads of `read_bytes`, `depth` in flight."""
+
+    read_bytes: int
+    depth: int
+    bytes_per_s: float
+    latency_s: float  # one read alone
+
+
+def file_tier_tg(base_s: float, misses_per_token: float, expert_bytes: float, disk: DiskCosts) -> float:
+    """Seconds per decode token of a RAM-tier run: the token with every expert in RAM (`base_s`)
+    plus the reads of its misses, which each layer's step waits for (all of a step's in flight)."""
+    return base_s + misses_per_token * expert_bytes / disk.bytes_per_s

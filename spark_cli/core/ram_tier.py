@@ -126,3 +126,25 @@ def _pins(counts: np.ndarray | None, il: int, n_slots: int, k: int) -> tuple[int
     order = sorted(range(row.shape[0]), key=lambda e: (-int(row[e]), e))
     return tuple(int(e) for e in order[:n_slots - lru] if row[e] > 0)
 
+
+
+def misses_per_token(slots: dict[int, int], pinned: dict[int, tuple[int, ...]], trace) -> float | None:
+    """Distinct experts per decode token not in RAM: the trace's decode steps replayed through the
+    RAM slots under the native policy (core/simulator.py, exact); None without decode steps."""
+    from .simulator import DEFAULT_POLICY, simulate
+
+    if trace is None or not slots:
+        return None
+    sim = simulate(trace, DEFAULT_POLICY, slots, pinned, phases=("decode",))
+    if sim.decode_tokens == 0:
+        return None
+    return sum(s.misses_decode for s in sim.layers.values()) / sim.decode_tokens
+
+
+def replay(tier: RamTier, trace) -> float | None:
+    """misses_per_token for this tier's slots and pins."""
+    return misses_per_token({l.il: l.n_slots for l in tier.layers}, {l.il: l.pinned for l in tier.layers}, trace)
+
+
+def mean_expert_bytes(tier: RamTier) -> float:
+    return sum(l.expert_bytes for l in tier.layers) / len(tier.layers)

@@ -16,6 +16,7 @@ and getrusage), the file tier's hits and bytes read, and the cgroup's peak again
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import statistics
@@ -26,9 +27,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import memcg
+import numpy as np
+
+from ..core.capture import TopkRecord, records_to_trace
+from ..core.cost_model import DiskCosts, file_tier_tg
+from ..core.gguf_info import load_geometry
+from ..core import ram_tier
+from ..core.trace import DECODE
+from ..files.paths import spark_home
+from . import disk_costs, memcg
 
 CONFIGS = ("stock", "spark")
+BASE = "base"  # Spark with no cap: the uncapped speed, and the trace the prediction replays
 
 
 @dataclass
@@ -50,6 +60,9 @@ class RamRun:
     peak: int = 0  # the cgroup's peak (bytes)
     oom_kills: int = 0
     tier: str = ""
+    slots: list[list] = field(default_factory=list)  # spark: [il, n_slots, pinned] per layer
+    trace: list[list] = field(default_factory=list)  # base: [il, ids] of each decode step
+    predicted_tg_tok_s: float | None = None  # spark: the cost model's, from the base run and the disk
 
 
 def _io() -> tuple[int, int]:
@@ -64,8 +77,6 @@ def _io() -> tuple[int, int]:
 
 def worker(model: Path, config: str, n_prompt: int, n_gen: int, threads: int | None, n_ctx: int) -> dict:
     """One run in this process (inside the cgroup): prompt processing, then greedy generation."""
-    import numpy as np
-
     from ..core.options import LoadFlags
     from ..files.corpus import bundled_corpus, read_corpus
     from . import session
@@ -81,6 +92,9 @@ def worker(model: Path, config: str, n_prompt: int, n_gen: int, threads: int | N
         opts = session.with_ram_tier(opts, tier, geometry)
         out.tier = tier.line() if tier is not None else "the weights fit: no RAM tier"
         out.resident_share = tier.resident_share if tier is not None else 1.0
+        out.slots = [[l.il, l.n_slots, list(l.pinned)] for l in tier.layers] if tier is not None else []
+    elif config == BASE:  # NOTE: every expert in RAM, the routing traced: the prediction's inputs
+        opts = dataclasses.replace(opts, trace=True)
     from ..native.engine import Engine
     from .bench import cache_total, make_workload
 
@@ -113,6 +127,8 @@ def worker(model: Path, config: str, n_prompt: int, n_gen: int, threads: int | N
             d = cache_total(eng) - c0
             out.file_bytes_per_token = d.bytes_uploaded / n_gen
             out.hit_rate = d.hit_rate
+        if config == BASE:
+            out.trace = [[r.il, r.ids.reshape(-1).tolist()] for r in eng.cache.trace_records() if r.phase == DECODE]
     return asdict(out)
 
 
@@ -120,6 +136,8 @@ def worker(model: Path, config: str, n_prompt: int, n_gen: int, threads: int | N
 class RamBench:
     cap: int
     runs: list[RamRun]
+    base: RamRun | None = None  # the uncapped run
+    disk: "DiskCosts | None" = None
 
     def of(self, config: str) -> list[RamRun]:
         return [r for r in self.runs if r.config == config and r.ok]
@@ -139,7 +157,14 @@ class RamBench:
 
     def to_dict(self) -> dict:
         return {"cap": self.cap, "exact": self.exact(), "tg_ratio": self.ratio("tg_tok_s"),
-                "pp_ratio": self.ratio("pp_tok_s"), "runs": [asdict(r) for r in self.runs]}
+                "pp_ratio": self.ratio("pp_tok_s"), "runs": [asdict(r) for r in self.runs],
+                "uncapped": {"tg_tok_s": self.base.tg_tok_s, "pp_tok_s": self.base.pp_tok_s} if self.base else None,
+                "disk": asdict(self.disk) if self.disk else None}
+
+    def exact_vs_uncapped(self) -> bool | None:
+        if self.base is None or not self.base.ok or not self.of("spark"):
+            return None
+        return all(r.tokens == self.base.tokens for r in self.of("spark"))
 
 
 def run(model: Path, cap: int, *, reps: int = 2, n_prompt: int = 512, n_gen: int = 48, threads: int | None = None,
@@ -149,20 +174,53 @@ def run(model: Path, cap: int, *, reps: int = 2, n_prompt: int = 512, n_gen: int
     with the model's page cache dropped first. CgroupError before any run where none can be made."""
     memcg.make(cap, "spark-bench-check").remove()  # NOTE: refuse before the long work
     runs: list[RamRun] = []
-    total = reps * len(configs)
+    total = reps * len(configs) + 1
+    geometry = load_geometry(model)
+    disk = disk_costs.ensure(model, disk_costs.read_size(geometry), READERS, spark_home())
+    base = _spawn(None, model, BASE, n_prompt, n_gen, threads, n_ctx)
+    if on_run:
+        on_run(1, total, base)
     for i in range(reps):
         for config in configs:
-            memcg.drop_page_cache(model)
             with memcg.make(cap, f"spark-bench-{config}") as cg:
-                argv = [sys.executable, "-m", "spark_cli.runs.ram_bench", str(model), config, str(n_prompt),
-                        str(n_gen), str(threads or 0), str(n_ctx)]
-                p = cg.run(argv, capture_output=True, text=True, timeout=1800)
-                r = _parse(config, p)
-                r.peak, r.oom_kills = cg.peak(), cg.oom_kills()
+                r = _spawn(cg, model, config, n_prompt, n_gen, threads, n_ctx)
+            if config == "spark" and r.ok and base.ok:
+                r.predicted_tg_tok_s = predict_tg(geometry, base, r, disk)
             runs.append(r)
             if on_run:
-                on_run(len(runs), total, r)
-    return RamBench(cap, runs)
+                on_run(len(runs) + 1, total, r)
+    return RamBench(cap, runs, base, disk)
+
+
+READERS = 4  # the file tier's reads in flight (EngineOptions.file_readers)
+
+
+def _spawn(cg: "memcg.MemoryCgroup | None", model: Path, config: str, n_prompt: int, n_gen: int,
+           threads: int | None, n_ctx: int) -> RamRun:
+    """One worker process (inside `cg` when given), the model's page cache dropped first."""
+    memcg.drop_page_cache(model)
+    argv = [sys.executable, "-m", "spark_cli.runs.ram_bench", str(model), config, str(n_prompt),
+            str(n_gen), str(threads or 0), str(n_ctx)]
+    p = (cg.run if cg is not None else subprocess.run)(argv, capture_output=True, text=True, timeout=1800)
+    r = _parse(config, p)
+    if cg is not None:
+        r.peak, r.oom_kills = cg.peak(), cg.oom_kills()
+    return r
+
+
+def predict_tg(g, base: RamRun, spark: RamRun, disk: "DiskCosts") -> float | None:
+    """The cost model's tg for the spark run's tier: the uncapped token, plus its misses (the uncapped
+    run's routing replayed through the tier's slots and policy, as native runs it) read at the disk's
+    measured rate."""
+    if not spark.slots:
+        return base.tg_tok_s
+    records = [TopkRecord(il, DECODE, np.asarray(ids, dtype=np.int32).reshape(-1, g.n_expert_used))
+               for il, ids in base.trace]
+    trace = records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
+    slots = {il: n for il, n, _ in spark.slots}
+    misses = ram_tier.misses_per_token(slots, {il: tuple(p) for il, _, p in spark.slots}, trace) or 0.0
+    eb = sum(g.layers[il].expert_bytes_per_expert for il in slots) / len(slots)
+    return 1.0 / file_tier_tg(1.0 / base.tg_tok_s, misses, eb, disk)
 
 
 def _parse(config: str, p: subprocess.CompletedProcess) -> RamRun:
