@@ -240,3 +240,14 @@ def test_plan_on_a_fixture_bigger_than_ram_places_and_prices_the_tiers(plan_cli,
     eb = np.mean([qwen36.layers[il].expert_bytes_per_expert for il in qwen36.moe_layers])
     assert d["file_bytes_per_token"] == pytest.approx(d["misses_per_token"] * eb)
     assert d["disk_bound_tok_s"] == pytest.approx(2e9 / d["file_bytes_per_token"])
+
+
+@pytest.mark.model
+def test_bench_refuses_a_cap_it_cannot_run_under_in_one_line(monkeypatch, capsys, small_model):
+    from conftest import cli_runner
+    from spark_cli.commands import bench as bench_cmd
+
+    run = cli_runner(monkeypatch, capsys, "bench", bench_cmd.register)
+    for cap in ("garbage", "1MiB"):
+        rc, out, err = run(small_model, "-dev", "none", "--ram", cap)
+        assert rc != 0 and "--ram" in err and len(err.strip().splitlines()) == 1, err

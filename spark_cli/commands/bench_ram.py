@@ -13,7 +13,10 @@ from ..core import units
 from ..core.options import LoadFlags
 from ..files.atomic import atomic_write_text
 from ..runs import ram_bench
+from ..errors import UsageError
 from .common import console, err_console
+
+MIN_CAP = 128 << 20  # the runtime of one worker (Python, llama.cpp's libraries) alone takes about this
 
 KEYS = (("pp_tok_s", "pp tok/s", "{:.2f}"), ("tg_tok_s", "tg tok/s", "{:.2f}"),
         ("pp_read_bytes_per_token", "pp disk read / token", "bytes"),
@@ -58,6 +61,9 @@ def run_cmd(path: Path, flags: LoadFlags, n_prompt: int, n_gen: int, reps: int, 
             md: bool) -> None:
     """Every configuration under the cap, interleaved; the table, the verdict, -o/--json."""
     assert flags.ram is not None
+    if flags.ram < MIN_CAP:
+        raise UsageError(f"--ram {units.fmt_bytes(flags.ram)}: too small a cap for any run (the runtime alone "
+                         f"takes more)", hint=f"give at least {units.fmt_bytes(MIN_CAP)}: a little less than the model file")
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*cols, console=err_console, transient=True) as prog:
         task = prog.add_task(f"runs under {units.fmt_bytes(flags.ram)}", total=reps * len(ram_bench.CONFIGS) + 1)

@@ -21,6 +21,7 @@ from ..core import units
 from ..core.options import LoadFlags
 from ..core.planner import Plan
 from ..errors import PlanError
+from . import memcg
 
 RAM_LIMIT_ENV = "SPARK_RAM_LIMIT"
 
@@ -42,7 +43,7 @@ class HostRam:
                 f"available ({self.source})")
 
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
+CGROUP_ROOT = memcg.ROOT
 NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
 
 
@@ -67,27 +68,18 @@ def cgroup_free(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGRO
     """(limit - working set, "cgroup PATH") of the tightest memory cgroup limit over this process's
     cgroup and its ancestors, v1 or v2, the working set at least `own_rss`; None outside a limited
     one or where it cannot be read."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
+    mine = memcg.own(proc_cgroup, root)
+    if mine is None:
         return None
+    d, base, v2 = mine
     best: tuple[int, str] | None = None
-    for line in lines:
-        _, controllers, rel = (line.split(":", 2) + ["", ""])[:3]
-        if "memory" in controllers.split(","):
-            base, v2 = root / "memory", False
-        elif controllers == "" and (root / "cgroup.controllers").exists():
-            base, v2 = root, True
-        else:
-            continue
-        d = base / rel.lstrip("/")
-        while True:
-            got = _cgroup_headroom(d, v2, own_rss)
-            if got is not None and (best is None or got < best[0]):
-                best = (got, f"memory cgroup {'/' + str(d.relative_to(base)).strip('.')}")
-            if d == base or base not in d.parents:
-                break
-            d = d.parent
+    while True:
+        got = _cgroup_headroom(d, v2, own_rss)
+        if got is not None and (best is None or got < best[0]):
+            best = (got, f"memory cgroup {'/' + str(d.relative_to(base)).strip('.')}")
+        if d == base or base not in d.parents:
+            break
+        d = d.parent
     return best
 
 

@@ -72,8 +72,9 @@ class MemoryCgroup:
         self.remove()
 
 
-def _own(proc_cgroup: Path = Path("/proc/self/cgroup")) -> tuple[Path, bool] | None:
-    """This process's memory cgroup directory and whether it is v2."""
+def own(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = ROOT) -> tuple[Path, Path, bool] | None:
+    """This process's memory cgroup: (its directory, the hierarchy's root, whether it is v2); the
+    v1 memory controller's where both are mounted. None where neither is."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -81,20 +82,20 @@ def _own(proc_cgroup: Path = Path("/proc/self/cgroup")) -> tuple[Path, bool] | N
     for line in lines:
         _, controllers, rel = (line.split(":", 2) + ["", ""])[:3]
         if "memory" in controllers.split(","):
-            return ROOT / "memory" / rel.lstrip("/"), False
+            return root / "memory" / rel.lstrip("/"), root / "memory", False
     for line in lines:
-        if line.startswith("0::") and (ROOT / "cgroup.controllers").exists():
-            return ROOT / line[3:].lstrip("/"), True
+        if line.startswith("0::") and (root / "cgroup.controllers").exists():
+            return root / line[3:].lstrip("/"), root, True
     return None
 
 
 def make(limit: int, name: str) -> MemoryCgroup:
     """A fresh child cgroup capped at `limit` bytes (swap too, where v1 counts it). CgroupError, one
     line with what to do, where none can be made."""
-    own = _own()
-    if own is None:
+    mine = own()
+    if mine is None:
         raise CgroupError("no memory cgroup controller is mounted here", hint=HOW)
-    base, v2 = own
+    base, _, v2 = mine
     path = base / f"{name}-{os.getpid()}"
     try:
         if v2 and "memory" not in (base / "cgroup.subtree_control").read_text().split():
