@@ -13,7 +13,9 @@
 // Routed ids are remapped to slot ids for the expert matmuls only, so results are exact.
 // The file tier (params.file_path): layers that run on the CPU keep their slots in RAM (banks on
 // the CPU buffer type) and read each miss from the model file with pread, a step's reads in
-// flight together, instead of faulting the mapping in; their misses are always uploaded.
+// flight together, instead of faulting the mapping in; their misses are always uploaded. A layer on a
+// GPU-type device joins the file tier with in_ram (three tiers: device slots, RAM slots, the file): its
+// expert tensors stay on the CPU (as stock's --n-cpu-moe), its slots in RAM.
 // Without a cache (llama_expert_cache_init never called) the graph is stock.
 #pragma once
 
@@ -23,7 +25,7 @@
 #include <stdint.h>
 
 // NOTE: bump when a struct or a function below changes; bindings check it at load
-#define LLAMA_EXPERT_CACHE_API_VERSION 7
+#define LLAMA_EXPERT_CACHE_API_VERSION 8
 
 #ifdef __cplusplus
 extern "C" {
@@ -72,6 +74,9 @@ extern "C" {
         int32_t         miss_path; // enum llama_expert_cache_miss_path (changeable later with set_miss_path)
         int32_t         max_admit; // CPU miss path: background admissions per decode step at most (<0: experts used per token)
         int32_t         policy;    // enum llama_expert_cache_policy
+        int32_t         in_ram;    // file tier (params.file_path): 1 keeps a GPU-type device's layer's slots in RAM (the
+                                   // CPU's buffer type: its expert matmuls run on the CPU) and reads its misses from
+                                   // the file; its expert tensors must be on the CPU's buffer type. 0: the layer's device
     };
 
     struct llama_expert_cache_params {
@@ -89,7 +94,8 @@ extern "C" {
         int32_t slru_protected_den;
         int32_t n_stage;       // staging slices for misses uploaded for one step only (MISS_AUTO, and MISS_UPLOAD
                                // steps larger than the LRU slots), shared by the cached layers whose expert
-                               // tensors have the same types and shapes (0: none; at most the expert count)
+                               // tensors have the same types and shapes (0: none; at most the expert count). The
+                               // file tier's RAM banks always hold the expert count (a prefill reads every miss)
         bool    count_uncached; // MoE layers that are not cached get a counting node too (their routing counts
                                 // and trace), at one device -> host stop per layer and step; false: they keep
                                 // the stock graph (no stop). Counting only (n_layers 0) counts every layer.
@@ -97,6 +103,10 @@ extern "C" {
                                 // on the CPU read their misses; null: only layers on a GPU-type device are cached
         int32_t n_readers;      // file tier: preads in flight at most (<= 0: 4)
         size_t  host_budget;    // file tier: bytes the RAM banks may take (0: not checked)
+        int32_t ahead;          // file tier read-ahead: while a layer's decode step runs, read up to this many experts
+                                // of the next file-tier layer that it predicts (co-routing counts learned online)
+                                // and that are not in that layer's RAM slots, into staging slices (0: off)
+        int32_t ahead_min_prob; // read an expert ahead only when its predicted chance is at least this (1 << 16 = 1)
     };
 
     struct llama_expert_cache_stats {
@@ -124,6 +134,9 @@ extern "C" {
         uint64_t stop_writes;           // host -> device copies of the host nodes' outputs (slot ids, packed with
                                         // the CPU miss path's mask and partial result)
         uint64_t blocking_calls;        // the steps' own blocking device calls: synchronous uploads, event waits on the host
+        uint64_t ahead_reads;           // file tier: experts of this layer read ahead (during the layer before it)
+        uint64_t ahead_used;            // of those, misses of this layer's step (no read at the step; not in uploads)
+        uint64_t ahead_bytes;           // the bytes read ahead
     };
 
     // Memory of one buffer type (llama_expert_cache_memory_breakdown).

@@ -29,6 +29,8 @@ struct llama_expert_cache_params llama_expert_cache_default_params(void) {
     p.file_path     = nullptr;
     p.n_readers     = 4;
     p.host_budget   = 0;
+    p.ahead         = 0;
+    p.ahead_min_prob = 0;
     return p;
 }
 

@@ -46,13 +46,14 @@ int64_t aligned_slice(const std::vector<ggml_tensor *> & like, int64_t at, size_
 
 // Which arena holds each cached layer's banks (layer order), the staging slices after them, and the
 // bytes they need per buffer type.
-int32_t llama_expert_cache::plan_arenas(int32_t n_stage, llama_expert_cache_bank_needs & need, std::string & err) {
+int32_t llama_expert_cache::plan_arenas(llama_expert_cache_bank_needs & need, std::string & err) {
     for (auto & Lp : layers) {
         if (!Lp || Lp->slots.n_slots == 0) {
             continue;
         }
         llama_expert_cache_layer & L = *Lp;
-        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(model.dev_layer(L.il));
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(L.bank_dev);
+        const int32_t n_stage = L.slots.n_stage; // NOTE: params.n_stage, or the file tier's expert count
         const std::vector<ggml_tensor *> like = expert_tensors(model.layers[L.il]);
         const size_t align = ggml_backend_buft_get_alignment(buft);
         size_t nb_max = 0;
@@ -82,6 +83,7 @@ int32_t llama_expert_cache::plan_arenas(int32_t n_stage, llama_expert_cache_bank
             a = &arenas.back();
             a->buft = buft;
             a->like = like;
+            a->n_stage = n_stage;
         }
         a->layers.push_back(L.il);
         a->start.push_back(at);
@@ -90,7 +92,7 @@ int32_t llama_expert_cache::plan_arenas(int32_t n_stage, llama_expert_cache_bank
     for (auto & a : arenas) {
         const size_t align = ggml_backend_buft_get_alignment(a.buft);
         a.stage_start = aligned_slice(a.like, a.total, align);
-        a.total       = a.stage_start + n_stage;
+        a.total       = a.stage_start + a.n_stage;
         for (ggml_tensor * t : a.like) {
             need.bytes[a.buft] += GGML_PAD(t->nb[2] * (size_t) a.total, align);
         }
@@ -158,7 +160,7 @@ int32_t llama_expert_cache::alloc_banks(llama_expert_cache_bank_needs & need, st
     for (const auto & a : arenas) {
         make_views(a, vctx);
         for (int32_t il : a.layers) {
-            init_admissions(*layer(il), model.dev_layer(il));
+            init_admissions(*layer(il), layer(il)->bank_dev);
         }
     }
     return LLAMA_EXPERT_CACHE_OK;

@@ -7,7 +7,9 @@
 
 #include "gguf.h"
 
+#include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <fcntl.h>
 #include <stdexcept>
 #include <sys/mman.h>
@@ -101,6 +103,31 @@ void llama_expert_cache_reader::run(std::vector<job> & js) {
     cv_done.wait(lk, [&] { return done == jobs.size(); });
     jobs.clear();
     next = done = 0;
+    if (!error.empty()) {
+        throw std::runtime_error(error);
+    }
+}
+
+void llama_expert_cache_reader::begin(std::vector<job> & js) {
+    std::unique_lock<std::mutex> lk(m);
+    GGML_ASSERT(!busy && !threads.empty());
+    jobs.swap(js);
+    next = done = 0;
+    error.clear();
+    busy = true;
+    cv_job.notify_all();
+}
+
+void llama_expert_cache_reader::finish() {
+    std::unique_lock<std::mutex> lk(m);
+    if (!busy) {
+        return;
+    }
+    work(lk);
+    cv_done.wait(lk, [&] { return done == jobs.size(); });
+    jobs.clear();
+    next = done = 0;
+    busy = false;
     if (!error.empty()) {
         throw std::runtime_error(error);
     }
@@ -234,4 +261,182 @@ void llama_expert_cache::read_experts(llama_expert_cache_layer & L, const int32_
         }
     }
     reader->run(js);
+}
+
+// Read-ahead. While a file-tier layer's decode step runs (before its expert matmuls), the experts the
+// next file-tier layer is predicted to route, and does not hold in its RAM slots, are read into that
+// layer's last staging slices on the read-ahead thread. The predictor, per pair of consecutive
+// file-tier layers (l, l'), counts decode steps routing a at l (n[a]) and a at l with e at l'
+// (co[a][e]); given l's routed set R it scores e as sum over a in R of (co[a][e] << 16) / n[a], and
+// reads the best `ahead` experts (ties: lower id) whose score / |R| (a chance, fixed point) reaches
+// ahead_min_prob. Integers only, so core/prefetch.py replays it exactly. At l''s step a miss read ahead
+// is copied from its staging slice into the slot the policy gave it instead of read: the policy, and
+// so every hit and miss, is the same as without read-ahead. Any other step that may use the staging
+// slices (a prefill) first waits for the reads ahead and drops them.
+int32_t llama_expert_cache::open_ahead(const llama_expert_cache_params & params, std::string & err) {
+    if (params.ahead < 0 || params.ahead_min_prob < 0 || params.ahead_min_prob > (1 << 16)) {
+        err = fmt("read-ahead: %d experts at a chance of at least %d / 65536: give 0 or more, and a chance in [0, 65536]",
+                params.ahead, params.ahead_min_prob);
+        return LLAMA_EXPERT_CACHE_ERR_ARG;
+    }
+    if (params.ahead == 0 || !reader || dry) {
+        return LLAMA_EXPERT_CACHE_OK;
+    }
+    ahead          = std::min(params.ahead, n_expert);
+    ahead_min_prob = params.ahead_min_prob;
+    llama_expert_cache_layer * prev = nullptr;
+    for (auto & L : layers) {
+        if (!L || !L->file_tier || L->slots.n_slots == 0) {
+            continue;
+        }
+        if (prev) {
+            prev->ahead_next = L->il;
+            prev->ahead_n.assign(n_expert, 0);
+            prev->ahead_co.assign((size_t) n_expert * n_expert, 0);
+        }
+        L->ahead_routed.reserve(n_expert);
+        L->ahead_es.reserve(ahead);
+        prev = L.get();
+    }
+    ahead_score.assign(n_expert, 0);
+    ahead_mark.assign(n_expert, 0);
+    ahead_reader = std::make_unique<llama_expert_cache_reader>();
+    return ahead_reader->open(params.file_path, 2, err); // NOTE: one helper thread: the reads run beside the step
+}
+
+bool llama_expert_cache::ahead_step(const llama_expert_cache_layer & L, const llama_expert_cache_node & n,
+        const llama_expert_cache_ids & v, bool remap) const {
+    return ahead > 0 && L.file_tier && remap && n.phase == LLAMA_EXPERT_CACHE_PHASE_DECODE &&
+           v.n_tokens * v.k <= L.slots.n_slots - L.slots.n_pinned;
+}
+
+void llama_expert_cache::ahead_drain() {
+    if (ahead_pending < 0) {
+        return;
+    }
+    llama_expert_cache_layer & N = *layer(ahead_pending);
+    ahead_pending = -1;
+    N.ahead_es.clear();
+    ahead_reader->finish();
+}
+
+// the step's misses that were read ahead: copied into their slots, and left out of the step's reads
+int32_t llama_expert_cache::ahead_take(llama_expert_cache_layer & L, int32_t n_admit) {
+    if (ahead_pending == L.il) {
+        ahead_pending = -1;
+        ahead_reader->finish();
+    }
+    uint64_t used = 0;
+    for (size_t i = 0; i < L.ahead_es.size(); ++i) {
+        const int32_t slice = L.slots.stage_base + L.slots.n_stage - 1 - (int32_t) i;
+        for (int32_t a = 0; a < n_admit; ++a) {
+            if (L.slots.admit[2 * a] != L.ahead_es[i]) {
+                continue;
+            }
+            const int32_t s = L.slots.admit[2 * a + 1];
+            for (const auto & b : L.banks) {
+                const size_t nb = b.src->nb[2];
+                memcpy((char *) b.bank->data + (size_t) s * nb, (const char *) b.bank->data + (size_t) slice * nb, nb);
+            }
+            std::swap(L.slots.admit[2 * a], L.slots.admit[2 * (n_admit - 1)]);
+            std::swap(L.slots.admit[2 * a + 1], L.slots.admit[2 * (n_admit - 1) + 1]);
+            n_admit--;
+            used++;
+            break;
+        }
+    }
+    L.ahead_es.clear();
+    if (used > 0) {
+        std::lock_guard<std::mutex> lock(mutex);
+        L.stats.ahead_used += used;
+    }
+    return n_admit;
+}
+
+// learn the pair (P, the layer after it) from one token: P routed P.ahead_routed, the next `next`
+void llama_expert_cache::ahead_learn(llama_expert_cache_layer & P, const std::vector<int32_t> & next) {
+    const uint32_t top = UINT32_MAX;
+    for (int32_t a : P.ahead_routed) {
+        if (P.ahead_n[a] < top) {
+            P.ahead_n[a]++;
+        }
+        uint32_t * row = &P.ahead_co[(size_t) a * n_expert];
+        for (int32_t e : next) {
+            if (row[e] < top) {
+                row[e]++;
+            }
+        }
+    }
+}
+
+void llama_expert_cache::ahead_issue(llama_expert_cache_layer & L, const llama_expert_cache_ids & v) {
+    std::vector<int32_t> & R = L.ahead_routed; // NOTE: reserved at init: no allocation on the step
+    R.clear();
+    for (int64_t t = 0; t < v.n_tokens; ++t) {
+        for (int64_t j = 0; j < v.k; ++j) {
+            const int32_t e = v.at(t, j);
+            if (e >= 0 && e < n_expert && !ahead_mark[e]) {
+                ahead_mark[e] = 1;
+                R.push_back(e);
+            }
+        }
+    }
+    for (int32_t e : R) {
+        ahead_mark[e] = 0;
+    }
+    if (ahead_last >= 0 && layer(ahead_last)->ahead_next == L.il) {
+        ahead_learn(*layer(ahead_last), R);
+    }
+    ahead_last = L.il;
+    if (L.ahead_next < 0 || R.empty()) {
+        return;
+    }
+    llama_expert_cache_layer & N = *layer(L.ahead_next);
+    std::fill(ahead_score.begin(), ahead_score.end(), 0);
+    for (int32_t a : R) {
+        const uint64_t na = L.ahead_n[a];
+        if (na == 0) {
+            continue;
+        }
+        const uint32_t * row = &L.ahead_co[(size_t) a * n_expert];
+        for (int32_t e = 0; e < n_expert; ++e) {
+            ahead_score[e] += ((uint64_t) row[e] << 16) / na;
+        }
+    }
+    // the best `ahead` candidates: a partial selection by (score desc, id asc)
+    N.ahead_es.clear();
+    for (int32_t i = 0; i < ahead; ++i) {
+        int32_t best = -1;
+        for (int32_t e = 0; e < n_expert; ++e) {
+            const uint64_t sc = ahead_score[e];
+            if (sc == 0 || N.slots.expert_slot[e] >= 0 || sc / R.size() < (uint64_t) ahead_min_prob) {
+                continue;
+            }
+            if (best < 0 || sc > ahead_score[best]) {
+                best = e;
+            }
+        }
+        if (best < 0) {
+            break;
+        }
+        N.ahead_es.push_back(best);
+        ahead_score[best] = 0;
+    }
+    if (N.ahead_es.empty()) {
+        return;
+    }
+    std::vector<llama_expert_cache_reader::job> js;
+    js.reserve(N.ahead_es.size() * N.banks.size());
+    for (size_t i = 0; i < N.ahead_es.size(); ++i) {
+        const int32_t slice = N.slots.stage_base + N.slots.n_stage - 1 - (int32_t) i;
+        for (const auto & b : N.banks) {
+            const size_t nb = b.src->nb[2];
+            js.push_back({ (char *) b.bank->data + (size_t) slice * nb, nb, b.file_off + (int64_t) N.ahead_es[i] * (int64_t) nb });
+        }
+    }
+    ahead_reader->begin(js);
+    ahead_pending = N.il;
+    std::lock_guard<std::mutex> lock(mutex);
+    N.stats.ahead_reads += N.ahead_es.size();
+    N.stats.ahead_bytes += (uint64_t) N.ahead_es.size() * N.expert_bytes;
 }

@@ -78,6 +78,13 @@ llama_expert_cache_ids llama_expert_cache::routed_ids(llama_expert_cache_layer &
 void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * ids, ggml_tensor * dst, bool remap) {
     llama_expert_cache_layer & L = *n.layer;
     const llama_expert_cache_ids v = routed_ids(L, ids, dst->ne[0]);
+    const bool ahead_on = ahead_step(L, n, v, remap);
+    if (ahead_pending >= 0 && !(ahead_on && ahead_pending == L.il)) {
+        ahead_drain(); // NOTE: another step may use the staging slices the reads ahead land in
+    }
+    if (L.file_tier && !ahead_on) {
+        ahead_last = -1;
+    }
 
     std::unique_lock<std::mutex> lock(mutex);
     count_step(L, n.phase, v);
@@ -121,8 +128,12 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
 
     // NOTE: uploads run without the lock; only this thread changes the slots
     lock.unlock();
+    const int32_t n_admit = ahead_on ? ahead_take(L, o.n_admit) : o.n_admit;
     upload_staged(L, o.n_staged);
-    upload_admissions(L, o.n_admit, m.to_cpu && L.upload_backend != nullptr, any_wait);
+    upload_admissions(L, n_admit, m.to_cpu && L.upload_backend != nullptr, any_wait);
+    if (ahead_on) {
+        ahead_issue(L, v);
+    }
 }
 
 // routing counts and the trace, for every step of a counted layer (under the lock)

@@ -113,7 +113,10 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
     }
     int32_t rc = open_file_tier(params, err);
     if (rc == LLAMA_EXPERT_CACHE_OK) {
-        rc = plan_arenas(params.n_stage, need, err);
+        rc = open_ahead(params, err);
+    }
+    if (rc == LLAMA_EXPERT_CACHE_OK) {
+        rc = plan_arenas(need, err);
     }
     if (rc == LLAMA_EXPERT_CACHE_OK && !dry) {
         rc = check_budget(params, need, err); // NOTE: a dry run measures, never refuses
@@ -203,19 +206,29 @@ int32_t llama_expert_cache::check_layer(const llama_expert_cache_layer_params & 
 int32_t llama_expert_cache::check_layer_tensors(const llama_expert_cache_layer_params & lp, bool file_tier,
         llama_expert_cache_bank_needs & need, size_t & expert_bytes, std::string & err) {
     ggml_backend_dev_t dev = model.dev_layer(lp.il);
+    if (lp.in_ram != 0 && !file_tier) {
+        err = fmt("layer %d: in_ram keeps its slots in RAM and reads misses from the file: give the file tier a file_path", lp.il);
+        return LLAMA_EXPERT_CACHE_ERR_ARG;
+    }
     if (!is_gpu(dev) && !(file_tier && dev)) {
         err = fmt("layer %d runs on %s, not on a GPU-type device: offload the layer (n_gpu_layers) to cache it, "
                 "or give the file tier a file_path", lp.il, dev ? ggml_backend_dev_name(dev) : "the CPU");
         return LLAMA_EXPERT_CACHE_ERR_PLACEMENT;
     }
-    if (!is_gpu(dev) && lp.miss_path != LLAMA_EXPERT_CACHE_MISS_UPLOAD) {
-        err = fmt("layer %d runs on the CPU (the file tier): its misses are read into slots, miss path %d is not one",
+    const bool ram = !is_gpu(dev) || lp.in_ram != 0;
+    if (ram && lp.miss_path != LLAMA_EXPERT_CACHE_MISS_UPLOAD) {
+        err = fmt("layer %d is in the file tier: its misses are read into slots, miss path %d is not one",
                 lp.il, lp.miss_path);
         return LLAMA_EXPERT_CACHE_ERR_ARG;
     }
-    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(dev);
-    need.dev[buft] = dev;
-    ggml_backend_buffer_type_t host_buft = ggml_backend_dev_host_buffer_type(dev);
+    ggml_backend_dev_t bank_dev = ram ? ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU) : dev;
+    if (!bank_dev) {
+        err = fmt("layer %d: no CPU device to hold its RAM slots", lp.il);
+        return LLAMA_EXPERT_CACHE_ERR_PLACEMENT;
+    }
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(bank_dev);
+    need.dev[buft] = bank_dev;
+    ggml_backend_buffer_type_t host_buft = ram ? nullptr : ggml_backend_dev_host_buffer_type(dev);
 
     const auto & ml = model.layers[lp.il];
     expert_bytes = 0;
@@ -228,6 +241,13 @@ int32_t llama_expert_cache::check_layer_tensors(const llama_expert_cache_layer_p
             t->ne[2] != n_expert || !ggml_is_contiguous(t)) {
             err = fmt("layer %d: %s is not in plain host memory (%s): override it to the CPU without repacking",
                     lp.il, t->name, t->buffer ? ggml_backend_buffer_name(t->buffer) : "no buffer");
+            return LLAMA_EXPERT_CACHE_ERR_PLACEMENT;
+        }
+        // NOTE: the file tier drops the tensor's pages after load (release_mapping): the CPU's memory only
+        ggml_backend_dev_t held_by = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
+        if (ram && held_by && ggml_backend_dev_type(held_by) != GGML_BACKEND_DEVICE_TYPE_CPU) { // a device's pinned memory
+            err = fmt("layer %d: %s is in %s: a layer in RAM keeps its experts on the CPU (override them to CPU)",
+                    lp.il, t->name, ggml_backend_buffer_name(t->buffer));
             return LLAMA_EXPERT_CACHE_ERR_PLACEMENT;
         }
         if (host_buft && ggml_backend_buffer_get_type(t->buffer) != host_buft && !need.warned_pinned) {
@@ -251,10 +271,13 @@ int32_t llama_expert_cache::configure_layer(const llama_expert_cache_params & pa
         return rc;
     }
     llama_expert_cache_layer & L = *layer(lp.il);
-    L.file_tier = !L.on_device;
+    L.file_tier = !L.on_device || lp.in_ram != 0;
+    L.bank_dev  = L.file_tier ? ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU) : model.dev_layer(lp.il);
     const int32_t k = (int32_t) model.hparams.n_expert_used(lp.il);
+    // NOTE: the file tier stages every miss of a prefill ubatch: its arenas hold a layer's worth
     L.slots.init(n_expert, lp.n_slots, lp.n_pinned, lp.policy, lp.miss_path, lp.max_admit < 0 ? k : lp.max_admit,
-            params.policy_window, params.slru_protected_num, params.slru_protected_den, params.n_stage);
+            params.policy_window, params.slru_protected_num, params.slru_protected_den,
+            L.file_tier ? n_expert : params.n_stage);
     L.expert_bytes = expert_bytes;
     return LLAMA_EXPERT_CACHE_OK;
 }

@@ -42,6 +42,8 @@ struct llama_expert_cache_reader {
     ~llama_expert_cache_reader();
     int32_t open(const char * path, int32_t n_threads, std::string & err);
     void    run(std::vector<job> & js); // throws std::runtime_error naming the file on a failed read
+    void    begin(std::vector<job> & js); // the reads in the background, on the helper threads (open with 2 or more)
+    void    finish();                     // wait for begin's reads (the caller reads what is left); throws as run
 
     std::string path;
     int fd = -1;
@@ -56,6 +58,7 @@ struct llama_expert_cache_reader {
     std::vector<job> jobs;
     size_t next = 0, done = 0;
     bool   stop = false;
+    bool   busy = false; // begin's reads not finished
     std::string error;
 };
 
@@ -71,6 +74,7 @@ struct llama_expert_cache_arena {
     std::vector<int32_t> layers;        // the layers, and the slice of each one's slot 0
     std::vector<int64_t> start;
     int64_t stage_start = 0;            // the first staging slice
+    int32_t n_stage = 0;                // staging slices (the file tier's: the expert count)
     int64_t total = 0;                  // slices
 };
 
@@ -145,7 +149,8 @@ struct llama_expert_cache_layer {
     int32_t il        = -1;
     int32_t cpu_ok    = -1; // the graph's expert ops can run on the CPU for misses: -1 unknown, 0 no, 1 yes
     bool    on_device = false;
-    bool    file_tier = false; // on the CPU, slots in RAM, misses read from the model file
+    bool    file_tier = false; // on the CPU (or in_ram), slots in RAM, misses read from the model file
+    ggml_backend_dev_t bank_dev = nullptr; // the device whose buffer type holds the layer's banks
     size_t  expert_bytes = 0; // host bytes of one expert across the layer's expert tensors
 
     ggml_backend_t compute_backend = nullptr; // the scheduler's backend of the layer's device
@@ -159,6 +164,13 @@ struct llama_expert_cache_layer {
     std::vector<ggml_backend_event_t> slot_event; // [n_slots] admission landed (null: no events)
     ggml_backend_event_t stage_event = nullptr;    // the step's staged uploads landed (null: they block)
     std::vector<uint8_t>  missed;      // [k * n_tokens] scratch: entries of the step the CPU computes
+
+    // read-ahead (file tier, params.ahead): co-routing counts from this layer to the next file-tier layer
+    int32_t               ahead_next = -1; // that layer (-1: none)
+    std::vector<uint32_t> ahead_n;         // [n_expert] decode steps routing a here
+    std::vector<uint32_t> ahead_co;        // [n_expert * n_expert] steps routing a here and e there
+    std::vector<int32_t>  ahead_routed;    // this token's distinct routed ids (learned at the next layer's step)
+    std::vector<int32_t>  ahead_es;        // experts of this layer read ahead, in the last staging slices
 
     std::vector<uint64_t> counts[2];   // [phase][n_expert] routed occurrences
     llama_expert_cache_node nodes[2][3]; // [phase][llama_expert_cache_node_kind] host-node userdata
@@ -228,7 +240,7 @@ struct llama_expert_cache {
                             llama_expert_cache_bank_needs & need, std::string & err);
     int32_t check_budget(const llama_expert_cache_params & params, llama_expert_cache_bank_needs & need, std::string & err);
     int32_t alloc_banks(llama_expert_cache_bank_needs & need, std::string & err);
-    int32_t plan_arenas(int32_t n_stage, llama_expert_cache_bank_needs & need, std::string & err);
+    int32_t plan_arenas(llama_expert_cache_bank_needs & need, std::string & err);
     void    make_views(const llama_expert_cache_arena & a, ggml_context * c);
     static ggml_backend_buffer_t dry_buffer(ggml_context * c, ggml_backend_buffer_type_t buft, size_t & bytes);
     void    init_admissions(llama_expert_cache_layer & L, ggml_backend_dev_t dev);
@@ -238,6 +250,15 @@ struct llama_expert_cache {
     void    release_mapping();
     void    stage_file_step(llama_expert_cache_layer & L, const llama_expert_cache_ids & v, int32_t * out,
                             std::unique_lock<std::mutex> & lock);
+
+    // read-ahead (llama-expert-cache-file.cpp)
+    int32_t open_ahead(const llama_expert_cache_params & params, std::string & err);
+    void    ahead_drain();
+    int32_t ahead_take(llama_expert_cache_layer & L, int32_t n_admit);
+    void    ahead_issue(llama_expert_cache_layer & L, const llama_expert_cache_ids & v);
+    void    ahead_learn(llama_expert_cache_layer & P, const std::vector<int32_t> & next);
+    bool    ahead_step(const llama_expert_cache_layer & L, const llama_expert_cache_node & n,
+                       const llama_expert_cache_ids & v, bool remap) const;
 
     // the file tier: read experts es[i] into slices ss[i] of every bank of L (blocking, all in flight)
     void    read_experts(llama_expert_cache_layer & L, const int32_t * es, const int32_t * ss, int32_t n, size_t stride = 1);
@@ -276,6 +297,13 @@ struct llama_expert_cache {
     std::vector<ggml_backend_buffer_ptr> bufs;
     std::map<ggml_backend_dev_t, ggml_backend_t> upload_backends; // owned
     std::unique_ptr<llama_expert_cache_reader> reader;            // the file tier's, null without one
+    std::unique_ptr<llama_expert_cache_reader> ahead_reader;      // its read-ahead's (one helper thread), null: off
+    int32_t ahead = 0;          // experts read ahead per layer at most
+    int32_t ahead_min_prob = 0; // fixed point, 1 << 16 = 1
+    int32_t ahead_pending = -1; // the layer whose reads ahead are in flight
+    int32_t ahead_last = -1;    // the file-tier layer whose decode step ran last (this token's, or -1)
+    std::vector<uint64_t> ahead_score; // [n_expert] scratch
+    std::vector<uint8_t>  ahead_mark;  // [n_expert] scratch
     size_t device_bytes = 0;
     std::map<ggml_backend_buffer_type_t, size_t> bank_bytes; // per device buffer type (a dry run's: what it would hold)
     bool   dry = false; // the model was loaded with no_alloc: banks are sized, never allocated or filled

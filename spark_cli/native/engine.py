@@ -80,6 +80,7 @@ class EngineOptions:
     tensor_overrides: tuple[TensorOverride, ...] = ()  # -ot pass-through (expert-free tensors)
     count_experts: bool = False        # native routing counters without a cache
     trace: bool = False                # native trace of routed ids
+    trace_uncached: bool = True        # with trace: layers not cached are traced too (a counting stop each)
     trace_max: int | None = None       # trace capacity (None: the library's default)
     capture_topk: bool = False         # eval-callback capture of ffn_moe_topk-<il> (no native needed)
     capture_scores: bool = False       # with capture_topk: each record's selection scores (ffn_moe_probs*)
@@ -93,6 +94,8 @@ class EngineOptions:
     file_tier: bool = False
     file_readers: int = 4
     host_budget: int = 0
+    read_ahead: int = 0                # experts of the next RAM-tier layer read ahead per decode step (0: off)
+    ahead_min_prob: int = 0            # ... at a predicted chance of at least this (fixed point, 1 << 16 = 1)
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: str = "auto"           # -fa on|off|auto
@@ -265,6 +268,10 @@ class Engine:
         # plus one ubatch, not n_ctx (the C default, swa_full, allocates n_ctx cells for them too)
         cp.swa_full = False
         cp.n_seq_max, cp.kv_unified = max(1, opts.n_seq), bool(opts.kv_unified)
+        if self.devices and any(c.in_ram for c in opts.cache_layers):
+            # NOTE: a RAM bank is a view to its arena's end (the staging slices): op offload of a prompt's
+            # expert matmuls would copy the whole arena to the device per layer; the RAM tier's run on the CPU
+            cp.op_offload = False
         if opts.capture_topk or opts.capture_hidden:
             self._cb = lc.ggml_backend_sched_eval_callback(self._on_eval)
             cp.cb_eval = self._cb
@@ -307,8 +314,10 @@ class Engine:
             return [*ram, *o.tensor_overrides]
         placed = o.expert_overrides
         if placed is None:
-            stock = sorted(set(o.host_layers) - {c.il for c in o.cache_layers})
-            cached = [c.il for c in o.cache_layers]
+            # NOTE: a layer in the RAM tier keeps its experts on the CPU, as a stock host layer
+            in_ram = {c.il for c in o.cache_layers if c.in_ram}
+            stock = sorted((set(o.host_layers) - {c.il for c in o.cache_layers}) | in_ram)
+            cached = [c.il for c in o.cache_layers if not c.in_ram]
             placed = (cached_expert_overrides(self.geometry, cached) if cached else ()) + stock_overrides(stock)
         return [*placed, *o.tensor_overrides]
 
@@ -352,9 +361,11 @@ class Engine:
             self.cache.native.init(self.opts.cache_layers, device_budget=self.opts.device_budget, trace=self.opts.trace,
                             trace_max=self.opts.trace_max, n_threads=max(self.cpu_threads, self.cpu_threads_batch),
                             n_stage=self.opts.stage_slices if self.opts.cache_layers else 0,
-                            count_uncached=self.opts.count_experts or self.opts.trace,
+                            count_uncached=self.opts.count_experts or (self.opts.trace and self.opts.trace_uncached),
                             file_path=str(self.opts.model_path) if self.opts.file_tier else None,
-                            n_readers=self.opts.file_readers, host_budget=self.opts.host_budget)
+                            n_readers=self.opts.file_readers, host_budget=self.opts.host_budget,
+                            ahead=self.opts.read_ahead if self.opts.file_tier else 0,
+                            ahead_min_prob=self.opts.ahead_min_prob)
         except NativeError:
             self.close()
             raise

@@ -21,7 +21,7 @@ from ..core.bill import BufferBill, MeasuredBill
 from ..core.simulator import DEFAULT_POLICY, MissPath
 from ..errors import NativeError
 
-API_VERSION = 7  # LLAMA_EXPERT_CACHE_API_VERSION this binding matches
+API_VERSION = 8  # LLAMA_EXPERT_CACHE_API_VERSION this binding matches
 REBUILD_HINT = "rerun scripts/bootstrap.sh to install the native build of this checkout"
 
 
@@ -80,6 +80,7 @@ class LayerParams(ctypes.Structure):
         ("miss_path", ctypes.c_int32),
         ("max_admit", ctypes.c_int32),
         ("policy", ctypes.c_int32),
+        ("in_ram", ctypes.c_int32),
     ]
 
 
@@ -103,6 +104,8 @@ class Params(ctypes.Structure):
         ("file_path", ctypes.c_char_p),
         ("n_readers", ctypes.c_int32),
         ("host_budget", ctypes.c_size_t),
+        ("ahead", ctypes.c_int32),
+        ("ahead_min_prob", ctypes.c_int32),
     ]
 
 
@@ -113,7 +116,7 @@ class Stats(ctypes.Structure):
         "hits", "misses", "uploads", "bytes_uploaded", "upload_us", "steps_cached", "steps_stock",
         "syncs", "blocking_upload_bytes", "async_uploads", "async_upload_bytes", "cpu_experts",
         "cpu_expert_bytes", "cpu_us", "cpu_entries", "admit_skipped", "staged_uploads", "staged_upload_bytes",
-        "stop_reads", "stop_writes", "blocking_calls")]
+        "stop_reads", "stop_writes", "blocking_calls", "ahead_reads", "ahead_used", "ahead_bytes")]
 
 
 class MemEntry(ctypes.Structure):
@@ -159,6 +162,9 @@ class CacheStats:
     stop_reads: int = 0
     stop_writes: int = 0
     blocking_calls: int = 0
+    ahead_reads: int = 0
+    ahead_used: int = 0
+    ahead_bytes: int = 0
 
     @classmethod
     def from_struct(cls, s: Stats) -> "CacheStats":
@@ -196,6 +202,7 @@ class CacheLayer:
     miss_path: MissPath = MissPath.UPLOAD  # one of LAYER_MISS_PATHS
     max_admit: int = -1  # CPU miss path: admissions per decode step (<0: experts used per token)
     policy: str = DEFAULT_POLICY  # a native policy (simulator.NATIVE_POLICY_IDS)
+    in_ram: bool = False  # the file tier: slots in RAM, misses read from the model file (a device's layer too)
 
 
 class ExpertCacheAPI:
@@ -274,13 +281,15 @@ class ExpertCache:
              trace: bool = False, trace_max: int | None = None, n_threads: int | None = None,
              policy_params: simulator.PolicyParams = simulator.PolicyParams(), n_stage: int = 0,
              count_uncached: bool = True, file_path: str | None = None, n_readers: int | None = None,
-             host_budget: int = 0) -> None:
+             host_budget: int = 0, ahead: int = 0, ahead_min_prob: int = 0) -> None:
         """Attach a cache (n_layers 0: counting only). NativeError with the library's reason.
         The policies' tunables come from the simulator, their specification. n_stage: staging
         slices, shared by the layers of one expert shape (misses uploaded for one step).
         count_uncached: the layers not cached count their routing too, at a device stop each per step.
         file_path: the file tier: cached layers on the CPU keep their slots in RAM and read misses from
-        this model file, n_readers reads in flight; host_budget: bytes those RAM banks may take (0: any)."""
+        this model file, n_readers reads in flight; host_budget: bytes those RAM banks may take (0: any);
+        ahead: experts of the next file-tier layer read ahead per decode step at most, at a predicted chance
+        of at least ahead_min_prob (fixed point, 1 << 16 = 1; core/prefetch.py replays the predictor)."""
         p = self.default_params()
         p.n_stage = n_stage
         p.count_uncached = count_uncached
@@ -292,7 +301,8 @@ class ExpertCache:
             pinned = (ctypes.c_int32 * max(1, len(c.pinned)))(*c.pinned)
             keep.append(pinned)
             arr[i] = LayerParams(c.il, c.n_slots, len(c.pinned), ctypes.cast(pinned, ctypes.POINTER(ctypes.c_int32)),
-                                 NativeMissPath[MissPath(c.miss_path).name], c.max_admit, native_policy_id(c.policy))
+                                 NativeMissPath[MissPath(c.miss_path).name], c.max_admit, native_policy_id(c.policy),
+                                 int(c.in_ram))
         p.layers = ctypes.cast(arr, ctypes.POINTER(LayerParams))
         p.n_layers = len(layers)
         p.device_budget = device_budget
@@ -310,6 +320,7 @@ class ExpertCache:
         if n_readers is not None:
             p.n_readers = n_readers
         p.host_budget = host_budget
+        p.ahead, p.ahead_min_prob = ahead, ahead_min_prob
         err = ctypes.create_string_buffer(512)
         rc = self.api.init(self.ctx, ctypes.byref(p), err, len(err))
         if rc != Status.OK:
