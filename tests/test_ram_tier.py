@@ -139,6 +139,78 @@ def test_file_tier_is_bit_identical_and_reads_the_misses(small_model):
 
 
 @pytest.mark.model
+def test_read_ahead_is_exact_and_replays_as_the_predictor_says(small_model):
+    """Read-ahead (one expert a layer, no gate): logits bit-identical to the same tier without it; the
+    native reads ahead, and the misses they covered, equal core/prefetch.py's replay of the same
+    routing (the predictor's integer arithmetic, learned online); a covered miss is not read again."""
+    from spark_cli.core import prefetch
+    from spark_cli.core.capture import records_to_trace
+    from spark_cli.native.engine import Engine, EngineOptions
+    from spark_cli.native.expert_cache import CacheLayer, CacheStats
+
+    g = load_geometry(small_model)
+    layers = [CacheLayer(il, 3, (0,)) for il in g.moe_layers]
+    base = EngineOptions(small_model, n_ctx=256, n_threads=2, device="none", repack=False, n_ubatch=1,
+                         cache_layers=layers, file_tier=True, trace=True)
+    with Engine(base) as e:
+        ref = _greedy(e, 12)
+        trace = records_to_trace(e.cache.trace_records(), g.n_layer, g.n_expert, g.fingerprint)
+        off = CacheStats.total(e.cache.stats().values())
+    with Engine(dataclasses.replace(base, read_ahead=1)) as e:
+        got = _greedy(e, 12)
+        on = CacheStats.total(e.cache.stats().values())
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    want = prefetch.replay(trace, {l.il: l.n_slots for l in layers}, {l.il: l.pinned for l in layers},
+                           {il: g.layers[il].expert_bytes_per_expert for il in g.moe_layers}, prefetch.AheadParams(1))
+    assert on.misses == off.misses == want.misses  # the policy is unchanged, and replayed exactly
+    assert on.ahead_reads == want.reads_ahead > 0
+    assert on.ahead_used == want.covered > 0
+    assert on.uploads == off.uploads - on.ahead_used  # a covered miss is copied, not read
+
+
+@pytest.mark.model
+def test_three_tiers_are_bit_identical_on_the_stand_in(small_model, rpc_server):
+    """Three tiers on the RPC stand-in GPU: half the MoE layers resident on the device, a quarter cached
+    there (device slots, the CPU miss path), a quarter host layers in the RAM tier (RAM slots, misses
+    read from the file). Logits bit-identical to the same placement with every host expert mapped."""
+    from spark_cli.native.engine import Engine, EngineOptions
+    from spark_cli.native.expert_cache import CacheLayer
+    from spark_cli.core.simulator import MissPath
+    from spark_cli.runs.bench import cache_total
+
+    g = load_geometry(small_model)
+    moe = list(g.moe_layers)
+    host, cached = moe[:len(moe) // 4], moe[len(moe) // 4:len(moe) // 2]
+    dev = [CacheLayer(il, 4, (), MissPath.CPU) for il in cached]
+    base = EngineOptions(small_model, n_ctx=256, n_threads=2, rpc=[rpc_server.endpoint], repack=False, n_ubatch=1,
+                         host_layers=host, cache_layers=dev)
+    with Engine(base) as e:
+        ref = _greedy(e, 12)
+    ram = [CacheLayer(il, 3, (1,), in_ram=True) for il in host]
+    with Engine(dataclasses.replace(base, cache_layers=[*dev, *ram], file_tier=True, file_readers=2)) as e:
+        got = _greedy(e, 12)
+        st = e.cache.stats()
+    assert got[0] == ref[0]
+    assert np.array_equal(got[1], ref[1])
+    ram_reads = sum(st[il].uploads for il in host)
+    assert ram_reads > len(host) and sum(st[il].cpu_experts for il in host) == 0  # the RAM tier reads its misses
+    assert sum(st[il].cpu_experts for il in cached) > 0  # the device tier computes its misses on the CPU
+
+
+@pytest.mark.model
+def test_in_ram_needs_the_file(small_model, rpc_server):
+    from spark_cli.errors import NativeError
+    from spark_cli.native.engine import Engine, EngineOptions
+    from spark_cli.native.expert_cache import CacheLayer
+
+    g = load_geometry(small_model)
+    il = g.moe_layers[0]
+    base = EngineOptions(small_model, n_ctx=256, n_threads=1, rpc=[rpc_server.endpoint], repack=False)
+    with pytest.raises(NativeError, match="file_path"):
+        Engine(dataclasses.replace(base, cache_layers=[CacheLayer(il, 4, in_ram=True)]))
+
+
+@pytest.mark.model
 def test_file_tier_refuses_what_it_cannot_serve(small_model, tmp_path):
     from spark_cli.errors import NativeError
     from spark_cli.native.engine import Engine, EngineOptions
@@ -171,7 +243,8 @@ def test_capped_run_is_exact_reads_less_than_stock_and_stays_under_the_cap(small
 
     _cgroup_or_skip()
     cap = 430 * MiB
-    b = ram_bench.run(small_model, cap, reps=1, n_prompt=64, n_gen=16, threads=2, n_ctx=256)
+    b = ram_bench.run(small_model, cap, reps=1, n_prompt=64, n_gen=16, threads=2, n_ctx=256,
+                      configs=("stock", "spark"))
     stock, spark = b.of("stock"), b.of("spark")
     assert len(stock) == 1 and len(spark) == 1, [r.error for r in b.runs]
     assert b.exact() is True
@@ -251,3 +324,66 @@ def test_bench_refuses_a_cap_it_cannot_run_under_in_one_line(monkeypatch, capsys
     for cap in ("garbage", "1MiB"):
         rc, out, err = run(small_model, "-dev", "none", "--ram", cap)
         assert rc != 0 and "--ram" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_ram_fit_moves_cached_layers_to_the_host_until_the_host_weights_fit(qwen36):
+    """--vram 8GiB places every layer it cannot hold whole as cached; with --ram the cached layers'
+    experts (kept whole in RAM) must fit: the lowest-numbered go to the host (RAM slots, the file)."""
+    from spark_cli.core import planner
+
+    req = planner.PlanRequest(8 << 30, 8192)
+    free = planner.plan_for(qwen36, req).plan
+
+    def tiers(plan):
+        return ([l.index for l in plan.layers if l.mode == "cached"], [l.index for l in plan.layers if l.mode == "host"])
+
+    cached0, host0 = tiers(free)
+    need0 = ram_tier.three_tier_need(qwen36, cached0, host0)
+    ram = need0 // 2
+    fitted = planner.plan_for(qwen36, dataclasses.replace(req, ram_bytes=ram)).plan
+    cached, host = tiers(fitted)
+    assert ram_tier.three_tier_need(qwen36, cached, host) <= ram < need0
+    assert len(cached) < len(cached0) and len(host) > len(host0)
+    assert min(host) < min(cached)  # stock's order: the lowest-numbered layers on the host
+    assert fitted.breakdown["total"] <= 8 << 30
+    with pytest.raises(PlanError, match="--ram"):
+        planner.plan_for(qwen36, dataclasses.replace(req, ram_bytes=ram_tier.three_tier_need(qwen36, [], [])))
+
+
+def test_plan_with_vram_and_ram_prints_three_tiers(plan_cli, qwen36):
+    import json
+
+    path = Path(qwen36.path)
+    rc, out, err = plan_cli(path, "--vram", "8GiB", "--ram", "6GiB", "-c", "8192")
+    assert rc == 0, err
+    assert "device:" in out and "RAM:" in out and "file:" in out and "host layers" in out
+    rc, out, err = plan_cli(path, "--vram", "8GiB", "--ram", "6GiB", "-c", "8192", "--json")
+    assert rc == 0, err
+    d = json.loads(out)["ram_tier"]
+    assert 0 < d["device_share"] < 1 and d["file_bytes"] > 0
+    assert d["resident_bytes"] + d["bank_bytes"] <= 6 << 30
+    rc, out, err = plan_cli(path, "--vram", "8GiB", "--ram", "64MiB", "-c", "8192")
+    assert rc != 0 and "--ram" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_ram_residency_cap_leaves_that_share_of_the_tier_experts(qwen36):
+    """--ram-residency SHARE: at that cap Spark's own budget (cgroup headroom less the runtime, the
+    measured KV cache and compute buffers and the margin) gives the RAM tier SHARE of its experts."""
+    from spark_cli.runs.ram_bench import DeviceShape, RamRun, residency_cap
+    from spark_cli.runs.session import RAM_MARGIN
+
+    bill = {"model": qwen36.total_expert_bytes + ram_tier.resident_bytes(qwen36), "context": 1 << 30,
+            "compute": 1 << 29}
+    base = RamRun("base", True, rss_runtime=300 << 20, host_bill=bill)
+    for share in (0.4, 0.6):
+        cap = residency_cap(qwen36, base, share)
+        budget = cap - base.rss_runtime - bill["context"] - bill["compute"] - RAM_MARGIN
+        tier = ram_tier.plan(qwen36, budget, "test")
+        assert tier is not None and tier.resident_share == pytest.approx(share, abs=0.01)
+    dev = DeviceShape("127.0.0.1:1", 10)
+    host = [il for il in qwen36.moe_layers if il < 10]
+    cap = residency_cap(qwen36, base, 0.5, dev)
+    resident = bill["model"] - ram_tier.expert_bytes(qwen36, host)
+    budget = cap - base.rss_runtime - bill["context"] - bill["compute"] - RAM_MARGIN
+    tier = ram_tier.plan(qwen36, budget, "test", layers=host, resident=resident)
+    assert tier is not None and tier.resident_share == pytest.approx(0.5, abs=0.01)

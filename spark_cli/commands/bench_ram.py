@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from typing import Callable
 
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -21,7 +23,9 @@ MIN_CAP = 128 << 20  # the runtime of one worker (Python, llama.cpp's libraries)
 KEYS = (("pp_tok_s", "pp tok/s", "{:.2f}"), ("tg_tok_s", "tg tok/s", "{:.2f}"),
         ("pp_read_bytes_per_token", "pp disk read / token", "bytes"),
         ("read_bytes_per_token", "disk read / token", "bytes"), ("major_faults_per_token", "major faults / token", "{:.1f}"),
-        ("file_bytes_per_token", "file tier read / token", "bytes"), ("hit_rate", "RAM hit rate", "{:.1%}"),
+        ("file_bytes_per_token", "file tier read / token", "bytes"),
+        ("replayed_bytes_per_token", "replayed / token", "bytes"), ("hit_rate", "RAM hit rate", "{:.1%}"),
+        ("ahead_recall", "misses read ahead", "{:.0%}"), ("ahead_precision", "reads ahead used", "{:.0%}"),
         ("resident_share", "experts in RAM", "{:.0%}"), ("peak", "cgroup peak", "bytes"),
         ("predicted_tg_tok_s", "predicted tg tok/s", "{:.2f}"))
 
@@ -42,6 +46,19 @@ def verdict(b: ram_bench.RamBench) -> str:
             f"under {units.fmt_bytes(b.cap)}: tg {tg:.2f}x, pp {pp:.2f}x; a run was OOM-killed")
 
 
+def ahead_line(b: ram_bench.RamBench) -> str | None:
+    """What read-ahead did: spark-ahead's tg against spark's, and its accuracy (None: not run)."""
+    a, s = b.median("spark-ahead", "tg_tok_s"), b.median("spark", "tg_tok_s")
+    if not a or not s:
+        return None
+    rec, prec = b.median("spark-ahead", "ahead_recall"), b.median("spark-ahead", "ahead_precision")
+    gate = b.of("spark-ahead")[0].ahead_min_prob / (1 << 16)
+    acc = (f"{rec:.0%} of the misses read ahead, {prec:.0%} of the reads ahead used"
+           if rec is not None and prec is not None else "nothing read ahead")
+    return (f"read-ahead (one expert a layer, predicted chance at least {gate:.2f}): tg {a / s:.2f}x Spark's "
+            f"without it; {acc}")
+
+
 def table(b: ram_bench.RamBench, md: bool) -> str | Table:
     heads = ["configuration", *(h for _, h, _ in KEYS)]
     rows = [[c, *(_fmt(b.median(c, k), how) for k, _, how in KEYS)] for c in ram_bench.CONFIGS if b.of(c)]
@@ -57,16 +74,51 @@ def table(b: ram_bench.RamBench, md: bool) -> str | Table:
     return t
 
 
+def device_shape(path: Path, flags: LoadFlags, n_ctx: int, budget: Callable[[list, int], tuple[int, str]],
+                 stack: contextlib.ExitStack) -> ram_bench.DeviceShape | None:
+    """Three tiers with --rpc (auto: a local stand-in started here, outside the runs' cgroups): every run
+    on that device with stock's --n-cpu-moe N for the budget (--vram, --residency or the device's)."""
+    if not flags.rpc:
+        return None
+    from ..core import planner
+    from ..core.gguf_info import load_geometry
+    from ..native import devices, rpc as rpc_mod
+    from ..runs import session
+
+    endpoint = flags.rpc
+    if endpoint == "auto":
+        endpoint = stack.enter_context(rpc_mod.RpcServer(threads=flags.threads).start()).endpoint
+    devs = devices.select(devices.parse(None, endpoint))
+    if not devs:
+        raise UsageError(f"--rpc {flags.rpc}: no device answered", hint="start the RPC server, or use --rpc auto")
+    g = load_geometry(path)
+    bytes_, _ = budget(devs, n_ctx)
+    stock = planner.stock_baseline(g, bytes_, planner.fixed_bytes(g, n_ctx, **session.kv_settings(flags)))
+    if not stock.fits:
+        raise UsageError(f"--rpc with --ram: stock --cpu-moe does not fit {units.fmt_bytes(bytes_)} of device memory",
+                         hint="raise --vram or --residency")
+    return ram_bench.DeviceShape(endpoint, stock.n_cpu_moe)
+
+
 def run_cmd(path: Path, flags: LoadFlags, n_prompt: int, n_gen: int, reps: int, as_json: bool, output: Path | None,
-            md: bool) -> None:
-    """Every configuration under the cap, interleaved; the table, the verdict, -o/--json."""
-    assert flags.ram is not None
-    if flags.ram < MIN_CAP:
+            md: bool, residency: float | None = None, budget: Callable[[list, int], tuple[int, str]] | None = None) -> None:
+    """Every configuration under the cap (--ram, or --ram-residency's), interleaved; the table, the
+    verdict, -o/--json."""
+    if flags.ram is not None and flags.ram < MIN_CAP:
         raise UsageError(f"--ram {units.fmt_bytes(flags.ram)}: too small a cap for any run (the runtime alone "
                          f"takes more)", hint=f"give at least {units.fmt_bytes(MIN_CAP)}: a little less than the model file")
+    with contextlib.ExitStack() as stack:
+        n_ctx = ram_bench.run_context(flags.ctx_size or 512, n_prompt, n_gen)
+        device = device_shape(path, flags, n_ctx, budget, stack) if budget is not None else None
+        _run_and_show(path, flags, n_prompt, n_gen, reps, as_json, output, md, device, residency)
+
+
+def _run_and_show(path: Path, flags: LoadFlags, n_prompt: int, n_gen: int, reps: int, as_json: bool,
+                  output: Path | None, md: bool, device: ram_bench.DeviceShape | None, residency: float | None) -> None:
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*cols, console=err_console, transient=True) as prog:
-        task = prog.add_task(f"runs under {units.fmt_bytes(flags.ram)}", total=reps * len(ram_bench.CONFIGS) + 1)
+        cap = units.fmt_bytes(flags.ram) if flags.ram is not None else f"--ram-residency {residency:g}"
+        task = prog.add_task(f"runs under {cap}", total=reps * len(ram_bench.CONFIGS) + 1)
 
         def on_run(i: int, n: int, r: ram_bench.RamRun) -> None:
             prog.update(task, completed=i)
@@ -74,7 +126,7 @@ def run_cmd(path: Path, flags: LoadFlags, n_prompt: int, n_gen: int, reps: int, 
                 err_console.print(f"[yellow]warning:[/] {r.config}: {escape(r.error)}", soft_wrap=True)
 
         b = ram_bench.run(path, flags.ram, reps=reps, n_prompt=n_prompt, n_gen=n_gen, threads=flags.threads,
-                          n_ctx=flags.ctx_size or 512, on_run=on_run)
+                          n_ctx=flags.ctx_size or 512, device=device, residency=residency, on_run=on_run)
     d = b.to_dict()
     if output is not None:
         atomic_write_text(output, json.dumps(d, indent=1) + "\n", flag="-o")
@@ -95,3 +147,6 @@ def run_cmd(path: Path, flags: LoadFlags, n_prompt: int, n_gen: int, reps: int, 
                   f"{units.fmt_bytes(b.disk.read_bytes)} reads, {b.disk.depth} in flight{ratio}",
                   soft_wrap=True, markup=False)
     out.print(verdict(b), soft_wrap=True, markup=False)
+    ahead = ahead_line(b)
+    if ahead:
+        out.print(ahead, soft_wrap=True, markup=False)

@@ -20,7 +20,8 @@ from ..core.units import parse_sizes
 from ..errors import NativeError, SparkError, UsageError
 from ..files.atomic import check_output
 from ..native import devices
-from ..runs import host_ram, session
+from ..files.paths import spark_home
+from ..runs import host_calibration, host_ram, session
 from . import render_plan
 from .common import (JSON_HELP, MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, parse_miss_path,
                      run_inputs)
@@ -76,7 +77,7 @@ def _routing(info, geometry, trace, trace_path: Path | None):
 
 
 def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, replay_src: str, pol: str, req,
-                check_result, host) -> None:
+                check_result, host, provenance: list[str]) -> None:
 
     plan = placed.plan
     console.print(f"[bold]{path.name}[/]: {g.arch}, {g.n_layer} layers, {len(g.moe_layers)} MoE, "
@@ -92,6 +93,8 @@ def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, 
     if table is not None:
         console.print(Whole(table))
     console.print(render_plan.prediction_line(plan), soft_wrap=True)
+    for line in provenance:  # --predict-for: which figures are measured, fitted from public reports, assumed
+        console.print(f"  {line}", soft_wrap=True)
     if trace is not None:
         console.print(trace_replay_line(trace, plan), soft_wrap=True)
     if placed.candidates:
@@ -103,6 +106,11 @@ def _print_plan(path: Path, g, routing: str, placed, budget_source: str, trace, 
         console.print(held_out_line(check_result, pol), soft_wrap=True)
     for line in render_plan.stock_lines(plan):
         console.print(line, soft_wrap=True)
+
+
+def routing_trace(info, trace: RoutingTrace | None) -> RoutingTrace | None:
+    """The decode steps a RAM tier is replayed on: --trace, else the profile's recent ones."""
+    return trace if trace is not None else info.profile.recent_trace() if info.profile is not None else None
 
 
 def _devices(flags: LoadFlags, vram_text: str | None, measure: bool) -> list:
@@ -136,20 +144,30 @@ def _check_prediction_flags(objective: str, predict_for: str | None, host_bandwi
         raise UsageError(f"--host-bandwidth: {host_bandwidth:g} GB/s", hint="give the host's memory bandwidth, e.g. 60")
     if host_cores is not None and host_cores < 1:
         raise UsageError(f"--host-cores: {host_cores}", hint="give a core count of 1 or more")
-    if objective == "prompt":
-        raise UsageError("--objective prompt: prompt speed is not predicted from published figures",
+    card = device_table.card(predict_for)
+    if objective == "prompt" and card.fp32_tflops <= 0:
+        raise UsageError(f"--objective prompt: {predict_for} has no compute figure to predict prompt speed from",
                          hint="measure it on the card with spark bench, or use --objective decode")
-    return device_table.card(predict_for)
+    return card
 
 
-def _costs(card, geometry, devs: list, flags: LoadFlags, host_bandwidth: float | None, host_cores: int | None):
+def predict_host(host_bandwidth: float | None, host_cores: int | None) -> device_table.Host:
+    """The host beside a --predict-for card: the flags where given, else this CPU as Spark has
+    calibrated it (runs/host_calibration.py), else the default bandwidth and this machine's cores."""
+    if host_bandwidth is None and host_cores is None:
+        measured = host_calibration.measured_host(spark_home())
+        if measured is not None:
+            return measured
+    return device_table.Host(host_bandwidth or device_table.DEFAULT_HOST_GB_S, host_cores or os.cpu_count() or 1)
+
+
+def _costs(card, geometry, devs: list, flags: LoadFlags, host: device_table.Host | None):
     """The device costs a plan is priced with: a card's published figures (--predict-for), else those
     `spark bench` measured for the device, model and -t; None: placed by hits alone."""
 
 
     if card is not None:
-        return device_table.predicted_costs(card, geometry, host_bandwidth or device_table.DEFAULT_HOST_GB_S,
-                                            host_cores or os.cpu_count() or 1)
+        return device_table.predicted_costs(card, geometry, host=host)
     if not devs and (flags.device or flags.rpc):  # --no-measure: the device named is still the one priced
         devs = _devices(flags, None, True)
     return session.kept_costs(devs, geometry, flags)
@@ -184,7 +202,8 @@ def plan_cmd(
                                     "from its published figures (e.g. rtx-4060-ti-16gb; an unknown name lists "
                                     "them); --vram defaults to its memory"),
     host_bandwidth: float = typer.Option(None, "--host-bandwidth", help="with --predict-for: the host's memory "
-                                         "bandwidth in GB/s (default 60: dual-channel DDR5)"),
+                                         "bandwidth in GB/s (default: this CPU as Spark calibrated it, else 60: "
+                                         "dual-channel DDR5)"),
     host_cores: int = typer.Option(None, "--host-cores", help="with --predict-for: the host's CPU cores "
                                    "(default: this machine's)"),
     cold_hit: float = typer.Option(None, "--cold-hit", help="without a profile: the share of routed experts "
@@ -213,14 +232,15 @@ def plan_cmd(
         parse_sizes(vram_text, flag="--vram")  # a flag error before the model is read
     path = model_or_demo(model)
     geometry = session.open_geometry(path)
-    if flags.ram is not None:  # the RAM tier: what sits in RAM and in the file (a CPU run's)
+    if flags.ram is not None and not (vram_text or flags.rpc or (flags.device and flags.device != "none")):
+        # the RAM tier of a CPU run: what sits in RAM and in the file
         from . import plan_ram
 
         info = session.load_profile(path, geometry, profile_path)
         trace = RoutingTrace.load(trace_path, expect_fingerprint=geometry.fingerprint,
                                   expect_shape=(geometry.n_layer, geometry.n_expert)) if trace_path else None
-        recent = trace if trace is not None else info.profile.recent_trace() if info.profile is not None else None
-        return plan_ram.show(path, geometry, session.profile_counts(info), recent, flags.ram, as_json, say)
+        return plan_ram.show(path, geometry, session.profile_counts(info), routing_trace(info, trace), flags.ram,
+                             as_json, say)
     # NOTE: --vram needs no device; a device (when there is one) measures the bill
     devs = _devices(flags, vram_text, measure)
     sel = devices.parse(flags.device, flags.rpc)
@@ -240,15 +260,22 @@ def plan_cmd(
                               expect_shape=(geometry.n_layer, geometry.n_expert)) if trace_path else None
     info, routing = _routing(info, geometry, trace, trace_path)
     # NOTE: the same request chat and serve make for --vram (session.resolve_placement)
-    costs = _costs(card, geometry, devs, flags, host_bandwidth, host_cores)
+    host = predict_host(host_bandwidth, host_cores) if card is not None else None
+    costs = _costs(card, geometry, devs, flags, host)
     req = session.plan_request(info, budget.bytes, ctx, trace=trace, policy=pol, miss_path=miss_choice,
                                split=session.resolve_split(flags, budget), costs=costs, objective=objective,
                                **session.kv_settings(flags))
-    req = replace(req, assumed_cold_hit=cold_hit)
+    req = replace(req, assumed_cold_hit=cold_hit, ram_bytes=flags.ram)
     replay_src = f"the trace {trace_path.name}" if trace_path else "the profile's recent decode steps"
 
     placed = planner.plan_for(geometry, req, session.measurer(path, geometry, flags, ctx) if devs and measure else None)
     plan = placed.plan
+    if flags.ram is not None:  # three tiers: the device plan's host layers in RAM slots and the file
+        from . import plan_ram
+
+        tier = session.resolve_device_ram_tier(geometry, info, flags, plan)
+        return plan_ram.show(path, geometry, session.profile_counts(info), routing_trace(info, trace), flags.ram,
+                             as_json, say, tier=tier, plan=plan)
     ram_warning = host_ram.check(plan, flags)
     if ram_warning:
         say.print(f"[yellow]warning:[/] {ram_warning}", soft_wrap=True)
@@ -267,7 +294,7 @@ def plan_cmd(
         return
 
     _print_plan(path, geometry, routing, placed, budget.source, trace, replay_src, priced, req, check_result,
-                host_ram.host_ram(plan))
+                host_ram.host_ram(plan), device_table.provenance(card, host) if card is not None else [])
     if output is not None:
         console.print(f"wrote {output} (use it with --plan {output})")
 

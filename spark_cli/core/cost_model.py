@@ -154,7 +154,8 @@ class Prediction:
         return self.pp_us if objective == "prompt" else self.tg_us
 
     def to_dict(self) -> dict:
-        """JSON figures; a phase with no time (prompt, from published figures) is null: not predicted."""
+        """JSON figures; a phase with no time (prompt, for a card whose compute is not known) is null: not
+        predicted."""
         return {"tg_tok_s": self.tg_tok_s if self.tg_us > 0 else None,
                 "pp_tok_s": self.pp_tok_s if self.pp_us > 0 else None, "stops": self.stops}
 
@@ -274,3 +275,15 @@ def file_tier_tg(base_s: float, misses_per_token: float, expert_bytes: float, di
     """Seconds per decode token of a RAM-tier run: the token with every expert in RAM (`base_s`)
     plus the reads of its misses, which each layer's step waits for (all of a step's in flight)."""
     return base_s + misses_per_token * expert_bytes / disk.bytes_per_s
+
+
+def file_tier_tg_ahead(base_s: float, uncovered_per_token: float, ahead_steps: dict[int, float],
+                       expert_bytes: float, disk: DiskCosts, overlap_s: float) -> float:
+    """file_tier_tg with read-ahead (core/prefetch.py): the token waits for the reads of its misses that
+    were not read ahead, and a layer that reads q experts ahead for the next one hides them behind its
+    compute (`overlap_s`) only: the next layer starts when they are in, so it waits
+    max(0, q * read - overlap_s) more. `ahead_steps`: q -> layer steps per token that read q ahead
+    (none, or only q = 0: no read-ahead, file_tier_tg)."""
+    read_s = expert_bytes / disk.bytes_per_s
+    wait = sum(n * max(0.0, q * read_s - overlap_s) for q, n in ahead_steps.items())
+    return file_tier_tg(base_s, uncovered_per_token, expert_bytes, disk) + wait

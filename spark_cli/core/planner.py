@@ -64,7 +64,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import units, vram
+from . import ram_tier, units, vram
 from ..errors import PlanError
 from .bill import MeasuredBill
 from .cost_model import OBJECTIVES, DeviceCosts, LayerLoad, Prediction, predict
@@ -650,6 +650,11 @@ class PlanRequest:
     costs: DeviceCosts | None = field(default=None, compare=False)  # the device's time figures: plans priced in time
     objective: str = "decode"  # with costs: the time a plan minimises (cost_model.OBJECTIVES)
     assumed_cold_hit: float | None = None  # without a trace: a cached layer's miss share at k slots (--cold-hit)
+    # three tiers (--vram with --ram): the RAM the host weights may take. A cached layer keeps its experts
+    # whole in RAM (its device misses' source); a host layer needs only its RAM tier's k slots, the rest
+    # read from the file. Cached layers beyond what fits become host layers (ram_fit).
+    ram_bytes: int | None = None
+    forced_host: frozenset[int] = frozenset()  # MoE layers placed on the host whatever the budget (ram_fit's)
 
     @property
     def replay_path(self) -> str:
@@ -812,6 +817,42 @@ def _with_compute(breakdown: dict[str, int], compute: int) -> dict[str, int]:
 
 
 def _plan_once(geometry: ModelGeometry, request: PlanRequest) -> PlanResult:
+    """One placement for the request; with ram_bytes, the RAM fit (ram_fit) on top."""
+    res = _plan_device(geometry, request)
+    return res if request.ram_bytes is None else ram_fit(geometry, request, res)
+
+
+MAX_RAM_ROUNDS = 8
+
+
+def ram_fit(geometry: ModelGeometry, request: PlanRequest, res: PlanResult) -> PlanResult:
+    """Three tiers: while the plan's host weights (the cached layers' experts whole, k RAM slots a host
+    layer, the input embeddings) do not fit request.ram_bytes, the lowest-numbered cached layers go to
+    the host (as stock's --n-cpu-moe orders them), enough to cover what is over, and the device budget
+    is spent again on the rest. PlanError (one line) when no cached layer is left to move."""
+    forced = set(request.forced_host)
+    for _ in range(MAX_RAM_ROUNDS):
+        cached = [l.index for l in res.plan.layers if l.mode == "cached"]
+        host = [l.index for l in res.plan.layers if l.mode == "host"]
+        over = ram_tier.three_tier_need(geometry, cached, host) - request.ram_bytes
+        if over <= 0:
+            return res
+        if not cached:
+            break
+        for il in cached:
+            forced.add(il)
+            over -= ram_tier.expert_bytes(geometry, [il]) - ram_tier.slot_floor(geometry, il)
+            if over <= 0:
+                break
+        res = _plan_device(geometry, replace(request, forced_host=frozenset(forced)))
+    need = ram_tier.three_tier_need(geometry, [l.index for l in res.plan.layers if l.mode == "cached"],
+                                    [l.index for l in res.plan.layers if l.mode == "host"])
+    raise PlanError(f"--ram {units.fmt_bytes(request.ram_bytes)}: the placement's host weights need "
+                    f"{units.fmt_bytes(need)} at least (the cached layers' experts, {geometry.n_expert_used} RAM slots "
+                    "per host layer, the staging slices)", hint="give the run more RAM (--ram) or more --vram")
+
+
+def _plan_device(geometry: ModelGeometry, request: PlanRequest) -> PlanResult:
     r = request
     policy = canonical_policy(r.policy)  # NOTE: plan_for resolved "auto"
     if policy not in ONLINE_POLICIES:
@@ -826,6 +867,8 @@ def _plan_once(geometry: ModelGeometry, request: PlanRequest) -> PlanResult:
                         f"{geometry.n_layer} x {geometry.n_expert}")
     if r.costs is not None and r.devices().n_devices == 1:
         return _plan_in_time(geometry, r, trace, kw)
+    if r.forced_host:
+        kw["shape"] = Shape(frozenset(), r.forced_host)
     if trace is None:
         return PlanResult(_make_plan(geometry, r.budget_bytes, r.n_ctx, r.profile_counts, **kw))
     plan, cands = _plan_by_replay(geometry, r.budget_bytes, r.n_ctx, trace, r.profile_counts,
@@ -900,7 +943,8 @@ def _plan_by_replay(geometry: ModelGeometry, budget_bytes: int, n_ctx: int, trac
                     type_v: str = "f16", n_ubatch: int = DEFAULT_UBATCH, replay_path: str = "upload",
                     max_admit: int | None = None, miss_path: str = "auto",
                     compute_bytes: int | tuple[int, ...] | None = None, n_parallel: int = 1,
-                    kv_unified: bool = False, split: Split | None = None) -> tuple[Plan, list[Candidate]]:
+                    kv_unified: bool = False, split: Split | None = None,
+                    shape: "Shape | None" = None) -> tuple[Plan, list[Candidate]]:
     """Price pins against policy slots per layer by replaying `trace` (decode steps)
     through the policy that will run, and keep the best of three plans for the budget:
 
@@ -921,7 +965,7 @@ def _plan_by_replay(geometry: ModelGeometry, budget_bytes: int, n_ctx: int, trac
                       replay_path, max_admit)
     common = dict(profile_counts=counts, type_k=type_k, type_v=type_v, n_ubatch=n_ubatch, policy=policy,
                   miss_path=miss_path, compute_bytes=compute_bytes, n_parallel=n_parallel, kv_unified=kv_unified,
-                  split=split)
+                  split=split, shape=shape)
     plans = [
         ("replay", _make_plan(geometry, budget_bytes, n_ctx, miss_fn=rp.miss, **common)),
         ("pins+k", _make_plan(geometry, budget_bytes, n_ctx, **common)),
@@ -1058,6 +1102,7 @@ def _plan_in_time(g: ModelGeometry, r: PlanRequest, trace: Any, kw: dict) -> Pla
     base = dict(profile_counts=counts, **kw)
 
     def make(shape: Shape, candidate: str = "replay") -> Plan:
+        shape = Shape(shape.resident - r.forced_host, shape.host | r.forced_host)  # NOTE: ram_fit's host layers
         stage = None if set(order) - shape.resident - shape.host else 0
         miss_fn = rp.miss if rp is not None and candidate != "pins+k" else None
         return _make_plan(g, r.budget_bytes, r.n_ctx, shape=shape, stage=stage, miss_fn=miss_fn,

@@ -14,6 +14,8 @@ Sizes are the GGUF's own tensor bytes (gguf_info); the RAM the run needs besides
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
+
 import numpy as np
 
 from . import units
@@ -41,9 +43,9 @@ class RamTier:
 
     budget: int  # bytes of RAM for weights
     source: str  # where the budget came from (--ram, a cgroup, psutil, SPARK_RAM_LIMIT)
-    resident_bytes: int  # non-expert weights, resident
+    resident_bytes: int  # weights resident besides the tier's layers (non-expert; with a device, its host weights)
     layers: tuple[RamLayer, ...]
-    total_expert_bytes: int
+    total_expert_bytes: int  # the routed-expert bytes of the tier's layers
     n_stage: int  # staging slices (the experts of a layer not pinned)
     stage_bytes: int
 
@@ -60,60 +62,88 @@ class RamTier:
 
     def line(self) -> str:
         return (f"RAM tier: {units.fmt_bytes(self.budget)} for weights ({self.source}): "
-                f"{units.fmt_bytes(self.resident_bytes)} non-expert resident, {units.fmt_bytes(self.bank_bytes)} "
+                f"{units.fmt_bytes(self.resident_bytes)} of other weights resident, {units.fmt_bytes(self.bank_bytes)} "
                 f"of expert slots ({self.resident_share:.0%} of the experts), the rest read from the model file")
 
 
 def resident_bytes(g: ModelGeometry) -> int:
-    """The weights that stay resident: everything but the routed experts."""
+    """The weights that stay resident in a CPU run: everything but the routed experts."""
     return g.global_bytes + sum(l.nonexpert_bytes for l in g.layers)
+
+
+def expert_bytes(g: ModelGeometry, layers: Sequence[int]) -> int:
+    """The routed-expert bytes of `layers`."""
+    return sum(g.layers[il].expert_bytes_per_expert * g.n_expert for il in layers)
+
+
+def slot_floor(g: ModelGeometry, il: int) -> int:
+    """The RAM a layer in the tier needs at least: k slots and the guard slice."""
+    return (g.n_expert_used + 1) * g.layers[il].expert_bytes_per_expert
+
+
+def three_tier_need(g: ModelGeometry, cached: Sequence[int], host: Sequence[int]) -> int:
+    """The least RAM a device placement's host weights take (planned, before a dry run measures them):
+    the input embeddings llama.cpp keeps on the CPU, the cached layers' experts whole (their device
+    misses' source) and, for the host layers, the RAM tier's floor (minimum)."""
+    resident = g.token_embd_bytes + expert_bytes(g, cached)
+    return minimum(g, host, resident) if host else resident
 
 
 def fits(g: ModelGeometry, budget: int) -> bool:
     return resident_bytes(g) + g.total_expert_bytes <= budget
 
 
-def stage_bytes(g: ModelGeometry) -> int:
+def stage_bytes(g: ModelGeometry, layers: Sequence[int] | None = None) -> int:
     """A layer's worth of staging slices (the largest layer's experts), shared by every layer."""
-    return g.n_expert * max((g.layers[il].expert_bytes_per_expert for il in g.moe_layers), default=0)
+    layers = g.moe_layers if layers is None else layers
+    return g.n_expert * max((g.layers[il].expert_bytes_per_expert for il in layers), default=0)
 
 
-def minimum(g: ModelGeometry) -> int:
+def minimum(g: ModelGeometry, layers: Sequence[int] | None = None, resident: int | None = None) -> int:
     """The smallest budget the file tier runs in: the resident weights, the staging slices and k LRU
-    slots (and a guard) per MoE layer."""
-    k = g.n_expert_used
-    return resident_bytes(g) + stage_bytes(g) + sum((k + 1) * g.layers[il].expert_bytes_per_expert
-                                                     for il in g.moe_layers)
+    slots (and a guard) per layer in the tier (default: every MoE layer, a CPU run's)."""
+    layers = g.moe_layers if layers is None else layers
+    resident = resident_bytes(g) if resident is None else resident
+    return resident + stage_bytes(g, layers) + sum(slot_floor(g, il) for il in layers)
 
 
 def plan(g: ModelGeometry, budget: int, source: str, counts: np.ndarray | None = None,
-         flag: str = "--ram") -> RamTier | None:
+         flag: str = "--ram", layers: Sequence[int] | None = None, resident: int | None = None) -> RamTier | None:
     """The RAM tier for `budget` bytes of weights (None: everything fits, nothing changes).
     `counts`: the profile's decode counts [n_layer, n_expert] (None: no pins, all slots LRU).
+    `layers`: the MoE layers whose experts the tier holds (default: every one, a CPU run's; with a
+    device, the plan's host layers: three tiers); `resident`: the weights that stay resident in RAM
+    besides them (default: the non-expert weights, a CPU run's; with a device, the dry run's host
+    weights less those layers' experts).
     PlanError, one line, when the budget cannot hold the resident weights and k slots a layer."""
-    if fits(g, budget):
+    moe = list(g.moe_layers if layers is None else layers)
+    resident = resident_bytes(g) if resident is None else resident
+    if resident + expert_bytes(g, moe) <= budget:
         return None
-    need = minimum(g)
-    if budget < need:
+    need = minimum(g, moe, resident)
+    if not moe or budget < need:
+        what = (f"its non-expert weights ({units.fmt_bytes(resident)})" if layers is None else
+                f"the weights the plan keeps in RAM ({units.fmt_bytes(resident)}: the cached layers' host experts "
+                "and the weights llama.cpp keeps on the CPU)")
+        tail = (f", a layer of staging slices and {g.n_expert_used} expert slots per MoE layer in RAM" if moe else
+                " with no host layer to read from the file")
         raise PlanError(f"{flag}: {units.fmt_bytes(budget)} for weights ({source}) is too small for this model: "
-                        f"its non-expert weights ({units.fmt_bytes(resident_bytes(g))}), a layer of staging slices "
-                        f"and {g.n_expert_used} expert slots per MoE layer need {units.fmt_bytes(need)}",
-                        hint="give the run more RAM (--ram, the container's memory limit) or use a smaller model")
-    moe = list(g.moe_layers)
-    left = budget - resident_bytes(g) - stage_bytes(g)
+                        f"{what}{tail} need {units.fmt_bytes(need)}",
+                        hint="give the run more RAM (--ram, the container's memory limit), more --vram, "
+                             "or use a smaller model")
+    left = budget - resident - stage_bytes(g, moe)
     per_slot = sum(g.layers[il].expert_bytes_per_expert for il in moe)
     # NOTE: one slot count for every layer (the guard slice included); spread evenly, the rest to early layers
     n_slots = min(g.n_expert, left // per_slot - 1)
-    layers = []
+    out = []
     spare = left - (n_slots + 1) * per_slot
     for il in moe:
         eb = g.layers[il].expert_bytes_per_expert
         s = n_slots
         if s < g.n_expert and spare >= eb:
             s, spare = s + 1, spare - eb
-        layers.append(RamLayer(il, int(s), _pins(counts, il, int(s), g.n_expert_used), eb))
-    return RamTier(budget, source, resident_bytes(g), tuple(layers), g.total_expert_bytes, g.n_expert,
-                   stage_bytes(g))
+        out.append(RamLayer(il, int(s), _pins(counts, il, int(s), g.n_expert_used), eb))
+    return RamTier(budget, source, resident, tuple(out), expert_bytes(g, moe), g.n_expert, stage_bytes(g, moe))
 
 
 def _pins(counts: np.ndarray | None, il: int, n_slots: int, k: int) -> tuple[int, ...]:

@@ -35,9 +35,11 @@ from ..core.gguf_info import load_geometry
 from ..core import ram_tier
 from ..core.trace import DECODE
 from ..files.paths import spark_home
+from ..errors import SparkError
 from . import disk_costs, memcg
 
-CONFIGS = ("stock", "spark")
+CONFIGS = ("stock", "spark", "spark-ahead")  # spark-ahead: Spark's tier with read-ahead (one expert a layer, gated)
+SPARK = ("spark", "spark-ahead")
 BASE = "base"  # Spark with no cap: the uncapped speed, and the trace the prediction replays
 
 
@@ -63,6 +65,14 @@ class RamRun:
     slots: list[list] = field(default_factory=list)  # spark: [il, n_slots, pinned] per layer
     trace: list[list] = field(default_factory=list)  # base: [il, ids] of each decode step
     predicted_tg_tok_s: float | None = None  # spark: the cost model's, from the base run and the disk
+    replayed_bytes_per_token: float | None = None  # spark: the base run's routing replayed through its slots
+    ahead_min_prob: int = 0  # spark-ahead: the gate (core/prefetch.break_even's, from the base run and the disk)
+    ahead_reads_per_token: float | None = None  # spark-ahead: experts read ahead per generated token
+    ahead_recall: float | None = None  # spark-ahead: share of the misses that were read ahead
+    ahead_precision: float | None = None  # spark-ahead: share of the reads ahead that a step used
+    rss_peak: int = 0  # the process's peak resident set (bytes)
+    rss_runtime: int = 0  # base: its resident set after a dry run, before the model loads (the runtime)
+    host_bill: dict = field(default_factory=dict)  # base: the dry run's host bill (model, context, compute, total)
 
 
 def _io() -> tuple[int, int]:
@@ -75,26 +85,84 @@ def _io() -> tuple[int, int]:
     return rb, resource.getrusage(resource.RUSAGE_SELF).ru_majflt
 
 
-def worker(model: Path, config: str, n_prompt: int, n_gen: int, threads: int | None, n_ctx: int) -> dict:
+def run_context(n_ctx: int, n_prompt: int, n_gen: int) -> int:
+    """The context a run opens: -c, or the workload's tokens and a margin where that is more."""
+    return max(n_ctx, n_prompt + n_gen + 64)
+
+
+@dataclass(frozen=True)
+class DeviceShape:
+    """Three tiers: every run on this RPC device (its server outside the cgroups) with stock's
+    --n-cpu-moe N for the device budget; Spark's RAM tier holds those N host layers' experts."""
+
+    rpc: str  # HOST:PORT
+    n_cpu_moe: int
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one worker process runs (its argv, as JSON)."""
+
+    model: str
+    config: str
+    n_prompt: int
+    n_gen: int
+    threads: int | None
+    n_ctx: int
+    device: DeviceShape | None = None
+    ahead_min_prob: int = 0  # spark-ahead's gate
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "WorkerSpec":
+        d = json.loads(text)
+        dev = d.pop("device")
+        return cls(**d, device=DeviceShape(**dev) if dev else None)
+
+
+def worker(spec: WorkerSpec) -> dict:
     """One run in this process (inside the cgroup): prompt processing, then greedy generation."""
+    model, config, n_prompt, n_gen = Path(spec.model), spec.config, spec.n_prompt, spec.n_gen
+    threads, n_ctx, device = spec.threads, spec.n_ctx, spec.device
     from ..core.options import LoadFlags
     from ..files.corpus import bundled_corpus, read_corpus
-    from . import session
+    from ..native.expert_cache import CacheLayer
+    from . import dry_run, session
 
     geometry = session.open_geometry(model)
-    n_ctx = max(n_ctx, n_prompt + n_gen + 64)
-    flags = LoadFlags(device="none", threads=threads, repack=False, ctx_size=n_ctx)
+    n_ctx = run_context(n_ctx, n_prompt, n_gen)
+    flags = LoadFlags(device=None if device else "none", rpc=device.rpc if device else None, threads=threads,
+                      repack=False, ctx_size=n_ctx)
     out = RamRun(config, True)
     opts = session.engine_options(model, geometry, None, flags, n_ctx=n_ctx, learn=False)
-    if config == "spark":
+    host = [il for il in geometry.moe_layers if device and il < device.n_cpu_moe]
+    if device:
+        opts = dataclasses.replace(opts, host_layers=host)
+    if config in SPARK:
         info = session.load_profile(model, geometry)
-        tier = session.resolve_ram_tier(model, geometry, info, flags, n_ctx)
+        if device:
+            bill = dry_run.measure(dataclasses.replace(opts, dry_run=True)).host()
+            tier = session.host_ram_tier(geometry, info, flags, host, bill)
+        else:
+            tier = session.resolve_ram_tier(model, geometry, info, flags, n_ctx)
         opts = session.with_ram_tier(opts, tier, geometry)
+        if config == "spark-ahead":
+            opts = dataclasses.replace(opts, read_ahead=1, ahead_min_prob=spec.ahead_min_prob)
+            out.ahead_min_prob = spec.ahead_min_prob
         out.tier = tier.line() if tier is not None else "the weights fit: no RAM tier"
         out.resident_share = tier.resident_share if tier is not None else 1.0
         out.slots = [[l.il, l.n_slots, list(l.pinned)] for l in tier.layers] if tier is not None else []
     elif config == BASE:  # NOTE: every expert in RAM, the routing traced: the prediction's inputs
+        import psutil
+
+        out.host_bill = dry_run.measure(dataclasses.replace(opts, dry_run=True)).host()
         opts = dataclasses.replace(opts, trace=True)
+        if device:  # NOTE: Spark's shape, every host expert in RAM slots: only its stops, traced where they are
+            whole = [CacheLayer(il, geometry.n_expert, (), in_ram=True) for il in host]
+            opts = dataclasses.replace(opts, cache_layers=whole, file_tier=True, trace_uncached=False)
+        out.rss_runtime = int(psutil.Process().memory_info().rss)
     from ..native.engine import Engine
     from .bench import cache_total, make_workload
 
@@ -125,10 +193,15 @@ def worker(model: Path, config: str, n_prompt: int, n_gen: int, threads: int | N
         out.major_faults_per_token = (r2[1] - r1[1]) / n_gen
         if c0 is not None:
             d = cache_total(eng) - c0
-            out.file_bytes_per_token = d.bytes_uploaded / n_gen
+            out.file_bytes_per_token = (d.bytes_uploaded + d.ahead_bytes) / n_gen
             out.hit_rate = d.hit_rate
+            if config == "spark-ahead":
+                out.ahead_reads_per_token = d.ahead_reads / n_gen
+                out.ahead_recall = d.ahead_used / d.misses if d.misses else None
+                out.ahead_precision = d.ahead_used / d.ahead_reads if d.ahead_reads else None
         if config == BASE:
             out.trace = [[r.il, r.ids.reshape(-1).tolist()] for r in eng.cache.trace_records() if r.phase == DECODE]
+    out.rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return asdict(out)
 
 
@@ -167,24 +240,50 @@ class RamBench:
         return all(r.tokens == self.base.tokens for r in self.of("spark"))
 
 
-def run(model: Path, cap: int, *, reps: int = 2, n_prompt: int = 512, n_gen: int = 48, threads: int | None = None,
-        n_ctx: int = 512, configs: Sequence[str] = CONFIGS,
+def residency_cap(g, base: RamRun, share: float, device: DeviceShape | None = None) -> int:
+    """--ram-residency: the cap at which Spark's RAM tier holds `share` of the experts it serves (every
+    MoE layer's; with a device, the host layers') in RAM slots, by the accounting its budget uses
+    (session.resolve_ram_tier): the runtime (the uncapped run's resident set after its dry run), the
+    measured host KV cache and compute buffers, RAM_MARGIN, the other weights, the staging slices and
+    guard slices, and that share of the experts. Stock gets the same cap."""
+    from .session import RAM_MARGIN
+
+    layers = [il for il in g.moe_layers if device is None or il < device.n_cpu_moe]
+    moved = ram_tier.expert_bytes(g, layers)
+    h = base.host_bill
+    fixed = h["context"] + h["compute"] + RAM_MARGIN + max(0, h["model"] - moved)
+    tier = ram_tier.stage_bytes(g, layers) + sum(g.layers[il].expert_bytes_per_expert for il in layers)
+    return int(base.rss_runtime + fixed + tier + share * moved)
+
+
+def run(model: Path, cap: int | None, *, reps: int = 2, n_prompt: int = 512, n_gen: int = 48,
+        threads: int | None = None, n_ctx: int = 512, configs: Sequence[str] = CONFIGS,
+        device: DeviceShape | None = None, residency: float | None = None,
         on_run: Callable[[int, int, RamRun], None] | None = None) -> RamBench:
-    """Every configuration `reps` times, interleaved, each in a fresh cgroup capped at `cap` bytes
-    with the model's page cache dropped first. CgroupError before any run where none can be made."""
-    memcg.make(cap, "spark-bench-check").remove()  # NOTE: refuse before the long work
+    """Every configuration `reps` times, interleaved, each in a fresh cgroup capped at `cap` bytes (or,
+    with `residency`, residency_cap's from the uncapped run) with the model's page cache dropped first
+    (`device`: three tiers, on an RPC device). CgroupError before any run where none can be made."""
+    memcg.make(cap or 256 << 20, "spark-bench-check").remove()  # NOTE: refuse before the long work
     runs: list[RamRun] = []
     total = reps * len(configs) + 1
     geometry = load_geometry(model)
     disk = disk_costs.ensure(model, disk_costs.read_size(geometry), READERS, spark_home())
-    base = _spawn(None, model, BASE, n_prompt, n_gen, threads, n_ctx)
+    spec = WorkerSpec(str(model), BASE, n_prompt, n_gen, threads, n_ctx, device)
+    base = _spawn(None, spec)
     if on_run:
         on_run(1, total, base)
+    if residency is not None:
+        if not base.ok or not base.host_bill:
+            raise SparkError(f"--ram-residency: the uncapped run failed ({base.error or 'no dry run'})")
+        cap = residency_cap(geometry, base, residency, device)
+    assert cap is not None
+    gate = ahead_gate(geometry, base, disk, device)
     for i in range(reps):
         for config in configs:
             with memcg.make(cap, f"spark-bench-{config}") as cg:
-                r = _spawn(cg, model, config, n_prompt, n_gen, threads, n_ctx)
-            if config == "spark" and r.ok and base.ok:
+                r = _spawn(cg, dataclasses.replace(spec, config=config, ahead_min_prob=gate))
+            if config in SPARK and r.ok and base.ok:
+                r.replayed_bytes_per_token = replayed_bytes(geometry, base, r)
                 r.predicted_tg_tok_s = predict_tg(geometry, base, r, disk)
             runs.append(r)
             if on_run:
@@ -195,32 +294,77 @@ def run(model: Path, cap: int, *, reps: int = 2, n_prompt: int = 512, n_gen: int
 READERS = 4  # the file tier's reads in flight (EngineOptions.file_readers)
 
 
-def _spawn(cg: "memcg.MemoryCgroup | None", model: Path, config: str, n_prompt: int, n_gen: int,
-           threads: int | None, n_ctx: int) -> RamRun:
+def _spawn(cg: "memcg.MemoryCgroup | None", spec: WorkerSpec) -> RamRun:
     """One worker process (inside `cg` when given), the model's page cache dropped first."""
-    memcg.drop_page_cache(model)
-    argv = [sys.executable, "-m", "spark_cli.runs.ram_bench", str(model), config, str(n_prompt),
-            str(n_gen), str(threads or 0), str(n_ctx)]
+    memcg.drop_page_cache(Path(spec.model))
+    argv = [sys.executable, "-m", "spark_cli.runs.ram_bench", spec.to_json()]
     p = (cg.run if cg is not None else subprocess.run)(argv, capture_output=True, text=True, timeout=1800)
-    r = _parse(config, p)
+    r = _parse(spec.config, p)
     if cg is not None:
         r.peak, r.oom_kills = cg.peak(), cg.oom_kills()
     return r
 
 
-def predict_tg(g, base: RamRun, spark: RamRun, disk: "DiskCosts") -> float | None:
-    """The cost model's tg for the spark run's tier: the uncapped token, plus its misses (the uncapped
-    run's routing replayed through the tier's slots and policy, as native runs it) read at the disk's
-    measured rate."""
-    if not spark.slots:
-        return base.tg_tok_s
+def _base_trace(g, base: RamRun):
+    """The uncapped run's decode routing as a RoutingTrace."""
     records = [TopkRecord(il, DECODE, np.asarray(ids, dtype=np.int32).reshape(-1, g.n_expert_used))
                for il, ids in base.trace]
-    trace = records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
+    return records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
+
+
+def replayed_misses(g, base: RamRun, spark: RamRun) -> tuple[float, float]:
+    """(misses per decode token, mean expert bytes) of the spark run's tier: the uncapped run's routing
+    replayed through the tier's slots and policy, as native runs it."""
     slots = {il: n for il, n, _ in spark.slots}
-    misses = ram_tier.misses_per_token(slots, {il: tuple(p) for il, _, p in spark.slots}, trace) or 0.0
-    eb = sum(g.layers[il].expert_bytes_per_expert for il in slots) / len(slots)
-    return 1.0 / file_tier_tg(1.0 / base.tg_tok_s, misses, eb, disk)
+    misses = ram_tier.misses_per_token(slots, {il: tuple(p) for il, _, p in spark.slots}, _base_trace(g, base)) or 0.0
+    return misses, sum(g.layers[il].expert_bytes_per_expert for il in slots) / len(slots)
+
+
+def _ahead_replay(g, base: RamRun, spark: RamRun):
+    """spark-ahead's tier and gate replayed on the uncapped run's routing (core/prefetch.replay)."""
+    from ..core import prefetch
+
+    slots = {il: n for il, n, _ in spark.slots}
+    return prefetch.replay(_base_trace(g, base), slots, {il: tuple(p) for il, _, p in spark.slots},
+                           {il: g.layers[il].expert_bytes_per_expert for il in slots},
+                           prefetch.AheadParams(1, spark.ahead_min_prob))
+
+
+def replayed_bytes(g, base: RamRun, spark: RamRun) -> float | None:
+    """Bytes per decode token the spark run's tier should read from the file: its replayed misses (and,
+    for spark-ahead, the misses not read ahead plus every read ahead)."""
+    if not spark.slots:
+        return None
+    if spark.config == "spark-ahead":
+        return _ahead_replay(g, base, spark).bytes_per_token
+    misses, eb = replayed_misses(g, base, spark)
+    return misses * eb
+
+
+def ahead_gate(g, base: RamRun, disk: "DiskCosts", device: DeviceShape | None) -> int:
+    """spark-ahead's min_prob: the chance at which one expert read ahead pays by the cost model
+    (prefetch.break_even), a layer's compute being the uncapped token's share of one MoE layer."""
+    from ..core import prefetch
+
+    layers = [il for il in g.moe_layers if device is None or il < device.n_cpu_moe]
+    if not base.ok or not base.tg_tok_s or not layers:
+        return prefetch.ONE
+    eb = sum(g.layers[il].expert_bytes_per_expert for il in layers) / len(layers)
+    return prefetch.break_even(eb, disk, 1.0 / base.tg_tok_s / len(g.moe_layers))
+
+
+def predict_tg(g, base: RamRun, spark: RamRun, disk: "DiskCosts") -> float | None:
+    """The cost model's tg for the spark run's tier: the uncapped token, plus its replayed misses
+    (replayed_misses) read at the disk's measured rate; with read-ahead (spark-ahead), the replayed
+    reads ahead and the misses they cover priced by prefetch.predicted_tg."""
+    from ..core import prefetch
+
+    if not spark.slots:
+        return base.tg_tok_s
+    if spark.config != "spark-ahead":
+        misses, eb = replayed_misses(g, base, spark)
+        return 1.0 / file_tier_tg(1.0 / base.tg_tok_s, misses, eb, disk)
+    return 1.0 / prefetch.predicted_tg(_ahead_replay(g, base, spark), 1.0 / base.tg_tok_s, disk, len(g.moe_layers))
 
 
 def _parse(config: str, p: subprocess.CompletedProcess) -> RamRun:
@@ -235,9 +379,8 @@ def _parse(config: str, p: subprocess.CompletedProcess) -> RamRun:
 
 
 def main(argv: Sequence[str]) -> int:
-    model, config, n_prompt, n_gen, threads, n_ctx = argv
     try:
-        d = worker(Path(model), config, int(n_prompt), int(n_gen), int(threads) or None, int(n_ctx))
+        d = worker(WorkerSpec.from_json(argv[0]))
     except Exception as e:  # NOTE: the parent reports the one line
         from ..errors import SparkError
 

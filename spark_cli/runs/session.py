@@ -17,7 +17,7 @@ import numpy as np
 from typing import Callable
 
 from ..native import devices
-from . import device_costs, dry_run, host_ram
+from . import device_costs, dry_run, host_ram, self_check
 from .miss_path import device_key
 from ..files.paths import spark_home
 from ..core import plan_file, planner, profile_store, ram_tier, split as split_mod, units, vram
@@ -316,9 +316,6 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
         if tier is not None:
             warnings.append(tier.line())
         return Placement([], None, n_ctx, "", reason, warnings, miss_path or MissPath.AUTO, tier)
-    if flags.ram is not None:
-        raise UsageError("--ram: the RAM tier runs on the CPU so far (-dev none); with a device, --vram places "
-                         "the experts", hint="add -dev none, or drop --ram")
     if file_plan is not None:
         out = Placement(devs, file_plan, context_size(flags.ctx_size, geometry.context_length, file_plan.n_ctx),
                         f"plan {Path(plan_path).name}")
@@ -342,14 +339,20 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
         budget = resolve_budget(vram_text, devs)
         req = plan_request(info, budget.bytes, n_ctx, miss_path=miss_path, split=resolve_split(flags, budget),
                            costs=kept_costs(devs, geometry, flags), **kv_settings(flags))
+        req = dataclasses.replace(req, ram_bytes=plan_ram_bytes(flags, geometry))
         plan = planner.plan_for(geometry, req, measurer(model, geometry, flags, n_ctx)).plan
         out = Placement(devs, plan, n_ctx, budget.source)
     if not any(l.mode in ("resident", "cached", "host") for l in out.plan.layers):
         raise PlanError("the plan places no MoE layer", hint="write it again with spark plan")
-    ram_warning = host_ram.check(out.plan, flags)
-    if ram_warning:
-        out.warnings.append(ram_warning)
+    out.ram = resolve_device_ram_tier(geometry, info, flags, out.plan)
+    if out.ram is not None:
+        out.warnings.append(out.ram.line())
+    else:
+        ram_warning = host_ram.check(out.plan, flags)
+        if ram_warning:
+            out.warnings.append(ram_warning)
     out.miss_path = miss_path or MissPath(out.plan.miss_path)  # the plan file's was checked when it loaded
+    self_check.guard(out, flags, used_devices(devs, out.plan), measurer(model, geometry, flags, out.n_ctx))  # unchecked: stock's
     return out
 
 
@@ -378,14 +381,69 @@ def resolve_ram_tier(model: Path, geometry: ModelGeometry, info: ProfileInfo, fl
                          flag="--ram" if flags.ram is not None else "the RAM budget")
 
 
+def plan_ram_bytes(flags: LoadFlags, geometry: ModelGeometry) -> int | None:
+    """The RAM a device plan's host weights are fitted to (planner.ram_fit): --ram; else, for a model
+    file bigger than the available RAM, that RAM less RAM_MARGIN; None: no bound (it fits)."""
+    if flags.ram is not None:
+        return flags.ram
+    free, _ = host_ram.available()
+    return max(0, free - RAM_MARGIN) if free < geometry.file_size else None
+
+
+def resolve_device_ram_tier(geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags,
+                            plan: planner.Plan) -> ram_tier.RamTier | None:
+    """Three tiers: the RAM tier of a device plan whose host weights do not fit the run's RAM (None: they
+    fit). The plan's host layers (stock's --n-cpu-moe shape: their experts on the CPU) keep RAM slots and
+    read the rest from the model file; the other host weights (the cached layers' host experts, what
+    llama.cpp keeps on the CPU) stay resident, as the plan's dry run measured them. The budget: --ram,
+    else the available RAM (or the memory cgroup's headroom) less the measured host KV cache and compute
+    buffers and RAM_MARGIN. PlanError (one line, before anything loads) when it cannot hold them."""
+    if not geometry.moe_layers:
+        return None
+    bill = plan.measured_bill()
+    host = bill.host() if bill is not None else planned_host_bill(geometry, plan)
+    return host_ram_tier(geometry, info, flags, [l.index for l in plan.layers if l.mode == "host"], host)
+
+
+def planned_host_bill(geometry: ModelGeometry, plan: planner.Plan) -> dict[str, int]:
+    """A plan's host weights where no dry run measured them (a header-only fixture, no device): the
+    expert tensors of its cached and host layers and the input embeddings llama.cpp keeps on the CPU;
+    its host KV cache and compute buffers are not known (0)."""
+    off = [l.index for l in plan.layers if l.mode in ("cached", "host")]
+    model = geometry.token_embd_bytes + ram_tier.expert_bytes(geometry, off)
+    return {"model": model, "context": 0, "compute": 0, "total": model}
+
+
+def host_ram_tier(geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags, host_layers: list[int],
+                  host: dict[str, int]) -> ram_tier.RamTier | None:
+    """The RAM tier of a device run whose `host_layers` keep their experts on the CPU, `host` its dry
+    run's host bill (model, context, compute, total): resolve_device_ram_tier's."""
+    if not host_layers and flags.ram is None:
+        return None  # NOTE: nothing to read from the file: the mapping pages the rest in (host_ram.check warns)
+    resident = max(0, host["model"] - ram_tier.expert_bytes(geometry, host_layers))
+    if flags.ram is not None:
+        budget, source, flag = flags.ram, "--ram", "--ram"
+    else:
+        free, where = host_ram.available()
+        if free >= host["total"] + RAM_MARGIN:  # NOTE: the common case: every host weight fits
+            return None
+        budget = max(0, free - host["context"] - host["compute"] - RAM_MARGIN)
+        source = f"{where}: {units.fmt_bytes(free)} free less {units.fmt_bytes(host['context'] + host['compute'])} " \
+                 "of host KV cache and compute buffers"
+        flag = "the RAM budget"
+    return ram_tier.plan(geometry, budget, source, profile_counts(info), flag=flag, layers=host_layers,
+                         resident=resident)
+
+
 def with_ram_tier(opts: EngineOptions, tier: ram_tier.RamTier | None, geometry: ModelGeometry) -> EngineOptions:
-    """Engine options that realise a RAM tier: every MoE layer cached on the CPU with its RAM slots and
-    the staging slices prefill reads into, misses read from the model file."""
+    """Engine options that realise a RAM tier: the tier's layers (every MoE layer of a CPU run; a device
+    plan's host layers) cached in RAM with their slots, and a layer's worth of staging slices for prefill,
+    misses read from the model file; a device plan's cached layers keep their device banks."""
     if tier is None:
         return opts
-    cache = [CacheLayer(l.il, l.n_slots, l.pinned) for l in tier.layers]
-    return dataclasses.replace(opts, cache_layers=cache, file_tier=True, host_budget=tier.bank_bytes,
-                               stage_slices=tier.n_stage)
+    ram = [CacheLayer(l.il, l.n_slots, l.pinned, in_ram=True) for l in tier.layers]
+    return dataclasses.replace(opts, cache_layers=[*opts.cache_layers, *ram], file_tier=True,
+                               host_budget=tier.bank_bytes)
 
 
 def kept_costs(devs: list, geometry: ModelGeometry, flags: LoadFlags) -> DeviceCosts | None:
