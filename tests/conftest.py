@@ -13,6 +13,11 @@ import pytest
 # unpatched build too; upstream ggml-org/llama.cpp#20824). A segfault would end the whole run.
 NO_REPACK_WHY = "AMX repacking segfaults upstream (ggml-org/llama.cpp#20824)"
 
+# The self-check (runs/self_check.py) runs before the first cached run on each device: off for the
+# suite (every cached test would pay for it, and SPARK_HOME is often a temp folder), on in its own tests
+# (tests/test_self_check.py). Set here, so subprocesses of spark inherit it.
+os.environ["SPARK_SELF_CHECK"] = "0"
+
 
 def _cuda_present() -> bool:
     if shutil.which("nvidia-smi") is None:

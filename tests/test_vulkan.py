@@ -278,3 +278,48 @@ def test_bench_runs_on_vulkan(vulkan_device, monkeypatch, capsys, tmp_path):
 if __name__ == "__main__":  # _upload_diff_without_fusion's child: prints the largest logit difference
     _, _cmd, _path, _device = sys.argv
     print(_upload_diff(_path, _device)[0])
+
+
+def test_three_tiers_bit_identical_on_vulkan(small_model, vulkan_device):
+    """A quarter of the MoE layers on the host in the RAM tier (RAM slots, misses read from the file),
+    the rest resident on Vulkan: logits bit-identical to the same placement with every host expert
+    mapped (the host layers run ggml-cpu's kernels in both; one-token ubatches, so op offload never
+    moves them)."""
+    import dataclasses
+
+    import numpy as np
+
+    g = load_geometry(small_model)
+    host = list(g.moe_layers)[:len(g.moe_layers) // 4]
+    base = EngineOptions(small_model, n_ctx=256, n_ubatch=1, device=vulkan_device, repack=False, host_layers=host)
+
+    def greedy(opts: EngineOptions) -> tuple[list[int], np.ndarray, CacheStats | None]:
+        with Engine(opts) as eng:
+            logits = eng.eval(eng.vocab.tokenize("Write a short story about a cat who learns to fly."), logits="last")
+            out = []
+            for _ in range(8):
+                out.append(int(np.argmax(logits)))
+                logits = eng.eval([out[-1]])
+            st = CacheStats.total(eng.cache.stats().values()) if opts.cache_layers else None
+            return out, np.array(logits, copy=True), st
+
+    ref = greedy(base)
+    got = greedy(dataclasses.replace(base, cache_layers=[CacheLayer(il, 3, (0,), in_ram=True) for il in host],
+                                     file_tier=True, file_readers=2))
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    assert got[2].misses > 0 and got[2].cpu_experts == 0
+
+
+def test_self_check_passes_on_vulkan(small_model, vulkan_device, monkeypatch, tmp_path):
+    """runs/self_check.py on lavapipe: the cache path (CPU misses, uploads, RAM-tier reads) against
+    all-resident Vulkan on the demo model, within stock --cpu-moe's bound (the kernels mix)."""
+    from spark_cli.native import devices
+    from spark_cli.runs import self_check
+
+    monkeypatch.setenv("SPARK_SELF_CHECK", "1")
+    monkeypatch.setattr(self_check, "check_model", lambda: small_model)
+    dev = devices.select(devices.parse(vulkan_device))[0]
+    res, ran = self_check.ensure(dev, [], tmp_path)
+    print(f"vulkan: {res.line()} in {res.seconds:.1f} s, {res.paths}")
+    assert ran and res.passed, res.line()
+    assert self_check.ensure(dev, [], tmp_path) == (res, False)

@@ -357,6 +357,10 @@ def bench_cmd(
     residency: float = typer.Option(None, "--residency", min=0.0, max=1.0,
                                     help="instead of --vram: a budget that holds this share of the expert "
                                          "bytes beside everything else, e.g. 0.6"),
+    ram_residency: float = typer.Option(None, "--ram-residency", min=0.0, max=1.0,
+                                        help="instead of --ram: a memory cgroup cap that leaves this share of "
+                                             "the RAM tier's expert bytes resident after everything else the "
+                                             "uncapped run holds, e.g. 0.6"),
     corpus_path: Path = typer.Option(None, "--corpus", help="text to run: a file or folder of "
                                      ".txt/.md/.jsonl (default: the bundled sample corpus)"),
     n_prompt: int = typer.Option(512, "--n-prompt", "-p", min=2, help="prompt-processing tokens per run"),
@@ -398,10 +402,14 @@ def bench_cmd(
         raise UsageError(f"-o {output} and --plot {plot}: the same file", hint="give two paths")
     path = model_or_demo(model)
     geometry = session.open_geometry(path)
-    if flags.ram is not None:  # NOTE: here --ram is the cap of the memory cgroup each run gets
+    if flags.ram is not None and ram_residency is not None:
+        raise UsageError("--ram and --ram-residency: give one of them")
+    if flags.ram is not None or ram_residency is not None:  # NOTE: the cap of the memory cgroup each run gets
         from . import bench_ram
 
-        return bench_ram.run_cmd(path, flags, n_prompt, n_gen, reps, as_json, output, md)
+        return bench_ram.run_cmd(path, flags, n_prompt, n_gen, reps, as_json, output, md, ram_residency,
+                                 budget=lambda devs, n_ctx: _budget(vram_text, residency, geometry, n_ctx, devs,
+                                                                    session.kv_settings(flags)))
     ctx = context_size(flags.ctx_size, geometry.context_length)
     corpus = read_corpus(corpus_path or bundled_corpus())
     g = geometry
@@ -426,6 +434,12 @@ def bench_cmd(
         if server is not None:
             notes.append("device: a local RPC stand-in GPU (--rpc auto): its speed is the CPU's; "
                          "compare the cold-hit and upload figures")
+        if devs and any(n.startswith("spark") for n in names):  # the device's self-check (runs/self_check.py)
+            from ..files.paths import spark_home
+            from ..runs import self_check
+
+            notes.append(self_check.bench_line(devs[0], base.rpc, spark_home()))
+            err_console.print(f"note: {escape(notes[-1])}", soft_wrap=True)
         report = bench.Report(path, g, budget, source, ctx, n_prompt, n_gen, reps,
                               devs[0].name if devs else "CPU", str(corpus_path or "bundled corpus"), notes=notes,
                               cpu_threads=(base.threads, base.threads_batch), n_parallel=base.n_seq)

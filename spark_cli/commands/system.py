@@ -9,6 +9,7 @@ from rich.table import Table
 
 from ..core.units import parse_size
 from ..native import llama_lib, rpc
+from ..files.paths import spark_home
 from ..native.rpc import connect, parse_endpoints
 from .common import JSON_HELP, RPC_HELP, console
 from .help import SparkCommand
@@ -35,20 +36,48 @@ def rpc_server_cmd(
 def devices_cmd(
     rpc: str = typer.Option(None, "--rpc", help=RPC_HELP),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    run_check: bool = typer.Option(False, "--self-check", help="run the self-check on each GPU-type device now "
+                                   "(again where one is kept); it otherwise runs before the first cached run"),
 ) -> None:
-    """List the ggml devices this build sees (CPU, CUDA, Vulkan, RPC): the names -dev takes."""
+    """List the ggml devices this build sees (CPU, CUDA, Vulkan, RPC): the names -dev takes, and each
+    GPU-type device's self-check (the cache path against all-resident: passed, failed or not run)."""
 
-    if rpc:
-        connect(parse_endpoints(rpc))
+    from ..runs import self_check
+
+    endpoints = parse_endpoints(rpc) if rpc else []
+    if endpoints:
+        connect(endpoints)
     devs = llama_lib.devices(memory=True)
+    home = spark_home()
+    checks = {d.name: _check(d, endpoints, home, run_check) for d in devs if d.is_gpu}
     if as_json:
         typer.echo(json.dumps([{"name": d.name, "type": d.type, "description": d.description, "free": d.free,
-                                "total": d.total} for d in devs], indent=1))
+                                "total": d.total, "self_check": _check_json(d, checks)} for d in devs], indent=1))
         return
-    t = Table("name", "type", "description", "free GiB", "total GiB")
+    t = Table("name", "type", "description", "free GiB", "total GiB", "self-check")
     for d in devs:
-        t.add_row(d.name, d.type, d.description, f"{d.free / 2**30:.2f}", f"{d.total / 2**30:.2f}")
+        t.add_row(d.name, d.type, d.description, f"{d.free / 2**30:.2f}", f"{d.total / 2**30:.2f}",
+                  self_check.cell(checks[d.name]) if d.is_gpu else "-")
     console.print(Whole(t))
+
+
+def _check(dev, endpoints: list[str], home, run: bool) -> "self_check.Result | None":
+    """The device's kept self-check; with --self-check, one run now (and kept)."""
+    from ..runs import self_check
+
+    if run:
+        return self_check.ensure(dev, endpoints, home, force=True)[0]
+    return self_check.load(home, self_check.key_of(dev))
+
+
+def _check_json(dev, checks: dict) -> dict | None:
+    """--json's self_check: null for a device that is not GPU-type; else its status and the kept result."""
+    if not dev.is_gpu:
+        return None
+    res = checks[dev.name]
+    if res is None:
+        return {"status": "not run"}
+    return {"status": "passed" if res.passed else "failed", **res.to_dict()}
 
 
 def register(app: typer.Typer) -> None:

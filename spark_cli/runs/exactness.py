@@ -24,6 +24,13 @@ from ..native.generate import Forced, Greedy, StopRules, stream_generate
 MIXED_SLACK = 2.0
 
 
+def largest_diff(a: np.ndarray, b: np.ndarray) -> float:
+    """The largest absolute difference of two arrays; infinite where either has a NaN (max() would
+    drop a NaN and call a broken run exact)."""
+    d = np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))
+    return float("inf") if np.isnan(d).any() else float(d.max()) if d.size else 0.0
+
+
 def within_bound(diff: float, bound: float) -> bool:
     """A mixed-kernel run's largest logit difference against stock --cpu-moe's (the bound)."""
     return diff <= MIXED_SLACK * bound
@@ -79,7 +86,7 @@ def max_diff(eng: Engine, ref: Reference) -> tuple[float, bool]:
     for p, rl, fed in zip(ref.prompts, ref.logits, ref.fed):
         got, _ = logits(eng, p, fed, len(fed))
         exact = exact and bool(np.array_equal(got, rl))
-        worst = max(worst, float(np.abs(got.astype(np.float64) - rl).max()))
+        worst = max(worst, largest_diff(got, rl))
     return worst, exact
 
 
@@ -167,7 +174,7 @@ def _margin(ref_ids: np.ndarray, got_ids: np.ndarray, scores: np.ndarray) -> flo
 
 def _shift(a: np.ndarray, b: np.ndarray) -> float:
     both = np.isfinite(a) & np.isfinite(b)  # -inf: an expert group masked out in both
-    return float(np.abs(a[both].astype(np.float64) - b[both]).max()) if both.any() else 0.0
+    return largest_diff(a[both], b[both]) if both.any() else 0.0
 
 
 def routed_diff(ref: Reference, ref_routes: Routed, got: Routed) -> RoutedDiff:
@@ -178,7 +185,7 @@ def routed_diff(ref: Reference, ref_routes: Routed, got: Routed) -> RoutedDiff:
         rows = np.flatnonzero(differ.any(axis=1))
         first = int(rows[0]) if len(rows) else len(rl)
         if first:
-            res.diff = max(res.diff, float(np.abs(got.logits[i][:first].astype(np.float64) - rl[:first]).max()))
+            res.diff = max(res.diff, largest_diff(got.logits[i][:first], rl[:first]))
             if got.scores is not None:
                 res.score_shift = max(res.score_shift, _shift(got.scores[i][:first], ref_routes.scores[i][:first]))
         res.rows += first
