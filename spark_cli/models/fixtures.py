@@ -10,12 +10,16 @@ Where the numbers come from (no model hub is reachable from here; each spec says
 - shapes and hyperparameters: the published Hugging Face `config.json` of each model, as
   llama.cpp's converter (`conversion/*.py`) turns them into GGUF keys;
 - tensor lists: the vendored llama.cpp loader for the arch (`src/models/<arch>.cpp`
-  `load_arch_tensors`), the same layouts as the tiny models (tiny_models.py);
+  `load_arch_tensors`), the same layouts as the tiny models (tiny_models.py); deepseek2 (MLA) as
+  the converter writes it (`conversion/deepseek.py`): kv_b split into attn_k_b / attn_v_b, the
+  MQA view (one KV head of kv_lora_rank + rope dims), and no MTP block (DeepseekV3ForCausalLM's
+  `skip_mtp`);
 - per-tensor types: `_q4_k_m` follows `llama_tensor_get_type_impl` in `src/llama-quant.cpp`
   for LLAMA_FTYPE_MOSTLY_Q4_K_M (no imatrix, no per-tensor overrides): output Q6_K,
   attn_v / attn_qkv and every ffn_down (experts and shared too) Q6_K in the "more bits"
   layers, the rest of the 2D/3D weights Q4_K, norms/biases/router/ssm_conv1d F32, and the
-  256-block fallback (Q4_K -> Q5_0, Q6_K -> Q8_0) for rows not a multiple of 256. Published
+  256-block fallback (Q4_K -> Q5_0, Q6_K -> Q8_0) for rows not a multiple of 256 (MLA's attn_k_b
+  rows of qk_nope_head_dim = 128: Q5_0; attn_k_b / attn_v_b are no attn_v category). Published
   files made with an imatrix or hand-tuned recipes (unsloth's "UD" files) differ by a few
   percent; gpt-oss uses the MXFP4_MOE recipe (experts MXFP4, other matrices Q8_0).
 The tokenizer is synthetic (GPT-2 byte tokens + unused fillers up to the real vocab size),
@@ -27,7 +31,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFValueType, GGUFWriter
@@ -45,6 +49,28 @@ FTYPE_MXFP4_MOE = 38
 
 
 @dataclass(frozen=True)
+class Mla:
+    """Multi-head latent attention (deepseek2): q and kv through low ranks; the KV cache holds the
+    kv latent and the rope key of one MQA head (kv_lora_rank + qk_rope_head_dim), no V."""
+
+    q_lora_rank: int  # 0: a full-rank attn_q (the "lite" models)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def head_k(self) -> int:
+        """A decompressed head's key (llama.cpp's n_embd_head_k_mla)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent(self) -> int:
+        """The MQA head the converter writes: key_length (value_length is kv_lora_rank)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class FixtureSpec:
     """One published model's geometry (llama.cpp's names) and where the numbers come from."""
 
@@ -57,8 +83,8 @@ class FixtureSpec:
     n_vocab: int
     n_ctx_train: int
     n_head: tuple[int, ...]  # per trunk layer
-    n_head_kv: int
-    head_dim: int
+    n_head_kv: int  # MLA: 1, the converter's MQA view
+    head_dim: int  # MLA: a decompressed head's key (Mla.head_k)
     n_expert: int
     n_expert_used: int
     n_ff_exp: int
@@ -70,7 +96,18 @@ class FixtureSpec:
     swa_layers: tuple[bool, ...] = ()  # as llama.cpp derives them (for the tests' formula)
     recurrent: tuple[bool, ...] = ()  # gated delta net layers (no KV cache)
     ssm: dict[str, int] | None = None  # conv_kernel, state_size, group_count, time_step_rank, inner_size
+    mla: Mla | None = None  # deepseek2's attention
+    qk_norm: bool = False  # q/k norms where the arch has them optional (glm4moe: GLM-4.5/4.6, not Air)
+    expert_groups: tuple[int, int] = (0, 0)  # (n_group, topk_group) where the config has them; 0: not written
+    routed_scale: float = 1.0  # routed_scaling_factor (glm4moe, deepseek2)
+    rope_base: float = 10000.0  # rope_theta (deepseek2; the other archs' are in _kvs)
+    yarn_factor: float = 0.0  # YaRN rope_scaling factor over 4096 positions (deepseek2); 0: none
     recipe: str = "Q4_K_M"
+
+    def __post_init__(self) -> None:
+        if self.mla and (self.n_head_kv, self.head_dim) != (1, self.mla.head_k):
+            raise ValueError(f"{self.name}: an MLA spec has one KV head (the MQA view) and head_dim "
+                             f"{self.mla.head_k} (qk_nope + qk_rope), got {self.n_head_kv} x {self.head_dim}")
 
     @property
     def n_layer_all(self) -> int:
@@ -132,6 +169,56 @@ FIXTURES: dict[str, FixtureSpec] = {s.name: s for s in (
         n_head=tuple(32 if il % 4 == 0 else 48 for il in range(40)), n_head_kv=8, head_dim=128,
         n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512, n_ff_dense=8192, n_dense_lead=1,
         n_swa=512, swa_layers=_pattern(40, 4, True)),
+    # ---- bigger than common RAM (issue 45)
+    FixtureSpec(
+        "qwen3-235b-a22b-q4_k_m", "qwen3moe", "Qwen3-235B-A22B Q4_K_M",
+        "Qwen3-235B-A22B config.json: 94 layers, 64 q / 4 kv heads of 128, q/k norms, 128 experts top-8 "
+        "of 1536, no shared expert, intermediate_size 12288 (no dense layer), vocab 151936, 40960 ctx.",
+        n_layer=94, n_embd=4096, n_vocab=151936, n_ctx_train=40960, n_head=(64,) * 94, n_head_kv=4,
+        head_dim=128, n_expert=128, n_expert_used=8, n_ff_exp=1536, n_ff_dense=12288),
+    FixtureSpec(
+        "glm-4.6-q4_k_m", "glm4moe", "GLM-4.6 355B-A32B Q4_K_M",
+        "GLM-4.6 config.json (GLM-4.5 shares the geometry; GLM-4.5's context is 131072): 92 layers (the "
+        "first 3 dense, ff 12288) + 1 MTP (nextn) block, 96 q / 8 kv heads of 128 with qkv biases and q/k "
+        "norms (use_qk_norm), half-rotary, 160 experts top-8 of 1536 + 1 shared, sigmoid router with "
+        "exp_probs_b, n_group 1, routed_scaling_factor 2.5, vocab 151552, 202752 ctx. The MTP block has no "
+        "embed_tokens / shared_head_head: GLM-4.6's checkpoint lacks layer 92's (vLLM issue 25993; "
+        "GLM-4.5's has them, ~1 GB more at Q4_K_M; llama.cpp treats them as optional).",
+        n_layer=92, n_embd=5120, n_vocab=151552, n_ctx_train=202752, n_head=(96,) * 92, n_head_kv=8,
+        head_dim=128, n_expert=160, n_expert_used=8, n_ff_exp=1536, n_ff_shexp=1536, n_ff_dense=12288,
+        n_dense_lead=3, n_nextn=1, qk_norm=True, expert_groups=(1, 1), routed_scale=2.5),
+    FixtureSpec(
+        "deepseek-v3.1-q4_k_m", "deepseek2", "DeepSeek-V3.1 671B Q4_K_M",
+        "DeepSeek-V3 config.json (the V3.1 model card: the same structure as V3): 61 layers (the first 3 "
+        "dense, ff 18432), MLA with 128 heads (q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, "
+        "v_head 128), 256 experts top-8 of 2048 + 1 shared, sigmoid router with exp_probs_b, 8 groups top-4, "
+        "routed_scaling_factor 2.5, vocab 129280, 163840 ctx (YaRN 40 over 4096, rope_theta 10000). Its "
+        "MTP layer (num_nextn_predict_layers 1) is not in the GGUF: llama.cpp's converter drops it for "
+        "DeepseekV3ForCausalLM.",
+        n_layer=61, n_embd=7168, n_vocab=129280, n_ctx_train=163840, n_head=(128,) * 61, n_head_kv=1,
+        head_dim=192, n_expert=256, n_expert_used=8, n_ff_exp=2048, n_ff_shexp=2048, n_ff_dense=18432,
+        n_dense_lead=3, mla=Mla(1536, 512, 128, 64, 128), expert_groups=(8, 4), routed_scale=2.5,
+        yarn_factor=40.0),
+    FixtureSpec(
+        "kimi-k2-q4_k_m", "deepseek2", "Kimi-K2-Instruct 1T Q4_K_M",
+        "Kimi-K2-Instruct config.json (DeepseekV3ForCausalLM): 61 layers (the first dense, ff 18432), MLA "
+        "with 64 heads (q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head 128), 384 "
+        "experts top-8 of 2048 + 1 shared, sigmoid router with exp_probs_b, n_group 1, "
+        "routed_scaling_factor 2.827, vocab 163840, 131072 ctx (YaRN 32 over 4096, rope_theta 50000), no "
+        "MTP layer. Q4_K_M is the usual 4-bit llama.cpp recipe its GGUFs ship in (unsloth's 13-part "
+        "Q4_K_M).",
+        n_layer=61, n_embd=7168, n_vocab=163840, n_ctx_train=131072, n_head=(64,) * 61, n_head_kv=1,
+        head_dim=192, n_expert=384, n_expert_used=8, n_ff_exp=2048, n_ff_shexp=2048, n_ff_dense=18432,
+        n_dense_lead=1, mla=Mla(1536, 512, 128, 64, 128), expert_groups=(1, 1), routed_scale=2.827,
+        rope_base=50000.0, yarn_factor=32.0),
+    FixtureSpec(
+        "gpt-oss-120b-mxfp4", "gpt-oss", "gpt-oss-120b MXFP4",
+        "gpt-oss-120b config.json: 36 layers, 64 q / 8 kv heads of 64, sliding window 128 on every other "
+        "layer, 128 experts top-4 of 2880 with biases, vocab 201088, 131072 ctx; MXFP4_MOE recipe "
+        "(experts MXFP4, other matrices Q8_0) like ggml-org's gpt-oss-120b-mxfp4 GGUF.",
+        n_layer=36, n_embd=2880, n_vocab=201088, n_ctx_train=131072, n_head=(64,) * 36, n_head_kv=8,
+        head_dim=64, n_expert=128, n_expert_used=4, n_ff_exp=2880, n_ff_dense=2880, n_swa=128,
+        swa_layers=_pattern(36, 2, False), recipe="MXFP4_MOE"),
 )}
 
 
@@ -158,6 +245,9 @@ class _TI:
     qtype: QT = QT.F32
 
 
+Add = Callable[..., None]  # add(name, *shape): one tensor in ggml order
+
+
 def _tensors(s: FixtureSpec) -> list[_TI]:
     """Every tensor llama.cpp's loader creates for the arch, in the converter's order."""
     t: list[_TI] = []
@@ -165,7 +255,7 @@ def _tensors(s: FixtureSpec) -> list[_TI]:
     def add(name: str, *shape: int) -> None:
         t.append(_TI(name, tuple(shape)))
 
-    e, v, hd, kvd = s.n_embd, s.n_vocab, s.head_dim, s.n_head_kv * s.head_dim
+    e, v = s.n_embd, s.n_vocab
     add("token_embd.weight", e, v)
     for il in range(s.n_layer_all):
         b = f"blk.{il}"
@@ -173,38 +263,13 @@ def _tensors(s: FixtureSpec) -> list[_TI]:
         add(f"{b}.attn_norm.weight", e)
         if s.arch in ("qwen35moe", "glm4moe", "gpt-oss"):
             add(f"{b}.post_attention_norm.weight", e)
-        recurrent = bool(s.recurrent) and il < s.n_layer and s.recurrent[il]
-        if recurrent:
-            ssm = s.ssm or {}
-            key_dim = ssm["state_size"] * ssm["group_count"]
-            value_dim = ssm["state_size"] * ssm["time_step_rank"]
-            conv_dim = 2 * key_dim + value_dim
-            add(f"{b}.attn_qkv.weight", e, conv_dim)
-            add(f"{b}.attn_gate.weight", e, value_dim)
-            add(f"{b}.ssm_conv1d.weight", ssm["conv_kernel"], conv_dim)
-            add(f"{b}.ssm_dt.bias", ssm["time_step_rank"])
-            add(f"{b}.ssm_a", ssm["time_step_rank"])
-            add(f"{b}.ssm_beta.weight", e, ssm["time_step_rank"])
-            add(f"{b}.ssm_alpha.weight", e, ssm["time_step_rank"])
-            add(f"{b}.ssm_norm.weight", ssm["state_size"])
-            add(f"{b}.ssm_out.weight", value_dim, e)
+        if s.recurrent and il < s.n_layer and s.recurrent[il]:
+            _gated_delta_net(add, b, s)
+        elif s.mla is not None:
+            _mla_attention(add, b, e, nh, s.mla)
         else:
-            q_rows = nh * hd * (2 if s.arch == "qwen35moe" else 1)  # qwen35moe: q carries its gate
-            bias = s.arch in ("glm4moe", "gpt-oss")
-            for proj, rows in (("q", q_rows), ("k", kvd), ("v", kvd)):
-                add(f"{b}.attn_{proj}.weight", e, rows)
-                if bias:
-                    add(f"{b}.attn_{proj}.bias", rows)
-            add(f"{b}.attn_output.weight", nh * hd, e)
-            if s.arch == "gpt-oss":
-                add(f"{b}.attn_output.bias", e)
-                add(f"{b}.attn_sinks.weight", nh)
-            if s.arch in ("qwen3moe", "qwen35moe", "laguna"):
-                add(f"{b}.attn_q_norm.weight", hd)
-                add(f"{b}.attn_k_norm.weight", hd)
-            if s.arch == "laguna":
-                add(f"{b}.attn_gate.weight", e, nh)  # per-head output gate
-        if s.arch in ("qwen3moe", "laguna"):
+            _gqa_attention(add, b, s, nh)
+        if s.arch in ("qwen3moe", "laguna", "deepseek2"):
             add(f"{b}.ffn_norm.weight", e)
         if il < s.n_dense_lead:
             add(f"{b}.ffn_gate.weight", e, s.n_ff_dense)
@@ -214,7 +279,7 @@ def _tensors(s: FixtureSpec) -> list[_TI]:
         add(f"{b}.ffn_gate_inp.weight", e, s.n_expert)
         if s.arch == "gpt-oss":
             add(f"{b}.ffn_gate_inp.bias", s.n_expert)
-        if s.arch in ("glm4moe", "laguna"):
+        if s.arch in ("glm4moe", "laguna", "deepseek2"):
             add(f"{b}.exp_probs_b.bias", s.n_expert)
         for kind, shape in (("gate", (e, s.n_ff_exp)), ("up", (e, s.n_ff_exp)), ("down", (s.n_ff_exp, e))):
             add(f"{b}.ffn_{kind}_exps.weight", *shape, s.n_expert)
@@ -235,6 +300,60 @@ def _tensors(s: FixtureSpec) -> list[_TI]:
     add("output.weight", e, v)
     (_mxfp4_moe if s.recipe == "MXFP4_MOE" else _q4_k_m)(s, t)
     return t
+
+
+def _gated_delta_net(add: Add, b: str, s: FixtureSpec) -> None:
+    """A qwen35moe recurrent layer (src/models/qwen35moe.cpp)."""
+    ssm, e = s.ssm or {}, s.n_embd
+    key_dim = ssm["state_size"] * ssm["group_count"]
+    value_dim = ssm["state_size"] * ssm["time_step_rank"]
+    conv_dim = 2 * key_dim + value_dim
+    add(f"{b}.attn_qkv.weight", e, conv_dim)
+    add(f"{b}.attn_gate.weight", e, value_dim)
+    add(f"{b}.ssm_conv1d.weight", ssm["conv_kernel"], conv_dim)
+    add(f"{b}.ssm_dt.bias", ssm["time_step_rank"])
+    add(f"{b}.ssm_a", ssm["time_step_rank"])
+    add(f"{b}.ssm_beta.weight", e, ssm["time_step_rank"])
+    add(f"{b}.ssm_alpha.weight", e, ssm["time_step_rank"])
+    add(f"{b}.ssm_norm.weight", ssm["state_size"])
+    add(f"{b}.ssm_out.weight", value_dim, e)
+
+
+def _gqa_attention(add: Add, b: str, s: FixtureSpec, nh: int) -> None:
+    """Grouped-query attention as the GQA archs load it (biases, sinks, norms, gates by arch)."""
+    e, hd, kvd = s.n_embd, s.head_dim, s.n_head_kv * s.head_dim
+    q_rows = nh * hd * (2 if s.arch == "qwen35moe" else 1)  # qwen35moe: q carries its gate
+    bias = s.arch in ("glm4moe", "gpt-oss")
+    for proj, rows in (("q", q_rows), ("k", kvd), ("v", kvd)):
+        add(f"{b}.attn_{proj}.weight", e, rows)
+        if bias:
+            add(f"{b}.attn_{proj}.bias", rows)
+    add(f"{b}.attn_output.weight", nh * hd, e)
+    if s.arch == "gpt-oss":
+        add(f"{b}.attn_output.bias", e)
+        add(f"{b}.attn_sinks.weight", nh)
+    if s.arch in ("qwen3moe", "qwen35moe", "laguna") or s.qk_norm:
+        add(f"{b}.attn_q_norm.weight", hd)
+        add(f"{b}.attn_k_norm.weight", hd)
+    if s.arch == "laguna":
+        add(f"{b}.attn_gate.weight", e, nh)  # per-head output gate
+
+
+def _mla_attention(add: Add, b: str, e: int, nh: int, m: Mla) -> None:
+    """deepseek2's MLA (src/models/deepseek2.cpp): low-rank q, the kv latent + rope key in one
+    projection, kv_b split by the converter into attn_k_b (transposed) and attn_v_b, per head."""
+    if m.q_lora_rank:
+        add(f"{b}.attn_q_a_norm.weight", m.q_lora_rank)
+    add(f"{b}.attn_kv_a_norm.weight", m.kv_lora_rank)
+    if m.q_lora_rank:
+        add(f"{b}.attn_q_a.weight", e, m.q_lora_rank)
+        add(f"{b}.attn_q_b.weight", m.q_lora_rank, nh * m.head_k)
+    else:
+        add(f"{b}.attn_q.weight", e, nh * m.head_k)
+    add(f"{b}.attn_kv_a_mqa.weight", e, m.latent)
+    add(f"{b}.attn_k_b.weight", m.qk_nope_head_dim, m.kv_lora_rank, nh)
+    add(f"{b}.attn_v_b.weight", m.kv_lora_rank, m.v_head_dim, nh)
+    add(f"{b}.attn_output.weight", nh * m.v_head_dim, e)
 
 
 _NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d", "attn_sinks")
@@ -320,13 +439,14 @@ def _kvs(s: FixtureSpec) -> list[KeyValue]:
     kv("feed_forward_length", s.n_ff_dense or s.n_ff_exp * s.n_expert_used)
     kv("attention.head_count", list(s.n_head) if len(set(s.n_head)) > 1 else s.n_head[0])
     kv("attention.head_count_kv", s.n_head_kv)
-    kv("attention.key_length", s.head_dim)
-    kv("attention.value_length", s.head_dim)
+    key_length, value_length = (s.mla.latent, s.mla.kv_lora_rank) if s.mla else (s.head_dim, s.head_dim)
+    kv("attention.key_length", key_length)
+    kv("attention.value_length", value_length)
     kv("attention.layer_norm_rms_epsilon", 1e-5 if a == "gpt-oss" else 1e-6)
     kv("expert_count", s.n_expert)
     kv("expert_used_count", s.n_expert_used)
     kv("expert_feed_forward_length", s.n_ff_exp)
-    if s.n_ff_shexp:
+    if s.n_ff_shexp and a != "deepseek2":  # deepseek2: expert_shared_count x the experts' length
         kv("expert_shared_feed_forward_length", s.n_ff_shexp)
     if s.n_dense_lead:
         kv("leading_dense_block_count", s.n_dense_lead)
@@ -334,6 +454,9 @@ def _kvs(s: FixtureSpec) -> list[KeyValue]:
         kv("nextn_predict_layers", s.n_nextn)
     if s.n_swa:
         kv("attention.sliding_window", s.n_swa)
+    if s.expert_groups[0]:
+        kv("expert_group_count", s.expert_groups[0])
+        kv("expert_group_used_count", s.expert_groups[1])
     if a == "qwen3moe":
         kv("rope.freq_base", 1000000.0)
     elif a == "qwen35moe":
@@ -352,9 +475,11 @@ def _kvs(s: FixtureSpec) -> list[KeyValue]:
         kv("rope.freq_base", 1000000.0)
         kv("rope.dimension_count", s.head_dim // 2)
         kv("expert_shared_count", 1)
-        kv("expert_weights_scale", 1.0)
+        kv("expert_weights_scale", s.routed_scale)
         kv("expert_weights_norm", True)
         kv("expert_gating_func", 2)  # sigmoid
+    elif a == "deepseek2":
+        _deepseek2_kvs(s, kv)
     elif a == "laguna":
         kv("rope.freq_base", 500000.0)
         kv("rope.dimension_count", s.head_dim // 2)
@@ -365,6 +490,31 @@ def _kvs(s: FixtureSpec) -> list[KeyValue]:
         kv("expert_weights_scale", 2.5)
         kv("vocab_size", s.n_vocab)
     return out + _tokenizer_kvs(s.n_vocab)
+
+
+def _deepseek2_kvs(s: FixtureSpec, kv: Callable[..., None]) -> None:
+    """What conversion/deepseek.py writes beyond the common keys: MLA ranks and head sizes, the
+    shared expert count, the sigmoid router, YaRN (log multiplier 0.1 x mscale_all_dim 1.0)."""
+    m = s.mla
+    if m is None:
+        raise ValueError(f"{s.name}: deepseek2 fixtures need their MLA figures")
+    kv("vocab_size", s.n_vocab)
+    if m.q_lora_rank:
+        kv("attention.q_lora_rank", m.q_lora_rank)
+    kv("attention.kv_lora_rank", m.kv_lora_rank)
+    kv("attention.key_length_mla", m.head_k)
+    kv("attention.value_length_mla", m.v_head_dim)
+    kv("rope.dimension_count", m.qk_rope_head_dim)
+    kv("rope.freq_base", s.rope_base)
+    if s.yarn_factor:
+        kv("rope.scaling.type", "yarn")
+        kv("rope.scaling.factor", s.yarn_factor)
+        kv("rope.scaling.original_context_length", 4096)
+        kv("rope.scaling.yarn_log_multiplier", 0.1)
+    kv("expert_shared_count", 1)
+    kv("expert_weights_scale", s.routed_scale)
+    kv("expert_weights_norm", True)
+    kv("expert_gating_func", 2)  # sigmoid
 
 
 def _byte_tokens() -> list[str]:
