@@ -252,6 +252,7 @@ def test_every_card_gives_positive_figures(geo) -> None:
     for name, card in device_table.cards().items():
         c = device_table.predicted_costs(card, geo, 60.0, 8)
         assert c.predicted and c.base_tg_us > 0 and c.miss_cpu_us > 0 and c.miss_upload_us > 0, name
+        assert c.base_pp_us > 0 and c.host_pp_us > 0, name  # prompt speed is predicted too
         assert c.host_tg_us >= c.stop_us or c.host_tg_us >= 0, name
 
 

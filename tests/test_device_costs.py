@@ -107,7 +107,7 @@ def test_predict_for_a_card_not_at_hand(small_model, plan) -> None:
     d = json.loads(out)
     p = d["predicted"]
     assert p["measured"] is False and "published figures" in p["costs"] and "RTX 4060 Ti" in p["costs"]
-    assert p["pp_tok_s"] is None  # prompt speed is not predicted from published figures
+    assert p["pp_tok_s"] > 0  # prompt speed: the card's compute, fitted to public measurements (device_table)
     alts = _alts(d)
     assert alts["spark"]["tg_tok_s"] >= alts["n-cpu-moe"]["tg_tok_s"] * (1 - 1e-9)
     rc, out, err = plan(small_model, "--predict-for", "rtx-4060-ti-16gb", "--vram", "1GiB")
@@ -120,7 +120,6 @@ def test_predict_for_a_card_not_at_hand(small_model, plan) -> None:
     (("--objective", "fastest"), "--objective: unknown objective 'fastest'"),
     (("--host-cores", "8"), "--host-cores: only with --predict-for"),
     (("--cold-hit", "1.5"), "--cold-hit: 1.5 is not a share"),
-    (("--predict-for", "rtx-3090", "--objective", "prompt"), "--objective prompt: prompt speed is not predicted"),
 ])
 def test_bad_prediction_flags_are_one_line(small_model, plan, args, want) -> None:
     rc, out, err = plan(small_model, "--vram", "1GiB", *args)

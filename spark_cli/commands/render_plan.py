@@ -282,11 +282,10 @@ def _speed(v: float | None) -> str:
 
 def prediction_table(plan: Plan) -> Table | None:
     """The plan beside stock's placements for the same budget, priced by the cost model (None:
-    not priced in time). Prompt speed is left out where the figures are published, not measured."""
+    not priced in time). Prompt speed is "-" where it is not predicted."""
     p = plan.predicted
     if not p:
         return None
-    published = not p.get("measured", True)
     t = Table(title=f"predicted per token ({p['objective']} time chosen)", title_justify="left")
     for col in ("placement", "VRAM", "stops/tok", "tg tok/s", "pp tok/s", "tg vs stock"):
         t.add_column(col, justify="left" if col == "placement" else "right", no_wrap=col == "placement")
@@ -298,7 +297,7 @@ def prediction_table(plan: Plan) -> Table | None:
             continue
         vs = f"{a['tg_tok_s'] / stock['tg_tok_s']:.2f}x" if stock and stock["tg_tok_s"] and a["tg_tok_s"] else "-"
         t.add_row(a["label"], units.gib(a["device_bytes"]), str(a["stops"]), _speed(a["tg_tok_s"]),
-                  "-" if published else _speed(a["pp_tok_s"]), vs, style="bold" if a["name"] == "spark" else "")
+                  _speed(a["pp_tok_s"]), vs, style="bold" if a["name"] == "spark" else "")
     return t
 
 

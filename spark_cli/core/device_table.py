@@ -1,13 +1,40 @@
-"""Published figures of cards that are not at hand (data/device_profiles.toml), turned into the cost
-model's figures for one model (`spark plan --predict-for NAME`). A prediction, not a measurement:
-memory bandwidths are the vendors', the efficiencies and per-layer overhead below are assumptions
-(stated in the output), and prompt speed is not predicted (it is compute-bound: `spark bench`
-measures it on the card)."""
+"""A card that is not at hand, priced for one model (`spark plan --predict-for NAME`): the card's
+published figures (data/device_profiles.toml), constants fitted to public llama.cpp measurements
+(data/public_measurements.toml) and, where Spark has calibrated this machine's CPU, the host's
+measured expert rate, turned into the cost model's figures (core/cost_model.py prices the plan).
+
+The model, per token of a model whose decode reads `device_bytes` (non-expert weights and k routed
+experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s and F FP32 TFLOPS:
+
+    decode, all on the card  = device_bytes / (B * device_efficiency) + stop
+                               + (layers * layer_us + moe_layers * moe_layer_us + recurrent_layers * recurrent_layer_us)
+                                 * (REF_GB_S / B) ** layer_scaling
+    a host layer adds        = stop + host_layer_us + k * expert / host_rate - k * expert / (B * device_efficiency)
+    prompt, all on the card  = (device_bytes + moe_layers * prompt_moe_bytes) / (F * share * prompt_bytes_per_tflop_us)
+    a host layer adds (prompt) = its experts uploaded over the link for each ubatch of UBATCH tokens
+
+- device_efficiency: the share of the bandwidth a decode token's weight reads get;
+- layer_us, moe_layer_us, recurrent_layer_us: what bandwidth does not explain, per block and token
+  (kernel launches and their gaps, attention, norms), more for a MoE layer (router, top-k, the expert
+  matmuls by id) and a recurrent one (the delta-net state update), on a REF_GB_S card; a slower
+  card takes longer for them by (REF_GB_S / B) ** layer_scaling;
+- host_rate: GB/s the CPU's expert matmuls stream at: measured on this machine where Spark has
+  calibrated its CPU (runs/host_calibration.py), else host_efficiency of the host's memory
+  bandwidth (--host-bandwidth, default 60), at most HOST_GB_S_PER_CORE a core;
+- host_layer_us: what a host layer's hand-over costs besides its stop (the graph split: activations
+  down, the result up, the CPU threads woken);
+- prompt_bytes_per_tflop_us, prompt_moe_bytes: a prompt token is compute-bound; a MoE layer costs
+  as much as that many more bytes of weights (routing, per-expert batches); share: 1 on NVIDIA
+  cards, prompt_amd_share on AMD's (whose FP32 figure counts dual issue).
+
+The fitted constants are the [fit] table of data/public_measurements.toml, made by
+scripts/fit_public.py from the figures marked "fit"; the "held-out" figures check them. Vendor
+figures and the stop, link and per-core figures below are assumptions, stated in the output."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from importlib import resources
 
 from ..errors import UsageError
@@ -21,14 +48,18 @@ else:  # pragma: no cover
 
 PCIE_GB_S_PER_LANE = {3: 0.985, 4: 1.969, 5: 3.938}  # one direction, after encoding
 LINK_EFFICIENCY = 0.8  # share of the link a pinned upload gets
-DEVICE_EFFICIENCY = 0.7  # share of the memory bandwidth a decode step's matmuls get
-HOST_EFFICIENCY = 0.6  # share of the host's memory bandwidth the CPU's matmuls get
 HOST_GB_S_PER_CORE = 12.0  # what one core's matmul streams at most
-LAYER_US = 40.0  # kernel launches and small ops per layer and decode token (an assumption)
 DEFAULT_HOST_GB_S = 60.0  # dual-channel DDR5
-ASSUMPTIONS = (f"device matmuls at {DEVICE_EFFICIENCY:.0%} of the memory bandwidth, the CPU's at "
-               f"{HOST_EFFICIENCY:.0%} of the host's (at most {HOST_GB_S_PER_CORE:g} GB/s a core), uploads at "
-               f"{LINK_EFFICIENCY:.0%} of the link, {LAYER_US:g} us per layer and token besides")
+DEFAULT_HOST_CORES = 8  # a figure that names no CPU
+UBATCH = 512  # llama.cpp's default ubatch: a prompt step uploads a host layer's experts once per ubatch
+REF_GB_S = 1000.0  # the card the block figures are given for
+BAND = (0.8, 1.25)  # predicted over reported: inside counts as reproduced
+ASSUMPTIONS = (f"uploads at {LINK_EFFICIENCY:.0%} of the link, at most {HOST_GB_S_PER_CORE:g} GB/s a CPU core, "
+               f"a prompt's host layers uploaded once per {UBATCH}-token ubatch")
+
+
+def _data(name: str) -> dict:
+    return tomllib.loads(resources.files("spark_cli").joinpath(f"data/{name}").read_text())
 
 
 @dataclass(frozen=True)
@@ -40,6 +71,8 @@ class Card:
     link_gb_s: float  # host -> device, one direction, the link's figure
     stop_us: float
     second_queue: bool = True  # uploads run beside compute (CUDA, ROCm, Vulkan; not over RPC)
+    fp32_tflops: float = 0.0  # 0: not known (no prompt prediction)
+    vendor: str = "nvidia"  # nvidia | amd
 
     def describe(self) -> str:
         return f"{self.name} ({self.vram_gib:g} GiB, {self.memory_gb_s:g} GB/s, link {self.link_gb_s:.1f} GB/s)"
@@ -56,10 +89,9 @@ def _link(d: dict, key: str) -> float:
 
 def cards() -> dict[str, Card]:
     """Every card of the bundled table, by --predict-for name."""
-    doc = tomllib.loads(resources.files("spark_cli").joinpath("data/device_profiles.toml").read_text())
     return {k: Card(k, str(d["name"]), float(d["vram_gib"]), float(d["memory_gb_s"]), _link(d, k), float(d["stop_us"]),
-                    bool(d.get("second_queue", True)))
-            for k, d in doc["cards"].items()}
+                    bool(d.get("second_queue", True)), float(d.get("fp32_tflops", 0.0)), str(d.get("vendor", "nvidia")))
+            for k, d in _data("device_profiles.toml")["cards"].items()}
 
 
 def card(name: str) -> Card:
@@ -69,25 +101,238 @@ def card(name: str) -> Card:
     return table[name]
 
 
-def host_bandwidth(host_gb_s: float, host_cores: int) -> float:
-    """GB/s the CPU's expert matmuls stream at: a share of the memory's, capped by the cores."""
-    return min(host_gb_s * HOST_EFFICIENCY, host_cores * HOST_GB_S_PER_CORE)
+# ---------------------------------------------------------------- the fitted model
 
 
-def predicted_costs(c: Card, g: ModelGeometry, host_gb_s: float = DEFAULT_HOST_GB_S, host_cores: int = 8) -> DeviceCosts:
-    """The cost model's decode figures for `g` on card `c` with this host (prompt: not predicted)."""
-    moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
-    bpe = sum(l.expert_bytes_per_expert for l in moe) / max(len(moe), 1)  # bytes of one expert, mean
-    k = g.n_expert_used
-    dev = c.memory_gb_s * DEVICE_EFFICIENCY * 1e3  # bytes per us
-    host = host_bandwidth(host_gb_s, host_cores) * 1e3
-    link = c.link_gb_s * LINK_EFFICIENCY * 1e3
-    nonexpert = g.device_global_bytes + sum(l.nonexpert_bytes for l in g.layers if not l.is_nextn)
-    loaded = sum(1 for l in g.layers if not l.is_nextn)
-    base = (nonexpert + len(moe) * k * bpe) / dev + loaded * LAYER_US + c.stop_us  # the logits read-back
-    host_layer = c.stop_us + k * bpe / host - k * bpe / dev
-    return DeviceCosts(device=c.name, source=f"published figures: {c.describe()}; host {host_gb_s:g} GB/s, "
-                       f"{host_cores} cores; {ASSUMPTIONS}", threads=0, base_tg_us=base, base_pp_us=0.0,
-                       stop_us=c.stop_us, host_tg_us=max(host_layer, 0.0), host_pp_us=0.0, cached_pp_us=0.0,
-                       miss_cpu_us=bpe / host, miss_upload_us=bpe / link, concurrent=c.second_queue,
-                       predicted=True)
+@dataclass(frozen=True)
+class Fit:
+    """The constants fitted to public measurements (the module docstring's formulas)."""
+
+    device_efficiency: float
+    layer_us: float
+    moe_layer_us: float
+    recurrent_layer_us: float
+    layer_scaling: float  # the block figures are for a REF_GB_S card, times (REF_GB_S / B) ** this
+    host_efficiency: float
+    host_layer_us: float
+    prompt_bytes_per_tflop_us: float
+    prompt_moe_bytes: float
+    prompt_amd_share: float
+    n_fit: int = 0  # figures it was fitted to
+    n_held_out: int = 0  # figures kept out of the fit
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Fit":
+        return cls(**{f.name: type(f.default)(d[f.name]) if f.name in ("n_fit", "n_held_out") else float(d[f.name])
+                      for f in fields(cls) if f.name in d})
+
+    def describe(self) -> str:
+        return (f"fitted to {self.n_fit} public llama.cpp figures ({self.n_held_out} more held out): decode reads at "
+                f"{self.device_efficiency:.0%} of the card's bandwidth, {self.layer_us:.0f} us a block, "
+                f"{self.moe_layer_us:.0f} us more a MoE layer, {self.recurrent_layer_us:.0f} us more a recurrent one "
+                f"(on a {REF_GB_S:g} GB/s card; x (1000 / GB/s)^{self.layer_scaling:.2f} on others), "
+                f"the CPU at {self.host_efficiency:.0%} of the host's bandwidth, {self.host_layer_us:.0f} us a host "
+                f"layer's hand-over")
+
+
+def fitted() -> Fit:
+    """The bundled fit (data/public_measurements.toml's [fit])."""
+    return Fit.from_dict(_data("public_measurements.toml")["fit"])
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one token of a model reads and runs, as the formulas take it."""
+
+    device_bytes: float  # a decode token's weight reads with every expert on the card
+    layers: int  # blocks a token runs through
+    moe_layers: int = 0
+    recurrent_layers: int = 0
+    k: int = 0  # routed experts per token and MoE layer
+    expert_bytes: float = 0.0  # one routed expert (mean over MoE layers)
+    layer_expert_bytes: float = 0.0  # one MoE layer's routed experts, all of them (mean)
+
+    @classmethod
+    def of(cls, g: ModelGeometry, scale: float = 1.0) -> "Workload":
+        """A model's workload; `scale`: another quantization of the same shapes (bytes times scale)."""
+        moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
+        bpe = sum(l.expert_bytes_per_expert for l in moe) / max(len(moe), 1)
+        per_layer = sum(l.expert_bytes for l in moe) / max(len(moe), 1)
+        nonexpert = g.device_global_bytes + sum(l.nonexpert_bytes for l in g.layers if not l.is_nextn)
+        k = g.n_expert_used
+        return cls((nonexpert + len(moe) * k * bpe) * scale, sum(1 for l in g.layers if not l.is_nextn), len(moe),
+                   sum(1 for r in g.recurrent_layers if r), k, bpe * scale, per_layer * scale)
+
+
+@dataclass(frozen=True)
+class Host:
+    """The CPU beside the card: its expert rate measured here, or its memory bandwidth and cores."""
+
+    gb_s: float = DEFAULT_HOST_GB_S
+    cores: int = DEFAULT_HOST_CORES
+    measured_gb_s: float | None = None  # GB/s a missed expert streams at on this CPU (Spark's calibration)
+    measured_source: str = ""
+
+    def rate(self, f: Fit) -> float:
+        """GB/s the CPU's expert matmuls stream at."""
+        if self.measured_gb_s is not None:
+            return self.measured_gb_s
+        return min(self.gb_s * f.host_efficiency, self.cores * HOST_GB_S_PER_CORE)
+
+    def describe(self, f: Fit) -> str:
+        if self.measured_gb_s is not None:
+            return f"host measured: {self.measured_gb_s:.1f} GB/s for the CPU's experts ({self.measured_source})"
+        return f"host {self.gb_s:g} GB/s, {self.cores} cores: {self.rate(f):.1f} GB/s for the CPU's experts"
+
+
+def decode_us(c: Card, w: Workload, f: Fit) -> float:
+    """A decode token with every expert on the card."""
+    blocks = w.layers * f.layer_us + w.moe_layers * f.moe_layer_us + w.recurrent_layers * f.recurrent_layer_us
+    return w.device_bytes / (c.memory_gb_s * f.device_efficiency * 1e3) + c.stop_us + \
+        blocks * (REF_GB_S / c.memory_gb_s) ** f.layer_scaling
+
+
+def host_layer_us(c: Card, w: Workload, f: Fit, host: Host) -> float:
+    """What a host layer (stock --n-cpu-moe's) adds to a decode token (< 0: the CPU is faster)."""
+    k_bytes = w.k * w.expert_bytes
+    return c.stop_us + f.host_layer_us + k_bytes / (host.rate(f) * 1e3) - \
+        k_bytes / (c.memory_gb_s * f.device_efficiency * 1e3)
+
+
+def prompt_us(c: Card, w: Workload, f: Fit) -> float:
+    """A prompt token with every expert on the card (0: the card's compute is not known)."""
+    if c.fp32_tflops <= 0:
+        return 0.0
+    share = f.prompt_amd_share if c.vendor == "amd" else 1.0
+    return (w.device_bytes + w.moe_layers * f.prompt_moe_bytes) / (c.fp32_tflops * share * f.prompt_bytes_per_tflop_us)
+
+
+def host_layer_prompt_us(c: Card, w: Workload) -> float:
+    """What a host layer adds to a prompt token: its experts uploaded once per ubatch (an assumption:
+    llama.cpp runs a large batch's host experts on the card, uploading them)."""
+    return w.layer_expert_bytes / (c.link_gb_s * LINK_EFFICIENCY * 1e3) / UBATCH
+
+
+def tg_tok_s(c: Card, w: Workload, n_host: int, f: Fit, host: Host) -> float:
+    """Predicted decode tok/s of stock's placement with `n_host` host layers."""
+    return 1e6 / (decode_us(c, w, f) + n_host * host_layer_us(c, w, f, host))
+
+
+def pp_tok_s(c: Card, w: Workload, n_host: int, f: Fit) -> float | None:
+    """Predicted prompt tok/s of stock's placement with `n_host` host layers (None: not predicted)."""
+    base = prompt_us(c, w, f)
+    return 1e6 / (base + n_host * host_layer_prompt_us(c, w)) if base > 0 else None
+
+
+def predicted_costs(c: Card, g: ModelGeometry, host_gb_s: float = DEFAULT_HOST_GB_S,
+                    host_cores: int = DEFAULT_HOST_CORES, host: Host | None = None,
+                    fit: Fit | None = None) -> DeviceCosts:
+    """The cost model's figures for `g` on card `c` beside this host (`host` overrides the
+    bandwidth and cores, e.g. with a measured rate)."""
+    f = fit or fitted()
+    h = host or Host(host_gb_s, host_cores)
+    w = Workload.of(g)
+    rate = h.rate(f) * 1e3  # bytes per us
+    pp_host = host_layer_prompt_us(c, w) if c.fp32_tflops > 0 else 0.0
+    return DeviceCosts(device=c.name, source=f"published figures: {c.describe()} and a fit to {f.n_fit} public "
+                       f"measurements; {h.describe(f)}", threads=0, base_tg_us=decode_us(c, w, f),
+                       base_pp_us=prompt_us(c, w, f), stop_us=c.stop_us,
+                       host_tg_us=max(host_layer_us(c, w, f, h), 0.0), host_pp_us=pp_host, cached_pp_us=pp_host,
+                       miss_cpu_us=w.expert_bytes / rate,
+                       miss_upload_us=w.expert_bytes / (c.link_gb_s * LINK_EFFICIENCY * 1e3),
+                       concurrent=c.second_queue, predicted=True)
+
+
+def provenance(c: Card, h: Host, f: Fit | None = None) -> list[str]:
+    """Which figures of a --predict-for prediction are measured, fitted from public reports and assumed."""
+    f = f or fitted()
+    measured = f"this CPU's experts at {h.measured_gb_s:.1f} GB/s ({h.measured_source})" \
+        if h.measured_gb_s is not None else \
+        ("nothing: the host below is the flags' or the defaults (without --host-bandwidth and --host-cores, a CPU "
+         "calibration kept under $SPARK_HOME/calibration by `spark bench` is used)")
+    host = "" if h.measured_gb_s is not None else \
+        f"; the host's {h.gb_s:g} GB/s and {h.cores} cores (--host-bandwidth, --host-cores)"
+    return [f"measured: {measured}",
+            f"fitted from public reports: {f.describe()} (data/public_measurements.toml)",
+            f"assumed: {c.name}'s vendor bandwidth {c.memory_gb_s:g} GB/s, {c.fp32_tflops:g} FP32 TFLOPS and "
+            f"link {c.link_gb_s:.1f} GB/s, a {c.stop_us:g} us stop{host}; {ASSUMPTIONS}"]
+
+
+# ---------------------------------------------------------------- the public figures
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One published measurement (data/public_measurements.toml)."""
+
+    id: str
+    card: str
+    model: str  # a fixture name, or "dense"
+    size_bytes: float
+    n_cpu_moe: int
+    tg_tok_s: float
+    split: str  # fit | held-out
+    url: str
+    layers: int = 0  # dense only
+    pp_tok_s: float | None = None
+    host_gb_s: float | None = None
+    host_cores: int | None = None
+    tg_test: str = ""
+    pp_test: str = ""
+
+    def host(self) -> Host:
+        return Host(self.host_gb_s or DEFAULT_HOST_GB_S, self.host_cores or DEFAULT_HOST_CORES)
+
+    def workload(self, geometry: ModelGeometry | None) -> Workload:
+        """The run's workload: a fixture's shapes at the reported size, or a dense model's size."""
+        if self.model == "dense":
+            return Workload(self.size_bytes, self.layers)
+        if geometry is None:
+            raise ValueError(f"public_measurements.toml: {self.id}: needs the geometry of {self.model}")
+        return Workload.of(geometry, self.size_bytes / geometry.file_size)
+
+
+def _size(d: dict, fid: str) -> float:
+    if "size_gib" in d:
+        return float(d["size_gib"]) * 2 ** 30
+    if "size_gb" in d:
+        return float(d["size_gb"]) * 1e9
+    raise ValueError(f"public_measurements.toml: {fid}: no size_gib or size_gb")
+
+
+def figures() -> list[Figure]:
+    """Every bundled public figure (ValueError on a malformed row)."""
+    out = []
+    for d in _data("public_measurements.toml")["figure"]:
+        fid = str(d["id"])
+        if d["split"] not in ("fit", "held-out") or (d["model"] == "dense") != ("layers" in d):
+            raise ValueError(f"public_measurements.toml: {fid}: split, or layers for a dense model")
+        out.append(Figure(fid, str(d["card"]), str(d["model"]), _size(d, fid), int(d["n_cpu_moe"]),
+                          float(d["tg_tok_s"]), str(d["split"]), str(d["url"]), int(d.get("layers", 0)),
+                          float(d["pp_tok_s"]) if "pp_tok_s" in d else None,
+                          float(d["host_gb_s"]) if "host_gb_s" in d else None,
+                          int(d["host_cores"]) if "host_cores" in d else None,
+                          str(d.get("tg_test", "")), str(d.get("pp_test", ""))))
+    return out
+
+
+@dataclass(frozen=True)
+class Check:
+    """One figure predicted: predicted over reported, decode and (where reported) prompt."""
+
+    figure: Figure
+    tg_ratio: float
+    pp_ratio: float | None
+
+    def inside(self) -> bool:
+        lo, hi = BAND
+        return lo <= self.tg_ratio <= hi and (self.pp_ratio is None or lo <= self.pp_ratio <= hi)
+
+
+def check(fig: Figure, geometry: ModelGeometry | None, f: Fit | None = None) -> Check:
+    """`fig` predicted with the fit: the ratios of predicted to reported."""
+    f = f or fitted()
+    c, w = card(fig.card), fig.workload(geometry)
+    pp = pp_tok_s(c, w, fig.n_cpu_moe, f) if fig.pp_tok_s else None
+    return Check(fig, tg_tok_s(c, w, fig.n_cpu_moe, f, fig.host()) / fig.tg_tok_s,
+                 pp / fig.pp_tok_s if pp and fig.pp_tok_s else None)

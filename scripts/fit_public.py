@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Fit `spark plan --predict-for`'s constants (core/device_table.py's module docstring) to the public
+figures marked "fit" in spark_cli/data/public_measurements.toml, and print predicted over reported for
+every figure, fitted and held out. With --write the [fit] table of the data file is replaced.
+
+The fit minimises the squared log of predicted over reported: decode constants on every fitted
+decode figure, prompt constants on every fitted prompt figure (Nelder-Mead; positive constants,
+efficiencies at most 1). Held-out figures are never seen by it.
+
+Usage: .venv/bin/python scripts/fit_public.py [--write] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from spark_cli.core import device_table as dt  # noqa: E402
+from spark_cli.core.gguf_info import load_geometry  # noqa: E402
+from spark_cli.models.fixtures import build_fixture  # noqa: E402
+
+DATA = Path(__file__).resolve().parent.parent / "spark_cli" / "data" / "public_measurements.toml"
+MARK = "# ---- fitted by scripts/fit_public.py"
+TG = ("device_efficiency", "layer_us", "moe_layer_us", "recurrent_layer_us", "layer_scaling", "host_efficiency",
+      "host_layer_us")
+PP = ("prompt_bytes_per_tflop_us", "prompt_moe_bytes", "prompt_amd_share")
+BOUNDED = {"device_efficiency", "host_efficiency", "prompt_amd_share"}  # at most 1
+
+
+def nelder_mead(fun, x0: np.ndarray, iters: int = 4000, tol: float = 1e-10) -> np.ndarray:
+    """A plain Nelder-Mead minimiser (numpy only)."""
+    n = len(x0)
+    simplex = [x0] + [x0 + np.eye(n)[i] * 0.3 for i in range(n)]
+    vals = [fun(x) for x in simplex]
+    for _ in range(iters):
+        order = np.argsort(vals)
+        simplex, vals = [simplex[i] for i in order], [vals[i] for i in order]
+        if abs(vals[-1] - vals[0]) < tol:
+            break
+        centroid = np.mean(simplex[:-1], axis=0)
+        xr = centroid + (centroid - simplex[-1])
+        fr = fun(xr)
+        if fr < vals[0]:
+            xe = centroid + 2 * (centroid - simplex[-1])
+            fe = fun(xe)
+            simplex[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
+        elif fr < vals[-2]:
+            simplex[-1], vals[-1] = xr, fr
+        else:
+            xc = centroid + 0.5 * (simplex[-1] - centroid)
+            fc = fun(xc)
+            if fc < vals[-1]:
+                simplex[-1], vals[-1] = xc, fc
+            else:
+                simplex = [simplex[0] + 0.5 * (s - simplex[0]) for s in simplex]
+                vals = [fun(s) for s in simplex]
+    return simplex[int(np.argmin(vals))]
+
+
+def _params(names, x: np.ndarray) -> dict[str, float]:
+    """Log-parametrised constants (positive), efficiencies capped at 1."""
+    out = {}
+    for name, v in zip(names, x):
+        out[name] = min(math.exp(v), 1.0) if name in BOUNDED else math.exp(v)
+    return out
+
+
+def fit(figs, geos, start: dt.Fit) -> dt.Fit:
+    train = [f for f in figs if f.split == "fit"]
+
+    def loss(names, x, phase):
+        fit_ = dataclasses.replace(start, **_params(names, x))
+        err = 0.0
+        for f in train:
+            c = dt.check(f, geos.get(f.model), fit_)
+            r = c.tg_ratio if phase == "tg" else c.pp_ratio
+            if r is not None:
+                err += math.log(r) ** 2
+        return err
+
+    x_tg = nelder_mead(lambda x: loss(TG, x, "tg"), np.log([0.7, 30.0, 50.0, 50.0, 0.5, 0.6, 50.0]))
+    got = dataclasses.replace(start, **_params(TG, x_tg))
+    x_pp = nelder_mead(lambda x: loss(PP, x, "pp"), np.log([100.0, 1e7, 0.7]))
+    got = dataclasses.replace(got, **_params(PP, x_pp))
+    return dataclasses.replace(got, n_fit=len(train), n_held_out=len(figs) - len(train))
+
+
+def table(figs, geos, f: dt.Fit) -> list[str]:
+    rows = ["| figure | card | model, placement | reported tg / pp tok/s | predicted / reported tg | pp | split "
+            "| source |",
+            "|---|---|---|---|---|---|---|---|"]
+    for fig in figs:
+        c = dt.check(fig, geos.get(fig.model), f)
+        place = f"--n-cpu-moe {fig.n_cpu_moe}" if fig.n_cpu_moe else "all on the card"
+        model = "dense" if fig.model == "dense" else fig.model
+        rep = f"{fig.tg_tok_s:g}" + (f" / {fig.pp_tok_s:g}" if fig.pp_tok_s else "")
+        pp = f"{c.pp_ratio:.2f}" if c.pp_ratio is not None else "-"
+        rows.append(f"| {fig.id} | {fig.card} | {model}, {fig.size_bytes / 1e9:.1f} GB, {place} | {rep} | "
+                    f"{c.tg_ratio:.2f} | {pp} | {fig.split} | {fig.url} |")
+    return rows
+
+
+def summary(figs, geos, f: dt.Fit) -> list[str]:
+    out = []
+    for split in ("fit", "held-out"):
+        cs = [dt.check(x, geos.get(x.model), f) for x in figs if x.split == split]
+        ratios = [c.tg_ratio for c in cs] + [c.pp_ratio for c in cs if c.pp_ratio is not None]
+        lo, hi = dt.BAND
+        inside = sum(1 for r in ratios if lo <= r <= hi)
+        out.append(f"{split}: {inside} of {len(ratios)} figures within {lo}-{hi} (predicted over reported "
+                   f"{min(ratios):.2f}-{max(ratios):.2f})")
+    return out
+
+
+def write(f: dt.Fit) -> None:
+    text = DATA.read_text()
+    head = text[:text.index(MARK)]
+    body = "\n".join(f"{fl.name} = {getattr(f, fl.name)!r}" if isinstance(getattr(f, fl.name), int)
+                     else f"{fl.name} = {getattr(f, fl.name):.6g}" for fl in dataclasses.fields(f))
+    DATA.write_text(head + MARK + " from the \"fit\" figures (do not edit by hand below this line)\n[fit]\n"
+                    + body + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true", help="replace the data file's [fit] table")
+    ap.add_argument("--markdown", action="store_true", help="print the table of every figure")
+    a = ap.parse_args(argv)
+    figs = dt.figures()
+    geos = {m: load_geometry(build_fixture(m)) for m in {x.model for x in figs if x.model != "dense"}}
+    f = fit(figs, geos, dt.fitted())
+    print("\n".join(f"{fl.name} = {getattr(f, fl.name):.6g}" for fl in dataclasses.fields(f)))
+    print("\n".join(summary(figs, geos, f)))
+    if a.markdown:
+        print("\n".join(table(figs, geos, f)))
+    if a.write:
+        write(f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

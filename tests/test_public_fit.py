@@ -1,0 +1,145 @@
+"""`spark plan --predict-for` against public measurements (core/device_table.py,
+data/public_measurements.toml): every figure cites its source and names a known card and model, the
+fitted constants reproduce the fitted figures within the band and are what the fit script makes
+from them, docs/cost-model.md's table is the data file's, a CPU calibration kept under SPARK_HOME
+replaces the default host, and the command prints prompt speed and where each figure comes from."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_runner
+
+from spark_cli.commands import plan as plan_cmd
+from spark_cli.core import device_table as dt
+from spark_cli.core.gguf_info import load_geometry
+from spark_cli.models.fixtures import FIXTURES, build_fixture
+from spark_cli.runs import host_calibration
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def geos(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("fixtures")
+    return {m: load_geometry(build_fixture(m, out_dir=out)) for m in {f.model for f in dt.figures()} if m != "dense"}
+
+
+@pytest.fixture
+def plan(monkeypatch, capsys):
+    return cli_runner(monkeypatch, capsys, "plan", plan_cmd.register)
+
+
+def test_every_figure_cites_a_source_and_names_a_known_card_and_model(geos) -> None:
+    figs, cards = dt.figures(), dt.cards()
+    assert len(figs) >= 15 and len({f.url for f in figs}) >= 10
+    assert {f.split for f in figs} == {"fit", "held-out"}
+    for f in figs:
+        assert f.url.startswith("https://"), f.id
+        assert f.card in cards and cards[f.card].fp32_tflops > 0, f.id
+        assert f.model == "dense" or f.model in FIXTURES, f.id
+        assert f.tg_tok_s > 0 and f.size_bytes > 0, f.id
+        if f.model != "dense":
+            assert 0 <= f.n_cpu_moe <= len(geos[f.model].moe_layers), f.id
+    by_url: dict[str, set[str]] = {}
+    for f in figs:  # split by source: no source has figures on both sides
+        by_url.setdefault(f.url, set()).add(f.split)
+    assert all(len(s) == 1 for s in by_url.values())
+
+
+def test_the_fit_reproduces_its_fitted_figures_within_the_band(geos) -> None:
+    lo, hi = dt.BAND
+    fit = dt.fitted()
+    train = [f for f in dt.figures() if f.split == "fit"]
+    assert fit.n_fit == len(train) and fit.n_held_out == len(dt.figures()) - len(train)
+    for f in train:
+        c = dt.check(f, geos.get(f.model), fit)
+        assert lo <= c.tg_ratio <= hi, (f.id, c.tg_ratio)
+        assert c.pp_ratio is None or lo <= c.pp_ratio <= hi, (f.id, c.pp_ratio)
+    assert sum(1 for f in train if f.pp_tok_s) >= 3  # the prompt constants have figures to stand on
+
+
+def test_the_stored_constants_are_what_the_fit_script_makes(geos) -> None:
+    spec = importlib.util.spec_from_file_location("fit_public", ROOT / "scripts" / "fit_public.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    got, kept = mod.fit(dt.figures(), geos, dt.fitted()), dt.fitted()
+    for f in dataclasses.fields(dt.Fit):
+        assert getattr(got, f.name) == pytest.approx(getattr(kept, f.name), rel=2e-3, abs=1e-3), f.name
+
+
+def test_the_docs_table_is_the_data_files(geos) -> None:
+    """docs/cost-model.md lists predicted over reported for every figure, as the model computes it now."""
+    doc = (ROOT / "docs" / "cost-model.md").read_text()
+    for f in dt.figures():
+        row = re.search(rf"^\| {re.escape(f.id)} \|.*$", doc, re.M)
+        assert row, f"docs/cost-model.md has no row for {f.id}"
+        cells = [c.strip() for c in row.group(0).strip("|").split("|")]
+        c = dt.check(f, geos.get(f.model), dt.fitted())
+        assert cells[4] == f"{c.tg_ratio:.2f}", (f.id, cells[4], c.tg_ratio)
+        assert cells[5] == (f"{c.pp_ratio:.2f}" if c.pp_ratio is not None else "-"), (f.id, cells[5])
+        assert cells[6] == f.split and cells[7] == f.url, f.id
+
+
+def test_slower_host_or_more_host_layers_predict_slower_decode(geos) -> None:
+    g, card, fit = geos["qwen3.6-35b-a3b-q4_k_m"], dt.card("rtx-5060-ti-16gb"), dt.fitted()
+    w = dt.Workload.of(g)
+    fast, slow = dt.Host(90.0, 16), dt.Host(30.0, 16)
+    assert dt.tg_tok_s(card, w, 10, fit, fast) > dt.tg_tok_s(card, w, 10, fit, slow)
+    tg = [dt.tg_tok_s(card, w, n, fit, fast) for n in (0, 10, 20)]
+    assert tg == sorted(tg, reverse=True) and tg[0] > tg[-1]
+    assert dt.pp_tok_s(card, w, 0, fit) > dt.pp_tok_s(card, w, 20, fit) > 0
+    measured = dataclasses.replace(slow, measured_gb_s=200.0)
+    assert measured.rate(fit) == 200.0  # a measured rate is the rate: no efficiency, no core cap
+
+
+def _kept_calibration(home: Path, geometry_path: Path, cpu_us: float, threads: int) -> None:
+    g = load_geometry(geometry_path)
+    (home / "calibration").mkdir(parents=True, exist_ok=True)
+    body = {"fingerprint": g.fingerprint, "costs": {"threads": threads, "miss_cpu_us": cpu_us}, "samples": []}
+    (home / "calibration" / "device-costs-0123456789abcdef.json").write_text(json.dumps(body))
+
+
+def test_a_cpu_calibration_kept_under_spark_home_is_the_host(tmp_path, monkeypatch, plan) -> None:
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPARK_HOME", str(home))
+    model = build_fixture("gpt-oss-20b-mxfp4", out_dir=home / "models")
+    assert host_calibration.measured_host(home) is None  # nothing kept yet
+    g = load_geometry(model)
+    bpe = sum(l.expert_bytes_per_expert for l in g.layers if l.is_moe) / len(g.moe_layers)
+    _kept_calibration(home, model, 1000.0, 6)
+    h = host_calibration.measured_host(home)
+    assert h is not None and h.cores == 6 and h.measured_gb_s == pytest.approx(bpe / 1000.0 / 1e3)
+    assert "device-costs-0123456789abcdef.json" in h.measured_source
+    rc, out, err = plan(model, "--predict-for", "rtx-3090", "-c", "4096")
+    assert rc == 0, err
+    assert f"measured: this CPU's experts at {h.measured_gb_s:.1f} GB/s" in out
+    rc, out, err = plan(model, "--predict-for", "rtx-3090", "-c", "4096", "--host-bandwidth", "60")
+    assert rc == 0, err
+    assert "measured: nothing" in out and "the host's 60 GB/s" in out  # the flag describes another host
+
+
+def test_predict_for_prints_prompt_speed_and_where_each_figure_comes_from(tmp_path, monkeypatch, plan) -> None:
+    monkeypatch.setenv("SPARK_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("COLUMNS", "200")
+    model = build_fixture("qwen3.6-35b-a3b-q4_k_m", out_dir=tmp_path / "models")
+    rc, out, err = plan(model, "--predict-for", "rtx-5060-ti-16gb", "-c", "32768", "--host-bandwidth", "60",
+                        "--host-cores", "8")
+    assert rc == 0, err
+    row = next(l for l in out.splitlines() if "stock --n-cpu-moe" in l and "GiB" in l)
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert float(cells[3]) > 0 and float(cells[4]) > 0, row  # tg and pp tok/s
+    for kind in ("measured:", "fitted from public reports:", "assumed:"):
+        assert kind in out, kind
+    rc, out, err = plan(model, "--predict-for", "rtx-5060-ti-16gb", "-c", "32768", "--json", "--host-bandwidth", "60")
+    assert rc == 0, err
+    alts = {a["name"]: a for a in json.loads(out)["predicted"]["alternatives"]}
+    assert alts["n-cpu-moe"]["pp_tok_s"] > 0 and alts["n-cpu-moe"]["tg_tok_s"] > 0
+    rc, out, err = plan(model, "--predict-for", "rtx-5060-ti-16gb", "--objective", "prompt", "--host-bandwidth", "60")
+    assert rc == 0, err  # prompt speed is predicted, so a plan may minimise it
