@@ -121,27 +121,36 @@ def test_profile_tables_whole_in_a_pipe(geo, pipe) -> None:
 
 
 def test_the_demos_closing_lines_say_what_it_showed(geo, tmp_path) -> None:
-    """spark demo's last lines, from the files its steps wrote: the plan, the answer, bench's verdict."""
+    """spark demo's last lines, from the files its steps wrote: the plan, the answer, the placement bench
+    ran and its verdict, the RAM tier's line."""
     from spark_cli.commands import demo as demo_cmd
     from spark_cli.core import plan_file
     from spark_cli.core.planner import PlanRequest, plan_for
 
     plan_path = tmp_path / "demo-plan.json"
     budget = int(0.6 * geo.total_expert_bytes) + (2 << 30)
-    plan_file.save(plan_for(geo, PlanRequest(budget, 2048)).plan, plan_path)
+    made = plan_for(geo, PlanRequest(budget, 2048)).plan
+    plan_file.save(made, plan_path)
     rep = _wide_report(geo)
     bench_path = tmp_path / "demo-bench.json"
     bench_path.write_text(json.dumps(rep.to_dict()), encoding="utf-8")
-    lines = demo_cmd.closing_lines(plan_path, 0.6, "The capital city of France is Paris.\n", bench_path)
-    assert len(lines) == 3
-    plan, answer, verdict = lines
-    assert plan.startswith("plan: 60% of the expert bytes on the device:") and "of 48 MoE layers cached" in plan
+    lines = demo_cmd.closing_lines(plan_path, 0.6, "The capital city of France is Paris.\n", bench_path,
+                                   "RAM tier: not compared here: why")
+    assert len(lines) == 4
+    plan, answer, verdict, ram = lines
+    where = demo_cmd.Placement.of_plan(made)
+    assert where.n_cached and where.n_moe == 48  # placed by hits: cached layers
+    cold = "" if made.predicted_cold_hit is None else f", predicted cold-hit {100 * made.predicted_cold_hit:.1f}%"
+    assert plan == f"plan: 60% of the expert bytes on the device, placed by hits (no device costs): {where.words()}{cold}"
     assert answer == "answer: 'The capital city of France is Paris.'"
     spark, stock = (next(r for r in rep.results if r.config.name == n) for n in ("spark", rep.baseline))
-    assert verdict.startswith(f"bench: Spark generates {spark.tg.median:.1f} tok/s, "
-                              f"{spark.ratios['tg_vs_stock']:.2f}x the best stock offload ({stock.config.label}, ")
+    ran = demo_cmd.Placement(48, (), 0)  # the report's Spark: every layer resident
+    assert verdict.startswith(f"bench: Spark ran another placement than the plan above ({ran.words()}): "
+                              f"{spark.tg.median:.1f} tok/s, {spark.ratios['tg_vs_stock']:.2f}x the best stock "
+                              f"offload ({stock.config.label}, "), verdict
     target = rep.targets()["tg_vs_stock"]
     assert verdict.endswith(f"the {target['target']:g}x target {'met' if target['met'] else 'not met'}")
+    assert ram == "RAM tier: not compared here: why"
     # a step that wrote nothing: said so, no traceback
     assert demo_cmd.closing_lines(tmp_path / "none.json", 0.6, None, tmp_path / "none.json") == \
         ["plan: not written", "answer: none"]
