@@ -654,6 +654,9 @@ class PlanRequest:
     # whole in RAM (its device misses' source); a host layer needs only its RAM tier's k slots, the rest
     # read from the file. Cached layers beyond what fits become host layers (ram_fit).
     ram_bytes: int | None = None
+    ram_source: str = "--ram"  # where ram_bytes came from, for ram_fit's error
+    ram_strict: bool = True  # False (a bound read from the machine, not asked for): where no placement fits
+                             # it, ram_fit keeps the unbounded one (the mapping pages the rest in)
     forced_host: frozenset[int] = frozenset()  # MoE layers placed on the host whatever the budget (ram_fit's)
 
     @property
@@ -830,7 +833,7 @@ def ram_fit(geometry: ModelGeometry, request: PlanRequest, res: PlanResult) -> P
     layer, the input embeddings) do not fit request.ram_bytes, the lowest-numbered cached layers go to
     the host (as stock's --n-cpu-moe orders them), enough to cover what is over, and the device budget
     is spent again on the rest. PlanError (one line) when no cached layer is left to move."""
-    forced = set(request.forced_host)
+    forced, first = set(request.forced_host), res
     for _ in range(MAX_RAM_ROUNDS):
         cached = [l.index for l in res.plan.layers if l.mode == "cached"]
         host = [l.index for l in res.plan.layers if l.mode == "host"]
@@ -845,9 +848,11 @@ def ram_fit(geometry: ModelGeometry, request: PlanRequest, res: PlanResult) -> P
             if over <= 0:
                 break
         res = _plan_device(geometry, replace(request, forced_host=frozenset(forced)))
+    if not request.ram_strict:
+        return first
     need = ram_tier.three_tier_need(geometry, [l.index for l in res.plan.layers if l.mode == "cached"],
                                     [l.index for l in res.plan.layers if l.mode == "host"])
-    raise PlanError(f"--ram {units.fmt_bytes(request.ram_bytes)}: the placement's host weights need "
+    raise PlanError(f"{request.ram_source} {units.fmt_bytes(request.ram_bytes)}: the placement's host weights need "
                     f"{units.fmt_bytes(need)} at least (the cached layers' experts, {geometry.n_expert_used} RAM slots "
                     "per host layer, the staging slices)", hint="give the run more RAM (--ram) or more --vram")
 

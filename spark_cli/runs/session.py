@@ -339,7 +339,7 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
         budget = resolve_budget(vram_text, devs)
         req = plan_request(info, budget.bytes, n_ctx, miss_path=miss_path, split=resolve_split(flags, budget),
                            costs=kept_costs(devs, geometry, flags), **kv_settings(flags))
-        req = dataclasses.replace(req, ram_bytes=plan_ram_bytes(flags, geometry))
+        req = dataclasses.replace(req, **plan_ram_bound(flags, geometry))
         plan = planner.plan_for(geometry, req, measurer(model, geometry, flags, n_ctx)).plan
         out = Placement(devs, plan, n_ctx, budget.source)
     if not any(l.mode in ("resident", "cached", "host") for l in out.plan.layers):
@@ -381,13 +381,17 @@ def resolve_ram_tier(model: Path, geometry: ModelGeometry, info: ProfileInfo, fl
                          flag="--ram" if flags.ram is not None else "the RAM budget")
 
 
-def plan_ram_bytes(flags: LoadFlags, geometry: ModelGeometry) -> int | None:
-    """The RAM a device plan's host weights are fitted to (planner.ram_fit): --ram; else, for a model
-    file bigger than the available RAM, that RAM less RAM_MARGIN; None: no bound (it fits)."""
+def plan_ram_bound(flags: LoadFlags, geometry: ModelGeometry) -> dict:
+    """The RAM a device plan's host weights are fitted to (planner.ram_fit), as PlanRequest fields: --ram;
+    else, for a model file bigger than the available RAM, that RAM less RAM_MARGIN; none (it fits, or
+    --no-mmap/--mlock: every weight resident, host_ram.check refuses what does not fit)."""
     if flags.ram is not None:
-        return flags.ram
-    free, _ = host_ram.available()
-    return max(0, free - RAM_MARGIN) if free < geometry.file_size else None
+        return {"ram_bytes": flags.ram, "ram_source": "--ram"}
+    if not flags.mmap or flags.mlock:
+        return {}
+    free, where = host_ram.available()
+    return {"ram_bytes": max(0, free - RAM_MARGIN), "ram_source": f"the available RAM ({where})",
+            "ram_strict": False} if free < geometry.file_size else {}
 
 
 def resolve_device_ram_tier(geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags,
@@ -418,8 +422,8 @@ def host_ram_tier(geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags, 
                   host: dict[str, int]) -> ram_tier.RamTier | None:
     """The RAM tier of a device run whose `host_layers` keep their experts on the CPU, `host` its dry
     run's host bill (model, context, compute, total): resolve_device_ram_tier's."""
-    if not host_layers and flags.ram is None:
-        return None  # NOTE: nothing to read from the file: the mapping pages the rest in (host_ram.check warns)
+    if flags.ram is None and (not host_layers or not flags.mmap or flags.mlock):
+        return None  # NOTE: nothing to read from the file, or every weight resident: host_ram.check refuses or warns
     resident = max(0, host["model"] - ram_tier.expert_bytes(geometry, host_layers))
     if flags.ram is not None:
         budget, source, flag = flags.ram, "--ram", "--ram"
@@ -430,6 +434,8 @@ def host_ram_tier(geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags, 
         budget = max(0, free - host["context"] - host["compute"] - RAM_MARGIN)
         source = f"{where}: {units.fmt_bytes(free)} free less {units.fmt_bytes(host['context'] + host['compute'])} " \
                  "of host KV cache and compute buffers"
+        if budget < ram_tier.minimum(geometry, host_layers, resident):
+            return None  # NOTE: not asked for: the mapping pages the rest in (host_ram.check warns)
         flag = "the RAM budget"
     return ram_tier.plan(geometry, budget, source, profile_counts(info), flag=flag, layers=host_layers,
                          resident=resident)
