@@ -54,6 +54,30 @@ def test_rpc_server_is_stopped_without_leaks(small_model):
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_devices_asks_only_this_runs_servers(monkeypatch, capsys, rpc_server):
+    """An RPC server registered earlier in the process and gone since (a test's own, a run before) is not
+    asked for its memory by `spark devices --rpc` (ggml would abort on connecting to it): this machine's
+    devices and the given server's are listed."""
+    import json
+
+    from conftest import cli_runner
+    from spark_cli.commands import system
+    from spark_cli.native.rpc import RpcServer, connect
+
+    gone = RpcServer(threads=1).start()
+    try:
+        gone_names = [d.name for d in connect([gone.endpoint])]
+    finally:
+        gone.stop()
+    ours = [d.name for d in connect([rpc_server.endpoint])]
+    rc, out, err = cli_runner(monkeypatch, capsys, "devices", system.register)("--rpc", rpc_server.endpoint, "--json")
+    assert rc == 0, err
+    listed = {d["name"]: d for d in json.loads(out)}
+    assert len(gone_names) == len(ours) == 1 and gone_names != ours
+    assert ours[0] in listed and gone_names[0] not in listed and "CPU" in listed
+    assert listed[ours[0]]["total"] > 0
+
+
 @pytest.mark.parametrize("value", ["localhost", "host:", ":80", "a:b", "h:70000", "h:1,bad"])
 def test_bad_rpc_endpoint_is_one_line_error(value):
     with pytest.raises(SparkError) as e:

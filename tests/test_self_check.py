@@ -167,7 +167,8 @@ def test_a_planted_wrong_slot_fails_and_runs_stock(checked, monkeypatch, capsys,
     assert json.loads(out)["figures"]["cached_layers"] == 0  # stock's placement: no cache
     lines = [l for l in err.splitlines() if "self-check" in l]
     assert len(lines) == 1, err
-    assert "self-check failed on RPC0" in lines[0] and "running stock's placement (--n-cpu-moe" in lines[0]
+    name = self_check.key_of(_stand_in(rpc_server)).device  # RPC0 127.0.0.1, the first server this process met
+    assert f"self-check failed on {name} (" in lines[0] and "running stock's placement (--n-cpu-moe" in lines[0]
     assert lines[0].endswith("instead (spark devices --self-check runs it again)")
     assert len(checked) == 1
     res = checked[0]
@@ -308,7 +309,7 @@ def test_bench_prints_the_kept_check(checked, monkeypatch, capsys, rpc_server, t
     rc, stdout, err = bench(link, "--rpc", rpc_server.endpoint, "--residency", "0.6", "--corpus", corpus,
                             "-p", "8", "-n", "4", "-r", "1", "--configs", "spark", "-o", out, "--no-learn")
     assert rc == 0, err
-    line = ("self-check failed on RPC0 127.0.0.1 (max |d logit| 3.5 against all-resident, bit-identical required; "
+    line = (f"self-check failed on {key.device} (max |d logit| 3.5 against all-resident, bit-identical required; "
             "2026-12-06 03:00 UTC, kept): Spark's configurations are timed anyway; "
             "chat and serve run stock's placement")
     assert line in " ".join(err.split())

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from ..core.units import parse_size
-from ..native import llama_lib, rpc
+from ..native import devices, rpc
 from ..files.paths import spark_home
 from ..native.rpc import connect, parse_endpoints
 from .common import JSON_HELP, RPC_HELP, console
@@ -45,9 +45,7 @@ def devices_cmd(
     from ..runs import self_check
 
     endpoints = parse_endpoints(rpc) if rpc else []
-    if endpoints:
-        connect(endpoints)
-    devs = llama_lib.devices(memory=True)
+    devs = devices.listed(connect(endpoints) if endpoints else [])
     home = spark_home()
     checks = {d.name: _check(d, endpoints, home, run_check) for d in devs if d.is_gpu}
     if as_json:

@@ -11,6 +11,7 @@ own budget (--vram per device). Plan, chat, bench, profile and the engine all se
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -105,6 +106,17 @@ def free_memory(dev) -> tuple[int, int]:
     free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
     llama_lib.load().dev_memory(dev.handle, ctypes.byref(free), ctypes.byref(total))
     return free.value, total.value
+
+
+def listed(rpc_devices: Sequence) -> list:
+    """The devices `spark devices` lists, their memory read now: this machine's, and `rpc_devices` (those
+    of this run's --rpc servers, rpc.connect's). An RPC server registered earlier in this process and
+    gone since is not asked: ggml aborts on a server it cannot reach."""
+    from . import llama_lib
+
+    ours = {d.name for d in rpc_devices}
+    return [dataclasses.replace(d, free=f, total=t) for d in llama_lib.devices()
+            if not d.name.startswith("RPC") or d.name in ours for f, t in [free_memory(d)]]
 
 
 def budget_from_free(free: int) -> int:

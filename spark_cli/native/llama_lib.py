@@ -140,22 +140,20 @@ def header_check(path: Path) -> str | None:
     return None
 
 
-def devices(memory: bool = False) -> list[Device]:
-    """Registered ggml devices; with memory=True also their free/total bytes (asks RPC servers)."""
+def devices() -> list[Device]:
+    """Registered ggml devices (free and total 0: devices.free_memory reads a device's, asking an
+    RPC server)."""
     lib = load()
     out = []
     for i in range(lib.dev_count()):
         h = lib.dev_get(i)
-        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        if memory:
-            lib.dev_memory(h, ctypes.byref(free), ctypes.byref(total))
         out.append(Device(
             index=i,
             name=lib.dev_name(h).decode(),
             description=(lib.dev_description(h) or b"").decode(errors="replace"),
             type=DEV_TYPE_NAMES.get(lib.dev_type(h), "?"),
-            free=free.value,
-            total=total.value,
+            free=0,
+            total=0,
             handle=h,
         ))
     return out
