@@ -10,6 +10,7 @@ import typer
 
 from ..core.chat_output import REASONING_FORMATS
 from ..core.options import LoadFlags
+from ..core.reasoning import MODES as REASONING_MODES, ReasoningDefault
 from ..errors import SparkError, UsageError
 from ..runs import session
 from .common import (JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, err_console, model_flags,
@@ -48,6 +49,12 @@ def serve_cmd(
     jinja: bool = typer.Option(True, "--jinja/--no-jinja", help=JINJA_HELP),
     reasoning_format: str = typer.Option("auto", "--reasoning-format", help="auto or deepseek: <think> text "
                                          "(and gpt-oss analysis) goes to reasoning_content; none: left inline"),
+    reasoning: str = typer.Option("auto", "--reasoning", "-rea", help="thinking in chats: on, off, or auto (on "
+                                  "where the template can think), as llama-server's; a request's "
+                                  "chat_template_kwargs.enable_thinking or reasoning_effort: none overrides it"),
+    reasoning_budget: int = typer.Option(-1, "--reasoning-budget", min=-1, help="thinking tokens at most: -1 no "
+                                         "limit, 0 no thinking (the template's no-think form); a positive budget "
+                                         "is refused (Spark cannot end thinking midway)"),
     alias: str = typer.Option(None, "--alias", "-a", help="the model's name in /v1/models, /props and responses "
                               "(default: the GGUF's file name)", show_default=False),
     n_predict: int = typer.Option(-1, "--n-predict", "-n", min=-1, help="tokens per answer at most when a "
@@ -87,6 +94,11 @@ def serve_cmd(
     miss_choice = parse_miss_path(miss_path) if miss_path is not None else None
     if reasoning_format not in REASONING_FORMATS:
         raise UsageError(f"--reasoning-format {reasoning_format}: expected one of {', '.join(REASONING_FORMATS)}")
+    if reasoning not in REASONING_MODES:
+        raise UsageError(f"--reasoning {reasoning}: expected one of {', '.join(REASONING_MODES)}")
+    if reasoning_budget > 0:
+        raise UsageError(f"--reasoning-budget {reasoning_budget}: spark serve cannot end thinking after a number "
+                         "of tokens", hint="give -1 (no limit) or 0 (no thinking), or --reasoning off")
     templates = chat_templates(template_file, jinja)
     vertex = Vertex.from_env(os.environ)  # AIP_MODE=PREDICTION: Vertex AI's predict route, on AIP_HTTP_PORT
     if vertex is not None and vertex.port != port:
@@ -109,7 +121,8 @@ def serve_cmd(
         err_console.print(f"warning: {w}", soft_wrap=True, markup=False)
     served = wire(path, geometry, where, flags, Access(api_key or None, host, hosts, origins),
                   templates=templates, chat_defaults=Defaults(temp, seed, n_predict, verbose),
-                  reasoning_format=reasoning_format, alias=alias, learn=learn, learn_every=learn_every,
+                  reasoning_format=reasoning_format, thinking=ReasoningDefault(reasoning, reasoning_budget),
+                  alias=alias, learn=learn, learn_every=learn_every,
                   max_queue=max_queue, metrics=metrics_on, slots=slots_on, vertex=vertex,
                   grammar_limits=GrammarLimits(grammar_max_bytes, grammar_max_depth, grammar_max_width),
                   on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True))

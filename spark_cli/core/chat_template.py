@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import SparkError, UsageError
 from ..files.regular import read_regular
+from .reasoning import close_thinking
 
 DEFAULT_NAME = "tokenizer.chat_template"
 TOOL_USE_NAME = "tokenizer.chat_template.tool_use"
@@ -212,7 +213,8 @@ class ChatTemplate:
                "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token,
                "eos_token": self.eos_token, **dict(extras or {})}
         try:
-            return _generate(_compile(self.source), ctx)
+            text = _generate(_compile(self.source), ctx)
+            return close_thinking(self.source, text, ctx) if add_generation_prompt else text
         except _Over as e:
             raise TemplateError(f"chat template {self.name}: the render {e}",
                                 hint="fix the template or pass another with --chat-template-file") from None

@@ -369,6 +369,9 @@ class ChatRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning_effort: str | None = Field(None, min_length=1)  # a template kwarg; "none": no thinking
+    add_generation_prompt: bool = True  # False: the prompt opens no assistant turn (llama-server's)
+    reasoning_budget_tokens: int | None = Field(None, ge=-1)  # llama-server's: -1 no limit, 0 no thinking
+    thinking_budget_tokens: int | None = Field(None, ge=-1)  # its other spelling
 
     @model_validator(mode="after")
     def _shape(self) -> "ChatRequest":
@@ -389,6 +392,11 @@ class ChatRequest(GenerationRequest):
     def prefill(self) -> bool:
         """A last assistant message is continued (llama-server's prefill), not answered."""
         return self.messages[-1].role == "assistant"
+
+    @property
+    def reasoning_budget(self) -> int | None:
+        """The thinking budget asked for, in tokens (reasoning_budget_tokens over thinking_budget_tokens)."""
+        return self.reasoning_budget_tokens if self.reasoning_budget_tokens is not None else self.thinking_budget_tokens
 
     def template_kwargs(self) -> dict[str, Any]:
         """chat_template_kwargs, with reasoning_effort as llama-server passes it ("none": enable_thinking off)."""

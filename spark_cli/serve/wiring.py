@@ -12,6 +12,7 @@ from typing import Any, Callable
 from ..core.chat_template import TemplateSet
 from ..core.gguf_info import ModelGeometry
 from ..core.options import LoadFlags
+from ..core.reasoning import ReasoningDefault
 from ..native.engine import EngineOptions
 from ..runs import session
 from ..runs.miss_path import initial_path
@@ -66,6 +67,7 @@ def placement_summary(where: Placement, cached: set[int]) -> dict[str, Any]:
 
 def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags, access: Access, *,
          templates: TemplateSet | None, chat_defaults: Defaults, reasoning_format: str, alias: str | None,
+         thinking: ReasoningDefault = ReasoningDefault(),
          learn: bool, learn_every: float, max_queue: int, metrics: bool, slots: bool, vertex: Vertex | None,
          on_why: Callable[[str], None], grammar_limits: GrammarLimits = GrammarLimits()) -> Served:
     """The server of `path` on `where`: its engine opens in the worker (each cached layer on the
@@ -81,7 +83,7 @@ def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags
                     cached, stats, learner, max_queue=max_queue)
     chat = ChatConfig.for_model(templates if templates is not None else TemplateSet(dict(geometry.chat_templates)),
                                 geometry.arch, reasoning_format, defaults=chat_defaults,
-                                grammar_limits=grammar_limits)
+                                grammar_limits=grammar_limits, thinking=thinking)
     state = ServerState(worker, stats, alias or path.name, api_key=access.api_key, host=access.host,
                         allowed_hosts=access.allowed_hosts, cors=access.cors, chat=chat, model_path=str(path),
                         placement=placement_summary(where, cached), metrics=metrics, slots_endpoint=slots,

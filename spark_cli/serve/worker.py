@@ -363,7 +363,8 @@ class Worker:
         chat = job.chat
         try:
             if chat is not None:
-                text = req.set_chat(chat.messages, chat.tools, chat.extras, prefill=chat.prefill)
+                text = req.set_chat(chat.messages, chat.tools, chat.extras, prefill=chat.prefill,
+                                    add_generation_prompt=chat.add_generation_prompt)
             else:
                 text = req.set_text(job.text or "")
             if job.count_only:

@@ -1,0 +1,91 @@
+"""Thinking on and off per template family (core/reasoning.py, issue 49): llama-server's
+`--reasoning on|off|auto`, a request's enable_thinking / reasoning_effort / reasoning budget, and
+the prompt each family renders for "off"."""
+
+from __future__ import annotations
+
+import pytest
+
+from spark_cli.core.chat_template import ChatTemplate, bundled
+from spark_cli.core.reasoning import (HARMONY_NO_ANALYSIS, ReasoningDefault, ReasoningError, can_think,
+                                      check_budget, template_kwargs)
+
+ASK = [{"role": "user", "content": "What is today?"}]
+# DeepSeek-R1's own template: the generation prompt always opens <think>, enable_thinking unread
+R1 = "{% for m in messages %}<｜User｜>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}"
+PLAIN = "{% for m in messages %}<|user|>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+
+# family -> (template source, the generation prompt's end with thinking on, with it off)
+FAMILIES = {
+    "qwen3": (bundled("qwen3"), "<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+    "qwen3.6": (bundled("qwen3.6"), "<|im_start|>assistant\n<think>\n", "<think>\n\n</think>\n\n"),
+    "glm45": (bundled("glm45"), "<|assistant|>", "<|assistant|>\n<think></think>"),
+    "deepseek-v3.1": (bundled("deepseek"), "<｜Assistant｜><think>", "<｜Assistant｜></think>"),
+    "deepseek-r1": (R1, "<｜Assistant｜><think>\n", "<｜Assistant｜><think>\n</think>"),
+    "gpt-oss": (bundled("gpt-oss"), "<|start|>assistant", "<|start|>assistant" + HARMONY_NO_ANALYSIS),
+}
+
+
+def render(source: str, mode: str = "auto", kwargs: dict | None = None, budget: int | None = None) -> str:
+    extras = template_kwargs(ReasoningDefault(mode), source, kwargs or {}, budget)
+    return ChatTemplate(source).render(ASK, extras=extras)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_on_and_off_per_family(family):
+    source, on, off = FAMILIES[family]
+    assert render(source, "on").endswith(on)
+    assert render(source, "off").endswith(off)
+    assert not render(source, "on").endswith(off)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_request_overrides_the_server(family):
+    source, on, off = FAMILIES[family]
+    assert render(source, "on", {"enable_thinking": False}).endswith(off)
+    assert render(source, "off", {"enable_thinking": True}).endswith(on)
+    assert render(source, "on", budget=0).endswith(off)  # a budget of 0: no thinking
+
+
+def test_auto_thinks_where_the_template_can():
+    assert render(bundled("qwen3.6")).endswith("<think>\n")
+    assert render(R1).endswith("<think>\n")
+    assert render(bundled("deepseek")).endswith("</think>")  # DeepSeek-V3.1 thinks only when asked, as llama-server
+    assert not can_think(PLAIN) and can_think(R1) and can_think(bundled("gpt-oss"))
+    assert render(PLAIN, "off") == render(PLAIN, "on") == "<|user|>What is today?<|assistant|>"
+
+
+def test_no_generation_prompt_no_thinking_form():
+    extras = template_kwargs(ReasoningDefault("off"), R1, {})
+    assert ChatTemplate(R1).render(ASK, add_generation_prompt=False, extras=extras) == "<｜User｜>What is today?"
+
+
+def test_enable_thinking_must_be_a_boolean():
+    with pytest.raises(ReasoningError, match='invalid type for "enable_thinking"') as e:
+        template_kwargs(ReasoningDefault(), R1, {"enable_thinking": "false"})
+    assert e.value.param == "chat_template_kwargs.enable_thinking"
+
+
+@pytest.mark.parametrize("value,ok", [(None, None), (-1, -1), (0, 0)])
+def test_budgets_spark_honours(value, ok):
+    assert check_budget(value, "reasoning_budget_tokens") == ok
+
+
+@pytest.mark.parametrize("value", [1, 512, -2, "0", True])
+def test_budgets_spark_refuses(value):
+    with pytest.raises(ReasoningError, match="reasoning_budget_tokens"):
+        check_budget(value, "reasoning_budget_tokens")
+
+
+def test_a_bad_reasoning_field_is_a_400_in_openais_shape():
+    pytest.importorskip("httpx")
+    from _serve_client import fake_client
+    from test_serve_hostile import _Engine
+
+    chat = {"messages": ASK, "max_tokens": 1}
+    with fake_client(lambda: _Engine(n_ctx=256)) as tc:
+        r = tc.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"enable_thinking": "no"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking", r.text
+        r = tc.post("/v1/chat/completions", json={**chat, "reasoning_budget_tokens": 100})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_budget_tokens", r.text
+        assert tc.post("/v1/chat/completions", json={**chat, "thinking_budget_tokens": 0}).status_code == 200
