@@ -89,3 +89,25 @@ def test_a_bad_reasoning_field_is_a_400_in_openais_shape():
         r = tc.post("/v1/chat/completions", json={**chat, "reasoning_budget_tokens": 100})
         assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_budget_tokens", r.text
         assert tc.post("/v1/chat/completions", json={**chat, "thinking_budget_tokens": 0}).status_code == 200
+
+
+def test_apply_template_renders_off_and_honours_add_generation_prompt():
+    """Through the server: --reasoning off reaches the template, a request turns it back on, and
+    add_generation_prompt: false opens no assistant turn."""
+    pytest.importorskip("httpx")
+    from _serve_client import fake_client
+    from test_serve_hostile import _Engine
+
+    from spark_cli.serve.chat import ChatConfig
+
+    class R1Engine(_Engine):
+        def chat_prompt(self, messages, add_generation_prompt=True, tools=None, extras=None):
+            return ChatTemplate(R1).render(messages, add_generation_prompt=add_generation_prompt, extras=extras)
+
+    config = ChatConfig(thinking=ReasoningDefault("off"), template_source=R1)
+    with fake_client(lambda: R1Engine(n_ctx=256), chat=config) as tc:
+        prompt = lambda **kw: tc.post("/apply-template", json={"messages": ASK, **kw}).json()["prompt"]  # noqa: E731
+        assert prompt().endswith("<think>\n</think>")
+        assert prompt(chat_template_kwargs={"enable_thinking": True}).endswith("<think>\n")
+        assert prompt(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}).endswith("</think>")
+        assert prompt(add_generation_prompt=False) == "<｜User｜>What is today?"
