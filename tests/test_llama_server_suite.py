@@ -46,6 +46,12 @@ def test_shim_maps_llama_servers_flags():
     assert shim.translate(["-m", "x.gguf", "-v"])[0] == shim.translate(["-m", "x.gguf", "--verbose"])[0] == [
         "--verbose"]
     assert not shim.translate(["--port", "1"])[1]  # no model: router mode
+    # issue 49: reasoning controls, tags, and the flags Spark accepts with no effect (its --help says why)
+    assert shim.translate(["-m", "x.gguf", "--reasoning", "off", "-rea", "on", "--reasoning-budget", "0", "--tags",
+                           "a,b", "--media-path", "d", "--cache-ram", "100", "--no-cache-idle-slots",
+                           "--ui-mcp-proxy", "--context-shift"])[0] == [
+        "--reasoning", "off", "--reasoning", "on", "--reasoning-budget", "0", "--tags", "a,b", "--media-path", "d",
+        "--cache-ram", "100", "--no-cache-idle-slots", "--ui-mcp-proxy", "--context-shift"]
 
 
 @pytest.mark.parametrize("argv,why", [
@@ -53,6 +59,7 @@ def test_shim_maps_llama_servers_flags():
     (["-hf", "x", "--lora", "a.gguf"], "--lora: not in spark serve"),
     (["-hf", "x", "--host", "127.0.0.1,::1"], "several addresses"),
     (["--models-dir", "d"], "router mode"),
+    (["-hf", "x", "--model-draft", "d.gguf"], "speculative decoding"),
     (["--port", "1"], "no model given: router mode"),
 ])
 def test_shim_refuses_what_spark_cannot_do(argv, why):

@@ -111,3 +111,19 @@ def test_apply_template_renders_off_and_honours_add_generation_prompt():
         assert prompt(chat_template_kwargs={"enable_thinking": True}).endswith("<think>\n")
         assert prompt(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}).endswith("</think>")
         assert prompt(add_generation_prompt=False) == "<｜User｜>What is today?"
+
+
+@pytest.mark.parametrize("args,want", [
+    (["--reasoning", "maybe"], "--reasoning maybe: expected one of on, off, auto"),
+    (["--reasoning-budget", "256"], "--reasoning-budget 256: spark serve cannot end thinking"),
+    (["--context-shift"], "--context-shift: spark serve does not shift the context"),
+])
+def test_serve_refuses_what_it_cannot_honour_in_one_line(args, want, monkeypatch, capsys, tmp_path):
+    """Refused before any model is opened (the model named does not exist)."""
+    from conftest import cli_runner
+
+    from spark_cli.commands import serve as serve_cmd
+
+    rc, out, err = cli_runner(monkeypatch, capsys, "serve", serve_cmd.register)(tmp_path / "none.gguf", *args)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and out == "" and len(lines) == 1 and want in lines[0], err

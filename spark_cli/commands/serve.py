@@ -56,7 +56,23 @@ def serve_cmd(
                                          "limit, 0 no thinking (the template's no-think form); a positive budget "
                                          "is refused (Spark cannot end thinking midway)"),
     alias: str = typer.Option(None, "--alias", "-a", help="the model's name in /v1/models, /props and responses "
-                              "(default: the GGUF's file name)", show_default=False),
+                              "(default: the GGUF's file name); several, comma-separated: all listed as aliases, "
+                              "the first in sorted order is the id (as llama-server's)", show_default=False),
+    tags: str = typer.Option(None, "--tags", help="comma-separated tags listed with the model in /v1/models",
+                             show_default=False),
+    context_shift: bool = typer.Option(False, "--context-shift/--no-context-shift", help="llama-server's context "
+                                       "shift; spark serve does not shift: an answer that fills the context stops "
+                                       "(finish_reason length, truncated), so --context-shift is refused"),
+    media_path: Path = typer.Option(None, "--media-path", help="llama-server's folder of local media files for "
+                                    "multimodal input; accepted, no effect: spark serve takes no images or audio "
+                                    "(a request with them gets a 400 either way)", show_default=False),
+    cache_ram: int = typer.Option(None, "--cache-ram", min=-1, help="llama-server's host-memory prompt cache (MiB); "
+                                  "accepted, no effect on answers: spark serve reuses prompts only from the slots' "
+                                  "KV cache", show_default=False),
+    cache_idle_slots: bool = typer.Option(True, "--cache-idle-slots/--no-cache-idle-slots", help="llama-server's "
+                                          "saving of idle slots to --cache-ram; accepted, no effect (as --cache-ram)"),
+    ui_mcp_proxy: bool = typer.Option(False, "--ui-mcp-proxy/--no-ui-mcp-proxy", help="only for llama-server's web "
+                                      "UI (its /cors-proxy); spark serve has no web UI: accepted, no effect"),
     n_predict: int = typer.Option(-1, "--n-predict", "-n", min=-1, help="tokens per answer at most when a "
                                   "request gives no max_tokens (-1: until done or the context is full)"),
     temp: float = typer.Option(0.8, "--temp", min=0.0, max=2.0, help="temperature when a request gives none "
@@ -85,7 +101,7 @@ def serve_cmd(
     from ..serve.chat import Defaults, GrammarLimits
     from ..serve.guard import is_loopback
     from ..serve.vertex import Vertex
-    from ..serve.wiring import Access, wire
+    from ..serve.wiring import Access, names, wire
 
     if api_key is not None and not api_key.strip() or api_key is None and os.environ.get("SPARK_API_KEY") == "":
         where = "--api-key" if api_key is not None else "SPARK_API_KEY"
@@ -94,6 +110,10 @@ def serve_cmd(
     miss_choice = parse_miss_path(miss_path) if miss_path is not None else None
     if reasoning_format not in REASONING_FORMATS:
         raise UsageError(f"--reasoning-format {reasoning_format}: expected one of {', '.join(REASONING_FORMATS)}")
+    _ = (media_path, cache_ram, cache_idle_slots, ui_mcp_proxy)  # accepted, no effect in Spark (their --help)
+    if context_shift:
+        raise UsageError("--context-shift: spark serve does not shift the context (an answer that fills it stops "
+                         "with finish_reason length)", hint="drop --context-shift, or give a larger -c")
     if reasoning not in REASONING_MODES:
         raise UsageError(f"--reasoning {reasoning}: expected one of {', '.join(REASONING_MODES)}")
     if reasoning_budget > 0:
@@ -122,7 +142,7 @@ def serve_cmd(
     served = wire(path, geometry, where, flags, Access(api_key or None, host, hosts, origins),
                   templates=templates, chat_defaults=Defaults(temp, seed, n_predict, verbose),
                   reasoning_format=reasoning_format, thinking=ReasoningDefault(reasoning, reasoning_budget),
-                  alias=alias, learn=learn, learn_every=learn_every,
+                  alias=alias, tags=names(tags), learn=learn, learn_every=learn_every,
                   max_queue=max_queue, metrics=metrics_on, slots=slots_on, vertex=vertex,
                   grammar_limits=GrammarLimits(grammar_max_bytes, grammar_max_depth, grammar_max_width),
                   on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True))

@@ -52,6 +52,8 @@ class ServerState:
     slots_endpoint: bool = True  # GET /slots served (--no-slots: 501, as llama-server's)
     vertex: Vertex | None = None  # Vertex AI's predict route (AIP_MODE=PREDICTION)
     meta: dict[str, Any] = field(default_factory=dict)  # the model's, for /v1/models (n_ctx_train, n_embd, size)
+    aliases: tuple[str, ...] = ()  # --alias's names (comma-separated), listed by /v1/models
+    tags: tuple[str, ...] = ()  # --tags, listed by /v1/models
 
 
 def _error(e: ApiError, path: str = "") -> JSONResponse:
@@ -319,6 +321,7 @@ async def models(request: Request) -> Response:
     if eng is not None:
         meta.update(n_vocab=getattr(eng, "n_vocab", None), n_ctx=eng.n_ctx)
     card = {"id": st.model_name, "object": "model", "created": st.started, "owned_by": "spark",
+            "aliases": list(st.aliases or (st.model_name,)), "tags": list(st.tags),
             "meta": {k: v for k, v in meta.items() if v is not None}}
     return JSONResponse({"object": "list", "data": [card]})
 

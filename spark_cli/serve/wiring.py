@@ -67,7 +67,7 @@ def placement_summary(where: Placement, cached: set[int]) -> dict[str, Any]:
 
 def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags, access: Access, *,
          templates: TemplateSet | None, chat_defaults: Defaults, reasoning_format: str, alias: str | None,
-         thinking: ReasoningDefault = ReasoningDefault(),
+         thinking: ReasoningDefault = ReasoningDefault(), tags: tuple[str, ...] = (),
          learn: bool, learn_every: float, max_queue: int, metrics: bool, slots: bool, vertex: Vertex | None,
          on_why: Callable[[str], None], grammar_limits: GrammarLimits = GrammarLimits()) -> Served:
     """The server of `path` on `where`: its engine opens in the worker (each cached layer on the
@@ -84,9 +84,17 @@ def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags
     chat = ChatConfig.for_model(templates if templates is not None else TemplateSet(dict(geometry.chat_templates)),
                                 geometry.arch, reasoning_format, defaults=chat_defaults,
                                 grammar_limits=grammar_limits, thinking=thinking)
-    state = ServerState(worker, stats, alias or path.name, api_key=access.api_key, host=access.host,
+    aliases = names(alias)
+    state = ServerState(worker, stats, aliases[0] if aliases else path.name, api_key=access.api_key, host=access.host,
                         allowed_hosts=access.allowed_hosts, cors=access.cors, chat=chat, model_path=str(path),
                         placement=placement_summary(where, cached), metrics=metrics, slots_endpoint=slots,
                         vertex=vertex, meta={"n_ctx_train": geometry.context_length, "n_embd": geometry.n_embd,
-                                             "size": geometry.file_size})
+                                             "size": geometry.file_size},
+                        aliases=aliases, tags=tags)
     return Served(state, learner, worker, cached)
+
+
+def names(text: str | None) -> tuple[str, ...]:
+    """--alias or --tags: comma-separated names, sorted and once each (llama-server's: the model's
+    id is the first alias in that order)."""
+    return tuple(sorted({n.strip() for n in (text or "").split(",") if n.strip()}))
