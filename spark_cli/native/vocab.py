@@ -6,6 +6,7 @@ import ctypes
 from typing import Callable, Sequence
 
 from ..core.chat_template import BoundTemplates, ChatTemplate, TemplateSet
+from ..core.fim import FimTokens
 from ..core.gguf_info import ModelGeometry
 from ..errors import SparkError
 
@@ -51,6 +52,14 @@ class Vocab:
     @property
     def eos_token(self) -> int:
         return int(self.lc.llama_vocab_eos(self.handle))
+
+    def fim_tokens(self) -> FimTokens:
+        """The FIM tokens llama.cpp found (the GGUF's tokenizer.ggml.fim_*_token_id, else tokens
+        named as them) and whether prompts start with BOS."""
+        lc, h = self.lc, self.handle
+        ids = [int(f(h)) for f in (lc.llama_vocab_fim_pre, lc.llama_vocab_fim_suf, lc.llama_vocab_fim_mid,
+                                   lc.llama_vocab_fim_rep, lc.llama_vocab_fim_sep)]
+        return FimTokens(*ids, bos=self.bos_token, add_bos=bool(lc.llama_vocab_get_add_bos(h)))
 
     def is_eog(self, token: int) -> bool:
         return bool(self.lc.llama_vocab_is_eog(self.handle, token))

@@ -13,11 +13,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..core.fim import NoFim
 from . import anthropic, llama_api, metrics
 from .anthropic_routes import ROUTES as ANTHROPIC_ROUTES
 from .responses_routes import ROUTES as RESPONSES_ROUTES
 from .chat import ChatConfig, Choices, ClientGone, Run, open_choices, open_run, read_body
 from .llama_api import NativeCompletionRequest
+from .infill import InfillRequest, infill_prompt
 from .guard import Guard
 from .protocol import (SAMPLING_DEFAULTS, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest,
                        GenerationRequest, TokenizeRequest, parse, piece_json, sse, unavailable)
@@ -118,7 +120,28 @@ async def native_completion(request: Request) -> Response:
         prompts = req.prompts
         if len(prompts) > 1:
             return await _native_batch(request, req, prompts)
-        req = req.model_copy(update={"prompt": prompts[0]})
+    except ClientGone:
+        return Response(status_code=499)
+    return await _native_one(request, req.model_copy(update={"prompt": prompts[0]}))
+
+
+async def infill(request: Request) -> Response:
+    """llama-server's POST /infill (infill.py): a FIM prompt of the model's tokens, answered as
+    /completion; a model without FIM tokens: 400 naming the ones it lacks."""
+    st: ServerState = request.app.state.spark
+    req = await _body(request, InfillRequest)
+    eng = _engine(st)
+    try:
+        tokens = await asyncio.to_thread(infill_prompt, eng, req, st.chat.defaults.n_predict)
+    except NoFim as e:
+        raise ApiError(400, str(e), "not_supported_error") from None
+    return await _native_one(request, req.model_copy(update={"prompt": tokens}))
+
+
+async def _native_one(request: Request, req: NativeCompletionRequest) -> Response:
+    """One /completion prompt (or an /infill's ids): its body, or its stream."""
+    st: ServerState = request.app.state.spark
+    try:
         run = await open_run(request, req, st.worker, st.model_name, st.chat)
     except ClientGone:
         return Response(status_code=499)
@@ -374,6 +397,7 @@ def create_app(state: ServerState) -> Any:
         Route("/v1/chat/completions/input_tokens", count_chat_tokens, methods=["POST"]),
         Route("/chat/completions/input_tokens", count_chat_tokens, methods=["POST"]),
         Route("/completion", native_completion, methods=["POST"]),
+        Route("/infill", infill, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/props", props, methods=["GET"]),
