@@ -49,13 +49,14 @@ def test_shim_maps_llama_servers_flags():
     # issue 49: reasoning controls, tags, and the flags Spark accepts with no effect (its --help says why)
     assert shim.translate(["-m", "x.gguf", "--reasoning", "off", "-rea", "on", "--reasoning-budget", "0", "--tags",
                            "a,b", "--media-path", "d", "--cache-ram", "100", "--no-cache-idle-slots",
-                           "--ui-mcp-proxy", "--context-shift"])[0] == [
+                           "--ui-mcp-proxy", "--context-shift", "--embedding", "--pooling", "last"])[0] == [
         "--reasoning", "off", "--reasoning", "on", "--reasoning-budget", "0", "--tags", "a,b", "--media-path", "d",
-        "--cache-ram", "100", "--no-cache-idle-slots", "--ui-mcp-proxy", "--context-shift"]
+        "--cache-ram", "100", "--no-cache-idle-slots", "--ui-mcp-proxy", "--context-shift", "--embedding", "--pooling",
+        "last"]
 
 
 @pytest.mark.parametrize("argv,why", [
-    (["-hf", "x", "--embedding"], "--embedding: not in spark serve"),
+    (["-hf", "x", "--sleep-idle-seconds", "5"], "--sleep-idle-seconds: not in spark serve"),
     (["-hf", "x", "--lora", "a.gguf"], "--lora: not in spark serve"),
     (["-hf", "x", "--host", "127.0.0.1,::1"], "several addresses"),
     (["--models-dir", "d"], "router mode"),

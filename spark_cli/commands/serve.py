@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from ..core.chat_output import REASONING_FORMATS
+from ..core.embedding import POOLINGS
 from ..core.options import LoadFlags
 from ..core.reasoning import MODES as REASONING_MODES, ReasoningDefault
 from ..errors import SparkError, UsageError
@@ -58,6 +59,11 @@ def serve_cmd(
     alias: str = typer.Option(None, "--alias", "-a", help="the model's name in /v1/models, /props and responses "
                               "(default: the GGUF's file name); several, comma-separated: all listed as aliases, "
                               "the first in sorted order is the id (as llama-server's)", show_default=False),
+    embedding: bool = typer.Option(False, "--embedding", "--embeddings", help="serve /embeddings and /v1/embeddings "
+                                   "(as llama-server's); chats and completions are served as before"),
+    pooling: str = typer.Option(None, "--pooling", help="with --embedding: none (a vector per token; "
+                                "/embeddings only), mean, cls, last or rank (default: the GGUF's pooling_type, "
+                                "else last)", show_default=False),
     tags: str = typer.Option(None, "--tags", help="comma-separated tags listed with the model in /v1/models",
                              show_default=False),
     context_shift: bool = typer.Option(False, "--context-shift/--no-context-shift", help="llama-server's context "
@@ -114,6 +120,8 @@ def serve_cmd(
     if context_shift:
         raise UsageError("--context-shift: spark serve does not shift the context (an answer that fills it stops "
                          "with finish_reason length)", hint="drop --context-shift, or give a larger -c")
+    if pooling is not None and pooling not in POOLINGS:
+        raise UsageError(f"--pooling {pooling}: expected one of {', '.join(POOLINGS)}")
     if reasoning not in REASONING_MODES:
         raise UsageError(f"--reasoning {reasoning}: expected one of {', '.join(REASONING_MODES)}")
     if reasoning_budget > 0:
@@ -142,7 +150,7 @@ def serve_cmd(
     served = wire(path, geometry, where, flags, Access(api_key or None, host, hosts, origins),
                   templates=templates, chat_defaults=Defaults(temp, seed, n_predict, verbose),
                   reasoning_format=reasoning_format, thinking=ReasoningDefault(reasoning, reasoning_budget),
-                  alias=alias, tags=names(tags), learn=learn, learn_every=learn_every,
+                  alias=alias, tags=names(tags), embedding=embedding or pooling is not None, pooling=pooling, learn=learn, learn_every=learn_every,
                   max_queue=max_queue, metrics=metrics_on, slots=slots_on, vertex=vertex,
                   grammar_limits=GrammarLimits(grammar_max_bytes, grammar_max_depth, grammar_max_width),
                   on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True))

@@ -29,6 +29,8 @@ from .generate import GenerationStep, NativeSampler, stream_generate
 from .cache_control import CacheControl
 from .expert_cache import CacheLayer, ExpertCache
 from .vocab import Vocab
+from . import embed as embed_mod
+from .embed import POOLING
 from ..core.chat_template import TemplateSet
 from ..core.gguf_info import ModelGeometry, load_geometry
 from ..core.placement import CPU, HOST, TensorOverride, cached_expert_overrides, stock_overrides
@@ -104,6 +106,7 @@ class EngineOptions:
     repack: bool = True                # allow CPU weight repacking where no cache needs plain layout
     dry_run: bool = False              # llama.cpp's no_alloc: metadata only, nothing allocated or read (memory_breakdown)
     chat_templates: TemplateSet | None = None  # None: the GGUF's own; empty: llama.cpp's built-in matcher
+    pooling: str | None = None         # --embedding's pooling (native/embed.POOLING); None: no embeddings
 
     @property
     def threads(self) -> int:
@@ -268,6 +271,8 @@ class Engine:
         # plus one ubatch, not n_ctx (the C default, swa_full, allocates n_ctx cells for them too)
         cp.swa_full = False
         cp.n_seq_max, cp.kv_unified = max(1, opts.n_seq), bool(opts.kv_unified)
+        if opts.pooling is not None:
+            cp.pooling_type = POOLING[opts.pooling]  # NOTE: embeddings are switched on per request (native/embed.py)
         if self.devices and any(c.in_ram for c in opts.cache_layers):
             # NOTE: a RAM bank is a view to its arena's end (the staging slices): op offload of a prompt's
             # expert matmuls would copy the whole arena to the device per layer; the RAM tier's run on the CPU
@@ -458,6 +463,10 @@ class Engine:
         if logits == "all":
             return np.stack(rows)
         return None
+
+    def embed(self, tokens: Sequence[int], seq: int) -> np.ndarray:
+        """The prompt's embeddings in sequence `seq`, which is cleared (native/embed.py)."""
+        return embed_mod.embed(self, tokens, seq)
 
     def logits_row(self, i: int) -> np.ndarray:
         """The logits of output entry `i` of the last decode (-1: its last output)."""

@@ -20,6 +20,7 @@ from .responses_routes import ROUTES as RESPONSES_ROUTES
 from .chat import ChatConfig, Choices, ClientGone, Run, open_choices, open_run, read_body
 from .llama_api import NativeCompletionRequest
 from .infill import InfillRequest, infill_prompt
+from .embeddings import embeddings_native, embeddings_oai
 from .guard import Guard
 from .protocol import (SAMPLING_DEFAULTS, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest,
                        GenerationRequest, TokenizeRequest, parse, piece_json, sse, unavailable)
@@ -55,6 +56,7 @@ class ServerState:
     vertex: Vertex | None = None  # Vertex AI's predict route (AIP_MODE=PREDICTION)
     meta: dict[str, Any] = field(default_factory=dict)  # the model's, for /v1/models (n_ctx_train, n_embd, size)
     aliases: tuple[str, ...] = ()  # --alias's names (comma-separated), listed by /v1/models
+    pooling: str | None = None  # --embedding's pooling (embeddings.py); None: no embeddings (501)
     tags: tuple[str, ...] = ()  # --tags, listed by /v1/models
 
 
@@ -398,6 +400,9 @@ def create_app(state: ServerState) -> Any:
         Route("/chat/completions/input_tokens", count_chat_tokens, methods=["POST"]),
         Route("/completion", native_completion, methods=["POST"]),
         Route("/infill", infill, methods=["POST"]),
+        Route("/embedding", embeddings_native, methods=["POST"]),
+        Route("/embeddings", embeddings_native, methods=["POST"]),
+        Route("/v1/embeddings", embeddings_oai, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/props", props, methods=["GET"]),

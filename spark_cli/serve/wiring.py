@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..core.chat_template import TemplateSet
+from ..core.embedding import choose_pooling
 from ..core.gguf_info import ModelGeometry
 from ..core.options import LoadFlags
 from ..core.reasoning import ReasoningDefault
@@ -67,7 +68,8 @@ def placement_summary(where: Placement, cached: set[int]) -> dict[str, Any]:
 
 def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags, access: Access, *,
          templates: TemplateSet | None, chat_defaults: Defaults, reasoning_format: str, alias: str | None,
-         thinking: ReasoningDefault = ReasoningDefault(), tags: tuple[str, ...] = (),
+         thinking: ReasoningDefault = ReasoningDefault(), tags: tuple[str, ...] = (), embedding: bool = False,
+         pooling: str | None = None,
          learn: bool, learn_every: float, max_queue: int, metrics: bool, slots: bool, vertex: Vertex | None,
          on_why: Callable[[str], None], grammar_limits: GrammarLimits = GrammarLimits()) -> Served:
     """The server of `path` on `where`: its engine opens in the worker (each cached layer on the
@@ -75,6 +77,8 @@ def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags
     the GGUF's)."""
     opts = engine_options(path, geometry, where, flags, learn)
     opts.chat_templates = templates
+    if embedding:
+        opts.pooling = choose_pooling(pooling, False, geometry.pooling_type, geometry.has_classifier, path.name)
     cached = {c.il for c in opts.cache_layers}
     plan = where.plan
     stats = ServerStats(cached_layers=cached, planned_bytes=int(plan.breakdown["total"]) if plan else 0)
@@ -90,7 +94,7 @@ def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags
                         placement=placement_summary(where, cached), metrics=metrics, slots_endpoint=slots,
                         vertex=vertex, meta={"n_ctx_train": geometry.context_length, "n_embd": geometry.n_embd,
                                              "size": geometry.file_size},
-                        aliases=aliases, tags=tags)
+                        aliases=aliases, tags=tags, pooling=opts.pooling)
     return Served(state, learner, worker, cached)
 
 

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..native.embed import EmbedError
 from ..native.engine import KVFullError
 from ..native.generate import BatchLoop, Decoding, GenerationStep, PromptProgress, StopRules, TokenProbs
 from ..runs.chat_session import AnswerFigures, Sampling, make_sampler
@@ -69,7 +70,15 @@ class Failed:
     error: ApiError
 
 
-Event = Started | Text | Progress | Done | Failed
+@dataclass
+class Embedded:
+    """An embedding job's answer (Job.embed): [n_tokens, n_embd] with pooling none, else one vector."""
+
+    vectors: Any  # numpy array
+    n_tokens: int
+
+
+Event = Started | Text | Progress | Done | Failed | Embedded
 
 
 @dataclass
@@ -88,6 +97,7 @@ class Job:
     cache_prompt: bool = True  # False: reuse nothing from the KV cache
     progress: bool = False
     id_slot: int = -1  # the slot it asked for (waited for while busy); -1: the free one that holds most of it
+    embed: bool = False  # the prompt's embeddings (Embedded), nothing generated
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -329,6 +339,9 @@ class Worker:
             job.done.set()
             return
         toks, text = req
+        if job.embed:
+            self._embed(job, toks)
+            return
         try:
             sampler = make_sampler(eng, job.sampling)
         except SparkError as e:  # a grammar llama.cpp refuses: this request's 400, the engine goes on
@@ -352,6 +365,19 @@ class Worker:
         self.stats.set_processing(sum(1 for s in self.slots if s.job is not None))
         self._loop.add(dec, lambda step: self._on_step(slot, step), prompt=toks[kept:], cached=kept,
                        on_progress=(lambda p: job.emit(_progress(p))) if job.progress else None)
+
+    def _embed(self, job: Job, toks: list[int]) -> None:
+        """An embedding job, at once in a free slot's sequence (which forgets what it held)."""
+        slot = pick_slot(self.slots, [], job.id_slot)
+        try:
+            job.emit(Embedded(self.engine.embed(toks, slot.id), len(toks)))
+        except EmbedError as e:
+            job.emit(Failed(ApiError(400, e.message)))
+        except KVFullError:
+            job.emit(Failed(unavailable("the KV cache has no room for this prompt now; retry later")))
+        finally:
+            slot.kv = []
+            job.done.set()
 
     def _prompt(self, job: Job) -> tuple[list[int], str] | None:
         """The job's prompt tokens and text, or None once it has been answered (a 400, count_only)."""
