@@ -64,6 +64,9 @@ def serve_cmd(
     pooling: str = typer.Option(None, "--pooling", help="with --embedding: none (a vector per token; "
                                 "/embeddings only), mean, cls, last or rank (default: the GGUF's pooling_type, "
                                 "else last)", show_default=False),
+    slot_save_path: Path = typer.Option(None, "--slot-save-path", help="folder of slot files: POST "
+                                        "/slots/N?action=save|restore|erase (as llama-server's); a file restores "
+                                        "only into the model that saved it", show_default=False),
     tags: str = typer.Option(None, "--tags", help="comma-separated tags listed with the model in /v1/models",
                              show_default=False),
     context_shift: bool = typer.Option(False, "--context-shift/--no-context-shift", help="llama-server's context "
@@ -150,7 +153,7 @@ def serve_cmd(
     served = wire(path, geometry, where, flags, Access(api_key or None, host, hosts, origins),
                   templates=templates, chat_defaults=Defaults(temp, seed, n_predict, verbose),
                   reasoning_format=reasoning_format, thinking=ReasoningDefault(reasoning, reasoning_budget),
-                  alias=alias, tags=names(tags), embedding=embedding or pooling is not None, pooling=pooling, learn=learn, learn_every=learn_every,
+                  alias=alias, tags=names(tags), slot_save_path=slot_folder(slot_save_path), embedding=embedding or pooling is not None, pooling=pooling, learn=learn, learn_every=learn_every,
                   max_queue=max_queue, metrics=metrics_on, slots=slots_on, vertex=vertex,
                   grammar_limits=GrammarLimits(grammar_max_bytes, grammar_max_depth, grammar_max_width),
                   on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True))
@@ -176,6 +179,20 @@ def serve_cmd(
         prefix = "the engine failed: " if out.code == 1 else ""
         raise SparkError(prefix + (out.message or "the server stopped"), exit_code=out.code)
     err_console.print("stopped")
+
+
+def slot_folder(path: Path | None) -> Path | None:
+    """--slot-save-path: the folder, made if missing; UsageError when it cannot be one."""
+    if path is None:
+        return None
+    path = path.expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--slot-save-path {path}: {e.strerror or e}", hint="give a folder spark serve may write") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--slot-save-path {path}: not writable", hint="give a folder spark serve may write")
+    return path
 
 
 def register(app: typer.Typer) -> None:

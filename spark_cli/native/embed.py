@@ -29,6 +29,9 @@ def embed(engine: Any, tokens: Sequence[int], seq: int) -> np.ndarray:
     if len(tokens) > engine.n_ubatch:
         raise EmbedError(f"input ({len(tokens)} tokens) is too large to process. increase the physical batch size "
                          f"(current batch size: {engine.n_ubatch})")
+    if len(tokens) >= engine.n_ctx:
+        raise EmbedError(f"request ({len(tokens)} tokens) exceeds the available context size ({engine.n_ctx} tokens), "
+                         "try increasing it")
     pooling = int(lc.llama_pooling_type(ctx))
     engine.seq_clear(seq)
     lc.llama_set_embeddings(ctx, True)

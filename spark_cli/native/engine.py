@@ -30,6 +30,7 @@ from .cache_control import CacheControl
 from .expert_cache import CacheLayer, ExpertCache
 from .vocab import Vocab
 from . import embed as embed_mod
+from . import seq_state as seq_state_mod
 from .embed import POOLING
 from ..core.chat_template import TemplateSet
 from ..core.gguf_info import ModelGeometry, load_geometry
@@ -467,6 +468,20 @@ class Engine:
     def embed(self, tokens: Sequence[int], seq: int) -> np.ndarray:
         """The prompt's embeddings in sequence `seq`, which is cleared (native/embed.py)."""
         return embed_mod.embed(self, tokens, seq)
+
+    def seq_state(self, seq: int) -> bytes:
+        """Sequence `seq`'s KV state (native/seq_state.py)."""
+        return seq_state_mod.get(self, seq)
+
+    def seq_restore(self, seq: int, state: bytes, n_tokens: int) -> bool:
+        """Put a saved state into sequence `seq`, which then holds `n_tokens` positions; False (and
+        the sequence cleared) when llama.cpp refuses it."""
+        self.seq_clear(seq)
+        if not seq_state_mod.put(self, seq, state):
+            self.seq_clear(seq)
+            return False
+        self._pos[seq] = n_tokens
+        return True
 
     def logits_row(self, i: int) -> np.ndarray:
         """The logits of output entry `i` of the last decode (-1: its last output)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -17,6 +18,7 @@ from ..core.fim import NoFim
 from . import anthropic, llama_api, metrics
 from .anthropic_routes import ROUTES as ANTHROPIC_ROUTES
 from .responses_routes import ROUTES as RESPONSES_ROUTES
+from .slot_routes import ROUTES as SLOT_ROUTES
 from .chat import ChatConfig, Choices, ClientGone, Run, open_choices, open_run, read_body
 from .llama_api import NativeCompletionRequest
 from .infill import InfillRequest, infill_prompt
@@ -57,6 +59,8 @@ class ServerState:
     meta: dict[str, Any] = field(default_factory=dict)  # the model's, for /v1/models (n_ctx_train, n_embd, size)
     aliases: tuple[str, ...] = ()  # --alias's names (comma-separated), listed by /v1/models
     pooling: str | None = None  # --embedding's pooling (embeddings.py); None: no embeddings (501)
+    slot_save_path: Path | None = None  # --slot-save-path (slot_routes.py); None: no slot actions (501)
+    model_id: str = ""  # the GGUF's fingerprint: a slot file restores only into the model that saved it
     tags: tuple[str, ...] = ()  # --tags, listed by /v1/models
 
 
@@ -409,6 +413,7 @@ def create_app(state: ServerState) -> Any:
         Route("/slots", slots, methods=["GET"]),
         *ANTHROPIC_ROUTES,
         *RESPONSES_ROUTES,
+        *SLOT_ROUTES,
     ]
     if state.vertex is not None:
         routes += predict_routes(state.vertex, routes, health)

@@ -69,7 +69,7 @@ def placement_summary(where: Placement, cached: set[int]) -> dict[str, Any]:
 def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags, access: Access, *,
          templates: TemplateSet | None, chat_defaults: Defaults, reasoning_format: str, alias: str | None,
          thinking: ReasoningDefault = ReasoningDefault(), tags: tuple[str, ...] = (), embedding: bool = False,
-         pooling: str | None = None,
+         pooling: str | None = None, slot_save_path: Path | None = None,
          learn: bool, learn_every: float, max_queue: int, metrics: bool, slots: bool, vertex: Vertex | None,
          on_why: Callable[[str], None], grammar_limits: GrammarLimits = GrammarLimits()) -> Served:
     """The server of `path` on `where`: its engine opens in the worker (each cached layer on the
@@ -94,7 +94,8 @@ def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags
                         placement=placement_summary(where, cached), metrics=metrics, slots_endpoint=slots,
                         vertex=vertex, meta={"n_ctx_train": geometry.context_length, "n_embd": geometry.n_embd,
                                              "size": geometry.file_size},
-                        aliases=aliases, tags=tags, pooling=opts.pooling)
+                        aliases=aliases, tags=tags, pooling=opts.pooling, slot_save_path=slot_save_path,
+                        model_id=geometry.fingerprint)
     return Served(state, learner, worker, cached)
 
 

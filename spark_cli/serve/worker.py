@@ -24,9 +24,12 @@ from ..native.engine import KVFullError
 from ..native.generate import BatchLoop, Decoding, GenerationStep, PromptProgress, StopRules, TokenProbs
 from ..runs.chat_session import AnswerFigures, Sampling, make_sampler
 from ..errors import SparkError
+from ..files.slot_file import SlotFileError
 from .generation import ContextError, RequestPrompt
 from .learn import Learner
 from .prepared_chat import PreparedChat
+from . import slot_actions
+from .slot_actions import SlotAction
 from .slots import DecodeCounts, Slot, pick_slot
 from .protocol import ApiError, Timings, TokenLogprob, Usage, unavailable
 from .stats import ServerStats
@@ -78,7 +81,14 @@ class Embedded:
     n_tokens: int
 
 
-Event = Started | Text | Progress | Done | Failed | Embedded
+@dataclass
+class SlotDone:
+    """A slot action's answer (Job.slot_action): llama-server's body of it."""
+
+    body: dict[str, Any]
+
+
+Event = Started | Text | Progress | Done | Failed | Embedded | SlotDone
 
 
 @dataclass
@@ -98,6 +108,7 @@ class Job:
     progress: bool = False
     id_slot: int = -1  # the slot it asked for (waited for while busy); -1: the free one that holds most of it
     embed: bool = False  # the prompt's embeddings (Embedded), nothing generated
+    slot_action: SlotAction | None = None  # save, restore or erase slot id_slot (SlotDone), nothing generated
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -329,6 +340,9 @@ class Worker:
             job.done.set()
             return
         eng = self.engine
+        if job.slot_action is not None:
+            self._slot_action(job)
+            return
         try:
             job.sampling = resolve_bias(job.sampling, eng)
             req = self._prompt(job)
@@ -366,6 +380,20 @@ class Worker:
         self._loop.add(dec, lambda step: self._on_step(slot, step), prompt=toks[kept:], cached=kept,
                        on_progress=(lambda p: job.emit(_progress(p))) if job.progress else None)
 
+    def _slot_action(self, job: Job) -> None:
+        """Save, restore or erase the slot the job names (free now: its id_slot waited for it)."""
+        assert job.slot_action is not None
+        try:
+            job.emit(SlotDone(slot_actions.run(self.engine, self.slots[job.id_slot], job.slot_action)))
+        except SlotFileError as e:
+            job.emit(Failed(ApiError(400, e.message, param="filename")))
+        except SparkError as e:  # a write that failed (disk full, permissions): the server goes on
+            job.emit(Failed(ApiError(500, e.one_line(), "server_error")))
+        except Exception as e:  # noqa: BLE001 - a bug in one request must not take the server down
+            job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
+        finally:
+            job.done.set()
+
     def _embed(self, job: Job, toks: list[int]) -> None:
         """An embedding job, at once in a free slot's sequence (which forgets what it held)."""
         slot = pick_slot(self.slots, [], job.id_slot)
@@ -375,6 +403,10 @@ class Worker:
             job.emit(Failed(ApiError(400, e.message)))
         except KVFullError:
             job.emit(Failed(unavailable("the KV cache has no room for this prompt now; retry later")))
+        except SparkError as e:
+            job.emit(Failed(ApiError(500, e.one_line(), "server_error")))
+        except Exception as e:  # noqa: BLE001 - a bug in one request must not take the server down
+            job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
         finally:
             slot.kv = []
             job.done.set()
@@ -397,7 +429,8 @@ class Worker:
                 job.emit(Started(len(req.tokens), text))
                 job.emit(Done("length", Usage(len(req.tokens))))
                 return None
-            req.check_fits()
+            if not job.embed:  # NOTE: an embedding's bound is one micro-batch, said first (native/embed.py)
+                req.check_fits()
         except ContextError as e:
             job.emit(Failed(ApiError(400, e.message, "exceed_context_size_error",
                                      extra={"n_prompt_tokens": e.n_prompt, "n_ctx": e.n_ctx})))
