@@ -87,8 +87,8 @@ def test_suite_subset_passes_what_is_recorded(tmp_path):
     model = build_tiny_model("llama")
     out = tmp_path / "suite.json"
     r = subprocess.run([sys.executable, str(RUNNER), "--files", ",".join(expected["files"]), "--suite", str(suite),
-                        "--model", str(model), "--per-test", "60", "--total", "240", "-o", str(out)],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                        "--model", str(model), "--per-test", "60", "--total", "600", "-o", str(out)],
+                       capture_output=True, text=True, timeout=660, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads(out.read_text())
     assert not got["cut_short"], r.stdout
