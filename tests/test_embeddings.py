@@ -140,3 +140,78 @@ def test_tiny_llama_embeds_for_real():
             assert eng.eval(toks).shape == (eng.n_vocab,)  # logits again after the embeddings
             with pytest.raises(EmbedError, match="too large to process"):
                 eng.embed(toks * 20, 0)
+
+
+# ---------------------------------------------------------------- /rerank (--reranking)
+
+
+def test_rerank_prompt_without_a_template():
+    from spark_cli.core.embedding import rerank_prompt, rerank_text
+
+    assert rerank_prompt([5, 6], [7], bos=1, eos=2, sep=3) == [1, 5, 6, 2, 3, 7, 2]
+    assert rerank_prompt([5], [7], eos=2) == [5, 2, 7, 2]  # no BOS, no SEP added by this vocabulary
+    assert rerank_text("<q>{query}</q><d>{document}</d>", "a", "b") == "<q>a</q><d>b</d>"
+
+
+def _rerank_client(pooling: str | None = "rank"):
+    pytest.importorskip("httpx")
+    from _serve_client import fake_client
+    from test_serve_hostile import _Engine
+
+    class Reranker(_Engine):
+        """The score of a document: its length in words (the prompt's last token is the document's)."""
+
+        def detokenize(self, tokens) -> str:
+            return " ".join(map(str, tokens))
+
+        def rerank_tokens(self, query, doc):
+            return [len(doc.split())] * (1 + len(doc.split()))
+
+        def embed(self, tokens, seq):
+            return np.array([float(tokens[-1])], dtype=np.float32)
+
+    return fake_client(lambda: Reranker(n_ctx=256), pooling=pooling)
+
+
+DOCS = ["one", "one two three", "one two"]
+
+
+def test_rerank_jina_and_tei_answers():
+    with _rerank_client() as tc:
+        body = tc.post("/v1/rerank", json={"query": "q", "documents": DOCS}).json()
+        assert [(r["index"], r["relevance_score"]) for r in body["results"]] == [(1, 3.0), (2, 2.0), (0, 1.0)]
+        assert body["usage"] == {"prompt_tokens": 2 + 4 + 3, "total_tokens": 9} and body["object"] == "list"
+        assert len(tc.post("/rerank", json={"query": "q", "documents": DOCS, "top_n": 2}).json()["results"]) == 2
+        tei = tc.post("/rerank", json={"query": "q", "texts": DOCS, "return_text": True, "top_n": 99}).json()
+        assert tei == [{"index": 1, "score": 3.0, "text": "one two three"}, {"index": 2, "score": 2.0, "text": "one two"},
+                       {"index": 0, "score": 1.0, "text": "one"}]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"query": "q", "documents": []}, "documents"), ({"query": "q"}, "documents"),
+    ({"query": "q", "documents": 123}, "documents"), ({"query": "q", "documents": [1, 2]}, "documents"),
+    ({"documents": DOCS}, "query"), ({"query": 5, "documents": DOCS}, "query"),
+])
+def test_bad_rerank_requests_are_400s(body, param):
+    with _rerank_client() as tc:
+        r = tc.post("/rerank", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_without_reranking_rerank_is_not_supported():
+    with _rerank_client("last") as tc:
+        r = tc.post("/rerank", json={"query": "q", "documents": DOCS})
+        assert r.status_code == 501 and "Start it with `--reranking`" in r.json()["error"]["message"]
+
+
+@pytest.mark.model
+def test_reranking_a_model_without_a_classifier_is_one_line_at_start(monkeypatch, capsys):
+    from conftest import cli_runner
+
+    from spark_cli.commands import serve as serve_cmd
+    from spark_cli.models.tiny_models import build_tiny_model
+
+    spark = cli_runner(monkeypatch, capsys, "serve", serve_cmd.register)
+    rc, out, err = spark(build_tiny_model("llama"), "--reranking", "--device", "none", "--port", "0", "--no-learn")
+    lines = [line for line in err.splitlines() if line.strip().startswith("error:")]
+    assert rc == 2 and out == "" and len(lines) == 1 and "has no classifier head" in lines[0], err

@@ -61,6 +61,9 @@ def serve_cmd(
                               "the first in sorted order is the id (as llama-server's)", show_default=False),
     embedding: bool = typer.Option(False, "--embedding", "--embeddings", help="serve /embeddings and /v1/embeddings "
                                    "(as llama-server's); chats and completions are served as before"),
+    reranking: bool = typer.Option(False, "--reranking", "--rerank", help="serve /rerank (as llama-server's): "
+                                   "pooling rank, for a model with a classifier head (a reranker); another model "
+                                   "is refused at start"),
     pooling: str = typer.Option(None, "--pooling", help="with --embedding: none (a vector per token; "
                                 "/embeddings only), mean, cls, last or rank (default: the GGUF's pooling_type, "
                                 "else last)", show_default=False),
@@ -153,7 +156,8 @@ def serve_cmd(
     served = wire(path, geometry, where, flags, Access(api_key or None, host, hosts, origins),
                   templates=templates, chat_defaults=Defaults(temp, seed, n_predict, verbose),
                   reasoning_format=reasoning_format, thinking=ReasoningDefault(reasoning, reasoning_budget),
-                  alias=alias, tags=names(tags), slot_save_path=slot_folder(slot_save_path), embedding=embedding or pooling is not None, pooling=pooling, learn=learn, learn_every=learn_every,
+                  alias=alias, tags=names(tags), slot_save_path=slot_folder(slot_save_path), embedding=embedding or reranking or pooling is not None, pooling=pooling,
+                  reranking=reranking, learn=learn, learn_every=learn_every,
                   max_queue=max_queue, metrics=metrics_on, slots=slots_on, vertex=vertex,
                   grammar_limits=GrammarLimits(grammar_max_bytes, grammar_max_depth, grammar_max_width),
                   on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True))

@@ -6,7 +6,7 @@ reranking prompt. Pure: numpy only.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -50,8 +50,27 @@ def normalized(vec: np.ndarray, norm: int) -> list[float]:
     return [float(x) for x in (v * scale).astype(np.float32)]
 
 
-def rerank_prompt(query: Sequence[int], doc: Sequence[int], bos: int, eos: int, sep: int) -> list[int]:
+def rerank_prompt(query: Sequence[int], doc: Sequence[int], bos: int = -1, eos: int = -1, sep: int = -1) -> list[int]:
     """llama-server's format_prompt_rerank without a template: [BOS]query[EOS][SEP]doc[EOS]
-    (tokens the vocabulary lacks, -1, left out)."""
+    (-1: the vocabulary does not add that token)."""
     out = [bos, *query, eos, sep, *doc, eos]
     return [t for t in out if t >= 0]
+
+
+def rerank_text(template: str, query: str, doc: str) -> str:
+    """A GGUF's rerank template (tokenizer.chat_template.rerank) with the query and the document."""
+    return template.replace("{query}", query).replace("{document}", doc)
+
+
+def rerank_results(scores: Sequence[float], n_tokens: Sequence[int], texts: Sequence[str], top_n: int, tei: bool,
+                   return_text: bool, model: str) -> dict[str, Any] | list[dict[str, Any]]:
+    """llama-server's format_response_rerank: the documents by score, best first, at most top_n;
+    TEI's list (`score`, `text` with return_text) or Jina's body (`relevance_score`, usage)."""
+    label = "score" if tei else "relevance_score"
+    elems = [{"index": i, label: float(s), **({"text": texts[i]} if tei and return_text else {})}
+             for i, s in enumerate(scores)]
+    elems = sorted(elems, key=lambda e: -e[label])[:max(0, top_n)]
+    if tei:
+        return elems
+    n = sum(n_tokens)
+    return {"model": model, "object": "list", "usage": {"prompt_tokens": n, "total_tokens": n}, "results": elems}

@@ -6,6 +6,7 @@ import ctypes
 from typing import Callable, Sequence
 
 from ..core.chat_template import BoundTemplates, ChatTemplate, TemplateSet
+from ..core.embedding import rerank_prompt, rerank_text
 from ..core.fim import FimTokens
 from ..core.gguf_info import ModelGeometry
 from ..errors import SparkError
@@ -52,6 +53,20 @@ class Vocab:
     @property
     def eos_token(self) -> int:
         return int(self.lc.llama_vocab_eos(self.handle))
+
+    def rerank_tokens(self, query: str, doc: str) -> list[int]:
+        """llama-server's reranking prompt: the GGUF's rerank template filled in, else
+        [BOS]query[EOS][SEP]doc[EOS] as the vocabulary adds those tokens."""
+        tmpl = self.templates.set.templates.get("tokenizer.chat_template.rerank")
+        if tmpl:
+            return self.tokenize(rerank_text(tmpl, query, doc), add_special=False, parse_special=True)
+        lc, h = self.lc, self.handle
+        eos = self.eos_token if self.eos_token >= 0 else int(lc.llama_vocab_sep(h))
+        return rerank_prompt(self.tokenize(query, add_special=False, parse_special=False),
+                             self.tokenize(doc, add_special=False, parse_special=False),
+                             self.bos_token if lc.llama_vocab_get_add_bos(h) else -1,
+                             eos if lc.llama_vocab_get_add_eos(h) else -1,
+                             int(lc.llama_vocab_sep(h)) if lc.llama_vocab_get_add_sep(h) else -1)
 
     def fim_tokens(self) -> FimTokens:
         """The FIM tokens llama.cpp found (the GGUF's tokenizer.ggml.fim_*_token_id, else tokens

@@ -19,6 +19,7 @@ from . import anthropic, llama_api, metrics
 from .anthropic_routes import ROUTES as ANTHROPIC_ROUTES
 from .responses_routes import ROUTES as RESPONSES_ROUTES
 from .slot_routes import ROUTES as SLOT_ROUTES
+from .rerank import ROUTES as RERANK_ROUTES
 from .chat import ChatConfig, Choices, ClientGone, Run, open_choices, open_run, read_body
 from .llama_api import NativeCompletionRequest
 from .infill import InfillRequest, infill_prompt
@@ -414,6 +415,7 @@ def create_app(state: ServerState) -> Any:
         *ANTHROPIC_ROUTES,
         *RESPONSES_ROUTES,
         *SLOT_ROUTES,
+        *RERANK_ROUTES,
     ]
     if state.vertex is not None:
         routes += predict_routes(state.vertex, routes, health)

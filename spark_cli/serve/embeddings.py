@@ -71,7 +71,8 @@ def prompts_of(raw: Any) -> list[str | list[int | str]]:
     return out
 
 
-async def _embed_one(request: Request, st: Any, prompt: Any) -> Embedded:
+async def embed_tokens(request: Request, st: Any, prompt: Any) -> Embedded:
+    """One prompt's embedding job (text, or token ids and texts), once it is done."""
     feed = Feed(request)
     st.worker.submit(Job(feed.emit, Sampling(), text=prompt, embed=True, cancel=feed.cancel))
     try:
@@ -104,7 +105,7 @@ async def embeddings(request: Request, oai: bool) -> Response:
     prompts = prompts_of(req.input if req.input is not None else req.content)
     try:
         # NOTE: one after another: a long input list never fills the request queue, and each is quick
-        results = [await _embed_one(request, st, p) for p in prompts]
+        results = [await embed_tokens(request, st, p) for p in prompts]
     except ClientGone:
         return Response(status_code=499)
     vectors = [_vectors(ev.vectors, st.pooling, req.embd_normalize) for ev in results]

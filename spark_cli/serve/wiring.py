@@ -69,7 +69,7 @@ def placement_summary(where: Placement, cached: set[int]) -> dict[str, Any]:
 def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags, access: Access, *,
          templates: TemplateSet | None, chat_defaults: Defaults, reasoning_format: str, alias: str | None,
          thinking: ReasoningDefault = ReasoningDefault(), tags: tuple[str, ...] = (), embedding: bool = False,
-         pooling: str | None = None, slot_save_path: Path | None = None,
+         pooling: str | None = None, reranking: bool = False, slot_save_path: Path | None = None,
          learn: bool, learn_every: float, max_queue: int, metrics: bool, slots: bool, vertex: Vertex | None,
          on_why: Callable[[str], None], grammar_limits: GrammarLimits = GrammarLimits()) -> Served:
     """The server of `path` on `where`: its engine opens in the worker (each cached layer on the
@@ -78,7 +78,7 @@ def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags
     opts = engine_options(path, geometry, where, flags, learn)
     opts.chat_templates = templates
     if embedding:
-        opts.pooling = choose_pooling(pooling, False, geometry.pooling_type, geometry.has_classifier, path.name)
+        opts.pooling = choose_pooling(pooling, reranking, geometry.pooling_type, geometry.has_classifier, path.name)
     cached = {c.il for c in opts.cache_layers}
     plan = where.plan
     stats = ServerStats(cached_layers=cached, planned_bytes=int(plan.breakdown["total"]) if plan else 0)
