@@ -215,3 +215,12 @@ def test_reranking_a_model_without_a_classifier_is_one_line_at_start(monkeypatch
     rc, out, err = spark(build_tiny_model("llama"), "--reranking", "--device", "none", "--port", "0", "--no-learn")
     lines = [line for line in err.splitlines() if line.strip().startswith("error:")]
     assert rc == 2 and out == "" and len(lines) == 1 and "has no classifier head" in lines[0], err
+
+
+def test_an_embedding_counts_in_the_metrics():
+    with _client() as tc:
+        assert tc.post("/v1/embeddings", json={"input": ["a b", "c d e"]}).status_code == 200
+        text = tc.get("/metrics").text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("llamacpp:")}
+    assert values["llamacpp:prompt_tokens_total"] == 5 and values["llamacpp:n_decode_total"] == 2
+    assert values["llamacpp:tokens_predicted_total"] == 0

@@ -398,7 +398,12 @@ class Worker:
         """An embedding job, at once in a free slot's sequence (which forgets what it held)."""
         slot = pick_slot(self.slots, [], job.id_slot)
         try:
-            job.emit(Embedded(self.engine.embed(toks, slot.id), len(toks)))
+            t0 = time.perf_counter()
+            vectors = self.engine.embed(toks, slot.id)
+            # NOTE: as llama-server's: an embedding samples nothing, but its prompt is counted and costs a decode
+            self.stats.add_request(AnswerFigures(prompt_tokens=len(toks), prompt_seconds=time.perf_counter() - t0))
+            self.stats.add_decode(0)
+            job.emit(Embedded(vectors, len(toks)))
         except EmbedError as e:
             job.emit(Failed(ApiError(400, e.message)))
         except KVFullError:
