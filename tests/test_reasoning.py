@@ -127,3 +127,27 @@ def test_serve_refuses_what_it_cannot_honour_in_one_line(args, want, monkeypatch
     rc, out, err = cli_runner(monkeypatch, capsys, "serve", serve_cmd.register)(tmp_path / "none.gguf", *args)
     lines = [line for line in err.splitlines() if line.strip()]
     assert rc == 2 and out == "" and len(lines) == 1 and want in lines[0], err
+
+
+def test_continue_final_message_and_add_generation_prompt_exclude_each_other():
+    pytest.importorskip("httpx")
+    from _serve_client import fake_client
+    from test_serve_hostile import _Engine
+
+    msgs = [*ASK, {"role": "assistant", "content": "Hello"}]
+    with fake_client(lambda: _Engine(n_ctx=256)) as tc:
+        r = tc.post("/v1/chat/completions", json={"messages": msgs, "continue_final_message": True, "max_tokens": 1})
+        assert r.status_code == 400 and "Cannot set both add_generation_prompt" in r.json()["error"]["message"]
+        r = tc.post("/v1/chat/completions", json={"messages": msgs, "continue_final_message": True,
+                                                  "add_generation_prompt": False, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+
+
+def test_chat_template_flag_is_a_builtin_name_or_jinja():
+    from spark_cli.core.chat_template import DEFAULT_NAME, from_flag
+    from spark_cli.errors import UsageError
+
+    assert from_flag("command-r").builtin == "command-r" and not from_flag("command-r").templates
+    assert from_flag("{{ messages[0].content }}").templates == {DEFAULT_NAME: "{{ messages[0].content }}"}
+    with pytest.raises(UsageError, match="--chat-template: "):
+        from_flag("{% if %}")

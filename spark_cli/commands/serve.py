@@ -14,7 +14,7 @@ from ..core.options import LoadFlags
 from ..core.reasoning import MODES as REASONING_MODES, ReasoningDefault
 from ..errors import SparkError, UsageError
 from ..runs import session
-from .common import (JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, err_console, model_flags,
+from .common import (CHAT_TEMPLATE_HELP, JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, err_console, model_flags,
                      model_or_demo, parse_miss_path)
 from .help import SparkCommand
 
@@ -47,6 +47,7 @@ def serve_cmd(
     learn: bool = typer.Option(True, "--learn/--no-learn", help="fold the served routing into the model's "
                                "profile while serving and on exit"),
     template_file: Path = typer.Option(None, "--chat-template-file", help=TEMPLATE_FILE_HELP),
+    chat_template: str = typer.Option(None, "--chat-template", help=CHAT_TEMPLATE_HELP, show_default=False),
     jinja: bool = typer.Option(True, "--jinja/--no-jinja", help=JINJA_HELP),
     reasoning_format: str = typer.Option("auto", "--reasoning-format", help="auto or deepseek: <think> text "
                                          "(and gpt-oss analysis) goes to reasoning_content; none: left inline"),
@@ -133,7 +134,7 @@ def serve_cmd(
     if reasoning_budget > 0:
         raise UsageError(f"--reasoning-budget {reasoning_budget}: spark serve cannot end thinking after a number "
                          "of tokens", hint="give -1 (no limit) or 0 (no thinking), or --reasoning off")
-    templates = chat_templates(template_file, jinja)
+    templates = chat_templates(template_file, jinja, chat_template)
     vertex = Vertex.from_env(os.environ)  # AIP_MODE=PREDICTION: Vertex AI's predict route, on AIP_HTTP_PORT
     if vertex is not None and vertex.port != port:
         err_console.print(f"[yellow]warning:[/] AIP_MODE=PREDICTION: serving on AIP_HTTP_PORT {vertex.port}, "

@@ -18,6 +18,7 @@ import datetime as _dt
 import functools
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -265,6 +266,7 @@ class TemplateSet:
     """The GGUF's templates by name (or one from --chat-template-file, which replaces them)."""
 
     templates: Mapping[str, str] = field(default_factory=dict)
+    builtin: str = ""  # llama.cpp's built-in template by name (--chat-template NAME), for prompts without Jinja
 
     def pick(self, with_tools: bool) -> ChatTemplate | None:
         name = TOOL_USE_NAME if with_tools and TOOL_USE_NAME in self.templates else DEFAULT_NAME
@@ -313,6 +315,22 @@ def from_file(path: Path | str, flag: str = "--chat-template-file") -> TemplateS
     except TemplateError as e:
         raise UsageError(f"{flag} {p}: {e.message}", hint="fix the template") from None
     return TemplateSet({DEFAULT_NAME: text})
+
+
+BUILTIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # llama.cpp's built-in template names (chatml, llama3, ...)
+
+
+def from_flag(value: str) -> TemplateSet:
+    """--chat-template: llama.cpp's built-in template by name (checked when the model loads), or
+    a Jinja template's text (checked now)."""
+    if BUILTIN_NAME.fullmatch(value):
+        return TemplateSet({}, builtin=value)
+    try:
+        _compile(value)
+    except TemplateError as e:
+        raise UsageError(f"--chat-template: {e.message}", hint="give a built-in template's name (chatml, "
+                         "llama3, ...) or a Jinja chat template") from None
+    return TemplateSet({DEFAULT_NAME: value})
 
 
 def joined_system(messages: Sequence[Mapping[str, Any]]) -> list[dict]:

@@ -114,7 +114,8 @@ class Vocab:
 
     def _builtin_prompt(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
         lc = self.lc
-        tmpl = lc.llama_model_chat_template(self.model, None)
+        name = self.templates.set.builtin
+        tmpl = name.encode("utf-8") if name else lc.llama_model_chat_template(self.model, None)
         messages = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
         if not tmpl:
             # NOTE: a model without a template gets a plain transcript
@@ -130,6 +131,9 @@ class Vocab:
         for _ in range(2):
             buf = ctypes.create_string_buffer(size)
             n = lc.llama_chat_apply_template(tmpl, arr, len(messages), add_generation_prompt, buf, size)
+            if n < 0 and name:
+                raise SparkError(f"--chat-template {name}: not one of llama.cpp's built-in templates",
+                                 hint="give one such as chatml, llama3 or command-r, or a Jinja template")
             if n < 0:
                 raise SparkError("the model's chat template is not supported by llama.cpp",
                                  hint="use --prompt with raw text")
