@@ -7,7 +7,8 @@ The suite is copied to a temporary folder and run there with pytest (-m "not slo
 as tests.sh without xdist), LLAMA_SERVER_BIN_PATH pointing at the shim, and no network: in a
 network namespace of its own when `unshare -rn` works (loopback only), else with the proxies
 pointed at a dead address. Nothing downloads: the shim serves a local Spark test model, the
-presets' download pass (ServerPreset.load_all) is skipped, and where the `wget` and `filelock`
+presets' download pass (ServerPreset.load_all) is skipped, test_speculative's draft model is
+Spark's tiny llama placed where the suite keeps downloads (tmp/), and where the `wget` and `filelock`
 packages the suite imports are missing, stand-ins are used (wget.download raises: no network;
 FileLock: a no-op lock, one worker). Each test has --per-test seconds (SIGALRM, a failure), and
 the whole run --total seconds.
@@ -116,6 +117,21 @@ class FileLock:
 '''
 
 
+# the draft models test_speculative downloads into tmp/, stood in for by Spark's tiny llama (so those
+# tests reach spark serve and say what it lacks: speculative decoding)
+DRAFTS = ("stories15M-q4_0.gguf",)
+
+
+def local_draft(python: str) -> Path | None:
+    """Spark's cached tiny llama test model, when it is there."""
+    code = ("from spark_cli.files.paths import models_dir; from spark_cli.models.tiny_models import tiny_model_name; "
+            "print(models_dir() / tiny_model_name('llama'))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env)
+    path = Path(r.stdout.strip()) if r.returncode == 0 and r.stdout.strip() else None
+    return path if path is not None and path.is_file() else None
+
+
 def find_suite() -> Path:
     """The vendored llama.cpp's server tests in Spark's native build tree."""
     home = Path(os.environ.get("SPARK_HOME", Path.home() / ".cache" / "spark"))
@@ -177,6 +193,10 @@ def run(files, *, suite: Path, per_test: float, total: float, python: str, model
         if models.is_dir():
             (Path(tmp) / "llama.cpp" / "models").symlink_to(models, target_is_directory=True)
         (work / "tmp").mkdir(exist_ok=True)
+        draft = local_draft(python)
+        for name in DRAFTS:  # NOTE: utils.download_file keeps a file already there: no download is tried
+            if draft is not None and not (work / "tmp" / name).exists():
+                (work / "tmp" / name).symlink_to(draft)
         stubs = missing_modules(python, STUBBED)
         stub_dir = Path(tmp) / "stubs"
         stub_dir.mkdir()

@@ -165,3 +165,27 @@ def test_a_template_that_refuses_a_later_system_message_gets_it_joined_into_the_
     assert ChatTemplate(first_only).render(top) == "<system>first\n\nlater<user>hi"  # it left `later` out
     with pytest.raises(TemplateError, match="at the beginning"):  # nothing to join: the template's own error
         ChatTemplate(strict.replace("not loop.first", "true")).render([{"role": "system", "content": "x"}])
+
+
+def test_templates_see_the_date(monkeypatch):
+    """strftime_now, and llama-server's date_string and datetime: today, or SPARK_TEMPLATE_DATE's day."""
+    import datetime
+
+    from spark_cli.core.chat_template import DATE_ENV
+
+    t = ChatTemplate("{{ strftime_now('%Y-%m-%d') }}|{{ date_string }}|{{ datetime }}")
+    monkeypatch.delenv(DATE_ENV, raising=False)
+    assert t.render([]).split("|")[0] == datetime.date.today().isoformat()
+    monkeypatch.setenv(DATE_ENV, "2025-02-03")
+    assert t.render([]) == "2025-02-03|03 Feb 2025|Feb 03 2025"
+    assert t.render([], extras={"date_string": "then"}).split("|")[1] == "then"
+    monkeypatch.setenv(DATE_ENV, "tomorrow")
+    with pytest.raises(TemplateError, match=f"{DATE_ENV}=tomorrow: not a date"):
+        t.render([])
+
+
+def test_null_or_undefined_beside_a_string_is_empty_as_llama_cpps_jinja():
+    t = ChatTemplate("{{ 'a' + functions + 'b' }}{{ none_var + 'c' }}")
+    assert t.render([], extras={"none_var": None}) == "abc"
+    with pytest.raises(TemplateError, match="UndefinedError"):
+        ChatTemplate("{{ 1 + functions }}").render([])

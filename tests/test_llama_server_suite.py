@@ -46,13 +46,21 @@ def test_shim_maps_llama_servers_flags():
     assert shim.translate(["-m", "x.gguf", "-v"])[0] == shim.translate(["-m", "x.gguf", "--verbose"])[0] == [
         "--verbose"]
     assert not shim.translate(["--port", "1"])[1]  # no model: router mode
+    # issue 49: reasoning controls, tags, and the flags Spark accepts with no effect (its --help says why)
+    assert shim.translate(["-m", "x.gguf", "--reasoning", "off", "-rea", "on", "--reasoning-budget", "0", "--tags",
+                           "a,b", "--media-path", "d", "--cache-ram", "100", "--no-cache-idle-slots",
+                           "--ui-mcp-proxy", "--context-shift", "--embedding", "--pooling", "last"])[0] == [
+        "--reasoning", "off", "--reasoning", "on", "--reasoning-budget", "0", "--tags", "a,b", "--media-path", "d",
+        "--cache-ram", "100", "--no-cache-idle-slots", "--ui-mcp-proxy", "--context-shift", "--embedding", "--pooling",
+        "last"]
 
 
 @pytest.mark.parametrize("argv,why", [
-    (["-hf", "x", "--embedding"], "--embedding: not in spark serve"),
+    (["-hf", "x", "--sleep-idle-seconds", "5"], "--sleep-idle-seconds: not in spark serve"),
     (["-hf", "x", "--lora", "a.gguf"], "--lora: not in spark serve"),
     (["-hf", "x", "--host", "127.0.0.1,::1"], "several addresses"),
     (["--models-dir", "d"], "router mode"),
+    (["-hf", "x", "--model-draft", "d.gguf"], "speculative decoding"),
     (["--port", "1"], "no model given: router mode"),
 ])
 def test_shim_refuses_what_spark_cannot_do(argv, why):
@@ -79,8 +87,8 @@ def test_suite_subset_passes_what_is_recorded(tmp_path):
     model = build_tiny_model("llama")
     out = tmp_path / "suite.json"
     r = subprocess.run([sys.executable, str(RUNNER), "--files", ",".join(expected["files"]), "--suite", str(suite),
-                        "--model", str(model), "--per-test", "60", "--total", "240", "-o", str(out)],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                        "--model", str(model), "--per-test", "60", "--total", "600", "-o", str(out)],
+                       capture_output=True, text=True, timeout=660, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads(out.read_text())
     assert not got["cut_short"], r.stdout

@@ -341,9 +341,12 @@ def test_predict_bad_instances_are_errors_in_their_place():
                        {"@requestFormat": "responses", "input": HI}).json()["predictions"]
         assert out[0]["choices"][0]["message"]["content"] == "yes of course "
         errors = [p["error"] for p in out[1:6]]
-        assert [e["code"] for e in errors] == [400] * 5 and all(e["type"] == "invalid_request_error" for e in errors)
+        # NOTE: embeddings has its route (llama-server's), not supported without --embedding
+        assert [e["code"] for e in errors] == [400, 400, 501, 400, 400]
+        assert [e["type"] for e in errors] == ["invalid_request_error"] * 2 + ["not_supported_error"] + [
+            "invalid_request_error"] * 2
         assert "must be a JSON object" in errors[0]["message"] and "@requestFormat" in errors[1]["message"]
-        assert errors[2]["message"] == "no handler registered for @requestFormat: embeddings"
+        assert "Start it with `--embeddings`" in errors[2]["message"]
         assert errors[3]["param"] == "stream" and errors[4]["param"] == "temperature"
         assert out[6]["object"] == "response" and out[6]["output"][0]["content"][0]["text"] == "yes of course "
         for body in ({}, {"instances": "x"}, {"instances": [good] * 129}):

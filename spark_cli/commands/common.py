@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional
 import typer
 from rich.console import Console
 
-from ..core.chat_template import TemplateSet, from_file
+from ..core.chat_template import TemplateSet, from_file, from_flag
 from ..core.options import DEFAULT_CTX, LoadFlags
 from ..core.profile import profile_path_for
 from ..core.simulator import MissPath
@@ -167,9 +167,15 @@ TEMPLATE_FILE_HELP = "Jinja chat template file to use instead of the GGUF's (lla
 JINJA_HELP = "render the GGUF's Jinja chat template (the default when it has one); --no-jinja: llama.cpp's built-in"
 
 
-def chat_templates(template_file: Path | None, jinja: bool):
-    """--chat-template-file / --jinja as the engine's TemplateSet (None: the GGUF's own)."""
+CHAT_TEMPLATE_HELP = ("llama.cpp's built-in template by name (chatml, llama3, command-r, ...) or a Jinja "
+                      "template's text, instead of the GGUF's (llama-server's flag)")
+
+
+def chat_templates(template_file: Path | None, jinja: bool, chat_template: str | None = None):
+    """--chat-template-file / --chat-template / --jinja as the engine's TemplateSet (None: the GGUF's own)."""
 
     if template_file is not None:
         return from_file(template_file)
+    if chat_template is not None:
+        return from_flag(chat_template)
     return None if jinja else TemplateSet({})

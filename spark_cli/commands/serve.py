@@ -9,10 +9,12 @@ from pathlib import Path
 import typer
 
 from ..core.chat_output import REASONING_FORMATS
+from ..core.embedding import POOLINGS
 from ..core.options import LoadFlags
+from ..core.reasoning import MODES as REASONING_MODES, ReasoningDefault
 from ..errors import SparkError, UsageError
 from ..runs import session
-from .common import (JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, err_console, model_flags,
+from .common import (CHAT_TEMPLATE_HELP, JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, err_console, model_flags,
                      model_or_demo, parse_miss_path)
 from .help import SparkCommand
 
@@ -45,11 +47,45 @@ def serve_cmd(
     learn: bool = typer.Option(True, "--learn/--no-learn", help="fold the served routing into the model's "
                                "profile while serving and on exit"),
     template_file: Path = typer.Option(None, "--chat-template-file", help=TEMPLATE_FILE_HELP),
+    chat_template: str = typer.Option(None, "--chat-template", help=CHAT_TEMPLATE_HELP, show_default=False),
     jinja: bool = typer.Option(True, "--jinja/--no-jinja", help=JINJA_HELP),
     reasoning_format: str = typer.Option("auto", "--reasoning-format", help="auto or deepseek: <think> text "
                                          "(and gpt-oss analysis) goes to reasoning_content; none: left inline"),
+    reasoning: str = typer.Option("auto", "--reasoning", "-rea", help="thinking in chats: on, off, or auto (on "
+                                  "where the template can think), as llama-server's; a request's "
+                                  "chat_template_kwargs.enable_thinking or reasoning_effort: none overrides it"),
+    reasoning_budget: int = typer.Option(-1, "--reasoning-budget", min=-1, help="thinking tokens at most: -1 no "
+                                         "limit, 0 no thinking (the template's no-think form); a positive budget "
+                                         "is refused (Spark cannot end thinking midway)"),
     alias: str = typer.Option(None, "--alias", "-a", help="the model's name in /v1/models, /props and responses "
-                              "(default: the GGUF's file name)", show_default=False),
+                              "(default: the GGUF's file name); several, comma-separated: all listed as aliases, "
+                              "the first in sorted order is the id (as llama-server's)", show_default=False),
+    embedding: bool = typer.Option(False, "--embedding", "--embeddings", help="serve /embeddings and /v1/embeddings "
+                                   "(as llama-server's); chats and completions are served as before"),
+    reranking: bool = typer.Option(False, "--reranking", "--rerank", help="serve /rerank (as llama-server's): "
+                                   "pooling rank, for a model with a classifier head (a reranker); another model "
+                                   "is refused at start"),
+    pooling: str = typer.Option(None, "--pooling", help="with --embedding: none (a vector per token; "
+                                "/embeddings only), mean, cls, last or rank (default: the GGUF's pooling_type, "
+                                "else last)", show_default=False),
+    slot_save_path: Path = typer.Option(None, "--slot-save-path", help="folder of slot files: POST "
+                                        "/slots/N?action=save|restore|erase (as llama-server's); a file restores "
+                                        "only into the model that saved it", show_default=False),
+    tags: str = typer.Option(None, "--tags", help="comma-separated tags listed with the model in /v1/models",
+                             show_default=False),
+    context_shift: bool = typer.Option(False, "--context-shift/--no-context-shift", help="llama-server's context "
+                                       "shift; spark serve does not shift: an answer that fills the context stops "
+                                       "(finish_reason length, truncated), so --context-shift is refused"),
+    media_path: Path = typer.Option(None, "--media-path", help="llama-server's folder of local media files for "
+                                    "multimodal input; accepted, no effect: spark serve takes no images or audio "
+                                    "(a request with them gets a 400 either way)", show_default=False),
+    cache_ram: int = typer.Option(None, "--cache-ram", min=-1, help="llama-server's host-memory prompt cache (MiB); "
+                                  "accepted, no effect on answers: spark serve reuses prompts only from the slots' "
+                                  "KV cache", show_default=False),
+    cache_idle_slots: bool = typer.Option(True, "--cache-idle-slots/--no-cache-idle-slots", help="llama-server's "
+                                          "saving of idle slots to --cache-ram; accepted, no effect (as --cache-ram)"),
+    ui_mcp_proxy: bool = typer.Option(False, "--ui-mcp-proxy/--no-ui-mcp-proxy", help="only for llama-server's web "
+                                      "UI (its /cors-proxy); spark serve has no web UI: accepted, no effect"),
     n_predict: int = typer.Option(-1, "--n-predict", "-n", min=-1, help="tokens per answer at most when a "
                                   "request gives no max_tokens (-1: until done or the context is full)"),
     temp: float = typer.Option(0.8, "--temp", min=0.0, max=2.0, help="temperature when a request gives none "
@@ -78,7 +114,7 @@ def serve_cmd(
     from ..serve.chat import Defaults, GrammarLimits
     from ..serve.guard import is_loopback
     from ..serve.vertex import Vertex
-    from ..serve.wiring import Access, wire
+    from ..serve.wiring import Access, names, wire
 
     if api_key is not None and not api_key.strip() or api_key is None and os.environ.get("SPARK_API_KEY") == "":
         where = "--api-key" if api_key is not None else "SPARK_API_KEY"
@@ -87,7 +123,18 @@ def serve_cmd(
     miss_choice = parse_miss_path(miss_path) if miss_path is not None else None
     if reasoning_format not in REASONING_FORMATS:
         raise UsageError(f"--reasoning-format {reasoning_format}: expected one of {', '.join(REASONING_FORMATS)}")
-    templates = chat_templates(template_file, jinja)
+    _ = (media_path, cache_ram, cache_idle_slots, ui_mcp_proxy)  # accepted, no effect in Spark (their --help)
+    if context_shift:
+        raise UsageError("--context-shift: spark serve does not shift the context (an answer that fills it stops "
+                         "with finish_reason length)", hint="drop --context-shift, or give a larger -c")
+    if pooling is not None and pooling not in POOLINGS:
+        raise UsageError(f"--pooling {pooling}: expected one of {', '.join(POOLINGS)}")
+    if reasoning not in REASONING_MODES:
+        raise UsageError(f"--reasoning {reasoning}: expected one of {', '.join(REASONING_MODES)}")
+    if reasoning_budget > 0:
+        raise UsageError(f"--reasoning-budget {reasoning_budget}: spark serve cannot end thinking after a number "
+                         "of tokens", hint="give -1 (no limit) or 0 (no thinking), or --reasoning off")
+    templates = chat_templates(template_file, jinja, chat_template)
     vertex = Vertex.from_env(os.environ)  # AIP_MODE=PREDICTION: Vertex AI's predict route, on AIP_HTTP_PORT
     if vertex is not None and vertex.port != port:
         err_console.print(f"[yellow]warning:[/] AIP_MODE=PREDICTION: serving on AIP_HTTP_PORT {vertex.port}, "
@@ -109,7 +156,9 @@ def serve_cmd(
         err_console.print(f"warning: {w}", soft_wrap=True, markup=False)
     served = wire(path, geometry, where, flags, Access(api_key or None, host, hosts, origins),
                   templates=templates, chat_defaults=Defaults(temp, seed, n_predict, verbose),
-                  reasoning_format=reasoning_format, alias=alias, learn=learn, learn_every=learn_every,
+                  reasoning_format=reasoning_format, thinking=ReasoningDefault(reasoning, reasoning_budget),
+                  alias=alias, tags=names(tags), slot_save_path=slot_folder(slot_save_path), embedding=embedding or reranking or pooling is not None, pooling=pooling,
+                  reranking=reranking, learn=learn, learn_every=learn_every,
                   max_queue=max_queue, metrics=metrics_on, slots=slots_on, vertex=vertex,
                   grammar_limits=GrammarLimits(grammar_max_bytes, grammar_max_depth, grammar_max_width),
                   on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True))
@@ -135,6 +184,20 @@ def serve_cmd(
         prefix = "the engine failed: " if out.code == 1 else ""
         raise SparkError(prefix + (out.message or "the server stopped"), exit_code=out.code)
     err_console.print("stopped")
+
+
+def slot_folder(path: Path | None) -> Path | None:
+    """--slot-save-path: the folder, made if missing; UsageError when it cannot be one."""
+    if path is None:
+        return None
+    path = path.expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--slot-save-path {path}: {e.strerror or e}", hint="give a folder spark serve may write") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--slot-save-path {path}: not writable", hint="give a folder spark serve may write")
+    return path
 
 
 def register(app: typer.Typer) -> None:

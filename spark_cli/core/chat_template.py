@@ -3,7 +3,8 @@
 Rendered as Hugging Face and llama-server (`--jinja`) do: a sandboxed Jinja environment
 (jinja2's `ImmutableSandboxedEnvironment`, trim_blocks, lstrip_blocks, loop controls) with
 `messages`, `tools`, `add_generation_prompt`, `bos_token`, `eos_token`, the helpers HF templates
-call (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII) and extras such as
+call (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII), llama-server's
+`date_string` and `datetime` (the local date, or SPARK_TEMPLATE_DATE's), and extras such as
 `enable_thinking` or gpt-oss's `reasoning_effort`. A GGUF may carry named templates
 (`tokenizer.chat_template.tool_use`); a request with tools takes that one when present.
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
+import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -24,6 +27,7 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import SparkError, UsageError
 from ..files.regular import read_regular
+from .reasoning import close_thinking
 
 DEFAULT_NAME = "tokenizer.chat_template"
 TOOL_USE_NAME = "tokenizer.chat_template.tool_use"
@@ -41,8 +45,31 @@ def _raise(message: str) -> None:
     raise TemplateError(str(message))
 
 
+DATE_ENV = "SPARK_TEMPLATE_DATE"  # YYYY-MM-DD: the date every template sees (reproducible prompts)
+
+
+def template_now() -> _dt.datetime:
+    """The local time templates see: now, or the day SPARK_TEMPLATE_DATE fixes (at midnight).
+    TemplateError for a value that is not a date."""
+    fixed = os.environ.get(DATE_ENV, "").strip()
+    if not fixed:
+        return _dt.datetime.now()
+    try:
+        return _dt.datetime.combine(_dt.date.fromisoformat(fixed), _dt.time())
+    except ValueError:
+        raise TemplateError(f"{DATE_ENV}={fixed}: not a date (YYYY-MM-DD)",
+                            hint=f"unset {DATE_ENV} for today's date") from None
+
+
 def _strftime_now(fmt: str) -> str:
-    return _dt.datetime.now().strftime(fmt)
+    return template_now().strftime(fmt)
+
+
+def date_variables() -> dict[str, str]:
+    """The date as llama-server gives it to every template besides strftime_now: `date_string`
+    (Llama 3.x: "06 Dec 2026") and `datetime` (firefunction: "Dec 06 2026")."""
+    now = template_now()
+    return {"date_string": now.strftime("%d %b %Y"), "datetime": now.strftime("%b %d %Y")}
 
 
 def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
@@ -105,6 +132,12 @@ def _bounded_join(seq) -> str:
     return "".join(parts)
 
 
+def _null(v: Any) -> bool:
+    from jinja2 import Undefined
+
+    return v is None or isinstance(v, Undefined)
+
+
 def _environment():
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -125,6 +158,9 @@ def _environment():
                 _check_size(right * abs(left).bit_length() // 8)
             if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
                 _check_size(len(left) + len(right))
+            if operator == "+" and (_null(left) and isinstance(right, str) or _null(right) and isinstance(left, str)):
+                # NOTE: llama.cpp's Jinja (so llama-server) reads null or undefined as "" beside a string
+                return (left if isinstance(left, str) else "") + (right if isinstance(right, str) else "")
             return super().call_binop(context, operator, left, right)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
@@ -208,11 +244,12 @@ class ChatTemplate:
         msgs = [dict(m) for m in messages]
         if not self.knows_tools:
             msgs, tools = hermes_polyfill(msgs, tools or ()), None
-        ctx = {"messages": msgs, "tools": list(tools) if tools else None,
+        ctx = {**date_variables(), "messages": msgs, "tools": list(tools) if tools else None,
                "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token,
                "eos_token": self.eos_token, **dict(extras or {})}
         try:
-            return _generate(_compile(self.source), ctx)
+            text = _generate(_compile(self.source), ctx)
+            return close_thinking(self.source, text, ctx) if add_generation_prompt else text
         except _Over as e:
             raise TemplateError(f"chat template {self.name}: the render {e}",
                                 hint="fix the template or pass another with --chat-template-file") from None
@@ -229,6 +266,7 @@ class TemplateSet:
     """The GGUF's templates by name (or one from --chat-template-file, which replaces them)."""
 
     templates: Mapping[str, str] = field(default_factory=dict)
+    builtin: str = ""  # llama.cpp's built-in template by name (--chat-template NAME), for prompts without Jinja
 
     def pick(self, with_tools: bool) -> ChatTemplate | None:
         name = TOOL_USE_NAME if with_tools and TOOL_USE_NAME in self.templates else DEFAULT_NAME
@@ -277,6 +315,22 @@ def from_file(path: Path | str, flag: str = "--chat-template-file") -> TemplateS
     except TemplateError as e:
         raise UsageError(f"{flag} {p}: {e.message}", hint="fix the template") from None
     return TemplateSet({DEFAULT_NAME: text})
+
+
+BUILTIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # llama.cpp's built-in template names (chatml, llama3, ...)
+
+
+def from_flag(value: str) -> TemplateSet:
+    """--chat-template: llama.cpp's built-in template by name (checked when the model loads), or
+    a Jinja template's text (checked now)."""
+    if BUILTIN_NAME.fullmatch(value):
+        return TemplateSet({}, builtin=value)
+    try:
+        _compile(value)
+    except TemplateError as e:
+        raise UsageError(f"--chat-template: {e.message}", hint="give a built-in template's name (chatml, "
+                         "llama3, ...) or a Jinja chat template") from None
+    return TemplateSet({DEFAULT_NAME: value})
 
 
 def joined_system(messages: Sequence[Mapping[str, Any]]) -> list[dict]:

@@ -95,6 +95,8 @@ class ModelGeometry:
     recurrent_layers: tuple[bool, ...] = ()  # per layer: holds a recurrent state (MTP blocks excluded)
     n_layer_nextn: int = 0
     chat_templates: tuple[tuple[str, str], ...] = ()  # every tokenizer.chat_template[.NAME] key and its text
+    pooling_type: int = -1  # <arch>.pooling_type (llama_pooling_type; -1: not given)
+    has_classifier: bool = False  # cls.* tensors: a reranker's head (pooling rank)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -357,6 +359,8 @@ def _geometry(path: Path, shards: list[_Shard], require_moe: bool) -> ModelGeome
         recurrent_layers=tuple(bool(recurrent[i] and not layers[i].is_nextn) for i in range(n_layer)),
         chat_templates=tuple((k, v) for k, v in kv.items()
                              if k.startswith("tokenizer.chat_template") and isinstance(v, str)),
+        pooling_type=int(key("pooling_type")) if isinstance(key("pooling_type"), int) else -1,
+        has_classifier=any(t.name.startswith("cls.") for _, t in tensors),
     )
 
 

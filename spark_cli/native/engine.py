@@ -29,6 +29,9 @@ from .generate import GenerationStep, NativeSampler, stream_generate
 from .cache_control import CacheControl
 from .expert_cache import CacheLayer, ExpertCache
 from .vocab import Vocab
+from . import embed as embed_mod
+from . import seq_state as seq_state_mod
+from .embed import POOLING
 from ..core.chat_template import TemplateSet
 from ..core.gguf_info import ModelGeometry, load_geometry
 from ..core.placement import CPU, HOST, TensorOverride, cached_expert_overrides, stock_overrides
@@ -104,6 +107,7 @@ class EngineOptions:
     repack: bool = True                # allow CPU weight repacking where no cache needs plain layout
     dry_run: bool = False              # llama.cpp's no_alloc: metadata only, nothing allocated or read (memory_breakdown)
     chat_templates: TemplateSet | None = None  # None: the GGUF's own; empty: llama.cpp's built-in matcher
+    pooling: str | None = None         # --embedding's pooling (native/embed.POOLING); None: no embeddings
 
     @property
     def threads(self) -> int:
@@ -268,6 +272,8 @@ class Engine:
         # plus one ubatch, not n_ctx (the C default, swa_full, allocates n_ctx cells for them too)
         cp.swa_full = False
         cp.n_seq_max, cp.kv_unified = max(1, opts.n_seq), bool(opts.kv_unified)
+        if opts.pooling is not None:
+            cp.pooling_type = POOLING[opts.pooling]  # NOTE: embeddings are switched on per request (native/embed.py)
         if self.devices and any(c.in_ram for c in opts.cache_layers):
             # NOTE: a RAM bank is a view to its arena's end (the staging slices): op offload of a prompt's
             # expert matmuls would copy the whole arena to the device per layer; the RAM tier's run on the CPU
@@ -458,6 +464,24 @@ class Engine:
         if logits == "all":
             return np.stack(rows)
         return None
+
+    def embed(self, tokens: Sequence[int], seq: int) -> np.ndarray:
+        """The prompt's embeddings in sequence `seq`, which is cleared (native/embed.py)."""
+        return embed_mod.embed(self, tokens, seq)
+
+    def seq_state(self, seq: int) -> bytes:
+        """Sequence `seq`'s KV state (native/seq_state.py)."""
+        return seq_state_mod.get(self, seq)
+
+    def seq_restore(self, seq: int, state: bytes, n_tokens: int) -> bool:
+        """Put a saved state into sequence `seq`, which then holds `n_tokens` positions; False (and
+        the sequence cleared) when llama.cpp refuses it."""
+        self.seq_clear(seq)
+        if not seq_state_mod.put(self, seq, state):
+            self.seq_clear(seq)
+            return False
+        self._pos[seq] = n_tokens
+        return True
 
     def logits_row(self, i: int) -> np.ndarray:
         """The logits of output entry `i` of the last decode (-1: its last output)."""

@@ -6,6 +6,8 @@ import ctypes
 from typing import Callable, Sequence
 
 from ..core.chat_template import BoundTemplates, ChatTemplate, TemplateSet
+from ..core.embedding import rerank_prompt, rerank_text
+from ..core.fim import FimTokens
 from ..core.gguf_info import ModelGeometry
 from ..errors import SparkError
 
@@ -52,6 +54,28 @@ class Vocab:
     def eos_token(self) -> int:
         return int(self.lc.llama_vocab_eos(self.handle))
 
+    def rerank_tokens(self, query: str, doc: str) -> list[int]:
+        """llama-server's reranking prompt: the GGUF's rerank template filled in, else
+        [BOS]query[EOS][SEP]doc[EOS] as the vocabulary adds those tokens."""
+        tmpl = self.templates.set.templates.get("tokenizer.chat_template.rerank")
+        if tmpl:
+            return self.tokenize(rerank_text(tmpl, query, doc), add_special=False, parse_special=True)
+        lc, h = self.lc, self.handle
+        eos = self.eos_token if self.eos_token >= 0 else int(lc.llama_vocab_sep(h))
+        return rerank_prompt(self.tokenize(query, add_special=False, parse_special=False),
+                             self.tokenize(doc, add_special=False, parse_special=False),
+                             self.bos_token if lc.llama_vocab_get_add_bos(h) else -1,
+                             eos if lc.llama_vocab_get_add_eos(h) else -1,
+                             int(lc.llama_vocab_sep(h)) if lc.llama_vocab_get_add_sep(h) else -1)
+
+    def fim_tokens(self) -> FimTokens:
+        """The FIM tokens llama.cpp found (the GGUF's tokenizer.ggml.fim_*_token_id, else tokens
+        named as them) and whether prompts start with BOS."""
+        lc, h = self.lc, self.handle
+        ids = [int(f(h)) for f in (lc.llama_vocab_fim_pre, lc.llama_vocab_fim_suf, lc.llama_vocab_fim_mid,
+                                   lc.llama_vocab_fim_rep, lc.llama_vocab_fim_sep)]
+        return FimTokens(*ids, bos=self.bos_token, add_bos=bool(lc.llama_vocab_get_add_bos(h)))
+
     def is_eog(self, token: int) -> bool:
         return bool(self.lc.llama_vocab_is_eog(self.handle, token))
 
@@ -90,7 +114,8 @@ class Vocab:
 
     def _builtin_prompt(self, messages: Sequence[dict], add_generation_prompt: bool) -> str:
         lc = self.lc
-        tmpl = lc.llama_model_chat_template(self.model, None)
+        name = self.templates.set.builtin
+        tmpl = name.encode("utf-8") if name else lc.llama_model_chat_template(self.model, None)
         messages = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
         if not tmpl:
             # NOTE: a model without a template gets a plain transcript
@@ -106,6 +131,9 @@ class Vocab:
         for _ in range(2):
             buf = ctypes.create_string_buffer(size)
             n = lc.llama_chat_apply_template(tmpl, arr, len(messages), add_generation_prompt, buf, size)
+            if n < 0 and name:
+                raise SparkError(f"--chat-template {name}: not one of llama.cpp's built-in templates",
+                                 hint="give one such as chatml, llama3 or command-r, or a Jinja template")
             if n < 0:
                 raise SparkError("the model's chat template is not supported by llama.cpp",
                                  hint="use --prompt with raw text")

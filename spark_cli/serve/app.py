@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -13,11 +14,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..core.fim import NoFim
 from . import anthropic, llama_api, metrics
 from .anthropic_routes import ROUTES as ANTHROPIC_ROUTES
 from .responses_routes import ROUTES as RESPONSES_ROUTES
+from .slot_routes import ROUTES as SLOT_ROUTES
+from .rerank import ROUTES as RERANK_ROUTES
 from .chat import ChatConfig, Choices, ClientGone, Run, open_choices, open_run, read_body
 from .llama_api import NativeCompletionRequest
+from .infill import InfillRequest, infill_prompt
+from .embeddings import embeddings_native, embeddings_oai
 from .guard import Guard
 from .protocol import (SAMPLING_DEFAULTS, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest,
                        GenerationRequest, TokenizeRequest, parse, piece_json, sse, unavailable)
@@ -52,6 +58,11 @@ class ServerState:
     slots_endpoint: bool = True  # GET /slots served (--no-slots: 501, as llama-server's)
     vertex: Vertex | None = None  # Vertex AI's predict route (AIP_MODE=PREDICTION)
     meta: dict[str, Any] = field(default_factory=dict)  # the model's, for /v1/models (n_ctx_train, n_embd, size)
+    aliases: tuple[str, ...] = ()  # --alias's names (comma-separated), listed by /v1/models
+    pooling: str | None = None  # --embedding's pooling (embeddings.py); None: no embeddings (501)
+    slot_save_path: Path | None = None  # --slot-save-path (slot_routes.py); None: no slot actions (501)
+    model_id: str = ""  # the GGUF's fingerprint: a slot file restores only into the model that saved it
+    tags: tuple[str, ...] = ()  # --tags, listed by /v1/models
 
 
 def _error(e: ApiError, path: str = "") -> JSONResponse:
@@ -116,7 +127,28 @@ async def native_completion(request: Request) -> Response:
         prompts = req.prompts
         if len(prompts) > 1:
             return await _native_batch(request, req, prompts)
-        req = req.model_copy(update={"prompt": prompts[0]})
+    except ClientGone:
+        return Response(status_code=499)
+    return await _native_one(request, req.model_copy(update={"prompt": prompts[0]}))
+
+
+async def infill(request: Request) -> Response:
+    """llama-server's POST /infill (infill.py): a FIM prompt of the model's tokens, answered as
+    /completion; a model without FIM tokens: 400 naming the ones it lacks."""
+    st: ServerState = request.app.state.spark
+    req = await _body(request, InfillRequest)
+    eng = _engine(st)
+    try:
+        tokens = await asyncio.to_thread(infill_prompt, eng, req, st.chat.defaults.n_predict)
+    except NoFim as e:
+        raise ApiError(400, str(e), "not_supported_error") from None
+    return await _native_one(request, req.model_copy(update={"prompt": tokens}))
+
+
+async def _native_one(request: Request, req: NativeCompletionRequest) -> Response:
+    """One /completion prompt (or an /infill's ids): its body, or its stream."""
+    st: ServerState = request.app.state.spark
+    try:
         run = await open_run(request, req, st.worker, st.model_name, st.chat)
     except ClientGone:
         return Response(status_code=499)
@@ -319,6 +351,7 @@ async def models(request: Request) -> Response:
     if eng is not None:
         meta.update(n_vocab=getattr(eng, "n_vocab", None), n_ctx=eng.n_ctx)
     card = {"id": st.model_name, "object": "model", "created": st.started, "owned_by": "spark",
+            "aliases": list(st.aliases or (st.model_name,)), "tags": list(st.tags),
             "meta": {k: v for k, v in meta.items() if v is not None}}
     return JSONResponse({"object": "list", "data": [card]})
 
@@ -371,12 +404,18 @@ def create_app(state: ServerState) -> Any:
         Route("/v1/chat/completions/input_tokens", count_chat_tokens, methods=["POST"]),
         Route("/chat/completions/input_tokens", count_chat_tokens, methods=["POST"]),
         Route("/completion", native_completion, methods=["POST"]),
+        Route("/infill", infill, methods=["POST"]),
+        Route("/embedding", embeddings_native, methods=["POST"]),
+        Route("/embeddings", embeddings_native, methods=["POST"]),
+        Route("/v1/embeddings", embeddings_oai, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/props", props, methods=["GET"]),
         Route("/slots", slots, methods=["GET"]),
         *ANTHROPIC_ROUTES,
         *RESPONSES_ROUTES,
+        *SLOT_ROUTES,
+        *RERANK_ROUTES,
     ]
     if state.vertex is not None:
         routes += predict_routes(state.vertex, routes, health)

@@ -48,6 +48,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from ..core.chat_output import ChatDelta, OutputParser
 from ..core.chat_template import TemplateSet
+from ..core.reasoning import ReasoningDefault, ReasoningError, check_budget, template_kwargs
 from ..core.tool_calls import HERMES, ToolFormat, format_for, param_types
 from ..core.gbnf import GrammarError, GrammarLimits, check
 from ..native.grammar import json_schema_gbnf, tool_call_gbnf
@@ -98,18 +99,22 @@ class Defaults:
 @dataclass(frozen=True)
 class ChatConfig:
     """What a server knows before any request: the model's tool-call format, --reasoning-format,
-    the request defaults, the grammar bounds (--grammar-max-*) and the build (system_fingerprint)."""
+    the request defaults, the grammar bounds (--grammar-max-*), the build (system_fingerprint),
+    --reasoning and --reasoning-budget (`thinking`) and the templates' text they are judged on."""
 
     fmt: ToolFormat = HERMES
     reasoning: str = "auto"
     defaults: Defaults = Defaults()
     grammar_limits: GrammarLimits = GrammarLimits()
     fingerprint: str = field(default_factory=lambda: build_fingerprint())
+    thinking: ReasoningDefault = ReasoningDefault()
+    template_source: str = ""  # every template the model renders with, joined (does it think?)
 
     @classmethod
     def for_model(cls, templates: TemplateSet, arch: str, reasoning: str = "auto", **kw: Any) -> "ChatConfig":
         tmpl = templates.pick(with_tools=True)
-        return cls(format_for(tmpl.source if tmpl else "", arch), reasoning, **kw)
+        return cls(format_for(tmpl.source if tmpl else "", arch), reasoning,
+                   template_source="\n".join(templates.templates.values()), **kw)
 
 
 def build_fingerprint() -> str:
@@ -161,9 +166,15 @@ def prepare(req: ChatRequest, config: ChatConfig) -> PreparedChat:
         schemas = OutputSchemas(answer=req.json_schema)
     grammar = grammar or own_grammar(req, config.grammar_limits)
     on = bool(tools) and choice != "none"
-    return PreparedChat(req.message_dicts(), tools if on else None, req.template_kwargs(), grammar,
+    try:
+        param = "reasoning_budget_tokens" if req.reasoning_budget_tokens is not None else "thinking_budget_tokens"
+        extras = template_kwargs(config.thinking, config.template_source, req.template_kwargs(),
+                                 check_budget(req.reasoning_budget, param))
+    except ReasoningError as e:
+        raise ApiError(400, str(e), param=e.param) from None
+    return PreparedChat(req.message_dicts(), tools if on else None, extras, grammar,
                         config.fmt, on, req.reasoning_format or config.reasoning, param_types(tools) if on else {},
-                        req.parallel_tool_calls, req.prefill, schemas)
+                        req.parallel_tool_calls, req.prefill, schemas, req.add_generation_prompt)
 
 
 # ---------------------------------------------------------------- the run

@@ -36,17 +36,19 @@ class RequestPrompt:
         self.tokens: list[int] = []
 
     def set_chat(self, messages: list[dict], tools: list[dict] | None = None, extras: dict | None = None,
-                 prefill: bool = False) -> str:
+                 prefill: bool = False, add_generation_prompt: bool = True) -> str:
         """Render the messages with the model's template (tools included); the prompt text.
         `prefill`: the last message is the assistant's, and the prompt ends where its text does, so
         the answer continues it (llama-server's prefill); a template that rewrites that text gets
-        a fresh assistant turn after it instead."""
+        a fresh assistant turn after it instead. `add_generation_prompt` False: no assistant
+        turn is opened (llama-server's, for /apply-template)."""
         text = None
         if prefill and messages[-1].get("content"):
             whole = self.engine.vocab.chat_prompt(messages, add_generation_prompt=False, tools=tools, extras=extras)
             text = continued(whole, messages[-1]["content"])
         if text is None:
-            text = self.engine.vocab.chat_prompt(messages, tools=tools, extras=extras)
+            text = self.engine.vocab.chat_prompt(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                                 extras=extras)
         self.tokens = prompt_tokens(self.engine, text)
         return text
 

@@ -59,6 +59,7 @@ class PreparedChat:
     parallel: bool = True  # parallel_tool_calls: False keeps the first call only
     prefill: bool = False  # the last message is the assistant's: continue it
     schemas: OutputSchemas = OutputSchemas()  # what a forced grammar's output is checked against
+    add_generation_prompt: bool = True  # False: the prompt ends after the last message (/apply-template)
 
     def parser(self, prompt: str) -> OutputParser:
         """A prompt that ends by opening <think> (Qwen3 thinking) starts the answer inside reasoning."""

@@ -369,6 +369,10 @@ class ChatRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning_effort: str | None = Field(None, min_length=1)  # a template kwarg; "none": no thinking
+    add_generation_prompt: bool = True  # False: the prompt opens no assistant turn (llama-server's)
+    continue_final_message: Union[bool, str, None] = None  # vLLM's: continue the last (assistant) message
+    reasoning_budget_tokens: int | None = Field(None, ge=-1)  # llama-server's: -1 no limit, 0 no thinking
+    thinking_budget_tokens: int | None = Field(None, ge=-1)  # its other spelling
 
     @model_validator(mode="after")
     def _shape(self) -> "ChatRequest":
@@ -379,6 +383,9 @@ class ChatRequest(GenerationRequest):
             raise ApiError(400, "logprobs is not supported with tools + stream", param="logprobs")
         if [m.role for m in self.messages][-2:] == ["assistant", "assistant"]:
             raise ApiError(400, "Cannot have 2 or more assistant messages at the end of the list.", param="messages")
+        if self.continue_final_message not in (None, False) and self.add_generation_prompt:
+            raise ApiError(400, "Cannot set both add_generation_prompt and continue_final_message to true.",
+                           param="continue_final_message")
         if self.prefill and self.messages[-1].tool_calls:
             raise ApiError(400, "Cannot continue an assistant message that contains tool calls.", param="messages")
         if self.tools and self.choice != "none" and (self.grammar is not None or self.json_schema is not None):
@@ -389,6 +396,11 @@ class ChatRequest(GenerationRequest):
     def prefill(self) -> bool:
         """A last assistant message is continued (llama-server's prefill), not answered."""
         return self.messages[-1].role == "assistant"
+
+    @property
+    def reasoning_budget(self) -> int | None:
+        """The thinking budget asked for, in tokens (reasoning_budget_tokens over thinking_budget_tokens)."""
+        return self.reasoning_budget_tokens if self.reasoning_budget_tokens is not None else self.thinking_budget_tokens
 
     def template_kwargs(self) -> dict[str, Any]:
         """chat_template_kwargs, with reasoning_effort as llama-server passes it ("none": enable_thinking off)."""

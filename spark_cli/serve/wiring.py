@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..core.chat_template import TemplateSet
+from ..core.embedding import choose_pooling
 from ..core.gguf_info import ModelGeometry
 from ..core.options import LoadFlags
+from ..core.reasoning import ReasoningDefault
 from ..native.engine import EngineOptions
 from ..runs import session
 from ..runs.miss_path import initial_path
@@ -66,6 +68,8 @@ def placement_summary(where: Placement, cached: set[int]) -> dict[str, Any]:
 
 def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags, access: Access, *,
          templates: TemplateSet | None, chat_defaults: Defaults, reasoning_format: str, alias: str | None,
+         thinking: ReasoningDefault = ReasoningDefault(), tags: tuple[str, ...] = (), embedding: bool = False,
+         pooling: str | None = None, reranking: bool = False, slot_save_path: Path | None = None,
          learn: bool, learn_every: float, max_queue: int, metrics: bool, slots: bool, vertex: Vertex | None,
          on_why: Callable[[str], None], grammar_limits: GrammarLimits = GrammarLimits()) -> Served:
     """The server of `path` on `where`: its engine opens in the worker (each cached layer on the
@@ -73,6 +77,8 @@ def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags
     the GGUF's)."""
     opts = engine_options(path, geometry, where, flags, learn)
     opts.chat_templates = templates
+    if embedding:
+        opts.pooling = choose_pooling(pooling, reranking, geometry.pooling_type, geometry.has_classifier, path.name)
     cached = {c.il for c in opts.cache_layers}
     plan = where.plan
     stats = ServerStats(cached_layers=cached, planned_bytes=int(plan.breakdown["total"]) if plan else 0)
@@ -81,10 +87,19 @@ def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags
                     cached, stats, learner, max_queue=max_queue)
     chat = ChatConfig.for_model(templates if templates is not None else TemplateSet(dict(geometry.chat_templates)),
                                 geometry.arch, reasoning_format, defaults=chat_defaults,
-                                grammar_limits=grammar_limits)
-    state = ServerState(worker, stats, alias or path.name, api_key=access.api_key, host=access.host,
+                                grammar_limits=grammar_limits, thinking=thinking)
+    aliases = names(alias)
+    state = ServerState(worker, stats, aliases[0] if aliases else path.name, api_key=access.api_key, host=access.host,
                         allowed_hosts=access.allowed_hosts, cors=access.cors, chat=chat, model_path=str(path),
                         placement=placement_summary(where, cached), metrics=metrics, slots_endpoint=slots,
                         vertex=vertex, meta={"n_ctx_train": geometry.context_length, "n_embd": geometry.n_embd,
-                                             "size": geometry.file_size})
+                                             "size": geometry.file_size},
+                        aliases=aliases, tags=tags, pooling=opts.pooling, slot_save_path=slot_save_path,
+                        model_id=geometry.fingerprint)
     return Served(state, learner, worker, cached)
+
+
+def names(text: str | None) -> tuple[str, ...]:
+    """--alias or --tags: comma-separated names, sorted and once each (llama-server's: the model's
+    id is the first alias in that order)."""
+    return tuple(sorted({n.strip() for n in (text or "").split(",") if n.strip()}))

@@ -19,13 +19,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..native.embed import EmbedError
 from ..native.engine import KVFullError
 from ..native.generate import BatchLoop, Decoding, GenerationStep, PromptProgress, StopRules, TokenProbs
 from ..runs.chat_session import AnswerFigures, Sampling, make_sampler
 from ..errors import SparkError
+from ..files.slot_file import SlotFileError
 from .generation import ContextError, RequestPrompt
 from .learn import Learner
 from .prepared_chat import PreparedChat
+from . import slot_actions
+from .slot_actions import SlotAction
 from .slots import DecodeCounts, Slot, pick_slot
 from .protocol import ApiError, Timings, TokenLogprob, Usage, unavailable
 from .stats import ServerStats
@@ -69,7 +73,22 @@ class Failed:
     error: ApiError
 
 
-Event = Started | Text | Progress | Done | Failed
+@dataclass
+class Embedded:
+    """An embedding job's answer (Job.embed): [n_tokens, n_embd] with pooling none, else one vector."""
+
+    vectors: Any  # numpy array
+    n_tokens: int
+
+
+@dataclass
+class SlotDone:
+    """A slot action's answer (Job.slot_action): llama-server's body of it."""
+
+    body: dict[str, Any]
+
+
+Event = Started | Text | Progress | Done | Failed | Embedded | SlotDone
 
 
 @dataclass
@@ -88,6 +107,8 @@ class Job:
     cache_prompt: bool = True  # False: reuse nothing from the KV cache
     progress: bool = False
     id_slot: int = -1  # the slot it asked for (waited for while busy); -1: the free one that holds most of it
+    embed: bool = False  # the prompt's embeddings (Embedded), nothing generated
+    slot_action: SlotAction | None = None  # save, restore or erase slot id_slot (SlotDone), nothing generated
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -319,6 +340,9 @@ class Worker:
             job.done.set()
             return
         eng = self.engine
+        if job.slot_action is not None:
+            self._slot_action(job)
+            return
         try:
             job.sampling = resolve_bias(job.sampling, eng)
             req = self._prompt(job)
@@ -329,6 +353,9 @@ class Worker:
             job.done.set()
             return
         toks, text = req
+        if job.embed:
+            self._embed(job, toks)
+            return
         try:
             sampler = make_sampler(eng, job.sampling)
         except SparkError as e:  # a grammar llama.cpp refuses: this request's 400, the engine goes on
@@ -353,6 +380,42 @@ class Worker:
         self._loop.add(dec, lambda step: self._on_step(slot, step), prompt=toks[kept:], cached=kept,
                        on_progress=(lambda p: job.emit(_progress(p))) if job.progress else None)
 
+    def _slot_action(self, job: Job) -> None:
+        """Save, restore or erase the slot the job names (free now: its id_slot waited for it)."""
+        assert job.slot_action is not None
+        try:
+            job.emit(SlotDone(slot_actions.run(self.engine, self.slots[job.id_slot], job.slot_action)))
+        except SlotFileError as e:
+            job.emit(Failed(ApiError(400, e.message, param="filename")))
+        except SparkError as e:  # a write that failed (disk full, permissions): the server goes on
+            job.emit(Failed(ApiError(500, e.one_line(), "server_error")))
+        except Exception as e:  # noqa: BLE001 - a bug in one request must not take the server down
+            job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
+        finally:
+            job.done.set()
+
+    def _embed(self, job: Job, toks: list[int]) -> None:
+        """An embedding job, at once in a free slot's sequence (which forgets what it held)."""
+        slot = pick_slot(self.slots, [], job.id_slot)
+        try:
+            t0 = time.perf_counter()
+            vectors = self.engine.embed(toks, slot.id)
+            # NOTE: as llama-server's: an embedding samples nothing, but its prompt is counted and costs a decode
+            self.stats.add_request(AnswerFigures(prompt_tokens=len(toks), prompt_seconds=time.perf_counter() - t0))
+            self.stats.add_decode(0)
+            job.emit(Embedded(vectors, len(toks)))
+        except EmbedError as e:
+            job.emit(Failed(ApiError(400, e.message)))
+        except KVFullError:
+            job.emit(Failed(unavailable("the KV cache has no room for this prompt now; retry later")))
+        except SparkError as e:
+            job.emit(Failed(ApiError(500, e.one_line(), "server_error")))
+        except Exception as e:  # noqa: BLE001 - a bug in one request must not take the server down
+            job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
+        finally:
+            slot.kv = []
+            job.done.set()
+
     def _prompt(self, job: Job) -> tuple[list[int], str] | None:
         """The job's prompt tokens and text, or None once it has been answered (a 400, count_only)."""
         bad = _bad_bias(job.sampling, getattr(self.engine, "n_vocab", None))
@@ -363,14 +426,16 @@ class Worker:
         chat = job.chat
         try:
             if chat is not None:
-                text = req.set_chat(chat.messages, chat.tools, chat.extras, prefill=chat.prefill)
+                text = req.set_chat(chat.messages, chat.tools, chat.extras, prefill=chat.prefill,
+                                    add_generation_prompt=chat.add_generation_prompt)
             else:
                 text = req.set_text(job.text or "")
             if job.count_only:
                 job.emit(Started(len(req.tokens), text))
                 job.emit(Done("length", Usage(len(req.tokens))))
                 return None
-            req.check_fits()
+            if not job.embed:  # NOTE: an embedding's bound is one micro-batch, said first (native/embed.py)
+                req.check_fits()
         except ContextError as e:
             job.emit(Failed(ApiError(400, e.message, "exceed_context_size_error",
                                      extra={"n_prompt_tokens": e.n_prompt, "n_ctx": e.n_ctx})))
