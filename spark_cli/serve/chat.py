@@ -211,6 +211,21 @@ class Feed:
                 pass
 
 
+async def one_event(request: Request, worker: Worker, **job: Any) -> Event:
+    """Run a job whose answer is one event (an embedding, a slot action) and return that event; the
+    job's failure is raised, and the job is cancelled when the client goes (ClientGone) or the wait is."""
+    feed = Feed(request)
+    worker.submit(Job(feed.emit, Sampling(), cancel=feed.cancel, **job))
+    try:
+        ev = await feed.next()
+    except BaseException:
+        feed.cancel.set()
+        raise
+    if isinstance(ev, Failed):
+        raise ev.error
+    return ev
+
+
 # what each of `samplers`' codes turns off when it is left out (no temperature: the distribution as it is)
 SAMPLER_OFF: dict[str, dict[str, Any]] = {
     "e": {"repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}, "k": {"top_k": 0},

@@ -20,11 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..core.embedding import normalized
-from ..runs.chat_session import Sampling
-from .chat import ClientGone, Feed, read_body
+from .chat import ClientGone, one_event, read_body
 from .llama_api import sub_prompts
 from .protocol import ApiError, Strict, parse
-from .worker import Embedded, Failed, Job
+from .worker import Embedded
 
 NOT_OAI = "Pooling type 'none' is not OAI compatible. Please use a different pooling type"
 
@@ -73,15 +72,7 @@ def prompts_of(raw: Any) -> list[str | list[int | str]]:
 
 async def embed_tokens(request: Request, st: Any, prompt: Any) -> Embedded:
     """One prompt's embedding job (text, or token ids and texts), once it is done."""
-    feed = Feed(request)
-    st.worker.submit(Job(feed.emit, Sampling(), text=prompt, embed=True, cancel=feed.cancel))
-    try:
-        ev = await feed.next()
-    except BaseException:
-        feed.cancel.set()
-        raise
-    if isinstance(ev, Failed):
-        raise ev.error
+    ev = await one_event(request, st.worker, text=prompt, embed=True)
     assert isinstance(ev, Embedded)
     return ev
 

@@ -11,11 +11,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..files.slot_file import SlotFileError, slot_path
-from ..runs.chat_session import Sampling
-from .chat import ClientGone, Feed, read_body
+from .chat import ClientGone, one_event, read_body
 from .protocol import ApiError
 from .slot_actions import ACTIONS, SlotAction
-from .worker import Failed, Job, SlotDone
+from .worker import SlotDone
 
 
 def _filename(raw: bytes) -> str:
@@ -53,15 +52,10 @@ async def slot_action(request: Request) -> Response:
         except SlotFileError as e:
             raise ApiError(400, e.message, param="filename") from None
         action = SlotAction(kind, st.slot_save_path, name, st.model_id)
-    feed = Feed(request)
-    st.worker.submit(Job(feed.emit, Sampling(), id_slot=id_slot, slot_action=action, cancel=feed.cancel))
     try:
-        ev = await feed.next()
+        ev = await one_event(request, st.worker, id_slot=id_slot, slot_action=action)
     except ClientGone:
-        feed.cancel.set()
         return Response(status_code=499)
-    if isinstance(ev, Failed):
-        raise ev.error
     assert isinstance(ev, SlotDone)
     return JSONResponse(ev.body)
 
