@@ -124,6 +124,68 @@ def detect_cuda() -> tuple[bool, str | None]:
     return False, None
 
 
+def cuda_toolkit_home() -> Path:
+    """The CUDA toolkit that nvcc on PATH belongs to: its own TOP (nvcc -dryrun), which holds when nvcc
+    is a wrapper script or a link; else the folder above nvcc's."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise BuildError("SPARK_CUDA=1 but nvcc is not on PATH: install the CUDA toolkit")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "x.cu")
+        src.write_text("int main() { return 0; }\n")
+        r = subprocess.run([nvcc, "-dryrun", "-c", str(src), "-o", str(Path(tmp, "x.o"))],
+                           capture_output=True, text=True)
+    m = re.search(r"^#\$ TOP=(.+)$", r.stdout + r.stderr, re.M)
+    return Path(os.path.realpath(m.group(1).strip())) if m else Path(os.path.realpath(nvcc)).parent.parent
+
+
+def cuda_major() -> int:
+    r = subprocess.run(["nvcc", "--version"], capture_output=True, text=True)
+    m = re.search(r"release (\d+)\.", r.stdout)
+    if not m:
+        raise BuildError(f"nvcc --version did not say its release: {r.stdout.strip()[-200:]!r}")
+    return int(m.group(1))
+
+
+def site_packages(py: Path) -> list[str]:
+    r = subprocess.run([str(py), "-c", "import site;print('\\n'.join(site.getsitepackages()))"],
+                       capture_output=True, text=True, check=True)
+    return r.stdout.split()
+
+
+def cublas_flags(py: Path) -> list[str]:
+    """CMake flags that point a CUDA build at cuBLAS: none when the toolkit has it; else PyPI's
+    nvidia-cublas wheel (installed into the build's venv when missing), through unversioned links
+    under $SPARK_HOME/native/cublas since the wheel ships only libcublas.so.N."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import find_cublas
+
+    toolkit = cuda_toolkit_home()
+    if find_cublas.in_toolkit(toolkit):
+        return []
+    roots = site_packages(py)
+    found = find_cublas.in_wheel(roots)
+    if found is None:
+        major = cuda_major()
+        package = "nvidia-cublas" if major >= 13 else f"nvidia-cublas-cu{major}"
+        print(f"cuBLAS: not in the toolkit at {toolkit}; installing {package} from PyPI", flush=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", package], check=True)
+        found = find_cublas.in_wheel(roots)
+        if found is None:
+            raise BuildError(f"{package} installed but no libcublas.so with cublas_v2.h under {roots}")
+    lib, inc = found
+    links = home() / "native" / "cublas"
+    links.mkdir(parents=True, exist_ok=True)
+    for name in ("libcublas", "libcublasLt"):
+        target = sorted(lib.glob(f"{name}.so.*"))[0]
+        link = links / f"{name}.so"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target)
+    return [f"-DCUDA_cublas_LIBRARY={links / 'libcublas.so'}", f"-DCUDA_cublasLt_LIBRARY={links / 'libcublasLt.so'}",
+            f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}"]
+
+
 def system_vulkan_sdk() -> bool:
     """glslc, the Vulkan headers and SPIRV-Headers' CMake config are on this system (or VULKAN_SDK)."""
     if os.environ.get("VULKAN_SDK"):
@@ -283,6 +345,8 @@ def build(venv: Path, force: bool = False, stock: bool = False) -> dict:
     cuda, arch = detect_cuda()
     vulkan, vulkan_env = (False, None) if stock else detect_vulkan()  # the reference stays CPU/CUDA
     flags = cmake_flags(cuda, arch, vulkan)
+    if cuda:
+        flags += cublas_flags(py)
     key_src = f"{SDIST_SHA256}\n{'stock' if stock else native_hash(vulkan)}\n{' '.join(flags)}\n{RECIPE}\n"
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     base = f"cuda{arch}" if cuda else "cpu"

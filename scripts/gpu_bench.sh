@@ -76,26 +76,9 @@ find_nvcc() {
 }
 
 find_cublas() {  # prints "lib_dir include_dir" of a cuBLAS outside the toolkit, "" when the toolkit has it
-    local home=$1 d
-    for d in "$home/lib64" "$home/lib" "$home/targets/x86_64-linux/lib"; do
-        if ls "$d"/libcublas.so* >/dev/null 2>&1 && { [ -f "$home/include/cublas_v2.h" ] ||
-                [ -f "$home/targets/x86_64-linux/include/cublas_v2.h" ]; }; then
-            return 0
-        fi
-    done
-    "$PY" - "$BUNDLE/stage1/cublas" <<'EOF'
-import glob, os, site, sys
-roots = [sys.argv[1]] + site.getsitepackages() + [site.getusersitepackages()] + sys.path
-for r in roots:
-    for pat in ("nvidia/*/lib/libcublas.so*", "nvidia/cublas/lib/libcublas.so*", "lib/libcublas.so*"):
-        for lib in sorted(glob.glob(os.path.join(r, pat))):
-            d = os.path.dirname(lib)
-            inc = os.path.join(os.path.dirname(d), "include")
-            if glob.glob(os.path.join(d, "libcublasLt.so*")) and os.path.isfile(os.path.join(inc, "cublas_v2.h")):
-                print(d, inc)
-                sys.exit(0)
-sys.exit(1)
-EOF
+    local found
+    found=$("$PY" "$REPO/scripts/find_cublas.py" "$1" "$BUNDLE/stage1/cublas") || return 1
+    [ "$found" = toolkit ] || echo "$found"
 }
 
 configure() {

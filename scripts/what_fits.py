@@ -43,7 +43,7 @@ from spark_cli.core.units import GiB, fmt_bytes  # noqa: E402
 from spark_cli.errors import PlanError  # noqa: E402
 from spark_cli.models.fixtures import FIXTURES, build_fixture  # noqa: E402
 from spark_cli.runs import disk_costs, session  # noqa: E402
-from spark_cli.runs.ram_bench import READERS  # noqa: E402
+from spark_cli.runs.disk_costs import READERS  # noqa: E402
 
 
 def request(g: ModelGeometry, budget: int, n_ctx: int, predict: dict | None,

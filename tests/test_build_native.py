@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -78,6 +79,51 @@ def test_cuda_detection_respects_spark_cuda(monkeypatch):
         bn.detect_cuda()
     flags = bn.cmake_flags(True, "90")
     assert "-DGGML_CUDA=ON" in flags and "-DCMAKE_CUDA_ARCHITECTURES=90" in flags and "-DGGML_RPC=ON" in flags
+
+
+def _fake_cublas(root: Path) -> Path:
+    """An nvidia-cublas wheel's layout: versioned libraries only, headers beside them."""
+    lib = root / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcublas.so.13").write_bytes(b"")
+    (lib / "libcublasLt.so.13").write_bytes(b"")
+    (root / "nvidia" / "cu13" / "include").mkdir()
+    (root / "nvidia" / "cu13" / "include" / "cublas_v2.h").write_text("")
+    return lib
+
+
+def test_cuda_build_takes_cublas_from_the_toolkit_else_from_the_pip_wheel(tmp_path, monkeypatch):
+    """A toolkit without cuBLAS (nvcc alone) builds against PyPI's nvidia-cublas through unversioned
+    links; a toolkit with cuBLAS adds no flags."""
+    bn = _module()
+    toolkit, site = tmp_path / "cuda", tmp_path / "site"
+    (toolkit / "lib64").mkdir(parents=True)
+    lib = _fake_cublas(site)
+    monkeypatch.setenv("SPARK_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(bn, "cuda_toolkit_home", lambda: toolkit)
+    monkeypatch.setattr(bn, "site_packages", lambda py: [str(site)])
+    monkeypatch.setattr(bn.subprocess, "run", lambda *a, **k: pytest.fail(f"nothing to install: {a}"))
+    flags = dict(f.split("=", 1) for f in bn.cublas_flags(Path("python")))
+    assert Path(flags["-DCUDA_cublas_LIBRARY"]).name == "libcublas.so"
+    assert Path(flags["-DCUDA_cublas_LIBRARY"]).resolve() == lib / "libcublas.so.13"
+    assert Path(flags["-DCUDA_cublasLt_LIBRARY"]).resolve() == lib / "libcublasLt.so.13"
+    assert flags["-DCMAKE_CUDA_FLAGS"] == f"-I{lib.parent / 'include'}"
+    (toolkit / "lib64" / "libcublas.so.13").write_bytes(b"")
+    (toolkit / "include").mkdir()
+    (toolkit / "include" / "cublas_v2.h").write_text("")
+    assert bn.cublas_flags(Path("python")) == []
+
+
+def test_find_cublas_script_answers_for_gpu_bench(tmp_path):
+    """scripts/find_cublas.py, as gpu_bench.sh runs it with a bare python3: the wheel's folders, or 1."""
+    script = REPO / "scripts" / "find_cublas.py"
+    none = subprocess.run([sys.executable, "-S", str(script), str(tmp_path / "cuda"), str(tmp_path / "empty")],
+                          capture_output=True, text=True)
+    assert none.returncode == 1 and none.stdout == ""
+    lib = _fake_cublas(tmp_path / "site")
+    r = subprocess.run([sys.executable, "-S", str(script), str(tmp_path / "cuda"), str(tmp_path / "site")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.split() == [str(lib), str(lib.parent / "include")]
 
 
 def test_unchanged_rebuild_is_a_cache_hit(tmp_path, monkeypatch):
