@@ -284,7 +284,7 @@ def test_plan_on_a_fixture_bigger_than_ram_places_and_prices_the_tiers(plan_cli,
     from spark_cli.core.cost_model import DiskCosts
     from spark_cli.core.trace import DECODE, TraceBuilder
     from spark_cli.runs import disk_costs
-    from spark_cli.runs.ram_bench import READERS
+    from spark_cli.runs.disk_costs import READERS
 
     path = Path(qwen36.path)
     rc, out, err = plan_cli(path, "--ram", "12GiB")

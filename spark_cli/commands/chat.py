@@ -88,7 +88,7 @@ def figures_line(f) -> str:
 
 
 def start_summary(path: Path, geometry, devices: list, plan, info, meter: _VramMeter, n_ctx: int,
-                  sampling, cpu_reason: str | None, budget_source: str) -> Table:
+                  sampling, cpu_reason: str | None, budget_source: str, ram=None) -> Table:
     g = geometry
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
@@ -100,7 +100,9 @@ def start_summary(path: Path, geometry, devices: list, plan, info, meter: _VramM
         rpc_note = ", RPC stand-in GPU" if d.name.startswith("RPC") else ""
         t.add_row("device", escape(f"{d.name} ({d.description})") + rpc_note)
     else:
-        t.add_row("device", f"CPU: {cpu_reason}; stock CPU path, every expert in host RAM")
+        where = "every expert in host RAM" if ram is None else \
+            f"{ram.resident_share:.0%} of the experts in RAM slots, the rest read from the model file"
+        t.add_row("device", f"CPU: {cpu_reason}; stock CPU path, {where}")
     if plan is not None:
         used, src = meter()
         used_text = f"{_fmt_bytes(used)} in use (measured)" if src == "measured" else \
@@ -308,7 +310,7 @@ def chat_cmd(
         say.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
     devices, plan = where.devices, where.plan
     opts = session.with_ram_tier(session.engine_options(path, geometry, plan, flags, n_ctx=where.n_ctx, learn=learn),
-                                 where.ram, geometry)
+                                 where.ram, geometry, where.ahead)
     opts.chat_templates = templates
     meter = _VramMeter(devices[0] if devices else None, plan)
     sampling = Sampling(temp, top_k, top_p, seed if seed >= 0 else secrets.randbelow(1 << 31), n_predict,
@@ -329,7 +331,7 @@ def chat_cmd(
                 chat.check_fits(prompt)  # a prompt that cannot fit: one error line, no summary
             if not one_shot or not as_json:
                 say.print(start_summary(path, geometry, engine.devices, plan, info, meter, engine.n_ctx,
-                                        sampling, where.cpu_reason, where.budget_source))
+                                        sampling, where.cpu_reason, where.budget_source, where.ram))
             if one_shot:
                 ans = _answer(chat, prompt, interactive=False, stream=not as_json)
                 if as_json:

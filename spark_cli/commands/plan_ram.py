@@ -11,7 +11,6 @@ from ..core import ram_tier, units
 from ..core.cost_model import file_tier_tg
 from ..files.paths import spark_home
 from ..runs import disk_costs
-from ..runs.ram_bench import READERS
 
 
 def device_share(geometry, plan) -> float:
@@ -71,7 +70,7 @@ def show(path: Path, geometry, counts, trace, budget: int, as_json: bool, say, *
         return
     misses = ram_tier.replay(tier, trace)
     per_token = misses * ram_tier.mean_expert_bytes(tier) if misses is not None else None
-    disk = disk_costs.kept(path, disk_costs.read_size(geometry), READERS, spark_home())
+    disk = disk_costs.kept(path, disk_costs.read_size(geometry), disk_costs.READERS, spark_home())
     ceiling = disk.bytes_per_s / per_token if disk and per_token else None
     if as_json:
         print(json.dumps({"ram_tier": {

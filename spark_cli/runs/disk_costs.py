@@ -21,6 +21,7 @@ from ..files.atomic import atomic_write_text
 from . import memcg
 
 N_READS = 48
+READERS = 4  # the file tier's reads in flight (EngineOptions.file_readers), the depth its disk is measured at
 
 
 def cache_file(home: Path, model: Path, read_bytes: int, depth: int) -> Path:

@@ -17,6 +17,7 @@ and getrusage), the file tier's hits and bytes read, and the cgroup's peak again
 from __future__ import annotations
 
 import dataclasses
+import os
 import json
 import resource
 import statistics
@@ -36,7 +37,7 @@ from ..core import ram_tier
 from ..core.trace import DECODE
 from ..files.paths import spark_home
 from ..errors import SparkError
-from . import disk_costs, memcg
+from . import disk_costs, memcg, read_ahead
 
 CONFIGS = ("stock", "spark", "spark-ahead")  # spark-ahead: Spark's tier with read-ahead (one expert a layer, gated)
 SPARK = ("spark", "spark-ahead")
@@ -267,11 +268,13 @@ def run(model: Path, cap: int | None, *, reps: int = 2, n_prompt: int = 512, n_g
     runs: list[RamRun] = []
     total = reps * len(configs) + 1
     geometry = load_geometry(model)
-    disk = disk_costs.ensure(model, disk_costs.read_size(geometry), READERS, spark_home())
+    disk = disk_costs.ensure(model, disk_costs.read_size(geometry), disk_costs.READERS, spark_home())
     spec = WorkerSpec(str(model), BASE, n_prompt, n_gen, threads, n_ctx, device)
     base = _spawn(None, spec)
     if on_run:
         on_run(1, total, base)
+    if device is None and base.ok and base.tg_tok_s:  # NOTE: chat and serve decide read-ahead with it
+        read_ahead.keep_uncapped(spark_home(), geometry.fingerprint, threads or os.cpu_count() or 1, base.tg_tok_s)
     if residency is not None:
         if not base.ok or not base.host_bill:
             raise SparkError(f"--ram-residency: the uncapped run failed ({base.error or 'no dry run'})")
@@ -289,9 +292,6 @@ def run(model: Path, cap: int | None, *, reps: int = 2, n_prompt: int = 512, n_g
             if on_run:
                 on_run(len(runs) + 1, total, r)
     return RamBench(cap, runs, base, disk)
-
-
-READERS = 4  # the file tier's reads in flight (EngineOptions.file_readers)
 
 
 def _spawn(cg: "memcg.MemoryCgroup | None", spec: WorkerSpec) -> RamRun:

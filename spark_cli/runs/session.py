@@ -17,7 +17,7 @@ import numpy as np
 from typing import Callable
 
 from ..native import devices
-from . import device_costs, dry_run, host_ram, self_check
+from . import device_costs, dry_run, host_ram, read_ahead, self_check
 from .miss_path import device_key
 from ..files.paths import spark_home
 from ..core import plan_file, planner, profile_store, ram_tier, split as split_mod, units, vram
@@ -288,6 +288,7 @@ class Placement:
     warnings: list[str] = field(default_factory=list)
     miss_path: MissPath = MissPath.AUTO  # the effective one: --miss-path, else the plan's, else auto
     ram: ram_tier.RamTier | None = None  # the weights do not fit the run's RAM: the file tier (CPU runs)
+    ahead: read_ahead.AheadDecision | None = None  # whether the RAM tier reads ahead (None: no tier)
 
 
 def load_plan_file(plan_path: Path, geometry: ModelGeometry) -> planner.Plan:
@@ -313,9 +314,10 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
         warnings = [f"{reason}: --plan/--vram ignored"] if plan_path is not None or vram_text else []
         n_ctx = context_size(flags.ctx_size, geometry.context_length)
         tier = resolve_ram_tier(model, geometry, info, flags, n_ctx)
+        ahead = resolve_read_ahead(model, geometry, info, flags, tier, None)
         if tier is not None:
-            warnings.append(tier.line())
-        return Placement([], None, n_ctx, "", reason, warnings, miss_path or MissPath.AUTO, tier)
+            warnings += [tier.line(), ahead.line]
+        return Placement([], None, n_ctx, "", reason, warnings, miss_path or MissPath.AUTO, tier, ahead)
     if file_plan is not None:
         out = Placement(devs, file_plan, context_size(flags.ctx_size, geometry.context_length, file_plan.n_ctx),
                         f"plan {Path(plan_path).name}")
@@ -345,8 +347,9 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
     if not any(l.mode in ("resident", "cached", "host") for l in out.plan.layers):
         raise PlanError("the plan places no MoE layer", hint="write it again with spark plan")
     out.ram = resolve_device_ram_tier(geometry, info, flags, out.plan)
+    out.ahead = resolve_read_ahead(model, geometry, info, flags, out.ram, out.plan)
     if out.ram is not None:
-        out.warnings.append(out.ram.line())
+        out.warnings += [out.ram.line(), out.ahead.line]
     else:
         ram_warning = host_ram.check(out.plan, flags)
         if ram_warning:
@@ -441,15 +444,33 @@ def host_ram_tier(geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags, 
                          resident=resident)
 
 
-def with_ram_tier(opts: EngineOptions, tier: ram_tier.RamTier | None, geometry: ModelGeometry) -> EngineOptions:
+def with_ram_tier(opts: EngineOptions, tier: ram_tier.RamTier | None, geometry: ModelGeometry,
+                  ahead: read_ahead.AheadDecision | None = None) -> EngineOptions:
     """Engine options that realise a RAM tier: the tier's layers (every MoE layer of a CPU run; a device
     plan's host layers) cached in RAM with their slots, and a layer's worth of staging slices for prefill,
-    misses read from the model file; a device plan's cached layers keep their device banks."""
+    misses read from the model file, read ahead as `ahead` decided; a device plan's cached layers keep
+    their device banks."""
     if tier is None:
         return opts
     ram = [CacheLayer(l.il, l.n_slots, l.pinned, in_ram=True) for l in tier.layers]
     return dataclasses.replace(opts, cache_layers=[*opts.cache_layers, *ram], file_tier=True,
-                               host_budget=tier.bank_bytes)
+                               host_budget=tier.bank_bytes, read_ahead=ahead.ahead if ahead else 0,
+                               ahead_min_prob=ahead.min_prob if ahead else 0)
+
+
+def resolve_read_ahead(model: Path, geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags,
+                       tier: ram_tier.RamTier | None, plan: planner.Plan | None) -> read_ahead.AheadDecision | None:
+    """Whether the RAM tier reads ahead (runs/read_ahead.decide: the profile's recent decode routing,
+    the kept disk costs, the uncapped speed: a device plan's priced tg, else the one spark bench --ram
+    kept for this model and -t). None: no RAM tier."""
+    if tier is None:
+        return None
+    trace = info.profile.recent_trace() if info.profile is not None else None
+    if plan is not None:
+        base = (plan.predicted or {}).get("tg_tok_s")
+    else:
+        base = read_ahead.kept_uncapped(spark_home(), geometry.fingerprint, flags.threads or os.cpu_count() or 1)
+    return read_ahead.decide(model, geometry, tier, trace, base, spark_home())
 
 
 def kept_costs(devs: list, geometry: ModelGeometry, flags: LoadFlags) -> DeviceCosts | None:
