@@ -313,6 +313,8 @@ def test_plan_on_a_fixture_bigger_than_ram_places_and_prices_the_tiers(plan_cli,
     eb = np.mean([qwen36.layers[il].expert_bytes_per_expert for il in qwen36.moe_layers])
     assert d["file_bytes_per_token"] == pytest.approx(d["misses_per_token"] * eb)
     assert d["disk_bound_tok_s"] == pytest.approx(2e9 / d["file_bytes_per_token"])
+    # read-ahead, as chat would decide it: no uncapped speed kept for this model yet
+    assert d["read_ahead"]["ahead"] == 0 and "uncapped speed" in d["read_ahead"]["why"]
 
 
 @pytest.mark.model

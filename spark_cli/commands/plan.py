@@ -240,7 +240,7 @@ def plan_cmd(
         trace = RoutingTrace.load(trace_path, expect_fingerprint=geometry.fingerprint,
                                   expect_shape=(geometry.n_layer, geometry.n_expert)) if trace_path else None
         return plan_ram.show(path, geometry, session.profile_counts(info), routing_trace(info, trace), flags.ram,
-                             as_json, say)
+                             as_json, say, threads=flags.threads)
     # NOTE: --vram needs no device; a device (when there is one) measures the bill
     devs = _devices(flags, vram_text, measure)
     sel = devices.parse(flags.device, flags.rpc)

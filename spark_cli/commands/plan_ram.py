@@ -10,7 +10,7 @@ from rich.markup import escape
 from ..core import ram_tier, units
 from ..core.cost_model import file_tier_tg
 from ..files.paths import spark_home
-from ..runs import disk_costs
+from ..runs import disk_costs, read_ahead
 
 
 def device_share(geometry, plan) -> float:
@@ -49,7 +49,8 @@ def three_tier_tg(plan, misses: float | None, tier, disk) -> float | None:
     return 1.0 / file_tier_tg(1.0 / base, misses, ram_tier.mean_expert_bytes(tier), disk)
 
 
-def show(path: Path, geometry, counts, trace, budget: int, as_json: bool, say, *, tier=None, plan=None) -> None:
+def show(path: Path, geometry, counts, trace, budget: int, as_json: bool, say, *, tier=None, plan=None,
+         threads: int | None = None) -> None:
     """The RAM tier for `budget` bytes of weights: resident, RAM slots, file; the bytes read per
     decode token (the trace replayed through the slots) and, where the disk was measured (spark
     bench --ram), the decode speed the reads alone allow. With a device `plan` (three tiers) `tier`
@@ -72,6 +73,8 @@ def show(path: Path, geometry, counts, trace, budget: int, as_json: bool, say, *
     per_token = misses * ram_tier.mean_expert_bytes(tier) if misses is not None else None
     disk = disk_costs.kept(path, disk_costs.read_size(geometry), disk_costs.READERS, spark_home())
     ceiling = disk.bytes_per_s / per_token if disk and per_token else None
+    ahead = read_ahead.decide(path, geometry, tier, trace, read_ahead.uncapped_tg(spark_home(), geometry.fingerprint,
+                                                                                plan, threads), spark_home())
     if as_json:
         print(json.dumps({"ram_tier": {
             "budget": tier.budget, "resident_bytes": tier.resident_bytes, "bank_bytes": tier.bank_bytes,
@@ -80,7 +83,8 @@ def show(path: Path, geometry, counts, trace, budget: int, as_json: bool, say, *
             "layers": [{"il": l.il, "slots": l.n_slots, "pinned": list(l.pinned)} for l in tier.layers],
             "misses_per_token": misses, "file_bytes_per_token": per_token,
             "disk_bytes_per_s": disk.bytes_per_s if disk else None, "disk_bound_tok_s": ceiling,
-            "predicted_tg_tok_s": three_tier_tg(plan, misses, tier, disk)}}))
+            "predicted_tg_tok_s": three_tier_tg(plan, misses, tier, disk),
+            "read_ahead": {"ahead": ahead.ahead, "min_prob": ahead.min_prob, "why": ahead.line}}}))
         return
     held = sum(l.n_slots * l.expert_bytes for l in tier.layers)
     say.print(f"RAM tier for --ram {units.fmt_bytes(budget)} ({path.name}):", markup=False)
@@ -93,7 +97,7 @@ def show(path: Path, geometry, counts, trace, budget: int, as_json: bool, say, *
     say.print(f"  file: {units.fmt_bytes(file_bytes)} of experts "
               f"({file_bytes / geometry.total_expert_bytes:.0%}), read when routed", soft_wrap=True, markup=False)
     if per_token is None:
-        say.print("  bytes read per token: no decode routing to replay yet (spark profile, or a chat, records it)",
+        say.print("  bytes read per token: no decode routing steps to replay yet (spark profile MODEL --corpus PATH --gen N records them; a chat folds only counts)",
                   soft_wrap=True, markup=False)
     else:
         say.print(f"  bytes read per token: {units.fmt_bytes(int(per_token))} ({misses:.1f} missed experts a token, "
@@ -107,3 +111,4 @@ def show(path: Path, geometry, counts, trace, budget: int, as_json: bool, say, *
                   "plus the file reads its host layers wait for)", soft_wrap=True, markup=False)
     else:
         say.print(f"  [dim]{escape('the disk is not measured yet: spark bench --ram SIZE measures it and prices the tier')}[/]", soft_wrap=True)
+    say.print(f"  {ahead.line}", soft_wrap=True, markup=False)

@@ -13,6 +13,7 @@ bench --ram` measured on this model and thread count, kept under SPARK_HOME/cali
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -64,6 +65,14 @@ def kept_uncapped(home: Path, fingerprint: str, threads: int) -> float | None:
     except (OSError, ValueError, TypeError):
         return None
     return d.tg_tok_s if d.fingerprint == fingerprint and d.tg_tok_s > 0 else None
+
+
+def uncapped_tg(home: Path, fingerprint: str, plan, threads: int | None) -> float | None:
+    """The uncapped token's speed a decision prices with: a device plan's priced tg, else the CPU speed
+    spark bench --ram kept for this model at `threads` (None: all cores, as -t defaults)."""
+    if plan is not None:
+        return (plan.predicted or {}).get("tg_tok_s")
+    return kept_uncapped(home, fingerprint, threads or os.cpu_count() or 1)
 
 
 def off(why: str) -> AheadDecision:

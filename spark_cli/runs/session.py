@@ -466,10 +466,7 @@ def resolve_read_ahead(model: Path, geometry: ModelGeometry, info: ProfileInfo, 
     if tier is None:
         return None
     trace = info.profile.recent_trace() if info.profile is not None else None
-    if plan is not None:
-        base = (plan.predicted or {}).get("tg_tok_s")
-    else:
-        base = read_ahead.kept_uncapped(spark_home(), geometry.fingerprint, flags.threads or os.cpu_count() or 1)
+    base = read_ahead.uncapped_tg(spark_home(), geometry.fingerprint, plan, flags.threads)
     return read_ahead.decide(model, geometry, tier, trace, base, spark_home())
 
 
