@@ -182,3 +182,21 @@ def test_plan_shows_each_device(plan_cli, small_model, two):
                       (("--vram", "1GiB", "-ts", "1,1,1"), "--tensor-split")):
         rc, out, err = plan_cli(small_model, "--rpc", ",".join(eps), *bad)
         assert rc == 2 and flag in err and len(err.strip().splitlines()) <= 2, (bad, err)
+
+
+def test_a_backend_without_a_device_is_named_and_the_run_uses_the_cpu(monkeypatch, capsys):
+    """A CUDA build on a machine without the driver: the CUDA backend registers no device; spark
+    devices says so in one line, and a run's CPU reason names it (the rest is the CPU path)."""
+    from spark_cli.commands import system
+    from spark_cli.native import llama_lib
+
+    assert llama_lib.idle_backends() == []  # this build: CPU and RPC only, both answered for
+    assert devices.no_gpu_reason() == "no GPU found"
+    monkeypatch.setattr(llama_lib, "idle_backends", lambda: ["CUDA"])
+    reason = devices.no_gpu_reason()
+    assert reason.startswith("no GPU found") and "CUDA backend found no device" in reason
+    run = cli_runner(monkeypatch, capsys, "devices", system.register)
+    rc, out, err = run()
+    assert rc == 0, err
+    notes = [l for l in out.splitlines() if "CUDA backend found no device" in l]
+    assert len(notes) == 1 and "runs use the CPU" in notes[0]

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from ..core.units import parse_size
-from ..native import devices, rpc
+from ..native import devices, llama_lib, rpc
 from ..files.paths import spark_home
 from ..native.rpc import connect, parse_endpoints
 from .common import JSON_HELP, RPC_HELP, console
@@ -57,6 +57,8 @@ def devices_cmd(
         t.add_row(d.name, d.type, d.description, f"{d.free / 2**30:.2f}", f"{d.total / 2**30:.2f}",
                   self_check.cell(checks[d.name]) if d.is_gpu else "-")
     console.print(Whole(t))
+    if not any(d.is_gpu for d in devs) and llama_lib.idle_backends():
+        console.print(f"[yellow]note:[/] {devices.no_gpu_reason()}: runs use the CPU", soft_wrap=True)
 
 
 def _check(dev, endpoints: list[str], home, run: bool) -> "self_check.Result | None":

@@ -70,6 +70,17 @@ def local_gpus() -> list:
     return [d for d in llama_lib.devices() if d.is_gpu and not d.name.startswith("RPC")]
 
 
+def no_gpu_reason() -> str:
+    """Why a run without -dev/--rpc runs on the CPU: no GPU, and which backend of this build found none."""
+    from . import llama_lib
+
+    idle = llama_lib.idle_backends()
+    if not idle:
+        return "no GPU found"
+    return (f"no GPU found (this build's {', '.join(idle)} backend found no device: is the driver installed and "
+            "the GPU visible?)")
+
+
 def select(sel: Selection) -> list:
     """The llama_lib.Device list a run with this selection uses ([]: the CPU only)."""
     from . import llama_lib, rpc

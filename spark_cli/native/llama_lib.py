@@ -113,6 +113,10 @@ def load() -> SimpleNamespace:
     ns.buft_name = _fn(base, "ggml_backend_buft_name", ctypes.c_char_p, [vp])
     ns.cpu_buffer_type = _fn(cpu, "ggml_backend_cpu_buffer_type", vp, [])
     ns.register = _fn(ggml, "ggml_backend_register", None, [vp])
+    ns.reg_count = _fn(ggml, "ggml_backend_reg_count", sz, [])
+    ns.reg_get = _fn(ggml, "ggml_backend_reg_get", vp, [sz])
+    ns.reg_name = _fn(base, "ggml_backend_reg_name", ctypes.c_char_p, [vp])
+    ns.reg_dev_count = _fn(base, "ggml_backend_reg_dev_count", sz, [vp])
     ns.tensor_get = _fn(base, "ggml_backend_tensor_get", None, [vp, vp, sz, sz])
     ns.nbytes = _fn(base, "ggml_nbytes", sz, [vp])
     if rpc is not None:
@@ -157,6 +161,14 @@ def devices() -> list[Device]:
             handle=h,
         ))
     return out
+
+
+def idle_backends() -> list[str]:
+    """Backends of this build that found no device (a CUDA build on a machine without the NVIDIA
+    driver or a GPU): every registered backend but the CPU's and RPC's (whose devices are servers)."""
+    lib = load()
+    names = [(lib.reg_name(lib.reg_get(i)) or b"?").decode() for i in range(lib.reg_count())]
+    return [n for i, n in enumerate(names) if n not in ("CPU", "RPC") and lib.reg_dev_count(lib.reg_get(i)) == 0]
 
 
 def gpu_devices() -> list[Device]:

@@ -310,7 +310,7 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
     sel = devices.parse(flags.device, flags.rpc)
     devs = devices.select(sel)
     if not devs:
-        reason = "-dev none" if sel.cpu_only else "no GPU found"
+        reason = "-dev none" if sel.cpu_only else devices.no_gpu_reason()
         warnings = [f"{reason}: --plan/--vram ignored"] if plan_path is not None or vram_text else []
         n_ctx = context_size(flags.ctx_size, geometry.context_length)
         tier = resolve_ram_tier(model, geometry, info, flags, n_ctx)
