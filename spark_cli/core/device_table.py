@@ -27,6 +27,9 @@ experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s an
   as much as that many more bytes of weights (routing, per-expert batches); share: 1 on NVIDIA
   cards, prompt_amd_share on AMD's (whose FP32 figure counts dual issue).
 
+A public figure on another quantization of a fixture's shapes (Workload.rescaled) scales the routed
+experts so the file has the reported size and keeps the rest as the fixture's.
+
 The fitted constants are the [fit] table of data/public_measurements.toml, made by
 scripts/fit_public.py from the figures marked "fit"; the "held-out" figures check them. Vendor
 figures and the stop, link and per-core figures below are assumptions, stated in the output."""
@@ -153,15 +156,32 @@ class Workload:
     layer_expert_bytes: float = 0.0  # one MoE layer's routed experts, all of them (mean)
 
     @classmethod
-    def of(cls, g: ModelGeometry, scale: float = 1.0) -> "Workload":
-        """A model's workload; `scale`: another quantization of the same shapes (bytes times scale)."""
+    def of(cls, g: ModelGeometry, expert_scale: float = 1.0) -> "Workload":
+        """A model's workload; `expert_scale`: another quantization of the same shapes whose routed
+        experts take that many times the bytes (the rest as the fixture's: see `rescaled`)."""
         moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
-        bpe = sum(l.expert_bytes_per_expert for l in moe) / max(len(moe), 1)
-        per_layer = sum(l.expert_bytes for l in moe) / max(len(moe), 1)
+        bpe = sum(l.expert_bytes_per_expert for l in moe) / max(len(moe), 1) * expert_scale
+        per_layer = sum(l.expert_bytes for l in moe) / max(len(moe), 1) * expert_scale
         nonexpert = g.device_global_bytes + sum(l.nonexpert_bytes for l in g.layers if not l.is_nextn)
         k = g.n_expert_used
-        return cls((nonexpert + len(moe) * k * bpe) * scale, sum(1 for l in g.layers if not l.is_nextn), len(moe),
-                   sum(1 for r in g.recurrent_layers if r), k, bpe * scale, per_layer * scale)
+        return cls(nonexpert + len(moe) * k * bpe, sum(1 for l in g.layers if not l.is_nextn), len(moe),
+                   sum(1 for r in g.recurrent_layers if r), k, bpe, per_layer)
+
+    @classmethod
+    def rescaled(cls, g: ModelGeometry, size_bytes: float) -> "Workload":
+        """The workload of another quantization of `g`'s shapes, `size_bytes` on disk. The difference
+        from the fixture's file lands on the routed experts: low-bit MoE quantizations (Unsloth's UD,
+        mudler's APEX) shrink the experts and keep attention, shared experts, embeddings and output
+        at 3-8 bits (e.g. APEX Nano: IQ2_XXS/IQ2_S/Q3_K experts, Q3_K/Q4_K attention, Q4_K/Q5_K shared
+        experts, https://github.com/mudler/apex-quant/tree/main/configs), so scaling every byte would
+        shrink a token's non-expert reads with them."""
+        experts = sum(l.expert_bytes for l in g.layers if l.is_moe and not l.is_nextn)
+        if experts <= 0:
+            raise ValueError("a rescaled workload needs routed experts")
+        scale = (size_bytes - (g.file_size - experts)) / experts
+        if scale <= 0:
+            raise ValueError(f"{size_bytes / 1e9:.2f} GB is less than the fixture's non-expert bytes")
+        return cls.of(g, scale)
 
 
 @dataclass(frozen=True)
@@ -289,7 +309,7 @@ class Figure:
             return Workload(self.size_bytes, self.layers)
         if geometry is None:
             raise ValueError(f"public_measurements.toml: {self.id}: needs the geometry of {self.model}")
-        return Workload.of(geometry, self.size_bytes / geometry.file_size)
+        return Workload.rescaled(geometry, self.size_bytes)
 
 
 def _size(d: dict, fid: str) -> float:
