@@ -37,13 +37,13 @@ import tempfile
 import time
 from pathlib import Path
 
-SDIST_NAME = "llama_cpp_python-0.3.36.tar.gz"
 SDIST_SPEC = "llama-cpp-python==0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 REPO = Path(__file__).resolve().parent.parent
 NATIVE = REPO / "native"
 sys.path.insert(0, str(REPO))
 from spark_cli.native.version import NATIVE_KEY_FILE as KEY_FILE  # noqa: E402  (spark --version reads it)
+from spark_cli.native.version import LLAMA_CPP_SDIST as SDIST_NAME  # noqa: E402  (models/llama_vocab.py reads it)
 
 
 class BuildError(Exception):

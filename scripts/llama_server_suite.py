@@ -6,7 +6,9 @@ tests were collected, passed, failed and skipped.
 The suite is copied to a temporary folder and run there with pytest (-m "not slow", one worker,
 as tests.sh without xdist), LLAMA_SERVER_BIN_PATH pointing at the shim, and no network: in a
 network namespace of its own when `unshare -rn` works (loopback only), else with the proxies
-pointed at a dead address. Nothing downloads: the shim serves a local Spark test model, the
+pointed at a dead address. Nothing downloads: the shim serves a local Spark test model (per
+preset, the tiny llama with the tokenizer nearest the preset's: the shim's PRESETS, built here
+before the run from local files; or --model for every preset), the
 presets' download pass (ServerPreset.load_all) is skipped, test_speculative's draft model is
 Spark's tiny llama placed where the suite keeps downloads (tmp/), and where the `wget` and `filelock`
 packages the suite imports are missing, stand-ins are used (wget.download raises: no network;
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -122,6 +125,20 @@ class FileLock:
 DRAFTS = ("stories15M-q4_0.gguf",)
 
 
+def build_preset_models(python: str) -> str:
+    """Build (or find cached) the tiny llama and its vocab variants the shim serves per preset
+    (its PRESETS; tiny_models.py, from local files only); "" when done, else why not."""
+    loader = importlib.machinery.SourceFileLoader("llama_server_shim", str(SHIM))
+    shim = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(shim)
+    vocabs = sorted(set(shim.PRESETS.values()))
+    code = ("import sys; from spark_cli.models.tiny_models import build_tiny_model\n"
+            "for v in [None, *sys.argv[1:]]: build_tiny_model('llama', vocab=v)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    r = subprocess.run([python, "-c", code, *vocabs], capture_output=True, text=True, env=env)
+    return "" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["failed"])[-1]
+
+
 def local_draft(python: str) -> Path | None:
     """Spark's cached tiny llama test model, when it is there."""
     code = ("from spark_cli.files.paths import models_dir; from spark_cli.models.tiny_models import tiny_model_name; "
@@ -185,6 +202,10 @@ def run(files, *, suite: Path, per_test: float, total: float, python: str, model
         return {"error": f"the suite needs {', '.join(missing)} (not installed for {python})",
                 "missing": missing}
     t0 = time.monotonic()
+    if not model:
+        why = build_preset_models(python)
+        if why:
+            return {"error": f"the tiny models the shim serves per preset: {why}"}
     with tempfile.TemporaryDirectory(prefix="llama-server-suite-") as tmp:
         # NOTE: llama.cpp's layout, so the tests' ../../../models/templates/*.jinja resolve (read only: linked)
         work = Path(tmp) / "llama.cpp" / "tools" / "server" / "tests"
@@ -246,7 +267,7 @@ def run(files, *, suite: Path, per_test: float, total: float, python: str, model
     return {"suite": str(suite), "files": per, "total": tot, "wall_s": round(time.monotonic() - t0, 1),
             "per_test_timeout_s": per_test, "total_timeout_s": total, "cut_short": cut,
             "network": "none (unshare -rn, loopback only)" if net else "proxies to a dead address",
-            "stubs": stubs, "model": model or "tiny llama (shim default)", "pytest_exit": proc.returncode,
+            "stubs": stubs, "model": model or "tiny llama per preset (the shim's PRESETS)", "pytest_exit": proc.returncode,
             "log_tail": tail}
 
 
@@ -269,7 +290,8 @@ def main(argv=None) -> int:
     ap.add_argument("--per-test", type=float, default=120.0, help="seconds per test at most (120)")
     ap.add_argument("--total", type=float, default=3600.0, help="seconds for the whole run at most (3600)")
     ap.add_argument("--python", default=sys.executable, help="the Python with Spark's and the suite's packages")
-    ap.add_argument("--model", help="the GGUF the shim serves (default: the tiny llama; 'demo': the demo model)")
+    ap.add_argument("--model", help="the GGUF the shim serves for every preset (default: per preset, the tiny llama "
+                    "with the tokenizer nearest the preset's; 'demo': the demo model)")
     ap.add_argument("--drop", help="spark serve flags the shim leaves out (a Spark without them)")
     ap.add_argument("-k", dest="select", help="only the tests pytest -k EXPR selects")
     ap.add_argument("-o", "--out", type=Path, help="write the JSON here")

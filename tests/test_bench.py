@@ -584,3 +584,67 @@ def test_runs_are_added_alike_while_generation_timings_spread_wide() -> None:
     assert not bench.Turns(3, [quiet, job(1.0, 2.0)]).more(3)  # a configuration stopped early is not waited for
     assert bench.more_runs_note([quiet], 3).startswith("runs added while generation timings spread wider than 25%")
     assert bench.more_runs_note([job(1.0, 1.0, 1.0)], 3) == ""
+
+
+# ---------------------------------------------------------------- --infill
+
+
+@pytest.fixture(scope="module")
+def tiny_links(tmp_path_factory) -> dict[str, Path]:
+    """The tiny llama with StarCoder's FIM tokens and with SmolLM2's tokenizer (none), under private names."""
+    from spark_cli.models.tiny_models import build_tiny_model
+
+    d = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for name, vocab in (("fim", "starcoder"), ("plain", None)):
+        out[name] = d / f"{name}.gguf"
+        out[name].symlink_to(build_tiny_model("llama", vocab=vocab))
+    return out
+
+
+def _infill_bench(spark, model, corpus, *more):
+    return spark(model, "--corpus", corpus, "-p", "16", "-n", "4", "-r", "2", "-dev", "none", "-nr", "-t", "1",
+                 "--no-learn", "--infill", *more)
+
+
+@pytest.mark.model
+def test_infill_times_the_first_token_of_a_2k_prefix(spark, tiny_links, corpus) -> None:
+    rc, stdout, stderr = _infill_bench(spark, tiny_links["fim"], corpus, "--json")
+    assert rc == 0, stderr
+    d = json.loads(stdout)
+    inf, cfg = d["infill"], d["configs"][0]
+    kept = 3 * (inf["n_batch"] // 4)  # core/fim.py: the prefix keeps 3/4 of a batch
+    assert inf["missing"] is None and inf["note"] is None and inf["prefix_tokens"] == bench.INFILL_PREFIX > kept
+    assert kept < inf["prompt_tokens"] <= kept + inf["suffix_tokens"] + 3  # + the three FIM tokens
+    assert set(cfg["infill_ttft_ms"]) == {"median", "min", "max"} and len(cfg["infill_seconds"]) == 2
+    assert cfg["infill_ttft_ms"]["min"] <= cfg["infill_ttft_ms"]["median"] <= cfg["infill_ttft_ms"]["max"]
+    rc, stdout, stderr = _infill_bench(spark, tiny_links["fim"], corpus, "--md")
+    line = next(x for x in stdout.splitlines() if x.startswith("infill:"))
+    assert f"{inf['prompt_tokens']}-token prompt" in line and "CPU only" in line and " ms" in line
+
+
+@pytest.mark.model
+def test_infill_on_a_model_without_fim_tokens_is_one_line(spark, tiny_links, corpus) -> None:
+    rc, stdout, stderr = _infill_bench(spark, tiny_links["plain"], corpus, "--json")
+    assert rc == 0, stderr
+    d = json.loads(stdout)
+    assert d["infill"]["missing"] == ["prefix", "suffix", "middle"] and d["infill"]["prompt_tokens"] is None
+    assert d["configs"][0]["status"] == "ok" and d["configs"][0]["infill_ttft_ms"] is None
+    rc, stdout, stderr = _infill_bench(spark, tiny_links["plain"], corpus, "--md")
+    lines = [x for x in stdout.splitlines() if x.startswith("infill:")]
+    assert rc == 0 and len(lines) == 1 and lines[0] == d["infill"]["note"]
+    assert "prefix token is missing. suffix token is missing. middle token is missing." in lines[0]
+
+
+@pytest.mark.model
+def test_without_infill_the_report_has_none(spark, tiny_links, corpus) -> None:
+    rc, stdout, stderr = spark(tiny_links["fim"], "--corpus", corpus, "-p", "16", "-n", "4", "-r", "1", "-dev", "none",
+                               "-nr", "-t", "1", "--no-learn", "--json")
+    d = json.loads(stdout)
+    assert rc == 0 and d["infill"] is None and d["configs"][0]["infill_ttft_ms"] is None
+    assert d["configs"][0]["infill_seconds"] is None
+
+
+def test_infill_with_the_ram_tier_is_refused(spark, small_model) -> None:
+    rc, stdout, stderr = spark(small_model, "--infill", "--ram", "1GiB")
+    assert rc == 2 and "--infill with --ram" in stderr

@@ -1,7 +1,7 @@
 """/infill (issue 49): llama-server's FIM prompt per tokenizer (core/fim.py: the repo-level
 pattern with FIM_REP/FIM_SEP, the snippet separator without them, SPM order, BOS, the batch's
 share of prefix and suffix), the 400 of a model without FIM tokens, and the route through the
-same worker as /completion."""
+same worker as /completion; a real one on the tiny llama with StarCoder's FIM tokens (`--vocab starcoder`)."""
 
 from __future__ import annotations
 
@@ -108,3 +108,77 @@ def test_a_model_without_fim_tokens_gets_a_400_naming_them():
     err = r.json()["error"]
     assert r.status_code == 400 and err["type"] == "not_supported_error", r.text
     assert "prefix token is missing. suffix token is missing. middle token is missing." in err["message"]
+
+
+# ---------------------------------------------------------------- a local model with FIM tokens
+
+
+@pytest.fixture(scope="module")
+def fim_model():
+    """Spark's tiny llama with StarCoder's vocabulary (llama.cpp's vendored ggml-vocab-starcoder.gguf)."""
+    from spark_cli.models.tiny_models import build_tiny_model
+
+    return build_tiny_model("llama", vocab="starcoder")
+
+
+def _engine(path, **kw):
+    from spark_cli.native.engine import Engine, EngineOptions
+
+    return Engine(EngineOptions(path, n_ctx=2048, n_batch=512, n_ubatch=512, device="none", repack=False, n_threads=1,
+                                **kw))
+
+
+def test_a_tiny_models_vocabulary_is_named_in_its_file():
+    from spark_cli.models.tiny_models import TINY_VOCABS, build_tiny_model, tiny_model_name
+
+    assert tiny_model_name("llama") == "tiny-llama-s0-v2.gguf"  # the SmolLM2-tokenizer files keep their names
+    assert tiny_model_name("llama", vocab="starcoder") == "tiny-llama-starcoder-s0-v2.gguf"
+    assert {"starcoder", "llama-spm", "bert-bge"} <= set(TINY_VOCABS)
+    with pytest.raises(ValueError, match="vocab: must be one of"):
+        build_tiny_model("llama", vocab="klingon")
+
+
+@pytest.mark.parametrize("args,why", [(["--vocab", "starcoder"], "only with --tiny"),
+                                      (["--tiny", "llama", "--vocab", "klingon"], "unknown vocabulary")])
+def test_demo_model_vocab_refusals(monkeypatch, capsys, args, why):
+    from conftest import cli_runner
+
+    from spark_cli.commands import demo
+
+    rc, out, err = cli_runner(monkeypatch, capsys, "demo-model", demo.register)(*args)
+    assert rc == 2 and out == "" and why in err, err
+
+
+@pytest.mark.model
+def test_the_starcoder_tiny_model_has_llama_cpps_fim_tokens(fim_model):
+    from spark_cli.core.gguf_info import load_geometry
+
+    assert load_geometry(fim_model).arch == "llama"
+    with _engine(fim_model) as eng:
+        fim = eng.vocab.fim_tokens()
+        assert fim.missing() == [], fim
+        pieces = {eng.vocab.piece(t, special=True).decode() for t in (fim.pre, fim.suf, fim.mid)}
+        assert pieces == {"<fim_prefix>", "<fim_suffix>", "<fim_middle>"}
+
+
+@pytest.mark.model
+def test_infill_on_a_real_model_with_fim_tokens_is_a_200(fim_model):
+    pytest.importorskip("httpx")
+    from _serve_client import fake_client
+
+    with fake_client(lambda: _engine(fim_model)) as tc:
+        r = tc.post("/infill", json={**BODY, "input_extra": [{"filename": "a.h", "text": "int f();"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens_predicted"] == 3 and r.json()["tokens_evaluated"] > 5
+
+
+@pytest.mark.model
+def test_infill_on_the_smollm2_tokenizer_is_a_400_naming_the_tokens():
+    pytest.importorskip("httpx")
+    from _serve_client import fake_client
+
+    from spark_cli.models.tiny_models import build_tiny_model
+
+    with fake_client(lambda: _engine(build_tiny_model("llama"))) as tc:
+        r = tc.post("/infill", json=BODY)
+    assert r.status_code == 400 and "prefix token is missing" in r.json()["error"]["message"], r.text

@@ -55,6 +55,20 @@ def test_shim_maps_llama_servers_flags():
         "last"]
 
 
+def test_shim_serves_each_preset_the_tiny_llama_with_its_tokenizer():
+    shim = _load(SHIM, "llama_server_shim")
+    assert shim.preset_vocab(["--hf-repo", "ggml-org/test-model-stories260K", "--port", "1"]) == "llama-spm"
+    assert shim.preset_vocab(["-hf", "ggml-org/test-model-stories260K-infill"]) == "starcoder"
+    assert shim.preset_vocab(["--hf-repo=ggml-org/models", "--hf-file", "bert-bge-small/ggml-model-f16.gguf"]) == "bert-bge"
+    # no stand-in: the reranker (a classifier head; spark serve refuses --reranking without one) and the rest
+    assert shim.preset_vocab(["--hf-repo", "ggml-org/models", "--hf-file",
+                              "jina-reranker-v1-tiny-en/ggml-model-f16.gguf"]) is None
+    assert shim.preset_vocab(["-m", "x.gguf"]) is None
+    from spark_cli.models.tiny_models import TINY_VOCABS
+
+    assert set(shim.PRESETS.values()) <= set(TINY_VOCABS)
+
+
 @pytest.mark.parametrize("argv,why", [
     (["-hf", "x", "--sleep-idle-seconds", "5"], "--sleep-idle-seconds: not in spark serve"),
     (["-hf", "x", "--lora", "a.gguf"], "--lora: not in spark serve"),
@@ -71,10 +85,9 @@ def test_shim_refuses_what_spark_cannot_do(argv, why):
 
 @pytest.mark.model
 def test_suite_subset_passes_what_is_recorded(tmp_path):
-    """The runner on the expectation file's suite files: per file, the tests that pass are the
-    recorded ones (a new pass means: record it; a lost one is a regression)."""
-    from spark_cli.models.tiny_models import build_tiny_model
-
+    """The runner on the expectation file's suite files, each preset served by the tiny llama with
+    its tokenizer (the shim's PRESETS): per file, the tests that pass are the recorded ones (a new
+    pass means: record it; a lost one is a regression)."""
     expected = json.loads(EXPECTED.read_text())
     runner = _load(RUNNER, "llama_server_suite")
     missing = runner.missing_modules(sys.executable, runner.REQUIRED)
@@ -84,10 +97,9 @@ def test_suite_subset_passes_what_is_recorded(tmp_path):
         suite = runner.find_suite()
     except SystemExit as e:
         pytest.skip(str(e))
-    model = build_tiny_model("llama")
     out = tmp_path / "suite.json"
     r = subprocess.run([sys.executable, str(RUNNER), "--files", ",".join(expected["files"]), "--suite", str(suite),
-                        "--model", str(model), "--per-test", "60", "--total", "600", "-o", str(out)],
+                        "--per-test", "60", "--total", "600", "-o", str(out)],
                        capture_output=True, text=True, timeout=660, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads(out.read_text())

@@ -25,8 +25,8 @@ from ..files.corpus import bundled_corpus, read_corpus
 from ..files.recovery import save_or_recover
 from ..native import devices, faults, rpc as rpc_mod
 from ..runs import bench, session
-from ..runs.bench import (ParallelResult, accounting_rows, footnotes, parallel_rows, prediction_rows, speed_rows,
-                          stop_rows, to_markdown)
+from ..runs.bench import (ParallelResult, accounting_rows, footnotes, infill_line, parallel_rows, prediction_rows,
+                          speed_rows, stop_rows, to_markdown)
 from .common import MISS_PATH_HELP, console, err_console, model_flags, model_or_demo, parse_miss_path, run_inputs
 from .help import SparkCommand
 from .render_plan import fmt_bytes
@@ -200,6 +200,8 @@ def _summary_lines(report) -> list[str]:
         out.append("generated tokens: Spark's equal the all-resident run's" if same else
                    "[yellow]generated tokens: Spark's differ from the all-resident run's[/]")
     out += _parallel_lines(report)
+    if report.infill is not None:
+        out.append(infill_line(report))
 
     return footnotes(report) + out + list(report.notes)
 
@@ -380,6 +382,10 @@ def bench_cmd(
                                  "budget (a reference; needs the device memory)"),
     no_learn: bool = typer.Option(False, "--no-learn", help="do not fold this run's routing into the profile"),
     miss_path: str = typer.Option("auto", "--miss-path", help=MISS_PATH_HELP),
+    infill: bool = typer.Option(False, "--infill", help="also time /infill as editor plugins send it per keystroke: "
+                                f"the first token of the FIM prompt for a {bench.INFILL_PREFIX}-token prefix of the "
+                                "bundled code corpus, -r times per configuration (a model without FIM tokens: a "
+                                "line naming them)"),
     flags: LoadFlags = None,
 ) -> None:
     """Tokens/s of Spark against stock llama.cpp offload and the all-resident ceiling, same budget.
@@ -405,6 +411,9 @@ def bench_cmd(
     if flags.ram is not None and ram_residency is not None:
         raise UsageError("--ram and --ram-residency: give one of them")
     if flags.ram is not None or ram_residency is not None:  # NOTE: the cap of the memory cgroup each run gets
+        if infill:
+            raise UsageError("--infill with --ram: the RAM-tier bench times prompt and generation only",
+                             hint="run --infill without --ram / --ram-residency")
         from . import bench_ram
 
         return bench_ram.run_cmd(path, flags, n_prompt, n_gen, reps, as_json, output, md, ram_residency,
@@ -449,7 +458,7 @@ def bench_cmd(
                 err_console.print(f"[yellow]warning:[/] {escape(info.warning())}", soft_wrap=True)
         learn = not no_learn
         with faults.keeper(lambda: _keep_partial(report, output, learn)):
-            _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot, miss_choice)
+            _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot, miss_choice, infill)
     finally:
         if server is not None:
             server.stop()
@@ -460,7 +469,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot,
-         miss_path: MissPath = MissPath.AUTO) -> None:
+         miss_path: MissPath = MissPath.AUTO, infill: bool = False) -> None:
 
 
     progress = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
@@ -481,7 +490,8 @@ def _run(report, base, corpus, names, ceiling, learn, as_json, output, md, plot,
         with progress:
             bench.run(report, base, corpus.documents, names, ceiling=ceiling, learn=learn, progress=on_progress,
                       status=on_status, miss_path=miss_path, say=lambda line: err_console.print(escape(line),
-                                                                                              soft_wrap=True))
+                                                                                              soft_wrap=True),
+                      infill=infill)
     except KeyboardInterrupt:
         report.interrupted = True
         report.notes.append("interrupted (Ctrl-C): what was measured so far")

@@ -46,6 +46,9 @@ def demo_model_cmd(
                                "random matrix, the router before demo format 2)"),
     tiny: str = typer.Option(None, "--tiny", help="build a tiny random model of this architecture (or variant, "
                              "e.g. qwen35moe-split) instead"),
+    vocab: str = typer.Option(None, "--vocab", help="with --tiny: llama.cpp's vendored tokenizer instead of "
+                              "SmolLM2's: starcoder (FIM tokens, for /infill), llama-spm (SentencePiece, BOS), "
+                              "bert-bge (WordPiece, CLS/SEP); from the llama-cpp-python sdist, never downloaded"),
     fixture: str = typer.Option(None, "--fixture", help="build a real-sized geometry fixture without weights "
                                 "(a sparse GGUF for `spark plan`), e.g. qwen3.6-35b-a3b-q4_k_m; `list` "
                                 "lists them"),
@@ -53,7 +56,7 @@ def demo_model_cmd(
 ) -> None:
     """Build (or reuse) the upcycled SmolLM2 MoE demo model; prints its path (the only line on stdout)."""
     from ..models.demo_model import build_demo_model
-    from ..models.tiny_models import TINY_MODELS, build_tiny_model
+    from ..models.tiny_models import TINY_MODELS, TINY_VOCABS, build_tiny_model
 
     from ..models.demo_router import ROUTERS
 
@@ -63,14 +66,18 @@ def demo_model_cmd(
         raise UsageError(f"--router {router}: expected one of {', '.join(ROUTERS)}")
     if out_dir is not None:
         check_folder(out_dir, "--out-dir")
+    if vocab is not None and tiny is None:
+        raise UsageError("--vocab: only with --tiny (the demo model keeps SmolLM2's tokenizer)")
+    if vocab is not None and vocab not in TINY_VOCABS:
+        raise UsageError(f"--vocab {vocab}: unknown vocabulary", hint="one of " + ", ".join(TINY_VOCABS))
     if fixture is not None:
         _fixture(fixture, tiny, out_dir)
         return
     if tiny is not None:
         if tiny not in TINY_MODELS:
             raise UsageError(f"--tiny {tiny}: unknown architecture", hint="one of " + ", ".join(TINY_MODELS))
-        with err_console.status(f"building tiny {tiny} model ..."):
-            path = build_tiny_model(tiny, seed=seed, out_dir=out_dir)
+        with err_console.status(f"building tiny {tiny} model{f' ({vocab} vocab)' if vocab else ''} ..."):
+            path = build_tiny_model(tiny, seed=seed, out_dir=out_dir, vocab=vocab)
     else:
         if not (1 <= n_used <= n_expert <= 256) or n_expert < 2:
             raise UsageError(f"--experts {n_expert} --experts-used {n_used}: need 1 <= k <= E and "

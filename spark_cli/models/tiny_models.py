@@ -3,8 +3,10 @@
 Each is a few MB: random weights in the tensor layout and metadata keys llama.cpp reads for
 its architecture (see the vendored `src/models/<arch>.cpp`), with SmolLM2's tokenizer so that
 they tokenize text. A family can have variants (qwen35moe: fused or separate gate/up, an MTP
-block); `TINY_MODELS` maps each name to its `general.architecture`. Every file is cached and
-rebuilt bit-identically from its name and seed.
+block); `TINY_MODELS` maps each name to its `general.architecture`. Any of them can carry another
+tokenizer instead, one of llama.cpp's vendored test vocabularies (`vocab=`, llama_vocab.py; e.g.
+`starcoder`: FIM tokens for /infill). Every file is cached and rebuilt bit-identically from its
+name, vocabulary and seed.
 """
 
 from __future__ import annotations
@@ -22,24 +24,28 @@ from gguf.quants import quantize
 from ..core.chat_template import bundled
 from ..files.paths import models_dir
 from .gguf_write import KeyValue, Tensor, array_tensor, cached_build, read_kvs, write_gguf
+from .llama_vocab import VOCABS, vendored_vocab
 from .smollm2 import fetch_smollm2, source_reader
 
 # Bump when the bytes a build of an existing name writes change, so stale cached files are not reused.
 TINY_FORMAT_VERSION = 2  # 2: the families' own chat templates
 
 
-def tiny_model_name(name: str, seed: int = 0) -> str:
-    return f"tiny-{name}-s{seed}-v{TINY_FORMAT_VERSION}.gguf"
+def tiny_model_name(name: str, seed: int = 0, vocab: str | None = None) -> str:
+    return f"tiny-{name}{f'-{vocab}' if vocab else ''}-s{seed}-v{TINY_FORMAT_VERSION}.gguf"
 
 
-def build_tiny_model(name: str, seed: int = 0, out_dir: Path | str | None = None) -> Path:
-    """A few-MB random-weight MoE GGUF of one of TINY_MODELS (a family's arch, or a variant's name)."""
+def build_tiny_model(name: str, seed: int = 0, out_dir: Path | str | None = None, vocab: str | None = None) -> Path:
+    """A few-MB random-weight MoE GGUF of one of TINY_MODELS (a family's arch, or a variant's name);
+    `vocab`: one of TINY_VOCABS' tokenizers instead of SmolLM2's."""
     if name not in TINY_MODELS:
         raise ValueError(f"arch: must be one of {', '.join(TINY_MODELS)}, got {name!r}")
+    if vocab is not None and vocab not in TINY_VOCABS:
+        raise ValueError(f"vocab: must be one of {', '.join(TINY_VOCABS)}, got {vocab!r}")
     out = Path(out_dir) if out_dir is not None else models_dir()
     out.mkdir(parents=True, exist_ok=True)
-    path = out / tiny_model_name(name, seed)
-    return cached_build(path, lambda p: _build_tiny(name, seed, p))
+    path = out / tiny_model_name(name, seed, vocab)
+    return cached_build(path, lambda p: _build_tiny(name, seed, p, vocab))
 
 
 class _Tiny:
@@ -111,14 +117,15 @@ def _tokenizer_kvs(src: Path) -> tuple[list[KeyValue], int]:
     return read_kvs(reader, lambda k: k.startswith("tokenizer.")), len(reader.fields["tokenizer.ggml.tokens"].data)
 
 
-def _build_tiny(name: str, seed: int, path: Path) -> None:
-    tok_kvs, n_vocab = _tokenizer_kvs(fetch_smollm2())
+def _build_tiny(name: str, seed: int, path: Path, vocab: str | None = None) -> None:
+    tok_kvs, n_vocab = _tokenizer_kvs(vendored_vocab(vocab) if vocab else fetch_smollm2())
     if name in TINY_TEMPLATES:  # the family's own template instead of SmolLM2's
         tok_kvs = [kv for kv in tok_kvs if kv[0] != "tokenizer.chat_template"]
         tok_kvs.append(("tokenizer.chat_template", bundled(TINY_TEMPLATES[name]), GGUFValueType.STRING, None))
     arch, layout = TINY_MODELS[name], _TINY_LAYOUTS[name]
     m = _Tiny(arch, seed, name)
-    m.kvs.append(("general.name", f"spark tiny {name}", GGUFValueType.STRING, None))
+    title = f"spark tiny {name}" + (f" ({vocab} vocab)" if vocab else "")
+    m.kvs.append(("general.name", title, GGUFValueType.STRING, None))
     n_embd, n_head, n_layer = 64, 4, 4
     m.add("token_embd.weight", (n_embd, n_vocab), "embd", QT.F16)
     n_block = layout(m, n_embd, n_head, n_layer) or n_layer  # MTP blocks come after the trunk
@@ -473,4 +480,6 @@ TINY_TEMPLATES: dict[str, str] = {"qwen3moe": "qwen3", "qwen35moe": "qwen3.6", "
                                   "qwen35moe-mtp": "qwen3.6", "qwen3next": "qwen3.6", "deepseek2": "deepseek",
                                   "glm4moe": "glm45", "gpt-oss": "gpt-oss", "llama": "mistral"}
 TINY_ARCHES: tuple[str, ...] = tuple(TINY_MODELS)  # every name `--tiny` takes
+# vocab= / `--vocab`: llama.cpp's vendored vocabularies a tiny model can carry instead of SmolLM2's
+TINY_VOCABS: dict[str, str] = {name: what for name, (_, what) in VOCABS.items()}
 _TINY_LAYOUTS = {name: build for name, (_, build) in _TINY.items()}

@@ -13,6 +13,8 @@ from pathlib import Path
 from .. import __version__
 
 NATIVE_KEY_FILE = ".spark-native-key"
+# the sdist scripts/build_native.py downloads into $SPARK_HOME/downloads and builds (models/llama_vocab.py reads it)
+LLAMA_CPP_SDIST = "llama_cpp_python-0.3.36.tar.gz"
 
 
 def llama_cpp_version() -> str | None:

@@ -23,6 +23,11 @@ decodes the same number of tokens). Cache figures: the decode steps (per generat
 the prompt-processing evals (per prompt token), apart; the generation prompt's own prefill is in
 neither.
 
+With --infill each configuration also times /infill as an editor plugin sends it on every
+keystroke, -r times after its runs: the time to the first token of the FIM prompt serve builds
+(core/fim.py) for a 2048-token prefix of the bundled code corpus and a short suffix. A model
+without FIM tokens gets a note naming them instead.
+
 With -np N > 1 every configuration is opened with N sequences (and sized for them), and after
 the single-sequence runs each repetition also decodes N distinct corpus prompts through one
 BatchLoop (`measure_parallel`): first one after another, each alone in the loop ("serial"),
@@ -72,6 +77,8 @@ WARMUP_DECODE = 4
 CALIB_DECODE = 48  # decode tokens after each calibration prompt
 CALIB_PROMPTS = 6
 CALIB_PROMPT_TOKENS = 256
+INFILL_PREFIX = 2048  # tokens of code before the cursor (--infill)
+INFILL_SUFFIX = 64  # and after it
 
 Progress = Callable[[str, int, int], None]  # (configuration, tokens done, tokens in all)
 
@@ -237,6 +244,7 @@ class Workload:
     calibration: list[list[int]]  # prompts for the routing trace (other documents than gen_prompt)
     note: str = ""
     prompts: list[list[int]] = field(default_factory=list)  # every document's prompt, gen_prompt first (-np)
+    infill: list[int] = field(default_factory=list)  # --infill: the /infill prompt (InfillPrompt)
 
     def parallel_prompts(self, n_seq: int, max_len: int) -> list[list[int]]:
         """N distinct prompts of at most max_len tokens: the documents' prompts in turn (gen_prompt
@@ -287,6 +295,48 @@ def make_workload(engine: Engine, documents: Sequence, n_prompt: int) -> Workloa
     calib = calib or [text[:CALIB_PROMPT_TOKENS]]
     pool = [gen] + [p[:CALIB_PROMPT_TOKENS] for i, p in enumerate(prompts) if i != gi and len(p) >= 2]
     return Workload(text[:n_prompt], gen, calib, note, pool)
+
+
+@dataclass(frozen=True)
+class InfillPrompt:
+    """--infill: the /infill prompt for a code prefix and suffix (empty: the model has no FIM tokens)."""
+
+    tokens: list[int]
+    prefix_tokens: int  # of the code before the cursor, as given (the prompt keeps 3/4 of a batch of them)
+    suffix_tokens: int
+    n_batch: int
+    missing: tuple[str, ...] = ()  # the FIM tokens the model lacks (core.fim.FimTokens.missing)
+
+    def note(self) -> str:
+        from ..core.fim import NoFim
+
+        return f"infill: not measured: {NoFim(list(self.missing))}" if self.missing else ""
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": len(self.tokens) or None, "prefix_tokens": self.prefix_tokens,
+                "suffix_tokens": self.suffix_tokens, "n_batch": self.n_batch, "missing": list(self.missing) or None,
+                "note": self.note() or None}
+
+
+def infill_prompt(engine: Engine, n_prefix: int = INFILL_PREFIX, n_suffix: int = INFILL_SUFFIX) -> InfillPrompt:
+    """The prompt spark serve's /infill builds (serve/infill.py, core/fim.py) on `engine` for the
+    first n_prefix tokens of the bundled code corpus (repeated to length) and the n_suffix after them."""
+    from ..core.fim import infill_tokens
+    from ..files.corpus import bundled_corpus
+
+    vocab = engine.vocab
+    fim = vocab.fim_tokens()
+    if fim.missing():
+        return InfillPrompt([], n_prefix, n_suffix, engine.n_batch, tuple(fim.missing()))
+    body = vocab.tokenize((bundled_corpus() / "code.md").read_text(encoding="utf-8"), add_special=False,
+                          parse_special=False)
+    code = list(body)
+    while len(code) < n_prefix + n_suffix:
+        code += body
+    prefix, suffix = vocab.detokenize(code[:n_prefix]), vocab.detokenize(code[n_prefix:n_prefix + n_suffix])
+    tokens = infill_tokens(fim, lambda text, special: vocab.tokenize(text, add_special=False, parse_special=special),
+                           prefix, suffix, n_batch=engine.n_batch, n_predict=-1, n_ctx=engine.n_ctx)
+    return InfillPrompt(tokens, n_prefix, n_suffix, engine.n_batch)
 
 
 # ---------------------------------------------------------------- measurement
@@ -347,6 +397,7 @@ class Result:
     traffic: Traffic | None = None  # with the RPC servers (rpc_traffic), summed over the decode steps of every run
     prompt_traffic: Traffic | None = None  # the same over the prompt evals of every run
     counted_uncached: bool = False  # the layers a Spark plan does not cache counted their routing (a stop each)
+    infill: list[float] = field(default_factory=list)  # --infill: seconds to the first token, one per repetition
 
     @property
     def prompt_tokens(self) -> int:
@@ -360,6 +411,10 @@ class Result:
     @property
     def tg(self) -> Spread | None:
         return Spread.of([r.tg_tok_s for r in self.runs])
+
+    @property
+    def infill_ms(self) -> Spread | None:
+        return Spread.of([1000 * s for s in self.infill])
 
 
 @dataclass(frozen=True)
@@ -720,6 +775,7 @@ def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int
                                capture_topk=False)
     n_seq = max(1, opts.n_seq)
     per_run, parallel = len(work.pp_tokens) + n_gen, repetitions * 2 * n_seq * n_gen if n_seq > 1 else 0
+    parallel += repetitions * (len(work.infill) + 1) if work.infill else 0  # --infill's runs come after too
     total = repetitions * per_run + parallel
     done = 0
     result.status = "running"
@@ -786,6 +842,14 @@ def measuring(cfg: Config, base: EngineOptions, work: Workload, repetitions: int
                 result.decode_tokens += n_gen
                 result.runs.append(Run(len(work.pp_tokens), pp_s, n_gen, tg_s, started=t0 - clock))
                 yield
+            for _ in range(repetitions if work.infill else 0):  # NOTE: after the runs whose routing is folded
+                eng.reset()
+                t0 = time.perf_counter()
+                decode(eng, work.infill, 1)  # as /infill's first token: the prompt's eval and one sample
+                result.infill.append(time.perf_counter() - t0)
+                done += len(work.infill) + 1
+                if progress:
+                    progress(cfg.name, done, total)
             if eng.n_seq > 1:
                 # NOTE: after the single-sequence runs, whose routing counts are folded: these are not
                 result.parallel = ParallelResult(eng.n_seq)
@@ -825,10 +889,11 @@ def copy_result(cfg: Config, other: Result) -> Result:
 
 def run(report: "Report", base: EngineOptions, documents: Sequence, names: Sequence[str], *, ceiling: bool = False,
         learn: bool = True, progress: Progress | None = None, status: Callable[[str], None] | None = None,
-        miss_path: MissPath = MissPath.AUTO, say: Callable[[str], None] | None = None) -> None:
+        miss_path: MissPath = MissPath.AUTO, say: Callable[[str], None] | None = None, infill: bool = False) -> None:
     """Tokenize the corpus and trace routing on held-out prompts (CPU), plan the Spark
     configurations from the profile plus that trace (one planner.plan_for call: "spark" is its
-    plan, "spark-step" its pins+k candidate), then measure every configuration.
+    plan, "spark-step" its pins+k candidate), then measure every configuration; `infill`: /infill's
+    time to first token too (report.infill).
     Fills `report` as it goes: on KeyboardInterrupt it holds what was measured."""
     from ..core.profile import RoutingProfile
 
@@ -843,8 +908,11 @@ def run(report: "Report", base: EngineOptions, documents: Sequence, names: Seque
     cpu = dataclasses.replace(base, device="none", rpc=[], repack=False, trace=True, tensor_overrides=())
     with Engine(cpu) as eng:
         work = make_workload(eng, documents, report.n_prompt)
+        if infill:
+            report.infill = infill_prompt(eng)
+            work.infill = list(report.infill.tokens)
         need = max(len(work.pp_tokens), len(work.gen_prompt) + report.n_gen + 1,
-                   max(len(p) + CALIB_DECODE + 1 for p in work.calibration))
+                   max(len(p) + CALIB_DECODE + 1 for p in work.calibration), len(work.infill) + 1)
         seq_ctx = min(ctx, vram.kv_ctx_seq(ctx, base.n_seq, base.kv_unified))  # one sequence's: -c / -np
         if need > seq_ctx:
             per = f" ({seq_ctx} per sequence of -np {base.n_seq})" if seq_ctx < ctx else ""
@@ -1032,6 +1100,7 @@ class Report:
     n_parallel: int = 1  # -np: sequences every configuration is opened with (> 1: Result.parallel)
     interleaved: bool = False  # every configuration open at once, one repetition of each in turn (take_turns)
     cpu_steal: float | None = None  # share of the machine's CPU time stolen while measuring (cpu_steal.py)
+    infill: InfillPrompt | None = None  # --infill: the /infill prompt every configuration timed
 
     def result(self, name: str) -> Result | None:
         return next((r for r in self.results if r.config.name == name), None)
@@ -1096,6 +1165,8 @@ class Report:
                 "predicted": c.predicted.to_dict() if c.predicted is not None else None,
                 "predicted_over_measured": predicted_over_measured(r),
                 "parallel": r.parallel.to_dict(c.kind == "spark") if r.parallel is not None else None,
+                "infill_ttft_ms": _spread(r.infill_ms),
+                "infill_seconds": list(r.infill) if self.infill is not None else None,
             })
         return {
             "version": REPORT_VERSION,
@@ -1109,6 +1180,7 @@ class Report:
             "baseline": self.baseline, "ceiling": self.ceiling,
             "targets": self.targets(), "notes": list(self.notes), "interrupted": self.interrupted,
             "interleaved": self.interleaved, "cpu_steal": self.cpu_steal,
+            "infill": self.infill.to_dict() if self.infill is not None else None,
             "configs": configs,
         }
 
@@ -1275,6 +1347,20 @@ def footnotes(report: Report) -> list[str]:
         elif why:
             out.append(f"{r.config.label}: {r.status}: {why}" if r.status not in ("ok",) else f"{r.config.label}: {why}")
     return out
+
+
+def infill_line(report: Report) -> str:
+    """--infill: each configuration's /infill time to first token in one line ("" without --infill; a
+    model without FIM tokens: its note, which names them)."""
+    p = report.infill
+    if p is None or p.missing:
+        return p.note() if p is not None else ""
+    timed = [f"{r.config.label} {fmt_rate(r.infill_ms)} ms" for r in report.results if r.infill]
+    kept = min(p.prefix_tokens, 3 * (p.n_batch // 4))
+    return (f"infill: time to first token of /infill's {len(p.tokens)}-token prompt (the last {kept} tokens of a "
+            f"{p.prefix_tokens}-token code prefix: 3/4 of -b {p.n_batch}; a {p.suffix_tokens}-token suffix), "
+            "median (min-max): "
+            + (", ".join(timed) or "no configuration measured it"))
 
 
 def markdown_table(table: list[dict[str, str]]) -> str:
