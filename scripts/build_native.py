@@ -174,14 +174,16 @@ def cublas_flags(py: Path) -> list[str]:
         if found is None:
             raise BuildError(f"{package} installed but no libcublas.so with cublas_v2.h under {roots}")
     lib, inc = found
+    # NOTE: the libraries get this folder as their RUNPATH (CMake adds a linked library's folder), so it
+    # holds the versioned names the loader asks for (libcublas.so.13) beside the linker's unversioned ones
     links = home() / "native" / "cublas"
     links.mkdir(parents=True, exist_ok=True)
     for name in ("libcublas", "libcublasLt"):
-        target = sorted(lib.glob(f"{name}.so.*"))[0]
-        link = links / f"{name}.so"
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(target)
+        versioned = sorted(lib.glob(f"{name}.so.*"))
+        for target, link in [(p, links / p.name) for p in versioned] + [(versioned[0], links / f"{name}.so")]:
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(target)
     return [f"-DCUDA_cublas_LIBRARY={links / 'libcublas.so'}", f"-DCUDA_cublasLt_LIBRARY={links / 'libcublasLt.so'}",
             f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}"]
 

@@ -108,6 +108,9 @@ def test_cuda_build_takes_cublas_from_the_toolkit_else_from_the_pip_wheel(tmp_pa
     assert Path(flags["-DCUDA_cublas_LIBRARY"]).resolve() == lib / "libcublas.so.13"
     assert Path(flags["-DCUDA_cublasLt_LIBRARY"]).resolve() == lib / "libcublasLt.so.13"
     assert flags["-DCMAKE_CUDA_FLAGS"] == f"-I{lib.parent / 'include'}"
+    links = Path(flags["-DCUDA_cublas_LIBRARY"]).parent  # the libraries' RUNPATH: the loader's names too
+    assert (links / "libcublas.so.13").resolve() == lib / "libcublas.so.13"
+    assert (links / "libcublasLt.so.13").resolve() == lib / "libcublasLt.so.13"
     (toolkit / "lib64" / "libcublas.so.13").write_bytes(b"")
     (toolkit / "include").mkdir()
     (toolkit / "include" / "cublas_v2.h").write_text("")
