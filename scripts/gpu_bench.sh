@@ -25,7 +25,7 @@
 #    and 64 decode tokens at S = P + k, for each miss path, CUDA graphs on and off, with stock
 #    --cpu-moe as the bound, and the decode graph's split count (scripts/gpu_check.py).
 #    Expected device time: machine start 1-2 min, stage1 ~20 s, stage2 ~6-8 min (CUDA build
-#    ~3-5 min on 16 cores, estimated from per-file compile times on the CPU machine; bench ~2 min).
+#    ~4 min on 16 cores: the whole build took 3,620 CPU-seconds on the CPU machine, docs/cuda.md; bench ~2 min).
 #
 # Knobs (environment): SPARK_GPU_WORK (default /tmp/spark-gpu), SPARK_GPU_CUDA=0 (CPU-only
 # rehearsal: builds without CUDA and benches on a local RPC stand-in), SPARK_GPU_ARCH (90),
