@@ -148,9 +148,9 @@ def worker(spec: WorkerSpec) -> dict:
             tier = session.host_ram_tier(geometry, info, flags, host, bill)
         else:
             tier = session.resolve_ram_tier(model, geometry, info, flags, n_ctx)
-        opts = session.with_ram_tier(opts, tier, geometry)
-        if config == "spark-ahead":
-            opts = dataclasses.replace(opts, read_ahead=1, ahead_min_prob=spec.ahead_min_prob)
+        forced = read_ahead.AheadDecision(1, spec.ahead_min_prob, "spark-ahead") if config == "spark-ahead" else None
+        opts = session.with_ram_tier(opts, tier, geometry, forced)  # NOTE: bench compares; chat decides
+        if forced is not None:
             out.ahead_min_prob = spec.ahead_min_prob
         out.tier = tier.line() if tier is not None else "the weights fit: no RAM tier"
         out.resident_share = tier.resident_share if tier is not None else 1.0
