@@ -8,9 +8,9 @@ from typing import Callable, Iterator
 
 
 @contextlib.contextmanager
-def fake_client(make_engine: Callable[[], object], **state) -> Iterator:
-    """The app of `spark serve` over a worker whose engine `make_engine` returns; `state`: more
-    ServerState fields (api_key, cors, ...)."""
+def fake_client(make_engine: Callable[[], object], sleep_idle: float | None = None, **state) -> Iterator:
+    """The app of `spark serve` over a worker whose engine `make_engine` returns (again after each
+    sleep: `sleep_idle`, --sleep-idle-seconds); `state`: more ServerState fields (api_key, cors, ...)."""
     from starlette.testclient import TestClient
 
     from spark_cli.serve.app import ServerState, create_app
@@ -19,7 +19,8 @@ def fake_client(make_engine: Callable[[], object], **state) -> Iterator:
     from spark_cli.serve.worker import Worker
 
     stats = ServerStats()
-    worker = Worker(make_engine, set(), stats, Learner(Path("none.gguf"), None, enabled=False), max_queue=2)
+    worker = Worker(make_engine, set(), stats, Learner(Path("none.gguf"), None, enabled=False), max_queue=2,
+                    sleep_idle=sleep_idle)
     worker.start()
     try:
         assert worker.ready.wait(30)

@@ -25,7 +25,8 @@ def serve_cmd(
     plan_path: Path = typer.Option(None, "--plan", help="placement from spark plan -o (default: plan now)"),
     vram_text: str = typer.Option(None, "--vram", help="device budget for planning now, e.g. 16GiB "
                                   "(default: the device's free memory minus a margin)"),
-    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on; several, comma-separated: "
+                             "one port on each (as llama-server's; with several, :: takes IPv6 only)"),
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="port to listen on (0: any free one)"),
     miss_path: str = typer.Option(None, "--miss-path", help=MISS_PATH_HELP + " (default: the plan's, else auto)",
                                   show_default=False),
@@ -84,6 +85,14 @@ def serve_cmd(
                                   "KV cache", show_default=False),
     cache_idle_slots: bool = typer.Option(True, "--cache-idle-slots/--no-cache-idle-slots", help="llama-server's "
                                           "saving of idle slots to --cache-ram; accepted, no effect (as --cache-ram)"),
+    sleep_idle_seconds: int = typer.Option(-1, "--sleep-idle-seconds", help="after this many seconds with no "
+                                           "request, free the model (and its expert cache) until the next one "
+                                           "loads it again, as llama-server's; /health, /props (is_sleeping), "
+                                           "/models and /metrics answer meanwhile without waking it (-1: never)"),
+    backend_sampling: bool = typer.Option(False, "--backend-sampling", "-bs", help="llama-server's sampling on "
+                                          "the device (experimental there; the same sampler chain, the same "
+                                          "tokens); accepted, no effect: Spark samples on the CPU, as a "
+                                          "request's backend_sampling"),
     ui_mcp_proxy: bool = typer.Option(False, "--ui-mcp-proxy/--no-ui-mcp-proxy", help="only for llama-server's web "
                                       "UI (its /cors-proxy); spark serve has no web UI: accepted, no effect"),
     n_predict: int = typer.Option(-1, "--n-predict", "-n", min=-1, help="tokens per answer at most when a "
@@ -123,7 +132,9 @@ def serve_cmd(
     miss_choice = parse_miss_path(miss_path) if miss_path is not None else None
     if reasoning_format not in REASONING_FORMATS:
         raise UsageError(f"--reasoning-format {reasoning_format}: expected one of {', '.join(REASONING_FORMATS)}")
-    _ = (media_path, cache_ram, cache_idle_slots, ui_mcp_proxy)  # accepted, no effect in Spark (their --help)
+    _ = (media_path, cache_ram, cache_idle_slots, ui_mcp_proxy, backend_sampling)  # accepted, no effect (--help)
+    if sleep_idle_seconds == 0 or sleep_idle_seconds < -1:
+        raise UsageError(f"--sleep-idle-seconds {sleep_idle_seconds}: give a number of seconds, or -1 (never sleep)")
     if context_shift:
         raise UsageError("--context-shift: spark serve does not shift the context (an answer that fills it stops "
                          "with finish_reason length)", hint="drop --context-shift, or give a larger -c")
@@ -142,7 +153,11 @@ def serve_cmd(
         port = vertex.port
     hosts = tuple(h.strip() for h in (allowed_hosts or "").split(",") if h.strip())
     origins = tuple(o.strip() for o in (cors or "").split(",") if o.strip())
-    if not api_key and not is_loopback(host):
+    listen = server.hosts(host)
+    hosts += tuple(listen[1:])  # NOTE: a Host header may name any address served
+    public = [h for h in listen if not is_loopback(h)]
+    if not api_key and public:
+        host = ",".join(public)
         err_console.print(f"[yellow]warning:[/] --host {host} is reachable from other machines and there is no "
                           "--api-key: anyone who can reach it can use the model", soft_wrap=True)
     path = model_or_demo(model)
@@ -154,16 +169,18 @@ def serve_cmd(
                                       miss_path=miss_choice)
     for w in where.warnings:
         err_console.print(f"warning: {w}", soft_wrap=True, markup=False)
-    served = wire(path, geometry, where, flags, Access(api_key or None, host, hosts, origins),
+    served = wire(path, geometry, where, flags, Access(api_key or None, listen[0], hosts, origins),
                   templates=templates, chat_defaults=Defaults(temp, seed, n_predict, verbose),
                   reasoning_format=reasoning_format, thinking=ReasoningDefault(reasoning, reasoning_budget),
                   alias=alias, tags=names(tags), slot_save_path=slot_folder(slot_save_path), embedding=embedding or reranking or pooling is not None, pooling=pooling,
                   reranking=reranking, learn=learn, learn_every=learn_every,
                   max_queue=max_queue, metrics=metrics_on, slots=slots_on, vertex=vertex,
                   grammar_limits=GrammarLimits(grammar_max_bytes, grammar_max_depth, grammar_max_width),
-                  on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True))
-    sock = server.bind(host, port)
-    bound_host, bound_port = sock.getsockname()[:2]
+                  on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True),
+                  sleep_idle=sleep_idle_seconds if sleep_idle_seconds > 0 else None)
+    socks = server.bind_all(listen, port)
+    bound_port = socks[0].getsockname()[1]
+    urls = ", ".join(f"http://{server.url_host(s.getsockname()[0])}:{bound_port}/v1" for s in socks)
     device = f"{where.devices[0].name}" if where.devices else f"CPU ({where.cpu_reason})"
     placement = (f"{len(served.cached)} cached MoE layers, plan {where.budget_source}" if where.plan is not None
                  else "stock CPU path")
@@ -171,11 +188,11 @@ def serve_cmd(
 
     def ready() -> None:
         n_slots = len(served.worker.slots)
-        err_console.print(f"spark serve: {path.name} on http://{bound_host}:{bound_port}/v1 "
+        err_console.print(f"spark serve: {path.name} on {urls} "
                           f"({n_slots} slot{'s' if n_slots != 1 else ''}, queue {max_queue}; "
                           f"{'learning' if learn else 'not learning'}; Ctrl-C stops)", soft_wrap=True)
 
-    out = server.serve(served.state, served.learner, sock, on_ready=ready, read_timeout=read_timeout,
+    out = server.serve(served.state, served.learner, socks, on_ready=ready, read_timeout=read_timeout,
                 max_connections=max_connections)
     if out.folded_tokens:
         err_console.print(f"[dim]learned: {out.folded_tokens:.0f} decode tokens folded into "

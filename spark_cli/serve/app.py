@@ -25,6 +25,7 @@ from .llama_api import NativeCompletionRequest
 from .infill import InfillRequest, infill_prompt
 from .embeddings import embeddings_native, embeddings_oai
 from .guard import Guard
+from .sleep import awake
 from .protocol import (SAMPLING_DEFAULTS, ApiError, ChatRequest, CompletionRequest, DetokenizeRequest,
                        GenerationRequest, TokenizeRequest, parse, piece_json, sse, unavailable)
 from .stats import ServerStats
@@ -137,11 +138,11 @@ async def infill(request: Request) -> Response:
     /completion; a model without FIM tokens: 400 naming the ones it lacks."""
     st: ServerState = request.app.state.spark
     req = await _body(request, InfillRequest)
-    eng = _engine(st)
-    try:
-        tokens = await asyncio.to_thread(infill_prompt, eng, req, st.chat.defaults.n_predict)
-    except NoFim as e:
-        raise ApiError(400, str(e), "not_supported_error") from None
+    async with _awake(st):
+        try:
+            tokens = await asyncio.to_thread(infill_prompt, _engine(st), req, st.chat.defaults.n_predict)
+        except NoFim as e:
+            raise ApiError(400, str(e), "not_supported_error") from None
     return await _native_one(request, req.model_copy(update={"prompt": tokens}))
 
 
@@ -187,7 +188,7 @@ def _native_final(st: ServerState, run: Run, req: GenerationRequest, content: st
     the `__verbose` of an OpenAI answer."""
     assert run.usage is not None and run.sampling is not None
     # NOTE: ignore_eos's -inf biases are listed in generation_settings, as llama-server's
-    eog = getattr(st.worker.engine.vocab, "eog_tokens", ()) if run.sampling.ban_eog else ()
+    eog = st.worker.eog_tokens if run.sampling.ban_eog else ()
     body = llama_api.final_body(content, req.model or run.env.model, run.prompt, run.finish, run.stop_word,
                                 run.usage, run.timings, llama_api.settings(run.sampling, req, eog),
                                 run.probs if run.with_probs else None, run.slot,
@@ -243,8 +244,15 @@ def not_supported(message: str) -> ApiError:
     return ApiError(501, message, "not_supported_error")
 
 
+def _awake(st: ServerState, wake: bool = True):
+    """The engine kept loaded for the block (sleep.awake): a sleeping one is woken, or with wake=False
+    left asleep (the block gets False: answer from what was kept)."""
+    return awake(st.worker.idle, lambda: bool(st.worker.fatal), wake)
+
+
 def _engine(st: ServerState) -> Any:
-    """The loaded engine, for what reads only the vocabulary and the model (tokenize, /props)."""
+    """The loaded engine, for what reads only the vocabulary and the model (tokenize, /props), inside
+    `async with _awake(st)`."""
     w = st.worker
     if w.fatal:
         raise unavailable(f"the engine failed: {w.fatal}")
@@ -279,13 +287,15 @@ async def tokenize(request: Request) -> Response:
     HTTP threads call it beside the decode): the loop answers the others meanwhile."""
     st: ServerState = request.app.state.spark
     req = await _body(request, TokenizeRequest)
-    eng = _engine(st)
-    size, limit = len(req.content.encode("utf-8")), tokenize_limit(eng.n_ctx)
-    if size > limit:
-        raise ApiError(400, f"content: {size} bytes, over the {limit}-byte limit ({TOKENIZE_BYTES_PER_TOKEN} bytes "
-                            f"per token of a slot's {eng.n_ctx}-token context, at least {MIN_TOKENIZE_BYTES}); send "
-                            "it in parts, or start spark serve with a larger -c", param="content")
-    return await asyncio.to_thread(_tokenized, eng, req)
+    async with _awake(st):
+        eng = _engine(st)
+        size, limit = len(req.content.encode("utf-8")), tokenize_limit(eng.n_ctx)
+        if size > limit:
+            raise ApiError(400, f"content: {size} bytes, over the {limit}-byte limit ({TOKENIZE_BYTES_PER_TOKEN} "
+                                f"bytes per token of a slot's {eng.n_ctx}-token context, at least "
+                                f"{MIN_TOKENIZE_BYTES}); send it in parts, or start spark serve with a larger -c",
+                           param="content")
+        return await asyncio.to_thread(_tokenized, eng, req)
 
 
 def _detokenized(eng: Any, tokens: list[int]) -> JSONResponse:
@@ -298,19 +308,27 @@ async def detokenize(request: Request) -> Response:
     """llama-server's POST /detokenize, in a thread as /tokenize (a body holds half a million ids)."""
     st: ServerState = request.app.state.spark
     req = await _body(request, DetokenizeRequest)
-    eng = _engine(st)
-    n_vocab = getattr(eng, "n_vocab", None)
-    bad = [t for t in req.tokens if n_vocab is not None and t >= n_vocab]
-    if bad:
-        raise ApiError(400, f"tokens: {bad[0]} is not in the vocabulary (0 to {n_vocab - 1})", param="tokens")
-    return await asyncio.to_thread(_detokenized, eng, req.tokens)
+    async with _awake(st):
+        eng = _engine(st)
+        n_vocab = getattr(eng, "n_vocab", None)
+        bad = [t for t in req.tokens if n_vocab is not None and t >= n_vocab]
+        if bad:
+            raise ApiError(400, f"tokens: {bad[0]} is not in the vocabulary (0 to {n_vocab - 1})", param="tokens")
+        return await asyncio.to_thread(_detokenized, eng, req.tokens)
 
 
 async def props(request: Request) -> Response:
     """llama-server's GET /props: the model, context, templates, build and default sampling, and
-    Spark's placement (the expert cache's layers and budget)."""
+    Spark's placement (the expert cache's layers and budget); while the engine sleeps, as it was
+    when it fell asleep (is_sleeping true), without waking it."""
     st: ServerState = request.app.state.spark
-    eng = _engine(st)
+    async with _awake(st, wake=False) as up:
+        if not up and request.app.state.kept:
+            return JSONResponse(request.app.state.kept["props"])
+        return JSONResponse(_props_body(st, _engine(st)))
+
+
+def _props_body(st: ServerState, eng: Any, sleeping: bool = False) -> dict[str, Any]:
     d = st.chat.defaults
     plain, tools = eng.vocab.chat_template(False), eng.vocab.chat_template(True)
     body: dict[str, Any] = {
@@ -325,12 +343,12 @@ async def props(request: Request) -> Response:
         "eos_token": eng.vocab.piece(eng.vocab.eos_token, special=True).decode("utf-8", "replace") if eng.vocab.eos_token >= 0 else "",
         "build_info": st.chat.fingerprint,
         "modalities": {"vision": False, "audio": False},
-        "is_sleeping": False,
+        "is_sleeping": sleeping,
         "spark": {"placement": st.placement},
     }
     if tools is not None and tools is not plain:
         body["chat_template_tool_use"] = tools.source
-    return JSONResponse(body)
+    return body
 
 
 async def slots(request: Request) -> Response:
@@ -338,8 +356,9 @@ async def slots(request: Request) -> Response:
     st: ServerState = request.app.state.spark
     if not st.slots_endpoint:
         raise not_supported("This server does not support slots endpoint. Start it with `--slots`")
-    _engine(st)
-    return JSONResponse(st.worker.slots_info())
+    async with _awake(st):
+        _engine(st)
+        return JSONResponse(st.worker.slots_info())
 
 
 async def models(request: Request) -> Response:
@@ -347,9 +366,12 @@ async def models(request: Request) -> Response:
     loaded) and the context each slot serves (n_ctx, Spark's), where clients look for the length."""
     st: ServerState = request.app.state.spark
     meta = dict(st.meta)
-    eng = st.worker.engine if st.worker.ready.is_set() and not st.worker.fatal else None
-    if eng is not None:
-        meta.update(n_vocab=getattr(eng, "n_vocab", None), n_ctx=eng.n_ctx)
+    async with _awake(st, wake=False) as up:
+        eng = st.worker.engine if up and st.worker.ready.is_set() and not st.worker.fatal else None
+        if eng is not None:
+            meta.update(n_vocab=getattr(eng, "n_vocab", None), n_ctx=eng.n_ctx)
+        elif not up and request.app.state.kept:
+            meta.update(request.app.state.kept["meta"])
     card = {"id": st.model_name, "object": "model", "created": st.started, "owned_by": "spark",
             "aliases": list(st.aliases or (st.model_name,)), "tags": list(st.tags),
             "meta": {k: v for k, v in meta.items() if v is not None}}
@@ -424,6 +446,15 @@ def create_app(state: ServerState) -> Any:
     state.started = state.started or int(time.time())
     app.state.spark = state
     app.state.metrics = metrics.Metrics(state.stats)
+    app.state.kept = {}  # /props and /models while the engine sleeps (--sleep-idle-seconds)
+
+    def keep(asleep: bool) -> None:
+        eng = state.worker.engine
+        if asleep and eng is not None:
+            app.state.kept = {"props": _props_body(state, eng, sleeping=True),
+                              "meta": {"n_vocab": getattr(eng, "n_vocab", None), "n_ctx": eng.n_ctx}}
+
+    state.worker.on_sleep.append(keep)
     public = ("/health", state.vertex.health_route if state.vertex is not None else "")
     return Guard(app, key=state.api_key, host=state.host, allowed_hosts=state.allowed_hosts, cors=state.cors,
                  public=tuple(p for p in public if p))

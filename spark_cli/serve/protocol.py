@@ -299,6 +299,8 @@ class GenerationRequest(Strict):
     # (without stream it asks for nothing, as llama-server's)
     return_progress: bool = False
     post_sampling_probs: bool = False  # llama-server's: probabilities after the sampler chain (n_probs set)
+    # llama-server's: the sampler chain run on the device; Spark runs the same chain on the CPU (same tokens)
+    backend_sampling: bool = False
     return_tokens: bool = False  # llama-server's: the final body's `tokens` (/completion's; UNSUPPORTED elsewhere)
     response_fields: list[str] = Field(default_factory=list)  # llama-server's: the native body's fields kept
     verbose: bool | None = None  # llama-server's: `__verbose`, the native body, beside the answer (None: --verbose)

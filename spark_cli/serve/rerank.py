@@ -20,6 +20,7 @@ from ..core.embedding import rerank_results
 from .chat import ClientGone, read_body
 from .embeddings import embed_tokens
 from .protocol import ApiError, Strict, parse, unavailable
+from .sleep import awake
 
 
 class RerankRequest(Strict):
@@ -51,10 +52,11 @@ async def rerank(request: Request) -> Response:
     if not isinstance(req.query, str):
         raise ApiError(400, '"query" must be a string', param="query")
     docs = req.docs()
-    if st.worker.engine is None or not st.worker.ready.is_set():
-        raise unavailable("Loading model")
-    vocab = st.worker.engine.vocab
-    prompts = await asyncio.to_thread(lambda: [vocab.rerank_tokens(req.query, d) for d in docs])
+    async with awake(st.worker.idle, lambda: bool(st.worker.fatal)):
+        if st.worker.engine is None or not st.worker.ready.is_set():
+            raise unavailable("Loading model")
+        vocab = st.worker.engine.vocab
+        prompts = await asyncio.to_thread(lambda: [vocab.rerank_tokens(req.query, d) for d in docs])
     try:
         got = [await embed_tokens(request, st, p) for p in prompts]
     except ClientGone:

@@ -34,7 +34,36 @@ class Outcome:
     folded_tokens: float     # decode tokens folded into the profile over the whole run
 
 
-def bind(host: str, port: int) -> socket.socket:
+def hosts(text: str) -> list[str]:
+    """--host's addresses: comma-separated, as llama-server's (blanks dropped)."""
+    out = [h.strip() for h in text.split(",") if h.strip()]
+    if not out:
+        raise SparkError(f"--host {text!r}: no address (give one, or several comma-separated)")
+    return out
+
+
+def url_host(addr: str) -> str:
+    """An address as a URL writes it (IPv6 in brackets)."""
+    return f"[{addr}]" if ":" in addr else addr
+
+
+def bind_all(names: list[str], port: int) -> list[socket.socket]:
+    """A listening socket per address, bound before the model loads (so /health can answer), all on
+    one port: port 0 picks a free one for the first, the others take the same. With several, an
+    IPv6 socket takes only IPv6 (as llama-server's: `::` beside `0.0.0.0` binds both)."""
+    socks: list[socket.socket] = []
+    try:
+        for host in names:
+            socks.append(bind(host, port, v6_only=len(names) > 1))
+            port = socks[0].getsockname()[1]
+    except BaseException:
+        for s in socks:
+            s.close()
+        raise
+    return socks
+
+
+def bind(host: str, port: int, v6_only: bool = False) -> socket.socket:
     """The listening socket, bound before the model loads (so /health can answer)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -43,6 +72,8 @@ def bind(host: str, port: int) -> socket.socket:
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if v6_only and family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
     try:
         sock.bind(addr)
         sock.listen(128)
@@ -190,7 +221,7 @@ def protocol_class(read_timeout: float, max_connections: int, refusals: _Refusal
     return GuardedH11
 
 
-def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: float = 3.0,
+def serve(state: ServerState, learner: Learner, socks: list[socket.socket], *, grace: float = 3.0,
           on_ready: Callable[[], None] | None = None, read_timeout: float = READ_TIMEOUT,
           max_connections: int = MAX_CONNECTIONS) -> Outcome:
     import uvicorn
@@ -223,7 +254,7 @@ def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: f
                             timeout_graceful_shutdown=int(grace) + 3, timeout_keep_alive=5,
                             http=protocol_class(read_timeout, max_connections, refusals))
     http = uvicorn.Server(config)
-    http_thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="spark-http", daemon=True)
+    http_thread = threading.Thread(target=http.run, kwargs={"sockets": socks}, name="spark-http", daemon=True)
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         with faults.keeper(keep_on_loss):
@@ -252,6 +283,7 @@ def serve(state: ServerState, learner: Learner, sock: socket.socket, *, grace: f
         finally:
             if stopped:  # NOTE: an engine still inside a native step is not freed under it
                 worker.close_engine()
-            sock.close()
+            for sock in socks:
+                sock.close()
     message, code = failure[0] if failure else (None, 0)
     return Outcome(code, message, learner.folded_tokens)

@@ -5,7 +5,9 @@ As llama-server's: prompt tokens reused from the KV cache are counted apart (the
 decode), and the throughput gauges are averaged over the window since the last scrape of
 /metrics (take_rates). Spark decodes every generated token, the last one included, so a
 generation's rate is its n tokens over its n decode steps (llama-server's leaves the last one
-undecoded and counts n - 1 steps)."""
+undecoded and counts n - 1 steps). While the engine sleeps (--sleep-idle-seconds) /metrics shows
+the snapshot taken as it fell asleep, as llama-server's; the expert cache's counters go on from
+one engine to the next."""
 
 from __future__ import annotations
 
@@ -60,11 +62,13 @@ class ServerStats:
     cached_layers: set[int] = field(default_factory=set)
     planned_bytes: int = 0
     _s: Snapshot = field(default_factory=Snapshot)
+    _asleep: Snapshot | None = None  # what /metrics shows while the engine sleeps
+    _cache_before: CacheStats = field(default_factory=CacheStats)  # the engines freed by a sleep
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def snapshot(self) -> Snapshot:
         with self._lock:
-            return replace(self._s)
+            return replace(self._asleep or self._s)
 
     def add_request(self, fig) -> None:
         """Add one answer's figures (chat_session.AnswerFigures)."""
@@ -85,18 +89,36 @@ class ServerStats:
     def take_rates(self) -> Snapshot:
         """A snapshot for a scrape of /metrics; the throughput window starts again."""
         with self._lock:
-            out = replace(self._s)
-            self._s.window_prompt, self._s.window_predict = (0, 0.0), (0, 0.0)
+            out = replace(self._asleep or self._s)
+            # NOTE: asleep, both: nothing ran since the snapshot, so waking must not report the window again
+            for s in (self._s, self._asleep):
+                if s is not None:
+                    s.window_prompt, s.window_predict = (0, 0.0), (0, 0.0)
             return out
 
+    def _engine_cache(self, engine) -> CacheStats:
+        return CacheStats.total(s for il, s in engine.cache.stats().items() if il in self.cached_layers)
+
     def set_cache(self, engine) -> None:
-        """Totals over the cached layers since the engine started (pinned uploads included)."""
-        tot = CacheStats.total(s for il, s in engine.cache.stats().items() if il in self.cached_layers)
+        """Totals over the cached layers since the server started (pinned uploads included)."""
+        tot = self._engine_cache(engine)
         dev = engine.cache.bank_bytes()
         with self._lock:
-            self._s.cache = tot
+            self._s.cache = self._cache_before + tot
             self._s.device_bytes = dev
             self._s.planned_bytes = self.planned_bytes
+
+    def sleep(self, engine) -> None:
+        """The engine is about to be freed: /metrics shows the figures as they are now until wake()."""
+        tot = self._engine_cache(engine)
+        with self._lock:
+            self._asleep = replace(self._s)
+            self._cache_before = self._cache_before + tot
+            self._s.cache, self._s.device_bytes = self._cache_before, 0
+
+    def wake(self) -> None:
+        with self._lock:
+            self._asleep = None
 
     def set_slots(self, n: int) -> None:
         with self._lock:

@@ -71,10 +71,11 @@ def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags
          thinking: ReasoningDefault = ReasoningDefault(), tags: tuple[str, ...] = (), embedding: bool = False,
          pooling: str | None = None, reranking: bool = False, slot_save_path: Path | None = None,
          learn: bool, learn_every: float, max_queue: int, metrics: bool, slots: bool, vertex: Vertex | None,
-         on_why: Callable[[str], None], grammar_limits: GrammarLimits = GrammarLimits()) -> Served:
+         on_why: Callable[[str], None], grammar_limits: GrammarLimits = GrammarLimits(),
+         sleep_idle: float | None = None) -> Served:
     """The server of `path` on `where`: its engine opens in the worker (each cached layer on the
     placement's miss path), its chat format comes from the templates (--chat-template-file, else
-    the GGUF's)."""
+    the GGUF's); `sleep_idle`: seconds idle before the engine is freed, to open again the same way."""
     opts = engine_options(path, geometry, where, flags, learn)
     opts.chat_templates = templates
     if embedding:
@@ -84,7 +85,7 @@ def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags
     stats = ServerStats(cached_layers=cached, planned_bytes=int(plan.breakdown["total"]) if plan else 0)
     learner = Learner(path, geometry, interval=learn_every, enabled=learn)
     worker = Worker(lambda: open_engine(opts, where.miss_path, geometry.fingerprint, on_why=on_why),
-                    cached, stats, learner, max_queue=max_queue)
+                    cached, stats, learner, max_queue=max_queue, sleep_idle=sleep_idle)
     chat = ChatConfig.for_model(templates if templates is not None else TemplateSet(dict(geometry.chat_templates)),
                                 geometry.arch, reasoning_format, defaults=chat_defaults,
                                 grammar_limits=grammar_limits, thinking=thinking)

@@ -7,7 +7,8 @@ the prompts still pending, in one llama_decode (continuous batching, native/gene
 so a slot that finishes takes the next request at once. Each job's events come from its own
 slot only. A job's `cancel` event ends it at the next step (client gone, shutdown) and frees its
 slot. An engine failure is fatal: every running and queued job gets a 503, and `on_fatal` tells
-the process to exit non-zero.
+the process to exit non-zero. With `sleep_idle` (--sleep-idle-seconds) the engine is freed after
+that long idle and loaded again, by the same `open_engine`, for the next job (sleep.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .learn import Learner
 from .prepared_chat import PreparedChat
 from . import slot_actions
 from .slot_actions import SlotAction
+from .sleep import WAKE, IdleSleep
 from .slots import DecodeCounts, Slot, pick_slot
 from .protocol import ApiError, Timings, TokenLogprob, Usage, unavailable
 from .stats import ServerStats
@@ -160,12 +162,17 @@ def _progress(p: PromptProgress) -> Progress:
 
 class Worker:
     def __init__(self, open_engine: Callable[[], Any], cached_layers: set[int], stats: ServerStats,
-                 learner: Learner, max_queue: int = 32, on_fatal: Callable[[str, int], None] | None = None):
+                 learner: Learner, max_queue: int = 32, on_fatal: Callable[[str, int], None] | None = None,
+                 sleep_idle: float | None = None):
         self._open = open_engine
         self.cached_layers = cached_layers
         self.stats = stats
         self.learner = learner
         self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.idle = IdleSleep(sleep_idle, self.queue)
+        # called on the engine thread: True before a sleep frees the engine, False once it is back
+        self.on_sleep: list[Callable[[bool], None]] = []
+        self.eog_tokens: tuple[int, ...] = ()  # the model's end-of-generation tokens (kept while asleep)
         self.on_fatal = on_fatal or (lambda msg, code: None)
         self.engine = None
         self.ready = threading.Event()
@@ -210,6 +217,10 @@ class Worker:
         """Jobs not started yet: in the queue, or out of it waiting for the slot they asked for."""
         return self.queue.qsize() + len(self._pinned)
 
+    @property
+    def asleep(self) -> bool:
+        return self.idle.asleep
+
     def running(self) -> list[Job]:
         return [s.job for s in list(self.slots) if s.job is not None]
 
@@ -239,21 +250,29 @@ class Worker:
 
     # -- the engine thread ---------------------------------------------------------------------
 
-    def _main(self) -> None:
+    def _load(self) -> bool:
+        """Open the engine (at start, and after a sleep) and its slots; False once it failed (fatal)."""
         try:
             self.engine = self._open()
             self.stats.set_cache(self.engine)
         except SparkError as e:
             self._die(e.one_line(), 2)
-            return
+            return False
         except Exception as e:  # noqa: BLE001 - reported in one line, exit non-zero
             self._die(f"{type(e).__name__}: {e}", 2)
-            return
+            return False
         eng = self.engine
-        self.slots = [Slot(i) for i in range(getattr(eng, "n_seq", 1))]
+        if not self.slots:  # NOTE: after a sleep the same slots (their task counts) serve again, empty
+            self.slots = [Slot(i) for i in range(getattr(eng, "n_seq", 1))]
+        self.eog_tokens = tuple(getattr(eng.vocab, "eog_tokens", ()))
         self.stats.set_slots(len(self.slots))
         self._loop = BatchLoop(eng)
         self._counts = DecodeCounts(eng, self.learner)
+        return True
+
+    def _main(self) -> None:
+        if not self._load():
+            return
         self.ready.set()
         while not self.fatal:
             self._admit()
@@ -261,16 +280,62 @@ class Worker:
                 if self._stopping:
                     break
                 self._counts.flush()
-                job = self.queue.get()
+                job = self._next()
                 self.stats.set_deferred(self.waiting())
                 if job is None:
                     break
                 self._start(job)  # NOTE: every slot is free here, the one a job asks for too
                 continue
             self._step()
-        self._counts.flush()
+        if self._counts is not None:
+            self._counts.flush()
         self._refuse_pinned(unavailable(f"the engine failed: {self.fatal}" if self.fatal else
                                         "the server is shutting down"))
+
+    def _next(self) -> Job | None:
+        """The next job (None: shut down), the engine idle meanwhile; with sleep_idle, it sleeps after
+        that long and wakes for the next job or for a reader (sleep.WAKE)."""
+        idle = self.idle
+        idle.touch()
+        while True:
+            try:
+                job = self.queue.get(timeout=idle.left())
+            except queue.Empty:
+                if not idle.fall_asleep():
+                    continue
+                self._sleep()
+                job = self.queue.get()
+                if job is None:
+                    return None
+                if not self._wake():
+                    if job is not WAKE:
+                        job.emit(Failed(unavailable(f"the engine failed: {self.fatal}")))
+                        job.done.set()
+                    return None
+            if job is not WAKE:
+                return job
+
+    def _sleep(self) -> None:
+        """Free the engine (the model, its KV cache and expert cache); what /props and /metrics
+        report meanwhile is kept first (on_sleep, the stats' snapshot)."""
+        self._counts.flush()
+        for hook in self.on_sleep:
+            hook(True)
+        self.stats.sleep(self.engine)
+        for slot in self.slots:
+            slot.kv = []
+        self.close_engine()
+        self._loop = self._counts = None
+
+    def _wake(self) -> bool:
+        """Load the engine again as at start (False: it failed, fatal)."""
+        if not self._load():
+            return False
+        for hook in reversed(self.on_sleep):
+            hook(False)
+        self.stats.wake()
+        self.idle.woke()
+        return True
 
     def _admit(self) -> None:
         """Start waiting jobs while a slot is free: first those whose slot (id_slot) is, then the
@@ -289,6 +354,8 @@ class Worker:
                     job = self.queue.get_nowait()
                 except queue.Empty:
                     return
+                if job is WAKE:  # NOTE: the engine is awake already
+                    continue
                 if job is None:
                     self._stopping = True
                     return
@@ -497,6 +564,8 @@ class Worker:
                 break
             if job is None:
                 self._stopping = True
+                continue
+            if job is WAKE:
                 continue
             job.emit(Failed(err))
             job.done.set()
