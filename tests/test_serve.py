@@ -207,6 +207,13 @@ def test_text_parts_join_with_a_newline_as_llama_servers():
     assert r.message_dicts() == [{"role": "user", "content": "What is\nthe best book"}]
 
 
+def test_a_continued_messages_parts_join_with_a_blank_line_as_llama_servers():
+    r = parse(ChatRequest, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", '
+                           b'"text": "b"}]}, {"role": "assistant", "content": [{"type": "text", "text": "Wh"}, '
+                           b'{"type": "text", "text": "ill"}]}]}')
+    assert r.prefill and [m["content"] for m in r.message_dicts()] == ["a\nb", "Wh\n\nill"]
+
+
 class _SlowLoadingEngine(_FakeEngine):
     def bank_bytes(self) -> int:
         return 0

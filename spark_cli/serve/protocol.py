@@ -471,7 +471,13 @@ class ChatRequest(GenerationRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        return [m.for_template() for m in self.messages]
+        out = [m.for_template() for m in self.messages]
+        last = self.messages[-1]
+        if self.prefill and isinstance(last.content, list):
+            # NOTE: a continued message's parts join with a blank line, as llama-server's
+            # (common_chat_msg::render_content), where the template joins every other message's with "\n"
+            out[-1]["content"] = "\n\n".join(p.text for p in last.content)
+        return out
 
 
 class CompletionRequest(GenerationRequest):
