@@ -100,6 +100,18 @@ def test_only_a_schema_that_is_not_json_schema_is_refused():
     assert "root ::=" in json_schema_gbnf({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 2}}})
 
 
+def test_a_list_of_items_is_draft_7s_tuple_as_llama_servers():
+    # llama-server's converter reads it (its suite: response_format {"items": [{"type": "integer"}]})
+    tup = {"items": [{"type": "integer"}, {"type": "string", "maxLength": 1000000}]}
+    assert invalid(tup) is None
+    assert relax(tup) == {"items": [{"type": "integer"}, {"type": "string"}]}
+    assert violation([1, "a"], tup) is None and violation(["a", "b"], tup) == "0: 'a' is not of type 'integer'"
+    g = json_schema_gbnf({"items": [{"type": "integer"}, {"type": "integer"}]})
+    assert 'root ::= "[" space integer "," space integer "]" space' in g.splitlines()  # exactly two
+    # a schema that names 2020-12 is read as 2020-12, where items is one schema
+    assert "not valid JSON Schema" in invalid({"$schema": "https://json-schema.org/draft/2020-12/schema", **tup})
+
+
 def test_violation_names_where():
     schema = {"type": "object", "properties": {"limit": {"type": "integer", "exclusiveMinimum": 0}}}
     assert violation({"limit": 3}, schema) is None

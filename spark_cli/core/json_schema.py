@@ -31,15 +31,26 @@ SUBSCHEMAS = {"properties": "map", "$defs": "map", "definitions": "map", "items"
 MAX_DIGITS = 16  # an unbounded side of a range: integers of at most this many digits (llama.cpp's cap)
 
 
+def draft(schema: Any) -> Any:
+    """The validator class of `schema`: its $schema's draft; naming none, 2020-12, or draft 7 for a
+    schema only draft 7 takes (a list of `items`, the tuple form llama-server's converter reads)."""
+    if not isinstance(schema, dict):
+        return jsonschema.Draft202012Validator
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    if "$schema" in schema or cls(cls.META_SCHEMA).is_valid(schema):
+        return cls
+    seven = jsonschema.Draft7Validator
+    return seven if seven(seven.META_SCHEMA).is_valid(schema) else cls
+
+
 def invalid(schema: Any) -> str | None:
-    """Why `schema` is not valid JSON Schema (its draft's metaschema, 2020-12 when it names
-    none), or None."""
+    """Why `schema` is not valid JSON Schema (its draft's metaschema: `draft`), or None."""
     if isinstance(schema, bool):
         return None
     if not isinstance(schema, dict):
         return f"a schema must be an object, got {type(schema).__name__}"
     try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+        draft(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         where = ".".join(str(p) for p in e.absolute_path)
         return f"not valid JSON Schema: {e.message}" + (f" (at {where})" if where else "")
@@ -50,9 +61,7 @@ def invalid(schema: Any) -> str | None:
 
 def violation(value: Any, schema: Any) -> str | None:
     """How `value` breaks `schema` (the first error, with where), or None when it satisfies it."""
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator) \
-        if isinstance(schema, dict) else jsonschema.Draft202012Validator
-    error = jsonschema.exceptions.best_match(cls(schema).iter_errors(value))
+    error = jsonschema.exceptions.best_match(draft(schema)(schema).iter_errors(value))
     if error is None:
         return None
     where = ".".join(str(p) for p in error.absolute_path)
@@ -78,7 +87,7 @@ def relax(schema: Any) -> Any:
 def _relax_sub(v: Any, shape: str) -> Any:
     if shape == "map" and isinstance(v, dict):
         return {n: relax(x) for n, x in v.items()}
-    if shape == "list" and isinstance(v, list):
+    if shape != "map" and isinstance(v, list):  # NOTE: `items` too, draft 7's tuple form
         return [relax(x) for x in v]
     return relax(v)
 
