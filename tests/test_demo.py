@@ -44,7 +44,7 @@ def test_the_demo_shows_the_capped_comparison(small_model, monkeypatch, capsys, 
     spark = next(r for r in runs if r.config == "spark")
     assert abs(spark.resident_share - demo_cmd.RAM_RESIDENCY) < 0.1, spark.tier  # the cap is the model's
     verdict = bench_ram.verdict(ram_bench.RamBench(d["cap"], runs))
-    assert verdict.startswith(f"under {units.fmt_bytes(d['cap'])}: Spark generates ")
+    assert verdict.startswith(f"under {units.fmt_bytes(d['cap'])}: Spark ") and "stock's" in verdict
     q = demo_cmd.QUICK
     line = (f"RAM tier (a short run, {q.ram_reps} of each at -p {q.ram_prompt} -n {q.ram_gen}; the full "
             f"comparison: spark bench {model} --ram {-(-d['cap'] // MiB)}MiB): {verdict}")

@@ -114,6 +114,17 @@ def _greedy(engine, n: int) -> tuple[list[int], np.ndarray]:
     return out, np.array(logits, copy=True)
 
 
+def _mapped_bytes(path: Path) -> int:
+    """Bytes of this process's address space mapped from the file (/proc/self/maps)."""
+    real, total = str(Path(path).resolve()), 0
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5] == real:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            total += hi - lo
+    return total
+
+
 @pytest.mark.model
 def test_file_tier_is_bit_identical_and_reads_the_misses(small_model):
     """Every MoE layer on the CPU with 3 RAM slots of 8 (top-2): misses read from the file, logits
@@ -129,11 +140,15 @@ def test_file_tier_is_bit_identical_and_reads_the_misses(small_model):
     cached = dataclasses.replace(base, cache_layers=[CacheLayer(il, 3, (0,)) for il in g.moe_layers], file_tier=True,
                                  file_readers=3)
     with Engine(cached) as e:
+        mapped = _mapped_bytes(small_model)
         got = _greedy(e, 12)
         st = cache_total(e)
     assert got[0] == ref[0]
     assert np.array_equal(got[1], ref[1])
     eb = g.layers[g.moe_layers[0]].expert_bytes_per_expert
+    # only the file tier's expert tensors are left in the mapping: the resident weights moved to
+    # anonymous memory, which the kernel cannot reclaim under the cap (and their bytes are unchanged)
+    assert 0 < mapped <= eb * g.n_expert * len(g.moe_layers) + 2 * 4096 * 3 * len(g.moe_layers)
     assert st.misses > 0 and st.steps_stock == 0 and st.cpu_experts == 0
     assert st.bytes_uploaded == st.uploads * eb  # every miss and pin read whole from the file
 

@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <stdexcept>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 using namespace llama_expert_cache_impl;
@@ -201,6 +202,82 @@ void llama_expert_cache::release_mapping() {
             posix_fadvise(reader->fd, (off_t) b.file_off, (off_t) ggml_nbytes(b.src), POSIX_FADV_DONTNEED);
         }
     }
+}
+
+// The weights that stay resident beside a file tier (the non-expert weights; in a three-tier run the cached
+// layers' host experts too) are in the same file mapping, where the kernel may reclaim their pages under
+// the run's RAM cap and fault them back in every token (a thrash nothing at the cap can stop). So they
+// become anonymous memory with the same bytes at the same addresses: copied into a fresh anonymous
+// mapping, which mremap then moves over the file's pages. Like the slots, that needs no root and no
+// RLIMIT_MEMLOCK, and it is not reclaimed without swap. A range that cannot move stays mapped (said once).
+// Returns the bytes that stayed mapped.
+size_t llama_expert_cache::keep_resident() {
+    const llama_expert_cache_bank * any = nullptr;
+    std::unordered_set<const ggml_tensor *> tier;
+    for (const auto & L : layers) {
+        if (!L || !L->file_tier) {
+            continue;
+        }
+        for (const auto & b : L->banks) {
+            if (b.file_off >= 0 && b.src->data) {
+                tier.insert(b.src);
+                any = &b;
+            }
+        }
+    }
+    struct stat st = {};
+    if (!any || fstat(reader->fd, &st) != 0) {
+        return 0;
+    }
+    const char * base = (const char *) any->src->data - any->file_off; // llama.cpp maps the whole file
+    const char * end  = base + st.st_size;
+    std::vector<std::pair<uintptr_t, uintptr_t>> rs;
+    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    for (const auto & [name, t] : model.tensors_by_name) {
+        const char * d = (const char *) t->data;
+        if (!t->buffer || !ggml_backend_buffer_is_host(t->buffer) || tier.count(t) || d < base || d >= end) {
+            continue;
+        }
+        rs.push_back({ (uintptr_t) d / page * page, ((uintptr_t) d + ggml_nbytes(t) + page - 1) / page * page });
+    }
+    std::sort(rs.begin(), rs.end());
+    std::vector<std::pair<uintptr_t, uintptr_t>> merged;
+    for (const auto & r : rs) {
+        if (!merged.empty() && r.first <= merged.back().second) {
+            merged.back().second = std::max(merged.back().second, r.second);
+        } else {
+            merged.push_back(r);
+        }
+    }
+    size_t stayed = 0;
+    int    why    = ENOSYS;
+    const size_t chunk = (size_t) 16 << 20; // the copy's peak beside the run's own RAM
+    for (const auto & [lo, hi] : merged) {
+        for (uintptr_t a = lo; a < hi; a += chunk) {
+            const size_t n = std::min((size_t) (hi - a), chunk);
+#ifdef __linux__
+            void * fresh = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (fresh != MAP_FAILED) {
+                memcpy(fresh, (const void *) a, n);
+                mprotect(fresh, n, PROT_READ);
+                if (mremap(fresh, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, (void *) a) != MAP_FAILED) {
+                    posix_fadvise(reader->fd, (off_t) ((const char *) a - base), (off_t) n, POSIX_FADV_DONTNEED);
+                    continue;
+                }
+                why = errno;
+                munmap(fresh, n);
+            } else {
+                why = errno;
+            }
+#endif
+            stayed += n;
+        }
+    }
+    if (stayed > 0) {
+        LLAMA_LOG_WARN("expert cache: %.1f MiB of resident weights stay in the file mapping (%s): under memory "
+                "pressure the kernel may reclaim them and read them again\n", stayed / 1048576.0, strerror(why));
+    }
+    return stayed;
 }
 
 // A file-tier step larger than the LRU slots (a prefill ubatch): the resident experts are read where

@@ -130,6 +130,7 @@ int32_t llama_expert_cache::init(const llama_expert_cache_params & params, std::
     init_workers();
     if (!dry) {
         release_mapping();
+        keep_resident();
     }
     upload_pinned(params);
     if (trace_on) {

@@ -248,6 +248,7 @@ struct llama_expert_cache {
     void    upload_pinned(const llama_expert_cache_params & params);
     int32_t open_file_tier(const llama_expert_cache_params & params, std::string & err);
     void    release_mapping();
+    size_t  keep_resident();
     void    stage_file_step(llama_expert_cache_layer & L, const llama_expert_cache_ids & v, int32_t * out,
                             std::unique_lock<std::mutex> & lock);
 

@@ -37,13 +37,29 @@ def _fmt(v, how: str) -> str:
 
 
 def verdict(b: ram_bench.RamBench) -> str:
+    """One line: the tier against stock, or, where the cost model prices the page cache faster (what chat
+    and serve then run), that Spark maps the file as stock does, and what the tier measured."""
     tg, pp, exact = b.ratio("tg_tok_s"), b.ratio("pp_tok_s"), b.exact()
     if tg is None:
         return "no comparison: a configuration did not finish (see the errors above)"
     same = "the same tokens" if exact else "DIFFERENT TOKENS (a bug: report it)"
-    return (f"under {units.fmt_bytes(b.cap)}: Spark generates {tg:.2f}x stock's speed, prompts at {pp:.2f}x, "
-            f"{same}; no run was OOM-killed" if not any(r.oom_kills for r in b.runs) else
-            f"under {units.fmt_bytes(b.cap)}: tg {tg:.2f}x, pp {pp:.2f}x; a run was OOM-killed")
+    oom = "no run was OOM-killed" if not any(r.oom_kills for r in b.runs) else "a run was OOM-killed"
+    cap = units.fmt_bytes(b.cap)
+    if mapping_chosen(b):
+        tier, mapped = b.median("spark", "predicted_tg_tok_s"), b.median("stock", "predicted_tg_tok_s")
+        return (f"under {cap}: Spark maps the file as stock does (1.00x): the page cache is predicted faster here "
+                f"({mapped:.2f} against the tier's {tier:.2f} tok/s); its RAM tier measured {tg:.2f}x stock's tg, "
+                f"{pp:.2f}x pp, {same}; {oom}")
+    return f"under {cap}: Spark generates {tg:.2f}x stock's speed, prompts at {pp:.2f}x, {same}; {oom}"
+
+
+def mapping_chosen(b: ram_bench.RamBench) -> bool:
+    """Whether chat and serve would map the file under this cap: the page cache predicted MIN_GAIN faster
+    than the tier (runs/page_cache_choice's rule, on the bench's own figures)."""
+    from ..runs.page_cache_choice import MIN_GAIN
+
+    tier, mapped = b.median("spark", "predicted_tg_tok_s"), b.median("stock", "predicted_tg_tok_s")
+    return bool(tier and mapped and mapped >= tier * (1 + MIN_GAIN))
 
 
 def ahead_line(b: ram_bench.RamBench) -> str | None:
@@ -57,6 +73,16 @@ def ahead_line(b: ram_bench.RamBench) -> str | None:
            if rec is not None and prec is not None else "nothing read ahead")
     return (f"read-ahead (one expert a layer, predicted chance at least {gate:.2f}): tg {a / s:.2f}x Spark's "
             f"without it; {acc}")
+
+
+def prediction_ratios(b: ram_bench.RamBench) -> dict[str, float]:
+    """Each configuration's median predicted tg over its median measured tg (where both exist)."""
+    out = {}
+    for c in ram_bench.CONFIGS:
+        pred, meas = b.median(c, "predicted_tg_tok_s"), b.median(c, "tg_tok_s")
+        if pred and meas:
+            out[c] = pred / meas
+    return out
 
 
 def table(b: ram_bench.RamBench, md: bool) -> str | Table:
@@ -139,12 +165,16 @@ def _run_and_show(path: Path, flags: LoadFlags, n_prompt: int, n_gen: int, reps:
     if tier:
         out.print(f"[dim]{escape(tier)}[/]", soft_wrap=True)
     if b.base is not None and b.base.ok and b.disk is not None:
-        pred, meas = b.median("spark", "predicted_tg_tok_s"), b.median("spark", "tg_tok_s")
-        ratio = f"; predicted over measured {pred / meas:.2f}" if pred and meas else ""
         same = {True: "the same tokens as", False: "OTHER TOKENS THAN", None: "not compared with"}[b.exact_vs_uncapped()]
+        faults = (f" ({units.fmt_bytes(int(b.faults.bytes_per_s))}/s faulted through the mapping, {b.faults.depth} "
+                  f"threads)" if b.faults is not None else "")
         out.print(f"physical limits: uncapped {b.base.tg_tok_s:.2f} tok/s tg, {b.base.pp_tok_s:.2f} pp (Spark, no cap: "
                   f"{same} the capped runs); the disk {units.fmt_bytes(int(b.disk.bytes_per_s))}/s at "
-                  f"{units.fmt_bytes(b.disk.read_bytes)} reads, {b.disk.depth} in flight{ratio}",
+                  f"{units.fmt_bytes(b.disk.read_bytes)} reads, {b.disk.depth} in flight{faults}",
+                  soft_wrap=True, markup=False)
+    ratios = prediction_ratios(b)
+    if ratios:
+        out.print("tg predicted over measured: " + ", ".join(f"{c} {r:.2f}" for c, r in ratios.items()),
                   soft_wrap=True, markup=False)
     out.print(verdict(b), soft_wrap=True, markup=False)
     ahead = ahead_line(b)

@@ -292,6 +292,11 @@ def _kind(name: str) -> str:
     return m.group(1) if m else ""
 
 
+def tensor_offsets(path: str | os.PathLike[str]) -> dict[str, int]:
+    """Each tensor's first byte in a one-file GGUF (a split model's: in its first part only)."""
+    return {t.name: t.data_offset for t in _open(Path(path)).tensors}
+
+
 def load_geometry(path: str | os.PathLike[str], require_moe: bool = True) -> ModelGeometry:
     """Read a GGUF's geometry without loading weights; ModelFileError names the path."""
     path = Path(path)

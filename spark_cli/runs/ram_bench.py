@@ -37,7 +37,7 @@ from ..core import ram_tier
 from ..core.trace import DECODE
 from ..files.paths import spark_home
 from ..errors import SparkError
-from . import disk_costs, memcg, read_ahead
+from . import disk_costs, memcg, page_cache_choice, read_ahead
 
 CONFIGS = ("stock", "spark", "spark-ahead")  # spark-ahead: Spark's tier with read-ahead (one expert a layer, gated)
 SPARK = ("spark", "spark-ahead")
@@ -74,16 +74,6 @@ class RamRun:
     rss_peak: int = 0  # the process's peak resident set (bytes)
     rss_runtime: int = 0  # base: its resident set after a dry run, before the model loads (the runtime)
     host_bill: dict = field(default_factory=dict)  # base: the dry run's host bill (model, context, compute, total)
-
-
-def _io() -> tuple[int, int]:
-    """(bytes this process read from storage, its major faults) so far."""
-    rb = 0
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                rb = int(line.split()[1])
-    return rb, resource.getrusage(resource.RUSAGE_SELF).ru_majflt
 
 
 def run_context(n_ctx: int, n_prompt: int, n_gen: int) -> int:
@@ -169,11 +159,11 @@ def worker(spec: WorkerSpec) -> dict:
 
     with Engine(opts) as eng:
         work = make_workload(eng, read_corpus(bundled_corpus()).documents, n_prompt)
-        r0 = _io()
+        r0 = disk_costs.process_io()
         t0 = time.perf_counter()
         eng.eval(work.pp_tokens, logits="last")
         t1 = time.perf_counter()
-        r1 = _io()
+        r1 = disk_costs.process_io()
         out.pp_tok_s = len(work.pp_tokens) / (t1 - t0)
         out.prompt_tokens = len(work.pp_tokens)
         out.pp_read_bytes_per_token = (r1[0] - r0[0]) / len(work.pp_tokens)
@@ -181,14 +171,14 @@ def worker(spec: WorkerSpec) -> dict:
         eng.reset()
         logits = eng.eval(work.gen_prompt, logits="last")
         c0 = cache_total(eng) if opts.cache_layers else None
-        r1 = _io()
+        r1 = disk_costs.process_io()
         t1 = time.perf_counter()
         for _ in range(n_gen):
             t = int(np.argmax(logits))
             out.tokens.append(t)
             logits = eng.eval([t])
         t2 = time.perf_counter()
-        r2 = _io()
+        r2 = disk_costs.process_io()
         out.tg_tok_s = n_gen / (t2 - t1)
         out.read_bytes_per_token = (r2[0] - r1[0]) / n_gen
         out.major_faults_per_token = (r2[1] - r1[1]) / n_gen
@@ -212,6 +202,7 @@ class RamBench:
     runs: list[RamRun]
     base: RamRun | None = None  # the uncapped run
     disk: "DiskCosts | None" = None
+    faults: "DiskCosts | None" = None  # the same reads faulted in through a mapping (stock's misses)
 
     def of(self, config: str) -> list[RamRun]:
         return [r for r in self.runs if r.config == config and r.ok]
@@ -232,8 +223,8 @@ class RamBench:
     def to_dict(self) -> dict:
         return {"cap": self.cap, "exact": self.exact(), "tg_ratio": self.ratio("tg_tok_s"),
                 "pp_ratio": self.ratio("pp_tok_s"), "runs": [asdict(r) for r in self.runs],
-                "uncapped": {"tg_tok_s": self.base.tg_tok_s, "pp_tok_s": self.base.pp_tok_s} if self.base else None,
-                "disk": asdict(self.disk) if self.disk else None}
+                "uncapped": asdict(self.base) if self.base else None,
+                "disk": asdict(self.disk) if self.disk else None, "faults": asdict(self.faults) if self.faults else None}
 
     def exact_vs_uncapped(self) -> bool | None:
         if self.base is None or not self.base.ok or not self.of("spark"):
@@ -269,6 +260,8 @@ def run(model: Path, cap: int | None, *, reps: int = 2, n_prompt: int = 512, n_g
     total = reps * len(configs) + 1
     geometry = load_geometry(model)
     disk = disk_costs.ensure(model, disk_costs.read_size(geometry), disk_costs.READERS, spark_home())
+    faults = disk_costs.ensure(model, disk_costs.read_size(geometry), threads or os.cpu_count() or 1, spark_home(),
+                               faults=True) if "stock" in configs else None
     spec = WorkerSpec(str(model), BASE, n_prompt, n_gen, threads, n_ctx, device)
     base = _spawn(None, spec)
     if on_run:
@@ -288,10 +281,12 @@ def run(model: Path, cap: int | None, *, reps: int = 2, n_prompt: int = 512, n_g
             if config in SPARK and r.ok and base.ok:
                 r.replayed_bytes_per_token = replayed_bytes(geometry, base, r)
                 r.predicted_tg_tok_s = predict_tg(geometry, base, r, disk)
+            elif config == "stock" and r.ok and base.ok and faults is not None:
+                r.predicted_tg_tok_s = predict_stock_tg(model, geometry, base, cap, faults, device)
             runs.append(r)
             if on_run:
                 on_run(len(runs) + 1, total, r)
-    return RamBench(cap, runs, base, disk)
+    return RamBench(cap, runs, base, disk, faults)
 
 
 def _spawn(cg: "memcg.MemoryCgroup | None", spec: WorkerSpec) -> RamRun:
@@ -365,6 +360,38 @@ def predict_tg(g, base: RamRun, spark: RamRun, disk: "DiskCosts") -> float | Non
         misses, eb = replayed_misses(g, base, spark)
         return 1.0 / file_tier_tg(1.0 / base.tg_tok_s, misses, eb, disk)
     return 1.0 / prefetch.predicted_tg(_ahead_replay(g, base, spark), 1.0 / base.tg_tok_s, disk, len(g.moe_layers))
+
+
+def page_cache_bytes(g, base: RamRun, cap: int, device: DeviceShape | None = None) -> int:
+    """What stock's page cache can hold of the experts under `cap`: the cap less the runtime (the
+    uncapped run's resident set before loading), the measured KV cache and compute buffers and the
+    weights that are not the page-cached experts (every MoE layer's; with a device, the host layers')."""
+    layers = [il for il in g.moe_layers if device is None or il < device.n_cpu_moe]
+    if not layers or not base.host_bill:
+        return 0
+    h = base.host_bill
+    moved = ram_tier.expert_bytes(g, layers)
+    return max(0, cap - base.rss_runtime - h["context"] - h["compute"] - max(0, h["model"] - moved))
+
+
+def stock_bytes_per_token(model: Path, g, base: RamRun, cap: int, device: DeviceShape | None = None) -> float | None:
+    """The bytes stock reads from the file per decode token under `cap`: the uncapped run's routing
+    replayed through the page cache with the disk's read-around window (page_cache_choice)."""
+    layers = [il for il in g.moe_layers if device is None or il < device.n_cpu_moe]
+    if not layers or not base.trace:
+        return None
+    return page_cache_choice.page_cache_bytes_per_token(model, g, layers, _base_trace(g, base),
+                                                        page_cache_bytes(g, base, cap, device))
+
+
+def predict_stock_tg(model: Path, g, base: RamRun, cap: int, faults: "DiskCosts",
+                     device: DeviceShape | None = None) -> float | None:
+    """The cost model's tg for stock under `cap`: the uncapped token, plus stock_bytes_per_token read at
+    the rate measured faulting through a mapping (disk_costs, faults: read-around included)."""
+    if not base.tg_tok_s:
+        return None
+    read = stock_bytes_per_token(model, g, base, cap, device)
+    return None if read is None else page_cache_choice.page_cache_tg(base.tg_tok_s, read, faults)
 
 
 def _parse(config: str, p: subprocess.CompletedProcess) -> RamRun:

@@ -17,7 +17,7 @@ import numpy as np
 from typing import Callable
 
 from ..native import devices
-from . import device_costs, dry_run, host_ram, read_ahead, self_check
+from . import device_costs, dry_run, host_ram, page_cache_choice, read_ahead, self_check
 from .miss_path import device_key
 from ..files.paths import spark_home
 from ..core import plan_file, planner, profile_store, ram_tier, split as split_mod, units, vram
@@ -314,6 +314,10 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
         warnings = [f"{reason}: --plan/--vram ignored"] if plan_path is not None or vram_text else []
         n_ctx = context_size(flags.ctx_size, geometry.context_length)
         tier = resolve_ram_tier(model, geometry, info, flags, n_ctx)
+        choice = resolve_tier_choice(model, geometry, info, flags, tier)
+        if choice is not None:
+            warnings.append(choice.line)
+            tier = tier if choice.use_tier else None
         ahead = resolve_read_ahead(model, geometry, info, flags, tier, None)
         if tier is not None:
             warnings += [tier.line(), ahead.line]
@@ -456,6 +460,20 @@ def with_ram_tier(opts: EngineOptions, tier: ram_tier.RamTier | None, geometry: 
     return dataclasses.replace(opts, cache_layers=[*opts.cache_layers, *ram], file_tier=True,
                                host_budget=tier.bank_bytes, read_ahead=ahead.ahead if ahead else 0,
                                ahead_min_prob=ahead.min_prob if ahead else 0)
+
+
+def resolve_tier_choice(model: Path, geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags,
+                        tier: ram_tier.RamTier | None) -> page_cache_choice.TierDecision | None:
+    """A CPU run's RAM tier, or stock's mapping where the cost model prices the page cache faster
+    (runs/page_cache_choice.decide). Not with --ram: only the tier keeps to a budget the kernel does not
+    enforce. None: no RAM tier to decide on."""
+    if tier is None:
+        return None
+    if flags.ram is not None:
+        return page_cache_choice.tier("--ram: the mapping's page cache would not keep to it")
+    trace = info.profile.recent_trace() if info.profile is not None else None
+    base = read_ahead.uncapped_tg(spark_home(), geometry.fingerprint, None, flags.threads)
+    return page_cache_choice.decide(model, geometry, tier, trace, base, flags.threads, spark_home())
 
 
 def resolve_read_ahead(model: Path, geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags,
