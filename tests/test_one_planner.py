@@ -347,7 +347,7 @@ def _run_serve(model, budget, monkeypatch, capsys, tmp_path) -> None:
     from spark_cli.serve import server
 
     _fake_device(monkeypatch)
-    monkeypatch.setattr(server, "bind", lambda host, port: (_ for _ in ()).throw(_Stop("placed")))
+    monkeypatch.setattr(server, "bind", lambda host, port, **kw: (_ for _ in ()).throw(_Stop("placed")))
     rc, _, err = cli_runner(monkeypatch, capsys, "serve", serve_cmd.register)(
         model, "--vram", budget, "-c", 512, "-ctk", "q8_0", "-ub", 256, "--no-learn")
     assert rc == 1 and "placed" in err, err
