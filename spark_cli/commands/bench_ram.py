@@ -56,10 +56,10 @@ def verdict(b: ram_bench.RamBench) -> str:
 def mapping_chosen(b: ram_bench.RamBench) -> bool:
     """Whether chat and serve would map the file under this cap: the page cache predicted MIN_GAIN faster
     than the tier (runs/page_cache_choice's rule, on the bench's own figures)."""
-    from ..runs.page_cache_choice import MIN_GAIN
+    from ..runs.page_cache_choice import prefers_mapping
 
     tier, mapped = b.median("spark", "predicted_tg_tok_s"), b.median("stock", "predicted_tg_tok_s")
-    return bool(tier and mapped and mapped >= tier * (1 + MIN_GAIN))
+    return bool(tier and mapped and prefers_mapping(tier, mapped))
 
 
 def ahead_line(b: ram_bench.RamBench) -> str | None:

@@ -57,6 +57,11 @@ def page_cache_tg(base_tg: float, bytes_per_token: float, faults: DiskCosts) -> 
     return 1.0 / (1.0 / base_tg + bytes_per_token / faults.bytes_per_s)
 
 
+def prefers_mapping(tier_tg: float, page_cache_tg: float) -> bool:
+    """The rule: the mapping only where the page cache is predicted MIN_GAIN faster than the tier."""
+    return page_cache_tg >= tier_tg * (1.0 + MIN_GAIN)
+
+
 def fault_costs(model: Path, geometry: ModelGeometry, threads: int | None, home: Path) -> DiskCosts | None:
     """The kept fault rate through a mapping at -t's depth (the compute threads fault), or None."""
     return disk_costs.kept(model, disk_costs.read_size(geometry), threads or os.cpu_count() or 1, home, faults=True)
@@ -85,7 +90,7 @@ def decide(model: Path, geometry: ModelGeometry, t: ram_tier.RamTier, trace: Rou
     window = page_cache.read_ahead_window(os.stat(model).st_dev)[0]
     prices = (f"the cost model: {tier_tg:.1f} tok/s with the tier, {mapped_tg:.1f} with the page cache at a "
               f"{window >> 10} KiB read-around window")
-    if mapped_tg >= tier_tg * (1.0 + MIN_GAIN):
+    if prefers_mapping(tier_tg, mapped_tg):
         return TierDecision(False, f"RAM tier: off, the model file is mapped as stock maps it ({prices})",
                             tier_tg, mapped_tg)
     return TierDecision(True, f"RAM tier: on ({prices})", tier_tg, mapped_tg)
