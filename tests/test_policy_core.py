@@ -57,6 +57,8 @@ def built(tmp_path_factory):
     lib.ecp_step.argtypes = [ctypes.c_void_p, i32p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
                              i32p, i32p, i32p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
     lib.ecp_state.argtypes = [ctypes.c_void_p] + [ctypes.c_void_p] * 6
+    lib.ecp_fill_free.restype = ctypes.c_int32
+    lib.ecp_fill_free.argtypes = [ctypes.c_void_p, i32p, ctypes.c_int64, ctypes.c_int64, i32p]
     return lib
 
 
@@ -101,6 +103,13 @@ class Native:
                      out.tolist()))
         o["admitted"] = [tuple(p) for p in admit[: 2 * o["n_admit"]].reshape(-1, 2).tolist()]
         return o, dst.reshape(T, k), missed.reshape(T, k), set(np.flatnonzero(waits).tolist())
+
+    def fill_free(self, rows: list[list[int]]) -> list[tuple[int, int]]:
+        ids = np.asarray(rows, dtype=np.int32)
+        admit = np.zeros(2 * self.n_expert, dtype=np.int32)
+        n = self.lib.ecp_fill_free(self.h, ids.ctypes.data_as(i32p), len(rows), len(rows[0]), admit.ctypes.data_as(i32p))
+        assert n >= 0, "native fill_free refused the ids"
+        return [tuple(p) for p in admit[: 2 * n].reshape(-1, 2).tolist()]
 
     def state(self):
         se = np.zeros(self.S, dtype=np.int32)
@@ -250,3 +259,61 @@ def test_split_stages_while_the_step_ends_sooner():
     assert split_misses([5, 7, 3, 9], entries, 8, MissCosts(0, 10, True), by_cost=True) == []
     # a fixed CPU cost per expert (its weights read once): 5's one entry costs 1100 ns > 300 one after the other
     assert split_misses([5, 7, 3, 9], entries, 8, MissCosts(100, 300, False, 1000), by_cost=True) == [3, 7, 9, 5]
+
+
+@st.composite
+def ram_tier_cases(draw):
+    """The RAM tier (native's file tier: the upload path, no CPU recipe): prompts too large for the
+    LRU slots, one-token decode steps and small prompts, in any order."""
+    n_expert = draw(st.integers(2, 12))
+    k = draw(st.integers(1, min(4, n_expert)))
+    n_pin = draw(st.integers(0, min(3, n_expert - k)))
+    slots = draw(st.integers(n_pin + k, n_expert))
+    pinned = draw(st.permutations(range(n_expert)))[:n_pin]
+    token = st.lists(st.integers(0, n_expert - 1), min_size=k, max_size=k, unique=True)
+    steps = [draw(st.lists(token, min_size=1, max_size=draw(st.sampled_from([1, 1, 2, 5, 12]))))
+             for _ in range(draw(st.integers(1, 25)))]
+    return n_expert, slots, pinned, steps
+
+
+@pytest.mark.parametrize("policy", NATIVE_POLICIES)
+def test_ram_tier_prompt_fills_free_slots_as_the_simulator(built, policy):
+    """A step too large for the LRU slots fills the free ones (the misses with most entries, the
+    hottest last), as LayerCache.fill_free says; every other step is the policy's. State after every
+    step equal; and a prompt with free slots places exactly min(free, misses) experts."""
+    core = loaded(built)
+
+    @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(case=ram_tier_cases())
+    def check(case):
+        n_expert, slots, pinned, steps = case
+        params = PolicyParams()
+        sim = LayerCache(n_expert, slots, pinned, policy, "upload", 1 << 30, params, fill_free=True)
+        nat = Native(core, n_expert, slots, pinned, policy, "upload", 1 << 30, params)
+        try:
+            for t, rows in enumerate(steps):
+                distinct = list(dict.fromkeys(e for r in rows for e in r))
+                entries = {e: sum(r.count(e) for r in rows) for e in distinct}
+                where = f"step {t} ({len(rows)} tokens)"
+                if len(rows) * len(rows[0]) > slots - len(pinned):
+                    free, miss = sim.n_free, sum(sim.expert_slot[e] < 0 for e in distinct)
+                    o = sim.step(distinct, False, large=True, entries=entries)
+                    assert len(o.admitted) == min(free, miss), where
+                    assert nat.fill_free(rows) == o.admitted, where
+                else:
+                    sim.step(distinct, len(rows) == 1)
+                    nat.step(rows, len(rows) == 1, False)
+                assert nat.state() == expected_state(sim), where
+        finally:
+            nat.close()
+
+    check()
+
+
+def test_fill_free_places_the_most_routed_last():
+    """Worked case: 2 free slots, misses 3 (5 entries), 1 (2), 2 (2): 3 and 1 (ties by id) placed, 1 first."""
+    c = LayerCache(6, 3, [0], "lru", "upload", fill_free=True)
+    o = c.step([0, 3, 1, 2], False, large=True, entries={0: 9, 3: 5, 1: 2, 2: 2})
+    assert o.admitted == [(1, 1), (3, 2)] and o.hits == [0] and o.misses == [3, 1, 2]
+    assert c.slot_tick[2] > c.slot_tick[1]
+    assert c.step([4, 5, 3], False, large=True, entries={4: 3, 5: 3, 3: 1}).admitted == []  # no free slot

@@ -115,12 +115,15 @@ def test_replay_misses_are_the_simulators():
     ids = _random_ids(rng, 303, 4)
     ids[:, 1] = -1  # a dense layer
     phase, step = np.ones(303, np.uint8), np.arange(303, dtype=np.int32)
-    phase[:3], step[:3] = 0, 0  # a 3-token prompt first: neither replays it
+    phase[:3], step[:3] = 0, 0  # a 3-token prompt first: too large for the LRU slots, it warms them
     trace = RoutingTrace(ids, phase, step, E, "synthetic")
     slots, pins = {0: 9, 2: 10, 3: 6}, {0: (5, 1), 2: (0,)}
     r = prefetch.replay(trace, slots, pins, dict.fromkeys(slots, 1), AheadParams(ahead=1))
-    sim = simulate(trace, DEFAULT_POLICY, slots, pins)
+    sim = simulate(trace, DEFAULT_POLICY, slots, pins, phases=("prefill", "decode"), ram_tier=True)
     assert r.misses == sum(s.misses_decode for s in sim.layers.values())
+    assert sim.layers[3].admissions > sim.layers[3].admissions_decode  # the prompt filled free slots
+    cold = simulate(trace, DEFAULT_POLICY, slots, pins)  # the prompt skipped: a different replay
+    assert sum(s.misses_decode for s in cold.layers.values()) != r.misses
     assert r.tokens == sim.decode_tokens == 300
     assert sum(r.ahead_steps.values()) == 2 * 300  # layers 0 and 2 read ahead (for 2 and 3), 3 does not
     assert r.covered <= min(r.misses, r.reads_ahead)

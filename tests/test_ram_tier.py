@@ -185,6 +185,45 @@ def test_read_ahead_is_exact_and_replays_as_the_predictor_says(small_model):
 
 
 @pytest.mark.model
+def test_a_prompt_warms_the_free_slots_as_replayed(small_model):
+    """A prompt too large for the RAM slots fills the free ones (its most routed misses) instead of
+    only staging them: logits bit-identical to the tier without a RAM limit on its slots (all 8 in
+    RAM), the native hits and misses equal the simulator's replay of the same trace with the prompt
+    (and core/prefetch.py's decode misses equal it), and the warmed slots cost the decode misses."""
+    from spark_cli.core import prefetch
+    from spark_cli.core.capture import records_to_trace
+    from spark_cli.core.simulator import DEFAULT_POLICY, simulate
+    from spark_cli.native.engine import Engine, EngineOptions
+    from spark_cli.native.expert_cache import CacheLayer
+    from spark_cli.runs.bench import cache_total
+
+    g = load_geometry(small_model)
+    whole = EngineOptions(small_model, n_ctx=256, n_threads=2, device="none", repack=False, file_tier=True,
+                          cache_layers=[CacheLayer(il, g.n_expert, ()) for il in g.moe_layers])
+    with Engine(whole) as e:
+        ref = _greedy(e, 10)
+    layers = [CacheLayer(il, 4, (0,)) for il in g.moe_layers]
+    with Engine(dataclasses.replace(whole, cache_layers=layers, trace=True)) as e:
+        got = _greedy(e, 10)
+        trace = records_to_trace(e.cache.trace_records(), g.n_layer, g.n_expert, g.fingerprint)
+        st = cache_total(e)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    slots, pinned = {l.il: l.n_slots for l in layers}, {l.il: l.pinned for l in layers}
+    sim = simulate(trace, DEFAULT_POLICY, slots, pinned, phases=("prefill", "decode"), ram_tier=True)
+    assert trace.n_rows > trace.n_decode  # the prompt is one step, too large for the 3 LRU slots
+    assert (st.hits, st.misses) == (sum(l.hits for l in sim.layers.values()), sum(l.misses for l in sim.layers.values()))
+    # the pins, the slots the prompt warmed, the decode misses
+    assert st.uploads == sum(l.uploads for l in sim.layers.values())
+    assert sum(l.admissions - l.admissions_decode for l in sim.layers.values()) > 0
+    eb = g.layers[g.moe_layers[0]].expert_bytes_per_expert
+    assert st.bytes_uploaded == st.uploads * eb
+    ahead = prefetch.replay(trace, slots, pinned, {il: eb for il in slots}, prefetch.AheadParams(0))
+    assert ahead.misses == sum(l.misses_decode for l in sim.layers.values())
+    cold = simulate(trace.decode_steps(), DEFAULT_POLICY, slots, pinned)  # the slots as a cold start leaves them
+    assert sum(l.misses_decode for l in sim.layers.values()) <= sum(l.misses_decode for l in cold.layers.values())
+
+
+@pytest.mark.model
 def test_three_tiers_are_bit_identical_on_the_stand_in(small_model, rpc_server):
     """Three tiers on the RPC stand-in GPU: half the MoE layers resident on the device, a quarter cached
     there (device slots, the CPU miss path), a quarter host layers in the RAM tier (RAM slots, misses

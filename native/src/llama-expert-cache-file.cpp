@@ -281,28 +281,37 @@ size_t llama_expert_cache::keep_resident() {
 }
 
 // A file-tier step larger than the LRU slots (a prefill ubatch): the resident experts are read where
-// they are, untouched (the decode working set stays as it was), and every other routed expert is read
-// once into a staging slice for this step; nothing is admitted. (under the lock, released for the reads)
+// they are, untouched (the decode working set stays as it was). While LRU slots are free (a cold
+// start), the misses with most entries fill them (slots.fill_free): a prompt warms the slots its
+// decode will use. Every other routed expert is read once into a staging slice for this step and not
+// admitted. (under the lock, released for the reads)
 void llama_expert_cache::stage_file_step(llama_expert_cache_layer & L, const llama_expert_cache_ids & v, int32_t * out,
         std::unique_lock<std::mutex> & lock) {
-    const auto & S = L.slots;
-    std::vector<int32_t> where(n_expert, -1), es, ss;
+    auto & S = L.slots;
+    const int32_t n_fill = S.fill_free(v);
+    if (n_fill < 0) {
+        throw std::runtime_error(fmt("layer %d: a routed expert id out of range", L.il));
+    }
+    std::vector<int32_t> where(n_expert, -1), filled(n_expert, 0), es, ss;
+    for (int32_t a = 0; a < n_fill; ++a) {
+        filled[S.admit[2 * a]] = 1;
+        es.push_back(S.admit[2 * a]);
+        ss.push_back(S.admit[2 * a + 1]);
+    }
     uint64_t hits = 0;
+    int32_t n_staged = 0;
     for (int64_t t = 0; t < v.n_tokens; ++t) {
         for (int64_t j = 0; j < v.k; ++j) {
             const int32_t e = v.at(t, j);
-            if (e < 0 || e >= n_expert) {
-                throw std::runtime_error(fmt("layer %d: routed expert id %d out of range", L.il, e));
-            }
             if (where[e] < 0) {
                 if (S.expert_slot[e] >= 0) {
                     where[e] = S.expert_slot[e];
-                    hits++;
+                    hits += !filled[e];
                 } else {
-                    if ((int32_t) es.size() >= S.n_stage) {
+                    if (n_staged >= S.n_stage) {
                         throw std::runtime_error(fmt("layer %d: more misses than the %d staging slices", L.il, S.n_stage));
                     }
-                    where[e] = S.stage_base + (int32_t) es.size();
+                    where[e] = S.stage_base + n_staged++;
                     es.push_back(e);
                     ss.push_back(where[e]);
                 }
@@ -317,8 +326,10 @@ void llama_expert_cache::stage_file_step(llama_expert_cache_layer & L, const lla
     read_experts(L, es.data(), ss.data(), (int32_t) es.size());
     const int64_t dt = ggml_time_us() - t0;
     lock.lock();
-    L.stats.staged_uploads        += es.size();
-    L.stats.staged_upload_bytes   += (uint64_t) es.size() * L.expert_bytes;
+    L.stats.uploads               += n_fill;
+    L.stats.bytes_uploaded        += (uint64_t) n_fill * L.expert_bytes;
+    L.stats.staged_uploads        += n_staged;
+    L.stats.staged_upload_bytes   += (uint64_t) n_staged * L.expert_bytes;
     L.stats.blocking_upload_bytes += (uint64_t) es.size() * L.expert_bytes;
     L.stats.blocking_calls        += (uint64_t) es.size() * L.banks.size();
     L.stats.upload_us             += dt;

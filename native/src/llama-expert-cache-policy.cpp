@@ -218,6 +218,54 @@ const char * llama_expert_cache_slots::place_misses(const llama_expert_cache_mod
     return nullptr;
 }
 
+// A step too large for the LRU slots, while some are free (a cold start): the misses with most
+// entries (then lower id), as many as there are free slots, are placed in them READY, the one with
+// most entries last (the most recent). Hits are not touched and no count changes, as in a step too
+// large for the slots. Returns how many were placed (their (expert, slot) pairs in admit), or -1 for
+// an id out of range. simulator.py's LayerCache.fill_free is its specification.
+int32_t llama_expert_cache_slots::fill_free(const llama_expert_cache_ids & ids) {
+    int32_t n_free = 0;
+    for (int32_t s = n_pinned; s < n_slots; ++s) {
+        n_free += slot_state[s] == LLAMA_EXPERT_CACHE_SLOT_FREE;
+    }
+    if (collect(ids) < 0) {
+        return -1;
+    }
+    int32_t n_miss = 0;
+    for (int32_t i = 0; i < n_distinct; ++i) {
+        const int32_t e = distinct[i];
+        seen[e] = 0;
+        if (expert_slot[e] < 0) {
+            entries[e] = 0;
+            order[n_miss++] = e;
+        }
+    }
+    if (n_free == 0 || n_miss == 0) {
+        return 0;
+    }
+    for (int64_t t = 0; t < ids.n_tokens; ++t) {
+        for (int64_t j = 0; j < ids.k; ++j) {
+            const int32_t e = ids.at(t, j);
+            entries[e] += expert_slot[e] < 0;
+        }
+    }
+    std::sort(order.begin(), order.begin() + n_miss, [&](int32_t a, int32_t b) {
+        return entries[a] > entries[b] || (entries[a] == entries[b] && a < b);
+    });
+    const int32_t n = std::min(n_free, n_miss);
+    for (int32_t i = 0; i < n; ++i) {
+        const int32_t e = order[n - 1 - i];
+        const int32_t s = free_slot();
+        evict_into(s, e);
+        slot_step[s]   = 0;
+        slot_state[s]  = LLAMA_EXPERT_CACHE_SLOT_READY;
+        expert_slot[e] = s;
+        admit[2 * i]     = e;
+        admit[2 * i + 1] = s;
+    }
+    return n;
+}
+
 void llama_expert_cache_slots::clear_stage() {
     for (int32_t i = 0; i < n_staged; ++i) {
         expert_stage[stage_expert[i]] = -1;

@@ -129,6 +129,8 @@ struct llama_expert_cache_slots {
     const char * place_misses(const llama_expert_cache_mode & m, llama_expert_cache_outcome & out);
     void stage_misses(const llama_expert_cache_ids & ids, const llama_expert_cache_mode & m, llama_expert_cache_outcome & out);
     void clear_stage();
+    // A step too large for the LRU slots (the file tier's prefill) fills the free ones: see the .cpp
+    int32_t fill_free(const llama_expert_cache_ids & ids);
     int32_t filler_for(const int32_t * row, int64_t k, bool allow_pending) const;
     bool counts() const;
 };

@@ -61,6 +61,23 @@ int32_t ecp_step(void * h, const int32_t * ids, int64_t n_tokens, int64_t k, int
     return 0;
 }
 
+// The RAM tier's step too large for its LRU slots: the free slots filled (slots.fill_free). ids:
+// [n_tokens, k] token-major; admit: [2 * n_expert]. Returns the placements, or -1 for a bad id.
+int32_t ecp_fill_free(void * h, const int32_t * ids, int64_t n_tokens, int64_t k, int32_t * admit) {
+    auto & c = *(llama_expert_cache_slots *) h;
+    llama_expert_cache_ids v;
+    v.data     = ids;
+    v.k        = k;
+    v.n_tokens = n_tokens;
+    v.nb0      = sizeof(int32_t);
+    v.nb1      = k * sizeof(int32_t);
+    const int32_t n = c.fill_free(v);
+    if (n > 0) {
+        memcpy(admit, c.admit.data(), 2 * (size_t) n * sizeof(int32_t));
+    }
+    return n;
+}
+
 // slot_expert (-2 - e: pending), slot_tick, slot_seg: [n_slots]; expert_slot, freq: [n_expert];
 // scalars: protected_n, age, tick
 void ecp_state(void * h, int32_t * slot_expert, uint64_t * slot_tick, uint8_t * slot_seg, int32_t * expert_slot,

@@ -39,7 +39,7 @@ from typing import Collection, Mapping, Sequence
 from ..errors import PlanError
 from .cost_model import DiskCosts, file_tier_tg_ahead
 from .simulator import DEFAULT_POLICY, LayerCache
-from .trace import RoutingTrace
+from .trace import DECODE, RoutingTrace
 
 FIXED_BITS = 16
 ONE = 1 << FIXED_BITS  # prob 1.0 in the predictor's fixed point
@@ -214,20 +214,33 @@ class _LayerRun:
     misses: list[list[int]]
 
 
-def _layer_run(steps: Sequence[list[int]], n_expert: int, slots: int, pinned: Sequence[int],
-               policy: str) -> _LayerRun:
-    cache = LayerCache(n_expert, slots, pinned, policy, "upload")
-    resident, misses = [], []
-    for distinct in steps:
-        resident.append(frozenset(e for e in range(n_expert) if cache.expert_slot[e] >= 0))
-        misses.append(cache.step(distinct).misses)
-    return _LayerRun(list(steps), resident, misses)
-
-
-def _decode_steps(trace: RoutingTrace, layer: int) -> list[list[int]]:
-    """The distinct ids of each one-token decode step of `layer` (in routing order)."""
-    col = trace.ids[:, layer, :].tolist()
-    return [list(dict.fromkeys(e for e in row if e >= 0)) for row in col]
+def _layer_run(trace: RoutingTrace, layer: int, slots: int, pinned: Sequence[int], policy: str) -> _LayerRun:
+    """`layer`'s steps through its RAM slots as native runs them (LayerCache with fill_free: a prompt
+    too large for the LRU slots fills the free ones); for each one-token decode step, in trace order
+    (trace.decode_steps()'s), its routed experts, the resident set before it and its misses."""
+    cache = LayerCache(trace.n_expert, slots, pinned, policy, "upload", fill_free=True)
+    cap = slots - len(set(pinned))
+    routed: list[list[int]] = []
+    resident: list[frozenset[int]] = []
+    misses: list[list[int]] = []
+    for phase, ids in trace.steps(layer):
+        rows = [r for r in ids.tolist() if r[0] >= 0]
+        distinct = list(dict.fromkeys(e for r in rows for e in r if e >= 0))
+        if rows and len(rows) * len(rows[0]) > cap:
+            entries: dict[int, int] = {}
+            for r in rows:
+                for e in r:
+                    entries[e] = entries.get(e, 0) + 1
+            cache.step(distinct, phase == DECODE, large=True, entries=entries)
+            continue
+        one = phase == DECODE and ids.shape[0] == 1
+        if one:
+            routed.append(distinct)
+            resident.append(frozenset(e for e in range(trace.n_expert) if cache.expert_slot[e] >= 0))
+        o = cache.step(distinct, phase == DECODE)
+        if one:
+            misses.append(o.misses)
+    return _LayerRun(routed, resident, misses)
 
 
 def replay(trace: RoutingTrace, slots: Mapping[int, int], pinned: Mapping[int, Sequence[int]],
@@ -236,14 +249,14 @@ def replay(trace: RoutingTrace, slots: Mapping[int, int], pinned: Mapping[int, S
     """The one-token decode steps of `trace` through `slots` RAM slots per MoE layer (`pinned` first)
     under `policy` (the native one), reading ahead with `params` and `predictor` (default: a fresh
     CoRoutingPredictor over the layers of `slots`; a given one, e.g. warmed by `learn`, is set to `params`),
-    which learns each step after predicting it. The misses equal
-    simulate(trace.decode_steps(), policy, slots, pinned)'s."""
+    which learns each step after predicting it. A prompt's steps warm the free slots first, as native.
+    The misses equal simulate(trace, policy, slots, pinned, phases=("prefill", "decode"),
+    ram_tier=True)'s decode misses."""
     dec = trace.decode_steps()
     layers = sorted(int(l) for l in slots)
     pred = predictor or CoRoutingPredictor(layers, trace.n_expert, params)
     pred.params = params
-    runs = {l: _layer_run(_decode_steps(dec, l), trace.n_expert, int(slots[l]), tuple(pinned.get(l, ())), policy)
-            for l in layers}
+    runs = {l: _layer_run(trace, l, int(slots[l]), tuple(pinned.get(l, ())), policy) for l in layers}
     out = AheadReplay(params.ahead, dec.n_rows, 0, 0, 0, 0, 0, 0)
     for t in range(dec.n_rows):
         for l in layers:

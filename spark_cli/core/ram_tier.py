@@ -159,13 +159,14 @@ def _pins(counts: np.ndarray | None, il: int, n_slots: int, k: int) -> tuple[int
 
 
 def misses_per_token(slots: dict[int, int], pinned: dict[int, tuple[int, ...]], trace) -> float | None:
-    """Distinct experts per decode token not in RAM: the trace's decode steps replayed through the
-    RAM slots under the native policy (core/simulator.py, exact); None without decode steps."""
+    """Distinct experts per decode token not in RAM: the trace replayed through the RAM slots under
+    the native policy (core/simulator.py, exact; a prompt's steps warm the free slots, as native);
+    None without decode steps."""
     from .simulator import DEFAULT_POLICY, simulate
 
     if trace is None or not slots:
         return None
-    sim = simulate(trace, DEFAULT_POLICY, slots, pinned, phases=("decode",))
+    sim = simulate(trace, DEFAULT_POLICY, slots, pinned, phases=("prefill", "decode"), ram_tier=True)
     if sim.decode_tokens == 0:
         return None
     return sum(s.misses_decode for s in sim.layers.values()) / sim.decode_tokens

@@ -22,6 +22,9 @@ Miss paths:
   CPU (an admitted miss too: its upload runs in the background, never twice in a step).
   On the "upload" path a step too large for the slots stages its misses too (most entries
   first, no costs) while the staging slices last.
+- the RAM tier (native's file tier, `fill_free`): a step too large for the slots first fills the
+  free LRU slots (a cold start) with its misses, most entries first (LayerCache.fill_free); the
+  rest are read for that step only. Hits are not touched and nothing is counted, as above.
 - "cpu": a miss is computed on the CPU (`cpu_experts`); it may be *admitted* into a slot by
   a background upload that becomes usable at the layer's NEXT decode step (pending until
   then: a pending slot is never read and never a victim). At most `max_admit` admissions
@@ -279,8 +282,10 @@ class LayerCache:
 
     def __init__(self, n_expert: int, slots: int, pinned: Sequence[int], policy: str,
                  miss_path: str = "upload", max_admit: int = 1 << 30,
-                 params: PolicyParams = PolicyParams(), n_stage: int = 0, costs: MissCosts = MissCosts()):
+                 params: PolicyParams = PolicyParams(), n_stage: int = 0, costs: MissCosts = MissCosts(),
+                 fill_free: bool = False):
         policy = ALIASES.get(policy, policy)
+        self.fills_free = fill_free  # the RAM tier: a step too large for the slots fills the free ones
         if policy not in POLICIES:
             raise PlanError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
         self.n_stage, self.costs = max(0, n_stage), costs
@@ -359,6 +364,23 @@ class LayerCache:
         self.tick += 1
         self.slot_tick[s] = self.tick
 
+    def fill_free(self, entries: Mapping[int, int]) -> list[tuple[int, int]]:
+        """A step too large for the LRU slots while some are free (the RAM tier's prompt; native
+        slots.fill_free): its misses with most entries (then lower id), as many as there are free
+        slots, are placed, the one with most entries last (the most recent). Hits are not touched
+        and no count changes. `entries`: the step's routed entries per distinct expert. Returns the
+        (expert, slot) placements in the order they were made. (Upload path: no slot is pending.)"""
+        if not self.n_free:
+            return []
+        misses = sorted((e for e in entries if self.expert_slot[e] < 0), key=lambda e: (-entries[e], e))
+        out = StepOutcome()
+        placed = []
+        for e in reversed(misses[:self.n_free]):
+            s = self._free_slot()
+            self._place(e, s, out)
+            placed.append((e, s))
+        return placed
+
     def _admits(self, e: int, victim: int, land: int) -> bool:
         v = self.slot_expert[victim]
         if self.policy == "tinylfu":
@@ -406,7 +428,8 @@ class LayerCache:
             else:
                 out.misses.append(e)
         if readonly:
-            pass
+            if large and self.fills_free:
+                out.admitted = self.fill_free(entries if entries is not None else dict.fromkeys(out.misses, 1))
         elif not cpu:
             for e in out.misses:
                 s = self._free_slot()
@@ -564,16 +587,16 @@ def _run_lru_upload(steps: list[list[int]], pin: set[int], cap: int,
 def _run(steps: list[list[int]], decode: list[bool], n_expert: int, slots: int, pin: Sequence[int],
          policy: str, miss_path: str, max_admit: int, params: PolicyParams,
          large: list[bool] | None = None, n_stage: int = 0, costs: MissCosts = MissCosts(),
-         entries: list[dict[int, int]] | None = None) -> _Run:
+         entries: list[dict[int, int]] | None = None, fill_free: bool = False) -> _Run:
     n_distinct = np.fromiter(map(len, steps), dtype=np.int64, count=len(steps))
     large = large if large is not None else [False] * len(steps)
     big = np.asarray(large, dtype=bool)
-    if policy in ("lru", "lru-pinned") and miss_path == "upload" and not n_stage:
+    if policy in ("lru", "lru-pinned") and miss_path == "upload" and not n_stage and not fill_free:
         lru, misses = _run_lru_upload(steps, set(pin), slots - len(set(pin)), large)
         m = np.asarray(misses, dtype=np.int64)
         return _Run(n_distinct - m, m, np.where(big, 0, m), np.zeros_like(m),
                     tuple(sorted(set(pin))) + tuple(lru), np.where(big, m, 0))
-    cache = LayerCache(n_expert, slots, pin, policy, miss_path, max_admit, params, n_stage, costs)
+    cache = LayerCache(n_expert, slots, pin, policy, miss_path, max_admit, params, n_stage, costs, fill_free)
     nxt = land = None
     if policy == "belady":
         nxt = _next_uses(steps)
@@ -592,10 +615,11 @@ def _run(steps: list[list[int]], decode: list[bool], n_expert: int, slots: int, 
 def _replay(steps: _Steps, k: int, n_expert: int, layer: int, slots: int, pinned: Sequence[int],
             policy: str, miss_path: str = "upload", max_admit: int | None = None,
             params: PolicyParams = PolicyParams(), cpu_path: bool = True, n_stage: int = 0,
-            costs: MissCosts = MissCosts()) -> LayerStats:
+            costs: MissCosts = MissCosts(), fill_free: bool = False) -> LayerStats:
     """cpu_path: the layer can compute misses on the CPU (native: its expert ops have a CPU
     recipe), so steps too large for the slots run resident experts from the bank and the rest
-    on the CPU; without it they are stock steps (host weights, nothing counted)."""
+    on the CPU; without it they are stock steps (host weights, nothing counted). fill_free: the
+    RAM tier (cpu_path too): those steps fill the free slots (LayerCache.fill_free)."""
     pin = list(dict.fromkeys(int(e) for e in pinned))
     if len(pin) > slots:
         raise PlanError(f"layer {layer}: {len(pin)} pinned experts do not fit {slots} slots")
@@ -608,7 +632,7 @@ def _replay(steps: _Steps, k: int, n_expert: int, layer: int, slots: int, pinned
     r = _run([steps.distinct[i] for i in idx], dec.tolist(), n_expert, slots, pin, policy,
              miss_path, k if max_admit is None or max_admit < 0 else max_admit, params,
              too_large[cached].tolist(), n_stage if cpu_path else 0, costs,
-             [steps.entries[i] for i in idx] if steps.entries is not None else None)
+             [steps.entries[i] for i in idx] if steps.entries is not None else None, fill_free)
     sd = stock & steps.decode
     return LayerStats(
         layer=layer, slots=slots, pinned=len(pin),
@@ -651,8 +675,13 @@ def simulate(trace: RoutingTrace, policy: str, slots: Mapping[int, int] | int,
              bytes_per_expert: Mapping[int, int] | Sequence[int] | None = None,
              phases: Sequence[str | int] = ("decode",), miss_path: str = "upload",
              max_admit: int | None = None, params: PolicyParams | None = None,
-             cpu_path: bool = False, n_stage: int = 0, costs: MissCosts = MissCosts()) -> SimResult:
+             cpu_path: bool = False, n_stage: int = 0, costs: MissCosts = MissCosts(),
+             ram_tier: bool = False) -> SimResult:
     """Replay the steps of `phases` (others are skipped: no state change, not counted).
+
+    ram_tier: the layers are the RAM tier's (native's file tier): a step too large for the slots
+    fills the free slots and counts its misses (pass phases=("prefill", "decode") to replay the
+    prompt's warming too).
 
     n_stage, costs: the per-expert split (auto; upload-path steps too large for the slots) with
     that many staging slices, its cost rule exactly as native (MissCosts; cpu_path only).
@@ -675,9 +704,9 @@ def simulate(trace: RoutingTrace, policy: str, slots: Mapping[int, int] | int,
     pinned = pinned or {}
     layers = {}
     for layer, s in sorted(per_layer.items()):
-        steps = _layer_steps(trace, layer, keep, with_entries=n_stage > 0)
+        steps = _layer_steps(trace, layer, keep, with_entries=n_stage > 0 or ram_tier)
         layers[layer] = _replay(steps, trace.k, trace.n_expert, layer, s, pinned.get(layer, ()), policy,
-                                miss_path, max_admit, params, cpu_path, n_stage, costs)
+                                miss_path, max_admit, params, cpu_path or ram_tier, n_stage, costs, ram_tier)
     bpe = None
     if bytes_per_expert is not None:
         items = bytes_per_expert.items() if isinstance(bytes_per_expert, Mapping) \

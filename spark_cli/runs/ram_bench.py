@@ -64,7 +64,7 @@ class RamRun:
     oom_kills: int = 0
     tier: str = ""
     slots: list[list] = field(default_factory=list)  # spark: [il, n_slots, pinned] per layer
-    trace: list[list] = field(default_factory=list)  # base: [il, ids] of each decode step
+    trace: list[list] = field(default_factory=list)  # base: [il, phase, ids] of each step (the prompts' too)
     predicted_tg_tok_s: float | None = None  # spark: the cost model's, from the base run and the disk
     replayed_bytes_per_token: float | None = None  # spark: the base run's routing replayed through its slots
     ahead_min_prob: int = 0  # spark-ahead: the gate (core/prefetch.break_even's, from the base run and the disk)
@@ -191,7 +191,7 @@ def worker(spec: WorkerSpec) -> dict:
                 out.ahead_recall = d.ahead_used / d.misses if d.misses else None
                 out.ahead_precision = d.ahead_used / d.ahead_reads if d.ahead_reads else None
         if config == BASE:
-            out.trace = [[r.il, r.ids.reshape(-1).tolist()] for r in eng.cache.trace_records() if r.phase == DECODE]
+            out.trace = [[r.il, int(r.phase), r.ids.reshape(-1).tolist()] for r in eng.cache.trace_records()]
     out.rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return asdict(out)
 
@@ -303,9 +303,10 @@ def _spawn(cg: "memcg.MemoryCgroup | None", spec: WorkerSpec) -> RamRun:
 
 
 def _base_trace(g, base: RamRun):
-    """The uncapped run's decode routing as a RoutingTrace."""
-    records = [TopkRecord(il, DECODE, np.asarray(ids, dtype=np.int32).reshape(-1, g.n_expert_used))
-               for il, ids in base.trace]
+    """The uncapped run's routing as a RoutingTrace: its prompts' steps and its decode steps (a run kept
+    before the prompts were traced has [il, ids] of decode steps only)."""
+    records = [TopkRecord(r[0], DECODE if len(r) == 2 else r[1],
+                          np.asarray(r[-1], dtype=np.int32).reshape(-1, g.n_expert_used)) for r in base.trace]
     return records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
 
 
