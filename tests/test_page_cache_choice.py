@@ -100,3 +100,21 @@ def test_the_bench_verdict_says_spark_maps_the_file_where_the_page_cache_is_pred
     tier = bench_ram.verdict(_bench(19.5, 19.0))  # within MIN_GAIN: the tier
     assert not bench_ram.mapping_chosen(_bench(19.5, 19.0))
     assert "Spark generates 0.80x stock's speed" in tier
+
+
+@pytest.mark.model
+def test_the_mapping_chosen_keeps_the_weights_in_the_mapping(setup, monkeypatch):
+    """Where the page cache is chosen for weights that do not fit RAM, the run maps them as stock with
+    --no-repack: repacking would copy every expert out of the mapping into memory the run does not have."""
+    path, g, tier, _ = setup
+    monkeypatch.setattr(session, "resolve_ram_tier", lambda *a: tier)
+    flags = LoadFlags(device="none")
+    info = session.ProfileInfo(path, None)
+    for use_tier in (False, True):
+        decision = page_cache_choice.TierDecision(use_tier, "test", 1.0, 2.0)
+        monkeypatch.setattr(session, "resolve_tier_choice", lambda *a: decision)
+        where = session.resolve_placement(path, g, info, flags, plan_path=None, vram_text=None)
+        assert (where.ram is None, where.mapped) == (not use_tier, not use_tier)
+        opts = session.with_ram_tier(session.engine_options(path, g, where.plan, flags, n_ctx=where.n_ctx, learn=False),
+                                     where.ram, g, where.ahead, where.mapped)
+        assert opts.repack == use_tier and opts.file_tier == use_tier

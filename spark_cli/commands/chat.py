@@ -310,7 +310,7 @@ def chat_cmd(
         say.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
     devices, plan = where.devices, where.plan
     opts = session.with_ram_tier(session.engine_options(path, geometry, plan, flags, n_ctx=where.n_ctx, learn=learn),
-                                 where.ram, geometry, where.ahead)
+                                 where.ram, geometry, where.ahead, where.mapped)
     opts.chat_templates = templates
     meter = _VramMeter(devices[0] if devices else None, plan)
     sampling = Sampling(temp, top_k, top_p, seed if seed >= 0 else secrets.randbelow(1 << 31), n_predict,

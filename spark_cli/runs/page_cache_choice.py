@@ -91,6 +91,6 @@ def decide(model: Path, geometry: ModelGeometry, t: ram_tier.RamTier, trace: Rou
     prices = (f"the cost model: {tier_tg:.1f} tok/s with the tier, {mapped_tg:.1f} with the page cache at a "
               f"{window >> 10} KiB read-around window")
     if prefers_mapping(tier_tg, mapped_tg):
-        return TierDecision(False, f"RAM tier: off, the model file is mapped as stock maps it ({prices})",
+        return TierDecision(False, f"RAM tier: off, the model file is mapped as stock maps it, without repacking ({prices})",
                             tier_tg, mapped_tg)
     return TierDecision(True, f"RAM tier: on ({prices})", tier_tg, mapped_tg)

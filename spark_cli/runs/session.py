@@ -289,6 +289,7 @@ class Placement:
     miss_path: MissPath = MissPath.AUTO  # the effective one: --miss-path, else the plan's, else auto
     ram: ram_tier.RamTier | None = None  # the weights do not fit the run's RAM: the file tier (CPU runs)
     ahead: read_ahead.AheadDecision | None = None  # whether the RAM tier reads ahead (None: no tier)
+    mapped: bool = False  # the weights do not fit the run's RAM and stock's mapping was chosen: no repacking
 
 
 def load_plan_file(plan_path: Path, geometry: ModelGeometry) -> planner.Plan:
@@ -315,13 +316,14 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
         n_ctx = context_size(flags.ctx_size, geometry.context_length)
         tier = resolve_ram_tier(model, geometry, info, flags, n_ctx)
         choice = resolve_tier_choice(model, geometry, info, flags, tier)
+        mapped = choice is not None and not choice.use_tier
         if choice is not None:
             warnings.append(choice.line)
-            tier = tier if choice.use_tier else None
+            tier = None if mapped else tier
         ahead = resolve_read_ahead(model, geometry, info, flags, tier, None)
         if tier is not None:
             warnings += [tier.line(), ahead.line]
-        return Placement([], None, n_ctx, "", reason, warnings, miss_path or MissPath.AUTO, tier, ahead)
+        return Placement([], None, n_ctx, "", reason, warnings, miss_path or MissPath.AUTO, tier, ahead, mapped)
     if file_plan is not None:
         out = Placement(devs, file_plan, context_size(flags.ctx_size, geometry.context_length, file_plan.n_ctx),
                         f"plan {Path(plan_path).name}")
@@ -449,13 +451,15 @@ def host_ram_tier(geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags, 
 
 
 def with_ram_tier(opts: EngineOptions, tier: ram_tier.RamTier | None, geometry: ModelGeometry,
-                  ahead: read_ahead.AheadDecision | None = None) -> EngineOptions:
+                  ahead: read_ahead.AheadDecision | None = None, mapped: bool = False) -> EngineOptions:
     """Engine options that realise a RAM tier: the tier's layers (every MoE layer of a CPU run; a device
     plan's host layers) cached in RAM with their slots, and a layer's worth of staging slices for prefill,
     misses read from the model file, read ahead as `ahead` decided; a device plan's cached layers keep
-    their device banks."""
+    their device banks. `mapped` (no tier: the weights do not fit and the page cache was chosen): the
+    weights stay in the mapping, never repacked into RAM (stock's --no-repack), or the run would hold
+    the whole model in memory it does not have."""
     if tier is None:
-        return opts
+        return dataclasses.replace(opts, repack=False) if mapped else opts
     ram = [CacheLayer(l.il, l.n_slots, l.pinned, in_ram=True) for l in tier.layers]
     return dataclasses.replace(opts, cache_layers=[*opts.cache_layers, *ram], file_tier=True,
                                host_budget=tier.bank_bytes, read_ahead=ahead.ahead if ahead else 0,

@@ -53,7 +53,7 @@ def engine_options(path: Path, geometry: ModelGeometry, where: Placement, flags:
     # NOTE: auto starts on the cpu path; miss_path.resolve then calibrates and sets each layer
     start = initial_path(where.miss_path)
     opts.cache_layers = [dataclasses.replace(c, miss_path=start) for c in opts.cache_layers]
-    return session.with_ram_tier(opts, where.ram, geometry, where.ahead)
+    return session.with_ram_tier(opts, where.ram, geometry, where.ahead, where.mapped)
 
 
 def placement_summary(where: Placement, cached: set[int]) -> dict[str, Any]:
