@@ -78,7 +78,7 @@ def test_a_missing_figure_keeps_the_tier_and_says_how_to_measure_it(setup, tmp_p
 @pytest.mark.model
 def test_an_explicit_ram_budget_keeps_the_tier(setup):
     path, g, tier, _ = setup
-    d = session.resolve_tier_choice(path, g, session.ProfileInfo(path, None), LoadFlags(ram=1 << 30), tier)
+    d = session.resolve_tier_choice(path, g, session.ProfileInfo(path, None), LoadFlags(ram=1 << 30), tier, None)
     assert d.use_tier and "--ram" in d.line
 
 
@@ -118,3 +118,29 @@ def test_the_mapping_chosen_keeps_the_weights_in_the_mapping(setup, monkeypatch)
         opts = session.with_ram_tier(session.engine_options(path, g, where.plan, flags, n_ctx=where.n_ctx, learn=False),
                                      where.ram, g, where.ahead, where.mapped)
         assert opts.repack == use_tier and opts.file_tier == use_tier
+
+
+@pytest.mark.model
+def test_a_device_plan_prices_its_host_layers_tier_against_the_page_cache(setup, rpc_server, monkeypatch):
+    """Three tiers: a device plan whose host layers do not fit RAM prices their RAM tier against the page
+    cache from the plan's priced tg; where the mapping wins the plan runs as planned, its host weights
+    mapped and not repacked, and the run says why."""
+    path, g, tier, trace = setup
+    monkeypatch.setattr(session, "resolve_device_ram_tier", lambda *a: tier)
+    seen = []
+
+    def decide(model, geometry, t, tr, base_tg, threads, home):
+        seen.append((t, base_tg))
+        return page_cache_choice.TierDecision(False, "RAM tier: off, test", 1.0, 2.0)
+
+    monkeypatch.setattr(page_cache_choice, "decide", decide)
+    from spark_cli.core import planner
+
+    flags = LoadFlags(rpc=rpc_server.endpoint, ctx_size=512)
+    vram = str(planner.fixed_bytes(g, 512) + g.total_expert_bytes // 2 + (8 << 20))
+    where = session.resolve_placement(path, g, session.ProfileInfo(path, None), flags, plan_path=None, vram_text=vram)
+    assert seen == [(tier, (where.plan.predicted or {}).get("tg_tok_s"))]
+    assert where.ram is None and where.mapped and "RAM tier: off, test" in where.warnings
+    opts = session.with_ram_tier(session.engine_options(path, g, where.plan, flags, n_ctx=where.n_ctx, learn=False),
+                                 where.ram, g, where.ahead, where.mapped)
+    assert not opts.repack and not opts.file_tier and opts.cache_layers  # the plan's device cache, as planned

@@ -315,7 +315,7 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
         warnings = [f"{reason}: --plan/--vram ignored"] if plan_path is not None or vram_text else []
         n_ctx = context_size(flags.ctx_size, geometry.context_length)
         tier = resolve_ram_tier(model, geometry, info, flags, n_ctx)
-        choice = resolve_tier_choice(model, geometry, info, flags, tier)
+        choice = resolve_tier_choice(model, geometry, info, flags, tier, None)
         mapped = choice is not None and not choice.use_tier
         if choice is not None:
             warnings.append(choice.line)
@@ -353,10 +353,15 @@ def resolve_placement(model: Path, geometry: ModelGeometry, info: ProfileInfo, f
     if not any(l.mode in ("resident", "cached", "host") for l in out.plan.layers):
         raise PlanError("the plan places no MoE layer", hint="write it again with spark plan")
     out.ram = resolve_device_ram_tier(geometry, info, flags, out.plan)
+    choice = resolve_tier_choice(model, geometry, info, flags, out.ram, out.plan)
+    if choice is not None:
+        out.warnings.append(choice.line)
+        out.mapped = not choice.use_tier
+        out.ram = None if out.mapped else out.ram
     out.ahead = resolve_read_ahead(model, geometry, info, flags, out.ram, out.plan)
     if out.ram is not None:
         out.warnings += [out.ram.line(), out.ahead.line]
-    else:
+    elif not out.mapped:
         ram_warning = host_ram.check(out.plan, flags)
         if ram_warning:
             out.warnings.append(ram_warning)
@@ -467,16 +472,17 @@ def with_ram_tier(opts: EngineOptions, tier: ram_tier.RamTier | None, geometry: 
 
 
 def resolve_tier_choice(model: Path, geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags,
-                        tier: ram_tier.RamTier | None) -> page_cache_choice.TierDecision | None:
-    """A CPU run's RAM tier, or stock's mapping where the cost model prices the page cache faster
-    (runs/page_cache_choice.decide). Not with --ram: only the tier keeps to a budget the kernel does not
-    enforce. None: no RAM tier to decide on."""
+                        tier: ram_tier.RamTier | None, plan: planner.Plan | None) -> page_cache_choice.TierDecision | None:
+    """A run's RAM tier (a CPU run's, or a device plan's host layers' with `plan`), or stock's mapping
+    where the cost model prices the page cache faster (runs/page_cache_choice.decide; the uncapped speed:
+    the plan's priced tg, or the one spark bench --ram kept for a CPU run). Not with --ram: only the tier
+    keeps to a budget the kernel does not enforce. None: no RAM tier to decide on."""
     if tier is None:
         return None
     if flags.ram is not None:
         return page_cache_choice.tier("--ram: the mapping's page cache would not keep to it")
     trace = info.profile.recent_trace() if info.profile is not None else None
-    base = read_ahead.uncapped_tg(spark_home(), geometry.fingerprint, None, flags.threads)
+    base = read_ahead.uncapped_tg(spark_home(), geometry.fingerprint, plan, flags.threads)
     return page_cache_choice.decide(model, geometry, tier, trace, base, flags.threads, spark_home())
 
 
