@@ -68,7 +68,9 @@ int32_t llama_expert_cache::plan_arenas(llama_expert_cache_bank_needs & need, st
             }
         }
         int64_t at = a ? aligned_slice(like, a->total, align) : 0;
-        const int64_t need_slices = L.slots.n_slots + 1;
+        // NOTE: a device bank ends with a zeroed guard slice (the first filler of an entry the CPU computes);
+        // a file-tier bank has none: every routed expert of its steps is in a slot or a staging slice
+        const int64_t need_slices = L.slots.n_slots + (L.file_tier ? 0 : 1);
         if (a && aligned_slice(like, at + need_slices, align) + n_stage > max_slices) {
             a = nullptr; // past the buffer type's max size: a new arena
             at = 0;

@@ -125,6 +125,12 @@ void llama_expert_cache::step(llama_expert_cache_node & n, const ggml_tensor * i
     if (const char * err = L.slots.remap(v, (int32_t *) dst->data, missed, any_wait)) {
         GGML_ABORT("expert cache: %s", err);
     }
+    if (L.file_tier) { // NOTE: its bank has no guard slice: slot n_slots is the next layer's slot 0
+        const int32_t * ids = (const int32_t *) dst->data;
+        for (int64_t i = 0; i < v.n_tokens * v.k; ++i) {
+            GGML_ASSERT(ids[i] < L.slots.n_slots && "a file-tier entry without its expert in a slot");
+        }
+    }
 
     // NOTE: uploads run without the lock; only this thread changes the slots
     lock.unlock();

@@ -34,7 +34,7 @@ class RamLayer:
 
     @property
     def bank_bytes(self) -> int:
-        return (self.n_slots + 1) * self.expert_bytes  # NOTE: the native bank's zeroed guard slice
+        return self.n_slots * self.expert_bytes  # NOTE: no guard slice: every routed expert is read into a slot
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class RamTier:
 
     @property
     def bank_bytes(self) -> int:
-        """RAM the native banks take: every layer's slots and guard, and the staging slices."""
+        """RAM the native banks take: every layer's slots, and the staging slices."""
         return sum(l.bank_bytes for l in self.layers) + self.stage_bytes
 
     @property
@@ -77,8 +77,8 @@ def expert_bytes(g: ModelGeometry, layers: Sequence[int]) -> int:
 
 
 def slot_floor(g: ModelGeometry, il: int) -> int:
-    """The RAM a layer in the tier needs at least: k slots and the guard slice."""
-    return (g.n_expert_used + 1) * g.layers[il].expert_bytes_per_expert
+    """The RAM a layer in the tier needs at least: k slots."""
+    return g.n_expert_used * g.layers[il].expert_bytes_per_expert
 
 
 def three_tier_need(g: ModelGeometry, cached: Sequence[int], host: Sequence[int]) -> int:
@@ -101,7 +101,7 @@ def stage_bytes(g: ModelGeometry, layers: Sequence[int] | None = None) -> int:
 
 def minimum(g: ModelGeometry, layers: Sequence[int] | None = None, resident: int | None = None) -> int:
     """The smallest budget the file tier runs in: the resident weights, the staging slices and k LRU
-    slots (and a guard) per layer in the tier (default: every MoE layer, a CPU run's)."""
+    slots per layer in the tier (default: every MoE layer, a CPU run's)."""
     layers = g.moe_layers if layers is None else layers
     resident = resident_bytes(g) if resident is None else resident
     return resident + stage_bytes(g, layers) + sum(slot_floor(g, il) for il in layers)
@@ -133,10 +133,10 @@ def plan(g: ModelGeometry, budget: int, source: str, counts: np.ndarray | None =
                              "or use a smaller model")
     left = budget - resident - stage_bytes(g, moe)
     per_slot = sum(g.layers[il].expert_bytes_per_expert for il in moe)
-    # NOTE: one slot count for every layer (the guard slice included); spread evenly, the rest to early layers
-    n_slots = min(g.n_expert, left // per_slot - 1)
+    # NOTE: one slot count for every layer, spread evenly, the rest to early layers
+    n_slots = min(g.n_expert, left // per_slot)
     out = []
-    spare = left - (n_slots + 1) * per_slot
+    spare = left - n_slots * per_slot
     for il in moe:
         eb = g.layers[il].expert_bytes_per_expert
         s = n_slots

@@ -236,16 +236,15 @@ def residency_cap(g, base: RamRun, share: float, device: DeviceShape | None = No
     """--ram-residency: the cap at which Spark's RAM tier holds `share` of the experts it serves (every
     MoE layer's; with a device, the host layers') in RAM slots, by the accounting its budget uses
     (session.resolve_ram_tier): the runtime (the uncapped run's resident set after its dry run), the
-    measured host KV cache and compute buffers, RAM_MARGIN, the other weights, the staging slices and
-    guard slices, and that share of the experts. Stock gets the same cap."""
+    measured host KV cache and compute buffers, RAM_MARGIN, the other weights, the staging slices, and
+    that share of the experts. Stock gets the same cap."""
     from .session import RAM_MARGIN
 
     layers = [il for il in g.moe_layers if device is None or il < device.n_cpu_moe]
     moved = ram_tier.expert_bytes(g, layers)
     h = base.host_bill
     fixed = h["context"] + h["compute"] + RAM_MARGIN + max(0, h["model"] - moved)
-    tier = ram_tier.stage_bytes(g, layers) + sum(g.layers[il].expert_bytes_per_expert for il in layers)
-    return int(base.rss_runtime + fixed + tier + share * moved)
+    return int(base.rss_runtime + fixed + ram_tier.stage_bytes(g, layers) + share * moved)
 
 
 def run(model: Path, cap: int | None, *, reps: int = 2, n_prompt: int = 512, n_gen: int = 48,
