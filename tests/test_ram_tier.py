@@ -407,6 +407,28 @@ def test_ram_fit_moves_cached_layers_to_the_host_until_the_host_weights_fit(qwen
         planner.plan_for(qwen36, dataclasses.replace(req, ram_bytes=ram_tier.three_tier_need(qwen36, [], [])))
 
 
+def test_ram_fit_keeps_the_placement_its_last_round_fitted(qwen36, monkeypatch):
+    """A placement that fits after the last round of moves is the plan, not a refusal (the loop checks a
+    round's placement at the next round's start: the last one is checked after it)."""
+    from spark_cli.core import planner
+
+    req = planner.PlanRequest(8 << 30, 8192)
+    free = planner.plan_for(qwen36, req).plan
+    cached = [l.index for l in free.layers if l.mode == "cached"]
+    ram = ram_tier.three_tier_need(qwen36, cached, [l.index for l in free.layers if l.mode == "host"]) // 2
+    calls = []
+    real = planner._plan_device
+    monkeypatch.setattr(planner, "_plan_device", lambda g, r: calls.append(r.forced_host) or real(g, r))
+    strict = dataclasses.replace(req, ram_bytes=ram, ram_strict=True)
+    planner.plan_for(qwen36, strict)
+    rounds = len(set(calls)) - 1  # the placements the fit made after the first: its rounds of moves
+    assert rounds >= 1
+    monkeypatch.setattr(planner, "MAX_RAM_ROUNDS", rounds)  # exactly as many: the last is the one that fits
+    fitted = planner.plan_for(qwen36, strict).plan
+    tiers = [[l.index for l in fitted.layers if l.mode == m] for m in ("cached", "host")]
+    assert ram_tier.three_tier_need(qwen36, *tiers) <= ram
+
+
 def test_plan_with_vram_and_ram_prints_three_tiers(plan_cli, qwen36):
     import json
 

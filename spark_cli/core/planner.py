@@ -848,10 +848,12 @@ def ram_fit(geometry: ModelGeometry, request: PlanRequest, res: PlanResult) -> P
             if over <= 0:
                 break
         res = _plan_device(geometry, replace(request, forced_host=frozenset(forced)))
-    if not request.ram_strict:
-        return first
     need = ram_tier.three_tier_need(geometry, [l.index for l in res.plan.layers if l.mode == "cached"],
                                     [l.index for l in res.plan.layers if l.mode == "host"])
+    if need <= request.ram_bytes:  # NOTE: the last round's placement, not checked in the loop
+        return res
+    if not request.ram_strict:
+        return first
     raise PlanError(f"{request.ram_source} {units.fmt_bytes(request.ram_bytes)}: the placement's host weights need "
                     f"{units.fmt_bytes(need)} at least (the cached layers' experts, {geometry.n_expert_used} RAM slots "
                     "per host layer, the staging slices)", hint="give the run more RAM (--ram) or more --vram")
