@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from ..core.chat_output import REASONING_FORMATS
-from ..core.embedding import POOLINGS
+from ..core.embedding import POOLINGS, ranks
 from ..core.options import LoadFlags
 from ..core.reasoning import MODES as REASONING_MODES, ReasoningDefault
 from ..errors import SparkError, UsageError
@@ -65,7 +65,8 @@ def serve_cmd(
                                    "(as llama-server's); chats and completions are served as before"),
     reranking: bool = typer.Option(False, "--reranking", "--rerank", help="serve /rerank (as llama-server's): "
                                    "pooling rank, for a model with a classifier head (a reranker); another model "
-                                   "is refused at start"),
+                                   "is refused at start. A dense or encoder reranker (BERT's kind) is served too, "
+                                   "for /rerank and /embeddings only: generating gets a 501"),
     pooling: str = typer.Option(None, "--pooling", help="with --embedding: none (a vector per token; "
                                 "/embeddings only), mean, cls, last or rank (default: the GGUF's pooling_type, "
                                 "else last)", show_default=False),
@@ -161,7 +162,8 @@ def serve_cmd(
         err_console.print(f"[yellow]warning:[/] --host {host} is reachable from other machines and there is no "
                           "--api-key: anyone who can reach it can use the model", soft_wrap=True)
     path = model_or_demo(model)
-    geometry = session.open_geometry(path)
+    # NOTE: a dense model only to rerank (no MoE arch in llama.cpp has a classifier head); it generates nothing
+    geometry = session.open_geometry(path, require_moe=not ranks(pooling, reranking))
     info = session.load_profile(path, geometry)
     if info.warning():
         err_console.print(f"[yellow]warning:[/] {info.warning()}", soft_wrap=True, markup=False)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..core.chat_template import TemplateSet
-from ..core.embedding import choose_pooling
+from ..core.embedding import cannot_generate, choose_pooling
 from ..core.gguf_info import ModelGeometry
 from ..core.options import LoadFlags
 from ..core.reasoning import ReasoningDefault
@@ -85,7 +85,8 @@ def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags
     stats = ServerStats(cached_layers=cached, planned_bytes=int(plan.breakdown["total"]) if plan else 0)
     learner = Learner(path, geometry, interval=learn_every, enabled=learn)
     worker = Worker(lambda: open_engine(opts, where.miss_path, geometry.fingerprint, on_why=on_why),
-                    cached, stats, learner, max_queue=max_queue, sleep_idle=sleep_idle)
+                    cached, stats, learner, max_queue=max_queue, sleep_idle=sleep_idle,
+                    no_generation=cannot_generate(geometry.arch, geometry.causal, bool(geometry.moe_layers), path.name))
     chat = ChatConfig.for_model(templates if templates is not None else TemplateSet(dict(geometry.chat_templates)),
                                 geometry.arch, reasoning_format, defaults=chat_defaults,
                                 grammar_limits=grammar_limits, thinking=thinking)

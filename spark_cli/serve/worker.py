@@ -163,8 +163,9 @@ def _progress(p: PromptProgress) -> Progress:
 class Worker:
     def __init__(self, open_engine: Callable[[], Any], cached_layers: set[int], stats: ServerStats,
                  learner: Learner, max_queue: int = 32, on_fatal: Callable[[str, int], None] | None = None,
-                 sleep_idle: float | None = None):
+                 sleep_idle: float | None = None, no_generation: str | None = None):
         self._open = open_engine
+        self.no_generation = no_generation  # why this model generates nothing (core/embedding.cannot_generate)
         self.cached_layers = cached_layers
         self.stats = stats
         self.learner = learner
@@ -192,7 +193,10 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         """Queue a job, or raise ApiError(503) while loading, failed, shutting down or full (the jobs
-        that wait for their slot count), ApiError(400) for an id_slot this server does not have."""
+        that wait for their slot count), ApiError(400) for an id_slot this server does not have, ApiError(501)
+        for generating on a model that cannot (a reranker's encoder)."""
+        if self.no_generation and not (job.embed or job.count_only or job.slot_action is not None):
+            raise ApiError(501, self.no_generation, "not_supported_error")
         if self.fatal:
             raise unavailable(f"the engine failed: {self.fatal}")
         if self.closing:
