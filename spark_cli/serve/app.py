@@ -192,7 +192,7 @@ def _native_final(st: ServerState, run: Run, req: GenerationRequest, content: st
     body = llama_api.final_body(content, req.model or run.env.model, run.prompt, run.finish, run.stop_word,
                                 run.usage, run.timings, llama_api.settings(run.sampling, req, eog),
                                 run.probs if run.with_probs else None, run.slot,
-                                run.tokens if req.return_tokens else None, index)
+                                run.tokens if req.return_tokens else None, index, shifted=run.shifted)
     return llama_api.picked(body, req.response_fields)
 
 

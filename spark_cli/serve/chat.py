@@ -252,7 +252,7 @@ def _sampling(req: GenerationRequest, defaults: Defaults, grammar: str | None) -
                     repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n, grammar=grammar,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                     typical_p=req.typical_p, logit_bias=req.bias, n_probs=req.n_probs, ban_eog=req.ignore_eos,
-                    post_sampling_probs=req.post_sampling_probs)
+                    post_sampling_probs=req.post_sampling_probs, n_keep=req.n_keep, n_discard=req.n_discard)
 
 
 def _delta_chunk(env: Envelope, d: ChatDelta, probs: list[TokenLogprob] | None,
@@ -280,6 +280,7 @@ class Run:
     timings: Timings | None = None
     stop_word: str | None = None
     finish: str = ""  # the engine's: eog | stop | length | context | interrupted
+    shifted: bool = False  # the context was shifted (--context-shift): llama-server's `truncated`
     finish_reason: str | None = None
     probs: list[TokenLogprob] = field(default_factory=list)
     per_token_timings: bool = False  # timings_per_token: every chunk carries the timings so far
@@ -312,6 +313,7 @@ class Run:
                 self.usage, self.stop_word, self.finish_reason = ev.usage, ev.stop_word, FINISH[ev.finish]
                 self.finish = ev.finish
                 self.timings = ev.timings
+                self.shifted = ev.shifted
             if isinstance(ev, Text):
                 self.probs += ev.probs or []
                 self.tokens += ev.tokens

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..core.context_shift import ContextShift
 from ..native.embed import EmbedError
 from ..native.engine import KVFullError
 from ..native.generate import BatchLoop, Decoding, GenerationStep, PromptProgress, StopRules, TokenProbs
@@ -68,6 +69,7 @@ class Done:
     usage: Usage
     stop_word: str | None = None  # the stop string that ended it (finish "stop")
     timings: Timings | None = None
+    shifted: bool = False  # the context was shifted (--context-shift): llama-server's `truncated`
 
 
 @dataclass
@@ -163,8 +165,9 @@ def _progress(p: PromptProgress) -> Progress:
 class Worker:
     def __init__(self, open_engine: Callable[[], Any], cached_layers: set[int], stats: ServerStats,
                  learner: Learner, max_queue: int = 32, on_fatal: Callable[[str, int], None] | None = None,
-                 sleep_idle: float | None = None, no_generation: str | None = None):
+                 sleep_idle: float | None = None, no_generation: str | None = None, context_shift: bool = False):
         self._open = open_engine
+        self.context_shift = context_shift  # --context-shift (where the model's cache can shift: Engine.can_shift)
         self.no_generation = no_generation  # why this model generates nothing (core/embedding.cannot_generate)
         self.cached_layers = cached_layers
         self.stats = stats
@@ -439,7 +442,9 @@ class Worker:
         slot.begin(job, toks, kept)
         sampler.prime(toks)
         chat = job.chat
-        dec = Decoding(eng, slot.id, n_prompt=len(toks) - kept, sampler=sampler,
+        shift = (ContextShift(job.sampling.n_keep, job.sampling.n_discard, len(toks), eng.vocab.adds_bos)
+                 if self.context_shift and eng.can_shift else None)
+        dec = Decoding(eng, slot.id, n_prompt=len(toks) - kept, sampler=sampler, shift=shift,
                        max_tokens=job.sampling.n_predict, stop=StopRules(strings=tuple(job.stops)),
                        should_stop=lambda: job.cancel.is_set() or bool(self.fatal),
                        special=chat is not None and chat.fmt.special, n_probs=job.sampling.n_probs,
@@ -537,7 +542,7 @@ class Worker:
         fig = AnswerFigures(prompt_tokens=step.prompt_tokens, reused_tokens=slot.reused,
                             generated_tokens=step.generated_tokens, prompt_seconds=step.prompt_seconds,
                             gen_seconds=step.gen_seconds, stop=step.finish)
-        slot.end(self.engine.seq_pos(slot.id))
+        slot.end(self.engine.seq_pos(slot.id), step.shifts)
         self.stats.set_processing(sum(1 for s in self.slots if s.job is not None))
         self.stats.add_request(fig)
         self.stats.set_cache(self.engine)
@@ -545,7 +550,7 @@ class Worker:
         if not self.fatal:
             job.emit(Done(fig.stop, usage, step.stop_word, Timings(fig.reused_tokens, fig.prompt_tokens,
                                                                    fig.prompt_seconds, fig.generated_tokens,
-                                                                   fig.gen_seconds)))
+                                                                   fig.gen_seconds), shifted=bool(step.shifts)))
         job.done.set()
 
     def _engine_failed(self, message: str) -> None:
