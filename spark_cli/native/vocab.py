@@ -46,6 +46,19 @@ class Vocab:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
 
+    def server_text(self, tokens: Sequence[int]) -> str:
+        """The tokens as llama-server shows a prompt (common_detokenize with special tokens: its
+        BOS text, a SentencePiece first word's leading space): llama_detokenize, nothing removed."""
+        lc = self.lc
+        ids = (lc.llama_token * max(1, len(tokens)))(*tokens)
+        n_max = 8 * len(tokens) + 16
+        buf = ctypes.create_string_buffer(n_max)
+        n = lc.llama_detokenize(self.handle, ids, len(tokens), buf, n_max, False, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_detokenize(self.handle, ids, len(tokens), buf, -n, False, True)
+        return buf.raw[:n].decode("utf-8", errors="replace")
+
     @property
     def bos_token(self) -> int:
         return int(self.lc.llama_vocab_bos(self.handle))

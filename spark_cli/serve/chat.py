@@ -281,6 +281,7 @@ class Run:
     stop_word: str | None = None
     finish: str = ""  # the engine's: eog | stop | length | context | interrupted
     shifted: bool = False  # the context was shifted (--context-shift): llama-server's `truncated`
+    shown_prompt: str | None = None  # the prompt as llama-server shows it (Started.shown)
     finish_reason: str | None = None
     probs: list[TokenLogprob] = field(default_factory=list)
     per_token_timings: bool = False  # timings_per_token: every chunk carries the timings so far
@@ -415,7 +416,7 @@ class _Queued:
         assert isinstance(first, Started)
         parser = self.prepared.parser(first.prompt) if self.prepared else None
         return Run(self.feed, self.env, first.prompt_tokens, first.prompt, parser, self.with_probs, self.sampling,
-                   first.slot, per_token_timings=self.per_token_timings,
+                   first.slot, per_token_timings=self.per_token_timings, shown_prompt=first.shown,
                    schemas=self.prepared.schemas if self.prepared else OutputSchemas())
 
 
@@ -436,6 +437,8 @@ async def _queue(request: Request, req: GenerationRequest, worker: Worker, model
     prepared, grammar = await asyncio.to_thread(_prepared, req, config)
     sampling = sampling_for(req, config.defaults, grammar)
     env = Envelope(prepared is not None, req.model or model, config.fingerprint)
+    # NOTE: only an answer with llama-server's native body shows the prompt (a detokenization per request)
+    show = not count_only and (req.NATIVE or (req.verbose if req.verbose is not None else config.defaults.verbose))
     queued: list[_Queued] = []
     try:
         for j in range(n):
@@ -443,7 +446,7 @@ async def _queue(request: Request, req: GenerationRequest, worker: Worker, model
             s = dataclasses.replace(sampling, seed=(sampling.seed + j) & 0xFFFFFFFF) if j else sampling
             worker.submit(Job(feed.emit, s, chat=prepared, text=None if prepared else req.prompt, stops=req.stops,
                               cancel=feed.cancel, count_only=count_only, cache_prompt=req.cache_prompt,
-                              progress=req.stream and req.return_progress, id_slot=req.id_slot))
+                              progress=req.stream and req.return_progress, id_slot=req.id_slot, show_prompt=show))
             queued.append(_Queued(feed, dataclasses.replace(env, index=j), prepared, s, req.n_probs is not None,
                                   req.timings_per_token))
     except BaseException:

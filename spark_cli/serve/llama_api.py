@@ -54,6 +54,7 @@ STOP_TYPE = {"eog": "eos", "stop": "word", "length": "limit", "context": "limit"
 
 class NativeCompletionRequest(GenerationRequest):
     OWN = frozenset({"return_tokens"})
+    NATIVE = True
 
     prompt: Union[str, dict, list[Union[int, str, dict, list[Union[int, str]]]]]
     probs_n: int = Field(0, ge=0, le=100, alias="n_probs")  # >0: each token's probability and the top n

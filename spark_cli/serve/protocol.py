@@ -268,6 +268,7 @@ class GenerationRequest(Strict):
 
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {}  # per endpoint, beside UNSUPPORTED
     OWN: ClassVar[frozenset[str]] = frozenset()  # fields of UNSUPPORTED this endpoint implements
+    NATIVE: ClassVar[bool] = False  # the answer is llama-server's native body (its `prompt`: Job.show_prompt)
 
     model: str | None = None  # NOTE: one model is served; the name is echoed back, as llama-server does
     max_tokens: int | None = Field(None, ge=1, le=(1 << 31) - 1)

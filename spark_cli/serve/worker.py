@@ -43,6 +43,7 @@ class Started:
     prompt_tokens: int
     prompt: str = ""  # the prompt's text (a chat's as rendered)
     slot: int = 0  # the slot (KV sequence) that serves it
+    shown: str | None = None  # the prompt as llama-server shows it (Job.show_prompt)
 
 
 @dataclass
@@ -112,6 +113,7 @@ class Job:
     progress: bool = False
     id_slot: int = -1  # the slot it asked for (waited for while busy); -1: the free one that holds most of it
     embed: bool = False  # the prompt's embeddings (Embedded), nothing generated
+    show_prompt: bool = False  # Started.shown: the prompt's tokens detokenized, as llama-server's `prompt`
     slot_action: SlotAction | None = None  # save, restore or erase slot id_slot (SlotDone), nothing generated
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
@@ -420,6 +422,7 @@ class Worker:
         try:
             job.sampling = resolve_bias(job.sampling, eng)
             req = self._prompt(job)
+            shown = eng.vocab.server_text(req[0]) if req is not None and job.show_prompt else None
         except Exception as e:  # noqa: BLE001 - a bug in one request must not take the server down
             job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
             req = None
@@ -451,7 +454,7 @@ class Worker:
                        post_sampling=job.sampling.post_sampling_probs)
         slot.sampler = sampler
         slot.probs = _ProbsFeed(eng, job.sampling.n_probs is not None)
-        job.emit(Started(len(toks), text, slot.id))
+        job.emit(Started(len(toks), text, slot.id, shown))
         self.stats.set_processing(sum(1 for s in self.slots if s.job is not None))
         self._loop.add(dec, lambda step: self._on_step(slot, step), prompt=toks[kept:], cached=kept,
                        on_progress=(lambda p: job.emit(_progress(p))) if job.progress else None)
