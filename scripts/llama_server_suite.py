@@ -126,16 +126,17 @@ DRAFTS = ("stories15M-q4_0.gguf",)
 
 
 def build_preset_models(python: str) -> str:
-    """Build (or find cached) the tiny llama and its vocab variants the shim serves per preset
-    (its PRESETS; tiny_models.py, from local files only); "" when done, else why not."""
+    """Build (or find cached) the tiny models the shim serves per preset (its PRESETS and DEFAULT_PRESET:
+    the tiny llama and its vocab variants, the tiny reranker; tiny_models.py, from local files only);
+    "" when done, else why not."""
     loader = importlib.machinery.SourceFileLoader("llama_server_shim", str(SHIM))
     shim = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
     loader.exec_module(shim)
-    vocabs = sorted(set(shim.PRESETS.values()))
+    models = sorted({f"{n}:{v or ''}" for n, v in (shim.DEFAULT_PRESET, *shim.PRESETS.values())})
     code = ("import sys; from spark_cli.models.tiny_models import build_tiny_model\n"
-            "for v in [None, *sys.argv[1:]]: build_tiny_model('llama', vocab=v)\n")
+            "for m in sys.argv[1:]: build_tiny_model(m.split(':')[0], vocab=m.split(':')[1] or None)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    r = subprocess.run([python, "-c", code, *vocabs], capture_output=True, text=True, env=env)
+    r = subprocess.run([python, "-c", code, *models], capture_output=True, text=True, env=env)
     return "" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["failed"])[-1]
 
 

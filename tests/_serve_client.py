@@ -8,9 +8,11 @@ from typing import Callable, Iterator
 
 
 @contextlib.contextmanager
-def fake_client(make_engine: Callable[[], object], sleep_idle: float | None = None, **state) -> Iterator:
+def fake_client(make_engine: Callable[[], object], sleep_idle: float | None = None, no_generation: str | None = None,
+                **state) -> Iterator:
     """The app of `spark serve` over a worker whose engine `make_engine` returns (again after each
-    sleep: `sleep_idle`, --sleep-idle-seconds); `state`: more ServerState fields (api_key, cors, ...)."""
+    sleep: `sleep_idle`, --sleep-idle-seconds; `no_generation`: why it generates nothing, a reranker's);
+    `state`: more ServerState fields (api_key, cors, ...)."""
     from starlette.testclient import TestClient
 
     from spark_cli.serve.app import ServerState, create_app
@@ -20,7 +22,7 @@ def fake_client(make_engine: Callable[[], object], sleep_idle: float | None = No
 
     stats = ServerStats()
     worker = Worker(make_engine, set(), stats, Learner(Path("none.gguf"), None, enabled=False), max_queue=2,
-                    sleep_idle=sleep_idle)
+                    sleep_idle=sleep_idle, no_generation=no_generation)
     worker.start()
     try:
         assert worker.ready.wait(30)

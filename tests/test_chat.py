@@ -208,6 +208,10 @@ class _FakeEngine:
     def piece(self, t):
         return (next(w for w, i in self.words.items() if i == t) + " ").encode()
 
+    def server_text(self, tokens):
+        """The prompt as llama-server shows it: the pieces joined (this vocabulary adds no BOS)."""
+        return b"".join(self.piece(t) for t in tokens).decode()
+
     def truncate(self, n, seq=0):
         self.truncations.append(n)
         self.pos[seq] = min(self.pos[seq], n)

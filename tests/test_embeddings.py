@@ -153,7 +153,7 @@ def test_rerank_prompt_without_a_template():
     assert rerank_text("<q>{query}</q><d>{document}</d>", "a", "b") == "<q>a</q><d>b</d>"
 
 
-def _rerank_client(pooling: str | None = "rank"):
+def _rerank_client(pooling: str | None = "rank", no_generation: str | None = None):
     pytest.importorskip("httpx")
     from _serve_client import fake_client
     from test_serve_hostile import _Engine
@@ -170,7 +170,7 @@ def _rerank_client(pooling: str | None = "rank"):
         def embed(self, tokens, seq):
             return np.array([float(tokens[-1])], dtype=np.float32)
 
-    return fake_client(lambda: Reranker(n_ctx=256), pooling=pooling)
+    return fake_client(lambda: Reranker(n_ctx=256), pooling=pooling, no_generation=no_generation)
 
 
 DOCS = ["one", "one two three", "one two"]
@@ -185,6 +185,42 @@ def test_rerank_jina_and_tei_answers():
         tei = tc.post("/rerank", json={"query": "q", "texts": DOCS, "return_text": True, "top_n": 99}).json()
         assert tei == [{"index": 1, "score": 3.0, "text": "one two three"}, {"index": 2, "score": 2.0, "text": "one two"},
                        {"index": 0, "score": 1.0, "text": "one"}]
+
+
+def test_a_body_with_texts_gets_teis_answer_from_the_documents():
+    """As llama-server's: `texts` in the body means TEI's answer; `documents` is read first."""
+    with _rerank_client() as tc:
+        tei = tc.post("/rerank", json={"query": "q", "documents": DOCS, "texts": ["x"], "top_n": 1}).json()
+        assert tei == [{"index": 1, "score": 3.0}]
+        r = tc.post("/rerank", json={"query": "q", "documents": DOCS, "top_n": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_n"  # llama-server's resize(-1) fails
+
+
+def test_a_reranker_that_cannot_generate_answers_501_and_reranks_on():
+    with _rerank_client(no_generation="m.gguf is an encoder") as tc:
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/completion", {"prompt": "hi"}), ("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/responses", {"input": "hi"}), ("/v1/messages", {"model": "m", "max_tokens": 4,
+                                                                             "messages": [{"role": "user", "content": "hi"}]})):
+            r = tc.post(path, json=body)
+            err = r.json()["error"]
+            assert r.status_code == 501 and "encoder" in err["message"], path  # each API's own error shape
+        assert tc.post("/rerank", json={"query": "q", "documents": DOCS}).status_code == 200
+        assert tc.post("/tokenize", json={"content": "a b"}).status_code == 200
+
+
+@pytest.mark.parametrize("arch,causal,moe,why", [
+    ("qwen3moe", True, True, None),
+    ("bert", False, False, "is an encoder (bert, non-causal attention)"),
+    ("nomic-bert-moe", False, True, "is an encoder"),
+    ("qwen3", True, False, "is a dense qwen3 model, served for /rerank and /embeddings only"),
+])
+def test_which_served_models_generate(arch, causal, moe, why):
+    from spark_cli.core.embedding import cannot_generate, ranks
+
+    got = cannot_generate(arch, causal, moe, "m.gguf")
+    assert got is None if why is None else why in got
+    assert ranks(None, True) and ranks("rank", False) and not ranks("mean", False) and not ranks(None, False)
 
 
 @pytest.mark.parametrize("body,param", [
@@ -215,6 +251,52 @@ def test_reranking_a_model_without_a_classifier_is_one_line_at_start(monkeypatch
     rc, out, err = spark(build_tiny_model("llama"), "--reranking", "--device", "none", "--port", "0", "--no-learn")
     lines = [line for line in err.splitlines() if line.strip().startswith("error:")]
     assert rc == 2 and out == "" and len(lines) == 1 and "has no classifier head" in lines[0], err
+
+
+@pytest.mark.model
+def test_the_tiny_reranker_scores_for_real():
+    """Spark's tiny BERT reranker (the suite's reranker preset): llama.cpp's bert arch with pooling rank
+    and a classifier head, one score per prompt, the same prompt the same score."""
+    from spark_cli.core.gguf_info import load_geometry
+    from spark_cli.models.tiny_models import TINY_RERANKER, build_tiny_model
+    from spark_cli.native.engine import Engine, EngineOptions
+
+    path = build_tiny_model(TINY_RERANKER)
+    g = load_geometry(path, require_moe=False)
+    assert (g.arch, POOLINGS[g.pooling_type], g.has_classifier, g.causal, g.moe_layers) == ("bert", "rank", True,
+                                                                                            False, ())
+    with Engine(EngineOptions(path, n_ctx=512, n_batch=512, n_ubatch=512, device="none", repack=False,
+                              pooling="rank", n_threads=1)) as eng:
+        toks = eng.vocab.rerank_tokens("Machine learning is", "A machine")
+        assert toks[0] == 101 and toks.count(102) == 1  # bge's WordPiece: [CLS] query [SEP] document
+        a, b = eng.embed(toks, 0), eng.embed(toks, 0)
+        assert a.shape == (1,) and np.isfinite(a).all() and np.array_equal(a, b)
+        assert eng.embed(eng.vocab.rerank_tokens("Machine learning is", "Paris"), 0) != a
+
+
+@pytest.mark.model
+def test_spark_serve_reranks_with_the_tiny_reranker(tmp_path):
+    """`--reranking` serves the dense encoder reranker: /rerank answers, generating is a 501 (an
+    encoder has no next-token output), and the server goes on."""
+    import httpx
+    from test_serve_hostile import _serve
+
+    from spark_cli.models.tiny_models import TINY_RERANKER, build_tiny_model
+
+    proc, port, log = _serve(build_tiny_model(TINY_RERANKER), tmp_path, "--reranking", "-c", "512")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        r = httpx.post(f"{url}/rerank", json={"query": "Machine learning is", "documents": ["A machine", "Learning is"]},
+                       timeout=60)
+        body = r.json()
+        assert r.status_code == 200 and sorted(x["index"] for x in body["results"]) == [0, 1], r.text
+        assert body["usage"] == {"prompt_tokens": 14, "total_tokens": 14}  # 2 x [CLS] 3 words [SEP] 2 words
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+        assert r.status_code == 501 and "is an encoder (bert" in r.json()["error"]["message"], r.text
+        assert httpx.post(f"{url}/rerank", json={"query": "q", "texts": ["a"]}, timeout=60).status_code == 200
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 def test_an_embedding_counts_in_the_metrics():

@@ -75,6 +75,9 @@ def _client(fim: FimTokens):
         def detokenize(self, tokens) -> str:
             return " ".join(map(str, tokens))
 
+        def server_text(self, tokens) -> str:
+            return self.detokenize(tokens)
+
     return fake_client(lambda: FimEngine(n_ctx=256))
 
 

@@ -60,18 +60,20 @@ def test_shim_maps_llama_servers_flags():
         "--sleep-idle-seconds", "1", "--host", "127.0.0.1,::1", "--backend-sampling", "-bs", "--n-predict", "8"]
 
 
-def test_shim_serves_each_preset_the_tiny_llama_with_its_tokenizer():
+def test_shim_serves_each_preset_a_tiny_model_with_its_tokenizer():
     shim = _load(SHIM, "llama_server_shim")
-    assert shim.preset_vocab(["--hf-repo", "ggml-org/test-model-stories260K", "--port", "1"]) == "llama-spm"
-    assert shim.preset_vocab(["-hf", "ggml-org/test-model-stories260K-infill"]) == "starcoder"
-    assert shim.preset_vocab(["--hf-repo=ggml-org/models", "--hf-file", "bert-bge-small/ggml-model-f16.gguf"]) == "bert-bge"
-    # no stand-in: the reranker (a classifier head; spark serve refuses --reranking without one) and the rest
-    assert shim.preset_vocab(["--hf-repo", "ggml-org/models", "--hf-file",
-                              "jina-reranker-v1-tiny-en/ggml-model-f16.gguf"]) is None
-    assert shim.preset_vocab(["-m", "x.gguf"]) is None
-    from spark_cli.models.tiny_models import TINY_VOCABS
+    assert shim.preset_model(["--hf-repo", "ggml-org/test-model-stories260K", "--port", "1"]) == ("llama", "llama-spm")
+    assert shim.preset_model(["-hf", "ggml-org/test-model-stories260K-infill"]) == ("llama", "starcoder")
+    assert shim.preset_model(["--hf-repo=ggml-org/models", "--hf-file", "bert-bge-small/ggml-model-f16.gguf"]) == (
+        "llama", "bert-bge")
+    # the reranker: Spark's tiny BERT with a classifier head (spark serve refuses --reranking without one)
+    assert shim.preset_model(["--hf-repo", "ggml-org/models", "--hf-file",
+                              "jina-reranker-v1-tiny-en/ggml-model-f16.gguf"]) == ("bert-reranker", "bert-bge")
+    assert shim.preset_model(["-m", "x.gguf"]) == shim.DEFAULT_PRESET == ("llama", None)
+    from spark_cli.models.tiny_models import TINY_MODELS, TINY_RERANKER, TINY_VOCABS
 
-    assert set(shim.PRESETS.values()) <= set(TINY_VOCABS)
+    assert {v for _, v in shim.PRESETS.values()} <= set(TINY_VOCABS)
+    assert {n for n, _ in shim.PRESETS.values()} <= {*TINY_MODELS, TINY_RERANKER}
 
 
 @pytest.mark.parametrize("argv,why", [

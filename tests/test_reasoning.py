@@ -116,7 +116,6 @@ def test_apply_template_renders_off_and_honours_add_generation_prompt():
 @pytest.mark.parametrize("args,want", [
     (["--reasoning", "maybe"], "--reasoning maybe: expected one of on, off, auto"),
     (["--reasoning-budget", "256"], "--reasoning-budget 256: spark serve cannot end thinking"),
-    (["--context-shift"], "--context-shift: spark serve does not shift the context"),
 ])
 def test_serve_refuses_what_it_cannot_honour_in_one_line(args, want, monkeypatch, capsys, tmp_path):
     """Refused before any model is opened (the model named does not exist)."""

@@ -196,7 +196,8 @@ def test_native_completion_shapes():
         body = r.json()
         assert r.status_code == 200 and body["content"] == "yes of course " and body["stop"] is True
         assert (body["tokens_predicted"], body["tokens_evaluated"], body["stop_type"]) == (3, 2, "eos")
-        assert body["prompt"] == "hello there" and body["timings"]["predicted_n"] == 3
+        # `prompt`: llama-server's, the prompt's tokens detokenized (this fake's pieces end in a space)
+        assert body["prompt"] == "hello there " and body["timings"]["predicted_n"] == 3
         assert body["generation_settings"]["temperature"] == 0 and "completion_probabilities" not in body
         limited = tc.post("/completion", json={"prompt": "a b", "n_predict": 2, "logit_bias": [[5, False]]}).json()
         assert limited["stop_type"] == "limit" and limited["generation_settings"]["logit_bias"] == [
@@ -808,7 +809,7 @@ def test_response_fields_keep_the_named_values():
     fields = ["content", "generation_settings/n_predict", "prompt", "no/such"]
     with _client() as tc:
         body = tc.post("/completion", json={"prompt": "hello there", "n_predict": 5, "response_fields": fields}).json()
-        assert body == {"content": "yes of course ", "generation_settings/n_predict": 5, "prompt": "hello there"}
+        assert body == {"content": "yes of course ", "generation_settings/n_predict": 5, "prompt": "hello there "}
         last = _events(tc, "/completion", {"prompt": "hello", "response_fields": ["stop", "tokens_predicted"]})[-1]
         assert last == {"stop": True, "tokens_predicted": 3}
         batch = tc.post("/completion", json={"prompt": ["a", "b"], "response_fields": ["index"]}).json()
@@ -818,20 +819,20 @@ def test_response_fields_keep_the_named_values():
 
 
 def test_verbose_echoes_the_native_body():
-    """verbose: `__verbose` is llama-server's /completion body of the answer (the prompt as
-    rendered, the text as generated); --verbose makes it the default, a request's false wins."""
+    """verbose: `__verbose` is llama-server's /completion body of the answer (the prompt's tokens
+    detokenized, the text as generated); --verbose makes it the default, a request's false wins."""
     from spark_cli.serve.chat import ChatConfig, Defaults
 
     with _client() as tc:
         body = tc.post("/v1/chat/completions", json={**CHAT, "verbose": True}).json()
         v = body["__verbose"]
-        assert v["prompt"] == "<user> hi there <assistant>" and v["content"] == "yes of course "
+        assert v["prompt"] == "<user> hi there <assistant> " and v["content"] == "yes of course "
         assert v["stop"] is True and v["tokens_predicted"] == body["usage"]["completion_tokens"] == 3
         assert v["generation_settings"]["temperature"] == 0 and v["stop_type"] == "eos"
         assert "__verbose" not in tc.post("/v1/chat/completions", json=CHAT).json()
         done = [e for e in _events(tc, "/v1/completions", {"prompt": "hello", "verbose": True})
                 if e["choices"] and e["choices"][0]["finish_reason"]]
-        assert len(done) == 1 and done[0]["__verbose"]["content"] == "" and done[0]["__verbose"]["prompt"] == "hello"
+        assert len(done) == 1 and done[0]["__verbose"]["content"] == "" and done[0]["__verbose"]["prompt"] == "hello "
         picked_only = tc.post("/v1/completions", json={"prompt": "hi", "verbose": True,
                                                        "response_fields": ["content"]}).json()
         assert picked_only["__verbose"] == {"content": "yes of course "} and picked_only["choices"][0]["text"]

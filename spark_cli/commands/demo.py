@@ -45,7 +45,8 @@ def demo_model_cmd(
                                "training text: experts group tokens by content) or random (a seeded "
                                "random matrix, the router before demo format 2)"),
     tiny: str = typer.Option(None, "--tiny", help="build a tiny random model of this architecture (or variant, "
-                             "e.g. qwen35moe-split) instead"),
+                             "e.g. qwen35moe-split) instead; bert-reranker: a dense BERT reranker (a classifier "
+                             "head, bge's WordPiece) for `spark serve --reranking`"),
     vocab: str = typer.Option(None, "--vocab", help="with --tiny: llama.cpp's vendored tokenizer instead of "
                               "SmolLM2's: starcoder (FIM tokens, for /infill), llama-spm (SentencePiece, BOS), "
                               "bert-bge (WordPiece, CLS/SEP); from the llama-cpp-python sdist, never downloaded"),
@@ -56,7 +57,7 @@ def demo_model_cmd(
 ) -> None:
     """Build (or reuse) the upcycled SmolLM2 MoE demo model; prints its path (the only line on stdout)."""
     from ..models.demo_model import build_demo_model
-    from ..models.tiny_models import TINY_MODELS, TINY_VOCABS, build_tiny_model
+    from ..models.tiny_models import TINY_MODELS, TINY_RERANKER, TINY_VOCABS, build_tiny_model
 
     from ..models.demo_router import ROUTERS
 
@@ -74,8 +75,11 @@ def demo_model_cmd(
         _fixture(fixture, tiny, out_dir)
         return
     if tiny is not None:
-        if tiny not in TINY_MODELS:
-            raise UsageError(f"--tiny {tiny}: unknown architecture", hint="one of " + ", ".join(TINY_MODELS))
+        if tiny not in TINY_MODELS and tiny != TINY_RERANKER:
+            raise UsageError(f"--tiny {tiny}: unknown architecture", hint="one of " + ", ".join((*TINY_MODELS,
+                                                                                                TINY_RERANKER)))
+        if tiny == TINY_RERANKER and vocab is not None:
+            raise UsageError(f"--tiny {TINY_RERANKER} --vocab {vocab}: the reranker carries bge's WordPiece only")
         with err_console.status(f"building tiny {tiny} model{f' ({vocab} vocab)' if vocab else ''} ..."):
             path = build_tiny_model(tiny, seed=seed, out_dir=out_dir, vocab=vocab)
     else:

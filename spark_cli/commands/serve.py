@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from ..core.chat_output import REASONING_FORMATS
-from ..core.embedding import POOLINGS
+from ..core.embedding import POOLINGS, ranks
 from ..core.options import LoadFlags
 from ..core.reasoning import MODES as REASONING_MODES, ReasoningDefault
 from ..errors import SparkError, UsageError
@@ -65,7 +65,8 @@ def serve_cmd(
                                    "(as llama-server's); chats and completions are served as before"),
     reranking: bool = typer.Option(False, "--reranking", "--rerank", help="serve /rerank (as llama-server's): "
                                    "pooling rank, for a model with a classifier head (a reranker); another model "
-                                   "is refused at start"),
+                                   "is refused at start. A dense or encoder reranker (BERT's kind) is served too, "
+                                   "for /rerank and /embeddings only: generating gets a 501"),
     pooling: str = typer.Option(None, "--pooling", help="with --embedding: none (a vector per token; "
                                 "/embeddings only), mean, cls, last or rank (default: the GGUF's pooling_type, "
                                 "else last)", show_default=False),
@@ -75,8 +76,11 @@ def serve_cmd(
     tags: str = typer.Option(None, "--tags", help="comma-separated tags listed with the model in /v1/models",
                              show_default=False),
     context_shift: bool = typer.Option(False, "--context-shift/--no-context-shift", help="llama-server's context "
-                                       "shift; spark serve does not shift: an answer that fills the context stops "
-                                       "(finish_reason length, truncated), so --context-shift is refused"),
+                                       "shift: when an answer fills its slot's context, half the tokens after the "
+                                       "request's n_keep (or its n_discard) are dropped and it goes on (truncated: "
+                                       "true). Without it, such an answer stops (finish_reason length, truncated). "
+                                       "A model whose cache cannot shift (a recurrent state, M-RoPE: qwen35moe, "
+                                       "qwen3next) stops as without it, with a warning at start, as llama-server's"),
     media_path: Path = typer.Option(None, "--media-path", help="llama-server's folder of local media files for "
                                     "multimodal input; accepted, no effect: spark serve takes no images or audio "
                                     "(a request with them gets a 400 either way)", show_default=False),
@@ -135,9 +139,6 @@ def serve_cmd(
     _ = (media_path, cache_ram, cache_idle_slots, ui_mcp_proxy, backend_sampling)  # accepted, no effect (--help)
     if sleep_idle_seconds == 0 or sleep_idle_seconds < -1:
         raise UsageError(f"--sleep-idle-seconds {sleep_idle_seconds}: give a number of seconds, or -1 (never sleep)")
-    if context_shift:
-        raise UsageError("--context-shift: spark serve does not shift the context (an answer that fills it stops "
-                         "with finish_reason length)", hint="drop --context-shift, or give a larger -c")
     if pooling is not None and pooling not in POOLINGS:
         raise UsageError(f"--pooling {pooling}: expected one of {', '.join(POOLINGS)}")
     if reasoning not in REASONING_MODES:
@@ -161,7 +162,8 @@ def serve_cmd(
         err_console.print(f"[yellow]warning:[/] --host {host} is reachable from other machines and there is no "
                           "--api-key: anyone who can reach it can use the model", soft_wrap=True)
     path = model_or_demo(model)
-    geometry = session.open_geometry(path)
+    # NOTE: a dense model only to rerank (no MoE arch in llama.cpp has a classifier head); it generates nothing
+    geometry = session.open_geometry(path, require_moe=not ranks(pooling, reranking))
     info = session.load_profile(path, geometry)
     if info.warning():
         err_console.print(f"[yellow]warning:[/] {info.warning()}", soft_wrap=True, markup=False)
@@ -173,7 +175,7 @@ def serve_cmd(
                   templates=templates, chat_defaults=Defaults(temp, seed, n_predict, verbose),
                   reasoning_format=reasoning_format, thinking=ReasoningDefault(reasoning, reasoning_budget),
                   alias=alias, tags=names(tags), slot_save_path=slot_folder(slot_save_path), embedding=embedding or reranking or pooling is not None, pooling=pooling,
-                  reranking=reranking, learn=learn, learn_every=learn_every,
+                  reranking=reranking, context_shift=context_shift, learn=learn, learn_every=learn_every,
                   max_queue=max_queue, metrics=metrics_on, slots=slots_on, vertex=vertex,
                   grammar_limits=GrammarLimits(grammar_max_bytes, grammar_max_depth, grammar_max_width),
                   on_why=lambda why: err_console.print(f"[dim]{why}[/]", soft_wrap=True),

@@ -15,6 +15,24 @@ from ..errors import UsageError
 POOLINGS = ("none", "mean", "cls", "last", "rank")  # llama_pooling_type 0..4
 
 
+def ranks(asked: str | None, reranking: bool) -> bool:
+    """Whether the server reranks (--reranking, or --pooling rank): then a dense model is served too
+    (every reranker llama.cpp runs is dense), for /rerank and /embeddings only (cannot_generate)."""
+    return reranking or asked == "rank"
+
+
+def cannot_generate(arch: str, causal: bool, moe: bool, model: str = "the model") -> str | None:
+    """Why a served model generates no text (None: it does): an encoder (non-causal attention) has no
+    next-token output, and Spark generates with Mixture-of-Experts models only."""
+    if not causal:
+        return (f"{model} is an encoder ({arch}, non-causal attention): it has no next-token output, so it "
+                "cannot generate text; it serves /rerank and /embeddings")
+    if not moe:
+        return (f"{model} is a dense {arch} model, served for /rerank and /embeddings only: Spark generates "
+                "with Mixture-of-Experts models (use llama.cpp for a dense one)")
+    return None
+
+
 def choose_pooling(asked: str | None, reranking: bool, model_pooling: int, has_classifier: bool,
                    model: str = "the model") -> str:
     """The pooling the context is made with: --reranking's rank, else --pooling, else the GGUF's
@@ -22,7 +40,7 @@ def choose_pooling(asked: str | None, reranking: bool, model_pooling: int, has_c
     lacks, or ranking without a classifier head."""
     if asked is not None and asked not in POOLINGS:
         raise UsageError(f"--pooling {asked}: expected one of {', '.join(POOLINGS)}")
-    if reranking or asked == "rank":
+    if ranks(asked, reranking):
         if not has_classifier:
             raise UsageError(f"{'--reranking' if reranking else '--pooling rank'}: {model} has no classifier head "
                              "(cls.* tensors), so it cannot rerank", hint="serve a reranker model, or drop the flag")

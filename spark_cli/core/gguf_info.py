@@ -97,6 +97,7 @@ class ModelGeometry:
     chat_templates: tuple[tuple[str, str], ...] = ()  # every tokenizer.chat_template[.NAME] key and its text
     pooling_type: int = -1  # <arch>.pooling_type (llama_pooling_type; -1: not given)
     has_classifier: bool = False  # cls.* tensors: a reranker's head (pooling rank)
+    causal: bool = True  # <arch>.attention.causal (False: an encoder, BERT's kind: it embeds, never generates)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -366,6 +367,7 @@ def _geometry(path: Path, shards: list[_Shard], require_moe: bool) -> ModelGeome
                              if k.startswith("tokenizer.chat_template") and isinstance(v, str)),
         pooling_type=int(key("pooling_type")) if isinstance(key("pooling_type"), int) else -1,
         has_classifier=any(t.name.startswith("cls.") for _, t in tensors),
+        causal=key("attention.causal") is not False,
     )
 
 

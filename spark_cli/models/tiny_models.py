@@ -37,13 +37,19 @@ def tiny_model_name(name: str, seed: int = 0, vocab: str | None = None) -> str:
 
 def build_tiny_model(name: str, seed: int = 0, out_dir: Path | str | None = None, vocab: str | None = None) -> Path:
     """A few-MB random-weight MoE GGUF of one of TINY_MODELS (a family's arch, or a variant's name);
-    `vocab`: one of TINY_VOCABS' tokenizers instead of SmolLM2's."""
-    if name not in TINY_MODELS:
-        raise ValueError(f"arch: must be one of {', '.join(TINY_MODELS)}, got {name!r}")
+    `vocab`: one of TINY_VOCABS' tokenizers instead of SmolLM2's. TINY_RERANKER: the dense BERT
+    reranker (always bge's WordPiece)."""
+    if name not in TINY_MODELS and name != TINY_RERANKER:
+        raise ValueError(f"arch: must be one of {', '.join((*TINY_MODELS, TINY_RERANKER))}, got {name!r}")
     if vocab is not None and vocab not in TINY_VOCABS:
         raise ValueError(f"vocab: must be one of {', '.join(TINY_VOCABS)}, got {vocab!r}")
+    if name == TINY_RERANKER and vocab not in (None, RERANKER_VOCAB):
+        raise ValueError(f"vocab: the {TINY_RERANKER} model carries {RERANKER_VOCAB}'s WordPiece, got {vocab!r}")
     out = Path(out_dir) if out_dir is not None else models_dir()
     out.mkdir(parents=True, exist_ok=True)
+    if name == TINY_RERANKER:
+        path = out / tiny_model_name(name, seed, RERANKER_VOCAB)
+        return cached_build(path, lambda p: _build_tiny_reranker(seed, p))
     path = out / tiny_model_name(name, seed, vocab)
     return cached_build(path, lambda p: _build_tiny(name, seed, p, vocab))
 
@@ -160,6 +166,47 @@ def _moe_kvs(m: _Tiny, n_expert: int, k: int, n_ff: int, n_head_kv: int, head: i
     m.kv("expert_feed_forward_length", n_ff)
     m.kv("expert_count", n_expert)
     m.kv("expert_used_count", k)
+
+
+# ---------------------------------------------------------------- a reranker: dense BERT, classifier head
+
+# NOTE: not a MoE family (no llama.cpp MoE arch has a classifier head): the stand-in for llama.cpp's
+# server-suite reranker (jina-reranker-v1-tiny-en), which `spark serve --reranking` serves dense
+TINY_RERANKER = "bert-reranker"
+RERANKER_VOCAB = "bert-bge"  # bge-small's WordPiece: [CLS] query [SEP] document [SEP]
+
+
+def _build_tiny_reranker(seed: int, path: Path) -> None:
+    """llama.cpp's bert arch (src/models/bert.cpp) with pooling rank: token, type and position
+    embeddings, post-norm encoder layers with biases and a GELU FFN, then the sequence-
+    classification head on [CLS]: cls (dense, tanh) and cls.output (one score)."""
+    tok_kvs, n_vocab = _tokenizer_kvs(vendored_vocab(RERANKER_VOCAB))
+    m = _Tiny("bert", seed, TINY_RERANKER)
+    m.kvs.append(("general.name", f"spark tiny {TINY_RERANKER}", GGUFValueType.STRING, None))
+    n_embd, n_head, n_layer, n_ff, n_ctx = 64, 4, 2, 128, 512
+    m.add("token_embd.weight", (n_embd, n_vocab), "embd", QT.F16)
+    m.add("token_types.weight", (n_embd, 2), "embd")
+    m.add("position_embd.weight", (n_embd, n_ctx), "embd")
+    m.add("token_embd_norm.weight", (n_embd,), "norm")
+    m.add("token_embd_norm.bias", (n_embd,), "bias")
+    for il in range(n_layer):
+        for name, rows, cols in (("attn_q", n_embd, n_embd), ("attn_k", n_embd, n_embd), ("attn_v", n_embd, n_embd),
+                                 ("attn_output", n_embd, n_embd), ("ffn_up", n_embd, n_ff), ("ffn_down", n_ff, n_embd)):
+            m.add(f"blk.{il}.{name}.weight", (rows, cols))
+            m.add(f"blk.{il}.{name}.bias", (cols,), "bias")
+        for norm in ("attn_output_norm", "layer_output_norm"):
+            m.add(f"blk.{il}.{norm}.weight", (n_embd,), "norm")
+            m.add(f"blk.{il}.{norm}.bias", (n_embd,), "bias")
+    m.add("cls.weight", (n_embd, n_embd))
+    m.add("cls.bias", (n_embd,), "bias")
+    m.add("cls.output.weight", (n_embd, 1))
+    m.add("cls.output.bias", (1,), "bias")
+    for key, val in (("context_length", n_ctx), ("embedding_length", n_embd), ("block_count", n_layer),
+                     ("feed_forward_length", n_ff), ("attention.head_count", n_head),
+                     ("attention.layer_norm_epsilon", 1e-12), ("attention.causal", False),
+                     ("pooling_type", 4)):  # llama_pooling_type rank
+        m.kv(key, val)
+    write_gguf(path, "bert", m.kvs + tok_kvs, m.tensors)
 
 
 # ---------------------------------------------------------------- the first five families

@@ -419,6 +419,23 @@ class Engine:
                 return 0
         return self._pos[seq]
 
+    @property
+    def can_shift(self) -> bool:
+        """Whether the KV cache can move positions (llama_memory_can_shift): not with a recurrent
+        state or M-RoPE (qwen35moe, qwen3next), as llama-server's context shift requires."""
+        lc = self.lib.lc
+        return bool(lc.llama_memory_can_shift(lc.llama_get_memory(self.ctx)))
+
+    def shift(self, seq: int, n_keep: int, n_discard: int) -> None:
+        """llama-server's context shift of one sequence: drop positions [n_keep, n_keep + n_discard)
+        and move the rest down by n_discard (llama_memory_seq_rm, then seq_add)."""
+        lc = self.lib.lc
+        mem = lc.llama_get_memory(self.ctx)
+        if not lc.llama_memory_seq_rm(mem, seq, n_keep, n_keep + n_discard):
+            raise SparkError(f"llama.cpp could not drop positions {n_keep} to {n_keep + n_discard} of sequence {seq}")
+        lc.llama_memory_seq_add(mem, seq, n_keep + n_discard, self._pos[seq], -n_discard)
+        self._pos[seq] -= n_discard
+
     def decode(self, entries: Sequence[tuple[int, int, bool]]) -> None:
         """One llama_decode of (token, sequence, output) entries, at most n_batch, each at its
         sequence's next position; an output entry's logits row is its index (logits_row). No room

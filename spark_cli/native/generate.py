@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from ..core.context_shift import ContextShift
 from .expert_cache import CacheStats
 
 FINISH_REASONS = ("eog", "stop", "length", "context", "interrupted")
@@ -162,6 +163,7 @@ class GenerationStep(Rates):
     cache: CacheStats | None = None  # the decode steps' cache figures (last step)
     stop_word: str | None = None  # the stop string that ended it (last step, finish "stop")
     probs: TokenProbs | None = None  # this token's probabilities (n_probs set)
+    shifts: tuple[tuple[int, int], ...] = ()  # (n_keep, n_discard) of each context shift (last step)
 
 
 @dataclass(frozen=True)
@@ -249,8 +251,10 @@ class Decoding:
     def __init__(self, engine, seq: int = 0, *, n_prompt: int, sampler: Sampler | None = None,
                  max_tokens: int = -1, stop: StopRules = StopRules(), should_stop: Callable[[], bool] | None = None,
                  keep_logits: bool = False, special: bool = False, n_probs: int | None = None,
-                 post_sampling: bool = False):
+                 post_sampling: bool = False, shift: ContextShift | None = None):
         self.engine, self.seq = engine, seq
+        self.shift = shift  # llama-server's context shift when the context fills (None: it ends, "context")
+        self.shifts: list[tuple[int, int]] = []  # (n_keep, n_discard) of each shift done
         self.sampler = sampler or Greedy()
         self.max_tokens, self.stop, self.should_stop = max_tokens, stop, should_stop
         self.keep_logits, self.special, self.n_probs = keep_logits, special, n_probs
@@ -298,8 +302,20 @@ class Decoding:
             elif tok in self.stop.token_ids:
                 self.finish = "stop"
             else:
+                self._shift_if_full()
                 return tok
         return None
+
+    def _shift_if_full(self) -> None:
+        """Before a sampled token is evaluated into a full context: llama-server's context shift
+        (pre_decode: the sequence holds n_ctx - 1 positions)."""
+        eng = self.engine
+        n_past = eng.seq_pos(self.seq)
+        if self.shift is None or n_past + 1 < eng.n_ctx:
+            return
+        keep, discard = self.shift.span(n_past, eng.n_ctx)
+        eng.shift(self.seq, keep, discard)
+        self.shifts.append((keep, discard))
 
     def _sample(self, logits: np.ndarray | None, row: int) -> int:
         """The sampler's token; with n_probs, its probabilities (raw, or after the chain) kept for its step."""
@@ -328,7 +344,7 @@ class Decoding:
         tail = self.filt.feed(self.dec.decode(b"", final=True)) + self.filt.flush()
         gen_seconds = time.perf_counter() - self.t1 if self.t1 is not None else 0.0
         return GenerationStep(None, tail, self.n_prompt, self.prompt_seconds, self.n, gen_seconds,
-                              self.finish or "interrupted", stop_word=self.filt.matched)
+                              self.finish or "interrupted", stop_word=self.filt.matched, shifts=tuple(self.shifts))
 
 
 @dataclass(frozen=True)

@@ -46,9 +46,27 @@ class Vocab:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
 
+    def server_text(self, tokens: Sequence[int]) -> str:
+        """The tokens as llama-server shows a prompt (common_detokenize with special tokens: its
+        BOS text, a SentencePiece first word's leading space): llama_detokenize, nothing removed."""
+        lc = self.lc
+        ids = (lc.llama_token * max(1, len(tokens)))(*tokens)
+        n_max = 8 * len(tokens) + 16
+        buf = ctypes.create_string_buffer(n_max)
+        n = lc.llama_detokenize(self.handle, ids, len(tokens), buf, n_max, False, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_detokenize(self.handle, ids, len(tokens), buf, -n, False, True)
+        return buf.raw[:n].decode("utf-8", errors="replace")
+
     @property
     def bos_token(self) -> int:
         return int(self.lc.llama_vocab_bos(self.handle))
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether tokenizing adds a BOS (llama_vocab_get_add_bos)."""
+        return bool(self.lc.llama_vocab_get_add_bos(self.handle))
 
     @property
     def eos_token(self) -> int:
@@ -64,7 +82,7 @@ class Vocab:
         eos = self.eos_token if self.eos_token >= 0 else int(lc.llama_vocab_sep(h))
         return rerank_prompt(self.tokenize(query, add_special=False, parse_special=False),
                              self.tokenize(doc, add_special=False, parse_special=False),
-                             self.bos_token if lc.llama_vocab_get_add_bos(h) else -1,
+                             self.bos_token if self.adds_bos else -1,
                              eos if lc.llama_vocab_get_add_eos(h) else -1,
                              int(lc.llama_vocab_sep(h)) if lc.llama_vocab_get_add_sep(h) else -1)
 
@@ -74,7 +92,7 @@ class Vocab:
         lc, h = self.lc, self.handle
         ids = [int(f(h)) for f in (lc.llama_vocab_fim_pre, lc.llama_vocab_fim_suf, lc.llama_vocab_fim_mid,
                                    lc.llama_vocab_fim_rep, lc.llama_vocab_fim_sep)]
-        return FimTokens(*ids, bos=self.bos_token, add_bos=bool(lc.llama_vocab_get_add_bos(h)))
+        return FimTokens(*ids, bos=self.bos_token, add_bos=self.adds_bos)
 
     def is_eog(self, token: int) -> bool:
         return bool(self.lc.llama_vocab_is_eog(self.handle, token))

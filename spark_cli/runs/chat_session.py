@@ -41,6 +41,8 @@ class Sampling:
     n_probs: int | None = None  # each token's probability and the top n_probs (GenerationStep.probs)
     post_sampling_probs: bool = False  # those probabilities after the sampler chain, not of the raw logits
     ban_eog: bool = False  # never sample an end-of-generation token (ignore_eos)
+    n_keep: int = 0  # context shift (spark serve --context-shift): prompt tokens kept (-1: all)
+    n_discard: int = 0  # context shift: tokens dropped per shift (0: half of those after n_keep)
 
 
 def make_sampler(engine, s: Sampling):

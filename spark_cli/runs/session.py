@@ -522,5 +522,5 @@ def _sequences_warning(geometry: ModelGeometry, plan: planner.Plan, flags: LoadF
             "it takes more VRAM than planned")
 
 
-def open_geometry(model: Path) -> ModelGeometry:
-    return load_geometry(model, require_moe=True)
+def open_geometry(model: Path, require_moe: bool = True) -> ModelGeometry:
+    return load_geometry(model, require_moe=require_moe)

@@ -189,10 +189,11 @@ def _native_final(st: ServerState, run: Run, req: GenerationRequest, content: st
     assert run.usage is not None and run.sampling is not None
     # NOTE: ignore_eos's -inf biases are listed in generation_settings, as llama-server's
     eog = st.worker.eog_tokens if run.sampling.ban_eog else ()
-    body = llama_api.final_body(content, req.model or run.env.model, run.prompt, run.finish, run.stop_word,
+    prompt = run.shown_prompt if run.shown_prompt is not None else run.prompt
+    body = llama_api.final_body(content, req.model or run.env.model, prompt, run.finish, run.stop_word,
                                 run.usage, run.timings, llama_api.settings(run.sampling, req, eog),
                                 run.probs if run.with_probs else None, run.slot,
-                                run.tokens if req.return_tokens else None, index)
+                                run.tokens if req.return_tokens else None, index, shifted=run.shifted)
     return llama_api.picked(body, req.response_fields)
 
 

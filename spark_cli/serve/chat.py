@@ -252,7 +252,7 @@ def _sampling(req: GenerationRequest, defaults: Defaults, grammar: str | None) -
                     repeat_penalty=req.repeat_penalty, repeat_last_n=req.repeat_last_n, grammar=grammar,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                     typical_p=req.typical_p, logit_bias=req.bias, n_probs=req.n_probs, ban_eog=req.ignore_eos,
-                    post_sampling_probs=req.post_sampling_probs)
+                    post_sampling_probs=req.post_sampling_probs, n_keep=req.n_keep, n_discard=req.n_discard)
 
 
 def _delta_chunk(env: Envelope, d: ChatDelta, probs: list[TokenLogprob] | None,
@@ -280,6 +280,8 @@ class Run:
     timings: Timings | None = None
     stop_word: str | None = None
     finish: str = ""  # the engine's: eog | stop | length | context | interrupted
+    shifted: bool = False  # the context was shifted (--context-shift): llama-server's `truncated`
+    shown_prompt: str | None = None  # the prompt as llama-server shows it (Started.shown)
     finish_reason: str | None = None
     probs: list[TokenLogprob] = field(default_factory=list)
     per_token_timings: bool = False  # timings_per_token: every chunk carries the timings so far
@@ -312,6 +314,7 @@ class Run:
                 self.usage, self.stop_word, self.finish_reason = ev.usage, ev.stop_word, FINISH[ev.finish]
                 self.finish = ev.finish
                 self.timings = ev.timings
+                self.shifted = ev.shifted
             if isinstance(ev, Text):
                 self.probs += ev.probs or []
                 self.tokens += ev.tokens
@@ -413,7 +416,7 @@ class _Queued:
         assert isinstance(first, Started)
         parser = self.prepared.parser(first.prompt) if self.prepared else None
         return Run(self.feed, self.env, first.prompt_tokens, first.prompt, parser, self.with_probs, self.sampling,
-                   first.slot, per_token_timings=self.per_token_timings,
+                   first.slot, per_token_timings=self.per_token_timings, shown_prompt=first.shown,
                    schemas=self.prepared.schemas if self.prepared else OutputSchemas())
 
 
@@ -434,6 +437,8 @@ async def _queue(request: Request, req: GenerationRequest, worker: Worker, model
     prepared, grammar = await asyncio.to_thread(_prepared, req, config)
     sampling = sampling_for(req, config.defaults, grammar)
     env = Envelope(prepared is not None, req.model or model, config.fingerprint)
+    # NOTE: only an answer with llama-server's native body shows the prompt (a detokenization per request)
+    show = not count_only and (req.NATIVE or (req.verbose if req.verbose is not None else config.defaults.verbose))
     queued: list[_Queued] = []
     try:
         for j in range(n):
@@ -441,7 +446,7 @@ async def _queue(request: Request, req: GenerationRequest, worker: Worker, model
             s = dataclasses.replace(sampling, seed=(sampling.seed + j) & 0xFFFFFFFF) if j else sampling
             worker.submit(Job(feed.emit, s, chat=prepared, text=None if prepared else req.prompt, stops=req.stops,
                               cancel=feed.cancel, count_only=count_only, cache_prompt=req.cache_prompt,
-                              progress=req.stream and req.return_progress, id_slot=req.id_slot))
+                              progress=req.stream and req.return_progress, id_slot=req.id_slot, show_prompt=show))
             queued.append(_Queued(feed, dataclasses.replace(env, index=j), prepared, s, req.n_probs is not None,
                                   req.timings_per_token))
     except BaseException:

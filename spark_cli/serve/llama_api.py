@@ -54,6 +54,7 @@ STOP_TYPE = {"eog": "eos", "stop": "word", "length": "limit", "context": "limit"
 
 class NativeCompletionRequest(GenerationRequest):
     OWN = frozenset({"return_tokens"})
+    NATIVE = True
 
     prompt: Union[str, dict, list[Union[int, str, dict, list[Union[int, str]]]]]
     probs_n: int = Field(0, ge=0, le=100, alias="n_probs")  # >0: each token's probability and the top n
@@ -123,12 +124,13 @@ def progress_event(progress: dict[str, Any], n_prompt: int, id_slot: int = 0,
 def final_body(content: str, model: str, prompt: str, finish: str, stop_word: str | None, usage: Usage,
                timings: Timings | None, generation: dict[str, Any],
                probs: list[TokenLogprob] | None, id_slot: int = 0, tokens: list[int] | None = None,
-               index: int = 0) -> dict[str, Any]:
+               index: int = 0, shifted: bool = False) -> dict[str, Any]:
     body: dict[str, Any] = {
         "index": index, "content": content, "tokens": list(tokens or []), "id_slot": id_slot, "stop": True,
         "model": model, "tokens_predicted": usage.completion_tokens, "tokens_evaluated": usage.prompt_tokens,
         "generation_settings": generation, "prompt": prompt, "has_new_line": "\n" in content,
-        "truncated": finish == "context",  # the context filled up (llama-server's, without context shift)
+        # llama-server's: the context filled up (without --context-shift), or was shifted (with it)
+        "truncated": finish == "context" or shifted,
         "stop_type": STOP_TYPE[finish], "stopping_word": stop_word or "",
         "tokens_cached": usage.prompt_tokens + usage.completion_tokens,
         "timings": (timings or Timings()).to_dict(),

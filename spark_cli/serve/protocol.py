@@ -187,13 +187,12 @@ class StreamOptions(Strict):
 
 
 # Fields a client may send that spark serve does not implement, with the values that mean "off"
-# (those are accepted: they ask for nothing; n_keep -1 keeps the whole prompt, which a server
-# that never shifts the context does anyway). Any other value is a 400 naming the field. Fields
+# (those are accepted: they ask for nothing). Any other value is a 400 naming the field. Fields
 # in neither this table nor the models are ignored, as llama-server ignores them (`user`,
 # `store`, `metadata`, ...).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "mirostat": (0,), "dynatemp_range": (0, 0.0), "top_n_sigma": (-1, -1.0), "xtc_probability": (0, 0.0),
-    "dry_multiplier": (0, 0.0), "lora": ([],), "n_keep": (0, -1),
+    "dry_multiplier": (0, 0.0), "lora": ([],),
     "min_keep": (0,), "n_indent": (0,), "n_cache_reuse": (0,),
     "return_tokens": (False,), "t_max_predict_ms": (0,),
     "functions": (), "function_call": (), "audio": (), "prediction": (),
@@ -269,6 +268,7 @@ class GenerationRequest(Strict):
 
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {}  # per endpoint, beside UNSUPPORTED
     OWN: ClassVar[frozenset[str]] = frozenset()  # fields of UNSUPPORTED this endpoint implements
+    NATIVE: ClassVar[bool] = False  # the answer is llama-server's native body (its `prompt`: Job.show_prompt)
 
     model: str | None = None  # NOTE: one model is served; the name is echoed back, as llama-server does
     max_tokens: int | None = Field(None, ge=1, le=(1 << 31) - 1)
@@ -298,6 +298,10 @@ class GenerationRequest(Strict):
     # llama-server's: a stream sends chunks with `prompt_progress` while the prompt is evaluated
     # (without stream it asks for nothing, as llama-server's)
     return_progress: bool = False
+    # llama-server's context shift (spark serve --context-shift): the prompt tokens a shift keeps
+    # (-1: all of them; a BOS is kept too) and the tokens it drops (0: half of those after n_keep)
+    n_keep: int = Field(0, ge=-(1 << 31), le=(1 << 31) - 1)
+    n_discard: int = Field(0, ge=-(1 << 31), le=(1 << 31) - 1)
     post_sampling_probs: bool = False  # llama-server's: probabilities after the sampler chain (n_probs set)
     # llama-server's: the sampler chain run on the device; Spark runs the same chain on the CPU (same tokens)
     backend_sampling: bool = False

@@ -3,7 +3,8 @@
 on the reranking prompt (Vocab.rerank_tokens), one embedding job after another (embeddings.py).
 
 In: `query` (a string), `documents` (Jina) or `texts` (TEI: the answer is TEI's list, `return_text`
-adds each text), `top_n`. Out: the documents by score, best first, at most top_n.
+adds each text; as llama-server's, a body with a `texts` key gets TEI's answer, and `documents` is
+read first), `top_n`. Out: the documents by score, best first, at most top_n.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ async def rerank(request: Request) -> Response:
         got = [await embed_tokens(request, st, p) for p in prompts]
     except ClientGone:
         return Response(status_code=499)
-    tei = req.texts is not None and req.documents is None
+    tei = "texts" in req.model_fields_set  # NOTE: llama-server's body.contains("texts")
     body = rerank_results([float(ev.vectors[0]) for ev in got], [ev.n_tokens for ev in got], docs,
                           req.top_n if req.top_n is not None else len(docs), tei, req.return_text,
                           req.model or st.model_name)

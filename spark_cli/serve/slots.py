@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..core.context_shift import after_shifts
 from ..core.trace import DECODE, PREFILL
 from ..native.generate import StepShape
 from ..runs.chat_session import common_prefix
@@ -36,9 +37,10 @@ class Slot:
         self.kv = self.kv[:kept]
         self.n_task += 1
 
-    def end(self, n_pos: int) -> None:
-        """The job is over; its sequence holds n_pos positions of prompt + generated tokens."""
-        self.kv = (self.prompt + self.generated)[:n_pos]
+    def end(self, n_pos: int, shifts: Sequence[tuple[int, int]] = ()) -> None:
+        """The job is over; its sequence holds n_pos positions of prompt + generated tokens, less
+        the spans its context shifts dropped ((n_keep, n_discard), in order)."""
+        self.kv = after_shifts(self.prompt + self.generated, list(shifts))[:n_pos]
         self.job, self.last_used = None, time.monotonic()
         self.close()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..core.chat_template import TemplateSet
-from ..core.embedding import choose_pooling
+from ..core.embedding import cannot_generate, choose_pooling
 from ..core.gguf_info import ModelGeometry
 from ..core.options import LoadFlags
 from ..core.reasoning import ReasoningDefault
@@ -70,12 +70,14 @@ def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags
          templates: TemplateSet | None, chat_defaults: Defaults, reasoning_format: str, alias: str | None,
          thinking: ReasoningDefault = ReasoningDefault(), tags: tuple[str, ...] = (), embedding: bool = False,
          pooling: str | None = None, reranking: bool = False, slot_save_path: Path | None = None,
+         context_shift: bool = False,
          learn: bool, learn_every: float, max_queue: int, metrics: bool, slots: bool, vertex: Vertex | None,
          on_why: Callable[[str], None], grammar_limits: GrammarLimits = GrammarLimits(),
          sleep_idle: float | None = None) -> Served:
     """The server of `path` on `where`: its engine opens in the worker (each cached layer on the
     placement's miss path), its chat format comes from the templates (--chat-template-file, else
-    the GGUF's); `sleep_idle`: seconds idle before the engine is freed, to open again the same way."""
+    the GGUF's); `sleep_idle`: seconds idle before the engine is freed, to open again the same way;
+    `context_shift`: llama-server's --context-shift, where the model's cache can shift (else a warning)."""
     opts = engine_options(path, geometry, where, flags, learn)
     opts.chat_templates = templates
     if embedding:
@@ -84,8 +86,19 @@ def wire(path: Path, geometry: ModelGeometry, where: Placement, flags: LoadFlags
     plan = where.plan
     stats = ServerStats(cached_layers=cached, planned_bytes=int(plan.breakdown["total"]) if plan else 0)
     learner = Learner(path, geometry, interval=learn_every, enabled=learn)
-    worker = Worker(lambda: open_engine(opts, where.miss_path, geometry.fingerprint, on_why=on_why),
-                    cached, stats, learner, max_queue=max_queue, sleep_idle=sleep_idle)
+    warned: list[str] = []  # NOTE: the engine opens again after each sleep: the warning is said once
+
+    def opened() -> Any:
+        engine = open_engine(opts, where.miss_path, geometry.fingerprint, on_why=on_why)
+        if context_shift and not engine.can_shift and not warned:
+            warned.append("context-shift")
+            on_why(f"warning: --context-shift: the KV cache of {path.name} ({geometry.arch}) cannot shift (a "
+                   "recurrent state or M-RoPE): an answer that fills the context stops, as without it")
+        return engine
+
+    worker = Worker(opened, cached, stats, learner, max_queue=max_queue, sleep_idle=sleep_idle,
+                    no_generation=cannot_generate(geometry.arch, geometry.causal, bool(geometry.moe_layers), path.name),
+                    context_shift=context_shift)
     chat = ChatConfig.for_model(templates if templates is not None else TemplateSet(dict(geometry.chat_templates)),
                                 geometry.arch, reasoning_format, defaults=chat_defaults,
                                 grammar_limits=grammar_limits, thinking=thinking)

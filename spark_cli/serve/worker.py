@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..core.context_shift import ContextShift
 from ..native.embed import EmbedError
 from ..native.engine import KVFullError
 from ..native.generate import BatchLoop, Decoding, GenerationStep, PromptProgress, StopRules, TokenProbs
@@ -42,6 +43,7 @@ class Started:
     prompt_tokens: int
     prompt: str = ""  # the prompt's text (a chat's as rendered)
     slot: int = 0  # the slot (KV sequence) that serves it
+    shown: str | None = None  # the prompt as llama-server shows it (Job.show_prompt)
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Done:
     usage: Usage
     stop_word: str | None = None  # the stop string that ended it (finish "stop")
     timings: Timings | None = None
+    shifted: bool = False  # the context was shifted (--context-shift): llama-server's `truncated`
 
 
 @dataclass
@@ -110,6 +113,7 @@ class Job:
     progress: bool = False
     id_slot: int = -1  # the slot it asked for (waited for while busy); -1: the free one that holds most of it
     embed: bool = False  # the prompt's embeddings (Embedded), nothing generated
+    show_prompt: bool = False  # Started.shown: the prompt's tokens detokenized, as llama-server's `prompt`
     slot_action: SlotAction | None = None  # save, restore or erase slot id_slot (SlotDone), nothing generated
     cancel: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
@@ -163,8 +167,10 @@ def _progress(p: PromptProgress) -> Progress:
 class Worker:
     def __init__(self, open_engine: Callable[[], Any], cached_layers: set[int], stats: ServerStats,
                  learner: Learner, max_queue: int = 32, on_fatal: Callable[[str, int], None] | None = None,
-                 sleep_idle: float | None = None):
+                 sleep_idle: float | None = None, no_generation: str | None = None, context_shift: bool = False):
         self._open = open_engine
+        self.context_shift = context_shift  # --context-shift (where the model's cache can shift: Engine.can_shift)
+        self.no_generation = no_generation  # why this model generates nothing (core/embedding.cannot_generate)
         self.cached_layers = cached_layers
         self.stats = stats
         self.learner = learner
@@ -192,7 +198,10 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         """Queue a job, or raise ApiError(503) while loading, failed, shutting down or full (the jobs
-        that wait for their slot count), ApiError(400) for an id_slot this server does not have."""
+        that wait for their slot count), ApiError(400) for an id_slot this server does not have, ApiError(501)
+        for generating on a model that cannot (a reranker's encoder)."""
+        if self.no_generation and not (job.embed or job.count_only or job.slot_action is not None):
+            raise ApiError(501, self.no_generation, "not_supported_error")
         if self.fatal:
             raise unavailable(f"the engine failed: {self.fatal}")
         if self.closing:
@@ -413,6 +422,7 @@ class Worker:
         try:
             job.sampling = resolve_bias(job.sampling, eng)
             req = self._prompt(job)
+            shown = eng.vocab.server_text(req[0]) if req is not None and job.show_prompt else None
         except Exception as e:  # noqa: BLE001 - a bug in one request must not take the server down
             job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
             req = None
@@ -435,14 +445,16 @@ class Worker:
         slot.begin(job, toks, kept)
         sampler.prime(toks)
         chat = job.chat
-        dec = Decoding(eng, slot.id, n_prompt=len(toks) - kept, sampler=sampler,
+        shift = (ContextShift(job.sampling.n_keep, job.sampling.n_discard, len(toks), eng.vocab.adds_bos)
+                 if self.context_shift and eng.can_shift else None)
+        dec = Decoding(eng, slot.id, n_prompt=len(toks) - kept, sampler=sampler, shift=shift,
                        max_tokens=job.sampling.n_predict, stop=StopRules(strings=tuple(job.stops)),
                        should_stop=lambda: job.cancel.is_set() or bool(self.fatal),
                        special=chat is not None and chat.fmt.special, n_probs=job.sampling.n_probs,
                        post_sampling=job.sampling.post_sampling_probs)
         slot.sampler = sampler
         slot.probs = _ProbsFeed(eng, job.sampling.n_probs is not None)
-        job.emit(Started(len(toks), text, slot.id))
+        job.emit(Started(len(toks), text, slot.id, shown))
         self.stats.set_processing(sum(1 for s in self.slots if s.job is not None))
         self._loop.add(dec, lambda step: self._on_step(slot, step), prompt=toks[kept:], cached=kept,
                        on_progress=(lambda p: job.emit(_progress(p))) if job.progress else None)
@@ -533,7 +545,7 @@ class Worker:
         fig = AnswerFigures(prompt_tokens=step.prompt_tokens, reused_tokens=slot.reused,
                             generated_tokens=step.generated_tokens, prompt_seconds=step.prompt_seconds,
                             gen_seconds=step.gen_seconds, stop=step.finish)
-        slot.end(self.engine.seq_pos(slot.id))
+        slot.end(self.engine.seq_pos(slot.id), step.shifts)
         self.stats.set_processing(sum(1 for s in self.slots if s.job is not None))
         self.stats.add_request(fig)
         self.stats.set_cache(self.engine)
@@ -541,7 +553,7 @@ class Worker:
         if not self.fatal:
             job.emit(Done(fig.stop, usage, step.stop_word, Timings(fig.reused_tokens, fig.prompt_tokens,
                                                                    fig.prompt_seconds, fig.generated_tokens,
-                                                                   fig.gen_seconds)))
+                                                                   fig.gen_seconds), shifted=bool(step.shifts)))
         job.done.set()
 
     def _engine_failed(self, message: str) -> None:
