@@ -692,6 +692,25 @@ def test_a_grammar_llama_cpp_refuses_is_that_requests_400():
             assert tc.post("/v1/chat/completions", json=CHAT).status_code == 200
 
 
+def test_a_bug_while_starting_a_request_is_its_500_and_the_server_goes_on():
+    """An unexpected exception while a job starts (here: after it took a slot) answers that request
+    with a 500 in the API's shape, frees the slot, and later requests are served."""
+
+    class Buggy(_Engine):
+        def make_sampler(self, *args, **kw):
+            sampler = super().make_sampler(*args, **kw)
+            if args[7]:  # the grammar
+                sampler.prime = lambda toks: (_ for _ in ()).throw(RuntimeError("planted"))
+            return sampler
+
+    with fake_client(lambda: Buggy(n_ctx=64)) as tc:
+        for _ in range(3):  # more than the slots: each failure gave its slot back
+            r = tc.post("/v1/chat/completions", json={**CHAT, "grammar": 'root ::= "a"'})
+            assert r.status_code == 500 and "planted" in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["type"] == "server_error"
+            assert tc.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
 def test_logit_bias_by_text():
     """llama-server's logit_bias keys may be text ({"text": bias} or [["text", bias]]): each of its
     tokens gets the bias."""

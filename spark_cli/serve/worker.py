@@ -410,6 +410,24 @@ class Worker:
         slot.kv = []
 
     def _start(self, job: Job) -> None:
+        """_begin, guarded: a bug while starting one job answers that job with a 500 and frees the slot
+        it took, and the engine thread goes on (an exception here used to end it: every later request
+        hung)."""
+        try:
+            self._begin(job)
+        except Exception as e:  # noqa: BLE001 - a bug in one request must not take the server down
+            self._start_failed(job, e)
+
+    def _start_failed(self, job: Job, e: Exception) -> None:
+        for slot in self.slots:
+            if slot.job is job:  # NOTE: its sequence may hold part of the prompt: forgotten
+                self.engine.seq_clear(slot.id)
+                slot.end(0)
+        self.stats.set_processing(sum(1 for s in self.slots if s.job is not None))
+        job.emit(Failed(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
+        job.done.set()
+
+    def _begin(self, job: Job) -> None:
         """Prepare a job's prompt and put it in the free slot that holds most of it; a job that
         cannot run (bad input, count_only) is answered here without a slot."""
         if job.cancel.is_set():
