@@ -13,6 +13,7 @@ from spark_cli.core.trace import RoutingTrace
 
 E, K = 16, 4
 DISK = DiskCosts(read_bytes=1 << 20, depth=4, bytes_per_s=1e9, latency_s=1e-3)
+SLOW = DiskCosts(read_bytes=1 << 20, depth=4, bytes_per_s=1e9, latency_s=3e-3)  # a lone read waits 3 ms
 
 
 def _trace(ids: np.ndarray, n_expert: int = E) -> RoutingTrace:
@@ -127,13 +128,26 @@ def test_replay_misses_are_the_simulators():
     assert r.tokens == sim.decode_tokens == 300
     assert sum(r.ahead_steps.values()) == 2 * 300  # layers 0 and 2 read ahead (for 2 and 3), 3 does not
     assert r.covered <= min(r.misses, r.reads_ahead)
+    assert sim.miss_steps_decode <= sim.misses_decode and r.uncovered_steps <= sim.miss_steps_decode
+    off = prefetch.replay(trace, slots, pins, dict.fromkeys(slots, 1), AheadParams(ahead=0))
+    assert off.uncovered_steps == sim.miss_steps_decode > 0  # no read-ahead: every step with a miss waits
 
 
 def test_cost_model_without_read_ahead_is_file_tier_tg():
     base, m, eb = 0.025, 14.6, 1658880
-    want = file_tier_tg(base, m, eb, DISK)
-    assert file_tier_tg_ahead(base, m, {}, eb, DISK, 0.001) == pytest.approx(want)
-    assert file_tier_tg_ahead(base, m, {0: 29.0}, eb, DISK, 0.001) == pytest.approx(want)
+    want = file_tier_tg(base, m, eb, SLOW, miss_steps_per_token=9.0)
+    assert file_tier_tg_ahead(base, m, 9.0, {}, eb, SLOW, 0.001) == pytest.approx(want)
+    assert file_tier_tg_ahead(base, m, 9.0, {0: 29.0}, eb, SLOW, 0.001) == pytest.approx(want)
+
+
+def test_a_step_with_a_miss_waits_at_least_one_read_alone():
+    read = SLOW.read_bytes / SLOW.bytes_per_s  # a read's bytes at the rate in flight: about 1 ms
+    assert SLOW.step_latency_s == pytest.approx(3e-3 - read)
+    got = file_tier_tg(0.02, 6.0, 1e6, SLOW, miss_steps_per_token=4.0)
+    assert got == pytest.approx(0.02 + 6.0 * 1e6 / 1e9 + 4.0 * (3e-3 - read))
+    # a lone read no slower than its bytes at the rate in flight adds nothing per step
+    assert DISK.step_latency_s == 0.0
+    assert file_tier_tg(0.02, 6.0, 1e6, DISK, miss_steps_per_token=4.0) == pytest.approx(0.02 + 6e-3)
 
 
 def test_predicted_tg_of_a_replay_without_read_ahead_is_file_tier_tg():
@@ -142,16 +156,17 @@ def test_predicted_tg_of_a_replay_without_read_ahead_is_file_tier_tg():
     slots, eb = dict.fromkeys(range(3), 8), dict.fromkeys(range(3), 1_500_000)
     r = prefetch.replay(trace, slots, {}, eb, AheadParams(ahead=0))
     assert r.misses > 0 and r.ahead_steps == {0: 200}
-    assert prefetch.predicted_tg(r, 0.02, DISK, 3) == pytest.approx(
-        file_tier_tg(0.02, r.misses_per_token, 1_500_000, DISK))
+    assert r.uncovered_steps > 0
+    assert prefetch.predicted_tg(r, 0.02, SLOW, 3) == pytest.approx(
+        file_tier_tg(0.02, r.misses_per_token, 1_500_000, SLOW, miss_steps_per_token=r.uncovered_steps_per_token))
 
 
 def test_cost_model_hides_reads_ahead_behind_a_layers_compute_only():
     read = 1e6 / DISK.bytes_per_s  # 1 ms a read
     base = 0.03
-    hidden = file_tier_tg_ahead(base, 5.0, {1: 29.0}, 1e6, DISK, overlap_s=2 * read)
+    hidden = file_tier_tg_ahead(base, 5.0, 5.0, {1: 29.0}, 1e6, DISK, overlap_s=2 * read)
     assert hidden == pytest.approx(base + 5 * read)
-    waits = file_tier_tg_ahead(base, 5.0, {0: 10.0, 3: 19.0}, 1e6, DISK, overlap_s=2 * read)
+    waits = file_tier_tg_ahead(base, 5.0, 5.0, {0: 10.0, 3: 19.0}, 1e6, DISK, overlap_s=2 * read)
     assert waits == pytest.approx(base + 5 * read + 19 * read)  # each 3-read layer waits one read
 
 

@@ -365,6 +365,7 @@ def test_plan_on_a_fixture_bigger_than_ram_places_and_prices_the_tiers(plan_cli,
     n_moe = len(qwen36.moe_layers)
     # 40 tokens, each with one new expert a layer: every one a miss (slots >> 8: nothing evicted)
     assert d["misses_per_token"] == pytest.approx(n_moe * (40 + 7) / 40)
+    assert d["miss_steps_per_token"] == pytest.approx(n_moe)  # every layer's step misses, each waits its reads
     eb = np.mean([qwen36.layers[il].expert_bytes_per_expert for il in qwen36.moe_layers])
     assert d["file_bytes_per_token"] == pytest.approx(d["misses_per_token"] * eb)
     assert d["disk_bound_tok_s"] == pytest.approx(2e9 / d["file_bytes_per_token"])

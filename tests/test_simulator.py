@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spark_cli.errors import PlanError
-from spark_cli.core.simulator import PolicyParams, cold_hit_rate, miss_ratio_curve, simulate
+from spark_cli.core.simulator import DEFAULT_POLICY, PolicyParams, cold_hit_rate, miss_ratio_curve, simulate
 from spark_cli.core.trace import RoutingTrace
 
 BOTH = ("prefill", "decode")
@@ -433,3 +433,18 @@ def test_policy_names_and_aliases():
         simulate(t, "lru", 2, miss_path="gpu")
     with pytest.raises(PlanError, match="invalid policy parameters"):
         PolicyParams(protected_num=3, protected_den=2)
+
+
+def test_decode_steps_with_a_miss_are_counted_once_each():
+    """miss_steps_decode: the decode steps that miss at least one expert (each waits on its reads,
+    cost_model.file_tier_tg), however many experts it misses."""
+    from spark_cli.core import ram_tier
+
+    ids = np.array([[[0, 1]], [[0, 1]], [[2, 3]], [[2, 0]]], dtype=np.int32)  # one layer, k = 2
+    n = ids.shape[0]
+    trace = RoutingTrace(ids, np.ones(n, np.uint8), np.arange(n, dtype=np.int32), 8, "synthetic")
+    sim = simulate(trace, DEFAULT_POLICY, {0: 2}, {}, phases=("prefill", "decode"), ram_tier=True)
+    # two LRU slots: [0 1] misses both, [0 1] hits, [2 3] misses both, [2 0] misses 0 (2 and 3 evicted it)
+    assert (sim.misses_decode, sim.miss_steps_decode) == (5, 3)
+    m = ram_tier.decode_misses({0: 2}, {}, trace)
+    assert (m.per_token, m.steps_per_token) == (5 / 4, 3 / 4)

@@ -25,6 +25,7 @@ KEYS = (("pp_tok_s", "pp tok/s", "{:.2f}"), ("tg_tok_s", "tg tok/s", "{:.2f}"),
         ("read_bytes_per_token", "disk read / token", "bytes"), ("major_faults_per_token", "major faults / token", "{:.1f}"),
         ("file_bytes_per_token", "file tier read / token", "bytes"),
         ("replayed_bytes_per_token", "replayed / token", "bytes"), ("hit_rate", "RAM hit rate", "{:.1%}"),
+        ("file_read_s_per_token", "read wait / token", "ms"), ("predicted_read_s_per_token", "predicted read wait", "ms"),
         ("ahead_recall", "misses read ahead", "{:.0%}"), ("ahead_precision", "reads ahead used", "{:.0%}"),
         ("resident_share", "experts in RAM", "{:.0%}"), ("peak", "cgroup peak", "bytes"),
         ("predicted_tg_tok_s", "predicted tg tok/s", "{:.2f}"))
@@ -33,6 +34,8 @@ KEYS = (("pp_tok_s", "pp tok/s", "{:.2f}"), ("tg_tok_s", "tg tok/s", "{:.2f}"),
 def _fmt(v, how: str) -> str:
     if v is None:
         return "-"
+    if how == "ms":
+        return f"{v * 1e3:.1f} ms"
     return units.fmt_bytes(int(v)) if how == "bytes" else how.format(v)
 
 

@@ -40,13 +40,14 @@ def served_from(g, plan, tier: ram_tier.RamTier | None) -> tuple[float, float, f
     return device_share(g, plan), ram / total, files / total
 
 
-def three_tier_tg(plan, misses: float | None, tier, disk) -> float | None:
+def three_tier_tg(plan, misses: "ram_tier.DecodeMisses | None", tier, disk) -> float | None:
     """tok/s of a device plan priced in time with its host layers' misses read from the file
     (cost_model.file_tier_tg); None where a figure is missing."""
     base = (plan.predicted or {}).get("tg_tok_s") if plan is not None else None
     if not base or misses is None or disk is None:
         return None
-    return 1.0 / file_tier_tg(1.0 / base, misses, ram_tier.mean_expert_bytes(tier), disk)
+    return 1.0 / file_tier_tg(1.0 / base, misses.per_token, ram_tier.mean_expert_bytes(tier), disk,
+                              miss_steps_per_token=misses.steps_per_token)
 
 
 def show(path: Path, geometry, counts, trace, budget: int, as_json: bool, say, *, tier=None, plan=None,
@@ -70,7 +71,7 @@ def show(path: Path, geometry, counts, trace, budget: int, as_json: bool, say, *
         print(json.dumps({"ram_tier": None, "device_share": dev})) if as_json else say.print(msg, soft_wrap=True, markup=False)
         return
     misses = ram_tier.replay(tier, trace)
-    per_token = misses * ram_tier.mean_expert_bytes(tier) if misses is not None else None
+    per_token = misses.per_token * ram_tier.mean_expert_bytes(tier) if misses is not None else None
     disk = disk_costs.kept(path, disk_costs.read_size(geometry), disk_costs.READERS, spark_home())
     ceiling = disk.bytes_per_s / per_token if disk and per_token else None
     ahead = read_ahead.decide(path, geometry, tier, trace, read_ahead.uncapped_tg(spark_home(), geometry.fingerprint,
@@ -81,7 +82,8 @@ def show(path: Path, geometry, counts, trace, budget: int, as_json: bool, say, *
             "resident_share": tier.resident_share, "device_share": dev, "file_bytes": tier.total_expert_bytes - sum(
                 l.n_slots * l.expert_bytes for l in tier.layers),
             "layers": [{"il": l.il, "slots": l.n_slots, "pinned": list(l.pinned)} for l in tier.layers],
-            "misses_per_token": misses, "file_bytes_per_token": per_token,
+            "misses_per_token": misses.per_token if misses else None,
+            "miss_steps_per_token": misses.steps_per_token if misses else None, "file_bytes_per_token": per_token,
             "disk_bytes_per_s": disk.bytes_per_s if disk else None, "disk_bound_tok_s": ceiling,
             "predicted_tg_tok_s": three_tier_tg(plan, misses, tier, disk),
             "read_ahead": {"ahead": ahead.ahead, "min_prob": ahead.min_prob, "why": ahead.line}}}))
@@ -100,7 +102,7 @@ def show(path: Path, geometry, counts, trace, budget: int, as_json: bool, say, *
         say.print("  bytes read per token: no decode routing steps to replay yet (spark profile MODEL --corpus PATH --gen N records them; a chat folds only counts)",
                   soft_wrap=True, markup=False)
     else:
-        say.print(f"  bytes read per token: {units.fmt_bytes(int(per_token))} ({misses:.1f} missed experts a token, "
+        say.print(f"  bytes read per token: {units.fmt_bytes(int(per_token))} ({misses.per_token:.1f} missed experts a token, "
                   "the profile's recent decode steps replayed)", soft_wrap=True, markup=False)
     if ceiling is not None:
         say.print(f"  the disk ({units.fmt_bytes(int(disk.bytes_per_s))}/s at {disk.depth} reads in flight) bounds "

@@ -270,20 +270,29 @@ class DiskCosts:
     bytes_per_s: float
     latency_s: float  # one read alone
 
+    @property
+    def step_latency_s(self) -> float:
+        """What a step's reads cost beyond their bytes at the rate in flight: a step waits at least for one
+        read alone, whose latency is more than its bytes at that rate."""
+        return max(0.0, self.latency_s - self.read_bytes / self.bytes_per_s)
 
-def file_tier_tg(base_s: float, misses_per_token: float, expert_bytes: float, disk: DiskCosts) -> float:
+
+def file_tier_tg(base_s: float, misses_per_token: float, expert_bytes: float, disk: DiskCosts, *,
+                 miss_steps_per_token: float) -> float:
     """Seconds per decode token of a RAM-tier run: the token with every expert in RAM (`base_s`)
-    plus the reads of its misses, which each layer's step waits for (all of a step's in flight)."""
-    return base_s + misses_per_token * expert_bytes / disk.bytes_per_s
+    plus the reads of its misses, which each layer's step with a miss waits for (all of a step's in
+    flight: their bytes at the disk's rate, and the latency of the first beyond that)."""
+    return base_s + misses_per_token * expert_bytes / disk.bytes_per_s + miss_steps_per_token * disk.step_latency_s
 
 
-def file_tier_tg_ahead(base_s: float, uncovered_per_token: float, ahead_steps: dict[int, float],
-                       expert_bytes: float, disk: DiskCosts, overlap_s: float) -> float:
+def file_tier_tg_ahead(base_s: float, uncovered_per_token: float, uncovered_steps_per_token: float,
+                       ahead_steps: dict[int, float], expert_bytes: float, disk: DiskCosts, overlap_s: float) -> float:
     """file_tier_tg with read-ahead (core/prefetch.py): the token waits for the reads of its misses that
     were not read ahead, and a layer that reads q experts ahead for the next one hides them behind its
     compute (`overlap_s`) only: the next layer starts when they are in, so it waits
     max(0, q * read - overlap_s) more. `ahead_steps`: q -> layer steps per token that read q ahead
-    (none, or only q = 0: no read-ahead, file_tier_tg)."""
+    (none, or only q = 0: no read-ahead, file_tier_tg). `uncovered_steps_per_token`: layer steps with a
+    miss that was not read ahead."""
     read_s = expert_bytes / disk.bytes_per_s
     wait = sum(n * max(0.0, q * read_s - overlap_s) for q, n in ahead_steps.items())
-    return file_tier_tg(base_s, uncovered_per_token, expert_bytes, disk) + wait
+    return file_tier_tg(base_s, uncovered_per_token, expert_bytes, disk, miss_steps_per_token=uncovered_steps_per_token) + wait

@@ -158,6 +158,7 @@ class AheadReplay:
     bytes_missed: int  # the misses' bytes (without read-ahead: all that is read)
     bytes_covered: int  # the covered misses' bytes
     bytes_ahead: int  # the reads ahead's bytes
+    uncovered_steps: int = 0  # layer steps with a miss that was not read ahead (each waits on a read)
     # reads ahead issued per layer step -> how many layer steps issued that many (the cost model's input)
     ahead_steps: dict[int, int] = field(default_factory=dict)
 
@@ -171,6 +172,10 @@ class AheadReplay:
     @property
     def uncovered_per_token(self) -> float:
         return self.per_token(self.misses - self.covered)
+
+    @property
+    def uncovered_steps_per_token(self) -> float:
+        return self.per_token(self.uncovered_steps)
 
     @property
     def reads_ahead_per_token(self) -> float:
@@ -259,16 +264,19 @@ def replay(trace: RoutingTrace, slots: Mapping[int, int], pinned: Mapping[int, S
     runs = {l: _layer_run(trace, l, int(slots[l]), tuple(pinned.get(l, ())), policy) for l in layers}
     out = AheadReplay(params.ahead, dec.n_rows, 0, 0, 0, 0, 0, 0)
     for t in range(dec.n_rows):
+        covered: dict[int, int] = {}  # layer -> its misses at this token read ahead by the layer before
         for l in layers:
             r = runs[l]
             out.misses += len(r.misses[t])
             out.bytes_missed += len(r.misses[t]) * expert_bytes[l]
+            out.uncovered_steps += len(r.misses[t]) > covered.get(l, 0)
             nl = pred.next_layer(l)
             if nl is None:
                 continue
             nr = runs[nl]
             ahead = pred.predict(l, r.routed[t], nr.resident[t])
             used = set(ahead) & set(nr.misses[t])
+            covered[nl] = len(used)
             out.reads_ahead += len(ahead)
             out.covered += len(used)
             out.bytes_ahead += len(ahead) * expert_bytes[nl]
@@ -287,7 +295,7 @@ def predicted_tg(r: AheadReplay, base_s: float, disk: DiskCosts, n_layers: int) 
     issued during it."""
     n = r.misses + r.reads_ahead
     eb = (r.bytes_missed + r.bytes_ahead) / n if n else 0.0
-    return file_tier_tg_ahead(base_s, r.uncovered_per_token, r.ahead_steps_per_token(), eb, disk,
+    return file_tier_tg_ahead(base_s, r.uncovered_per_token, r.uncovered_steps_per_token, r.ahead_steps_per_token(), eb, disk,
                               base_s / n_layers if n_layers else 0.0)
 
 

@@ -158,10 +158,18 @@ def _pins(counts: np.ndarray | None, il: int, n_slots: int, k: int) -> tuple[int
 
 
 
-def misses_per_token(slots: dict[int, int], pinned: dict[int, tuple[int, ...]], trace) -> float | None:
-    """Distinct experts per decode token not in RAM: the trace replayed through the RAM slots under
-    the native policy (core/simulator.py, exact; a prompt's steps warm the free slots, as native);
-    None without decode steps."""
+@dataclass(frozen=True)
+class DecodeMisses:
+    """Per decode token: distinct experts not in RAM (each read from the file), and the layer steps
+    with at least one (each waits on its reads: cost_model.file_tier_tg)."""
+
+    per_token: float
+    steps_per_token: float
+
+
+def decode_misses(slots: dict[int, int], pinned: dict[int, tuple[int, ...]], trace) -> DecodeMisses | None:
+    """The trace replayed through the RAM slots under the native policy (core/simulator.py, exact; a
+    prompt's steps warm the free slots, as native); None without decode steps."""
     from .simulator import DEFAULT_POLICY, simulate
 
     if trace is None or not slots:
@@ -169,12 +177,12 @@ def misses_per_token(slots: dict[int, int], pinned: dict[int, tuple[int, ...]], 
     sim = simulate(trace, DEFAULT_POLICY, slots, pinned, phases=("prefill", "decode"), ram_tier=True)
     if sim.decode_tokens == 0:
         return None
-    return sum(s.misses_decode for s in sim.layers.values()) / sim.decode_tokens
+    return DecodeMisses(sim.misses_decode / sim.decode_tokens, sim.miss_steps_decode / sim.decode_tokens)
 
 
-def replay(tier: RamTier, trace) -> float | None:
-    """misses_per_token for this tier's slots and pins."""
-    return misses_per_token({l.il: l.n_slots for l in tier.layers}, {l.il: l.pinned for l in tier.layers}, trace)
+def replay(tier: RamTier, trace) -> DecodeMisses | None:
+    """decode_misses for this tier's slots and pins."""
+    return decode_misses({l.il: l.n_slots for l in tier.layers}, {l.il: l.pinned for l in tier.layers}, trace)
 
 
 def mean_expert_bytes(tier: RamTier) -> float:

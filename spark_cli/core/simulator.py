@@ -165,6 +165,7 @@ class LayerStats:
     stock_accesses: int = 0  # distinct experts in stock steps: served from host
     hits_decode: int = 0
     misses_decode: int = 0
+    miss_steps_decode: int = 0  # decode steps with at least one miss (each waits on its reads)
     admissions_decode: int = 0
     stock_steps_decode: int = 0
     stock_accesses_decode: int = 0
@@ -208,6 +209,7 @@ class SimResult:
     stock_steps = property(lambda self: self._sum("stock_steps"))
     hits_decode = property(lambda self: self._sum("hits_decode"))
     misses_decode = property(lambda self: self._sum("misses_decode"))
+    miss_steps_decode = property(lambda self: self._sum("miss_steps_decode"))
     stock_steps_decode = property(lambda self: self._sum("stock_steps_decode"))
 
     @property
@@ -642,6 +644,7 @@ def _replay(steps: _Steps, k: int, n_expert: int, layer: int, slots: int, pinned
         cached_steps=int(cached.size), stock_steps=int(stock.sum()),
         stock_accesses=int(steps.n_distinct[stock].sum()),
         hits_decode=int(r.hits[dec].sum()), misses_decode=int(r.misses[dec].sum()),
+        miss_steps_decode=int((r.misses[dec] > 0).sum()),
         admissions_decode=int(r.admissions[dec].sum()),
         stock_steps_decode=int(sd.sum()), stock_accesses_decode=int(steps.n_distinct[sd].sum()),
         final_resident=r.resident)

@@ -82,8 +82,9 @@ def decide(model: Path, geometry: ModelGeometry, t: ram_tier.RamTier, trace: Rou
     if disk is None or faults is None or not base_tg:
         return tier("the page cache was not priced: the disk's read and fault rates and the uncapped speed on this "
                     "model and -t are measured by spark bench MODEL --ram-residency 0.6")
-    misses = ram_tier.replay(t, trace) or 0.0
-    tier_tg = 1.0 / file_tier_tg(1.0 / base_tg, misses, ram_tier.mean_expert_bytes(t), disk)
+    m = ram_tier.replay(t, trace) or ram_tier.DecodeMisses(0.0, 0.0)
+    tier_tg = 1.0 / file_tier_tg(1.0 / base_tg, m.per_token, ram_tier.mean_expert_bytes(t), disk,
+                                 miss_steps_per_token=m.steps_per_token)
     read = page_cache_bytes_per_token(model, geometry, [l.il for l in t.layers], trace,
                                       max(0, t.budget - t.resident_bytes))
     mapped_tg = page_cache_tg(base_tg, read or 0.0, faults)

@@ -58,6 +58,7 @@ class RamRun:
     pp_read_bytes_per_token: float = 0.0  # the same during prompt processing, per prompt token
     pp_major_faults_per_token: float = 0.0
     file_bytes_per_token: float = 0.0  # the file tier's reads during generation, per token
+    file_read_s_per_token: float = 0.0  # the time its steps waited on those reads, per token (native's clock)
     hit_rate: float | None = None
     resident_share: float | None = None  # the RAM tier's share of the expert bytes
     peak: int = 0  # the cgroup's peak (bytes)
@@ -66,6 +67,7 @@ class RamRun:
     slots: list[list] = field(default_factory=list)  # spark: [il, n_slots, pinned] per layer
     trace: list[list] = field(default_factory=list)  # base: [il, phase, ids] of each step (the prompts' too)
     predicted_tg_tok_s: float | None = None  # spark: the cost model's, from the base run and the disk
+    predicted_read_s_per_token: float | None = None  # spark: of which the wait on the file's reads
     replayed_bytes_per_token: float | None = None  # spark: the base run's routing replayed through its slots
     ahead_min_prob: int = 0  # spark-ahead: the gate (core/prefetch.break_even's, from the base run and the disk)
     ahead_reads_per_token: float | None = None  # spark-ahead: experts read ahead per generated token
@@ -185,6 +187,7 @@ def worker(spec: WorkerSpec) -> dict:
         if c0 is not None:
             d = cache_total(eng) - c0
             out.file_bytes_per_token = (d.bytes_uploaded + d.ahead_bytes) / n_gen
+            out.file_read_s_per_token = d.upload_us / 1e6 / n_gen
             out.hit_rate = d.hit_rate
             if config == "spark-ahead":
                 out.ahead_reads_per_token = d.ahead_reads / n_gen
@@ -282,6 +285,8 @@ def run(model: Path, cap: int | None, *, reps: int = 2, n_prompt: int = 512, n_g
             if config in SPARK and r.ok and base.ok:
                 r.replayed_bytes_per_token = replayed_bytes(geometry, base, r)
                 r.predicted_tg_tok_s = predict_tg(geometry, base, r, disk)
+                if r.predicted_tg_tok_s and base.tg_tok_s:
+                    r.predicted_read_s_per_token = 1.0 / r.predicted_tg_tok_s - 1.0 / base.tg_tok_s
             elif config == "stock" and r.ok:
                 r.predicted_tg_tok_s = stock_tg
             runs.append(r)
@@ -309,12 +314,12 @@ def _base_trace(g, base: RamRun):
     return records_to_trace(records, g.n_layer, g.n_expert, g.fingerprint)
 
 
-def replayed_misses(g, base: RamRun, spark: RamRun) -> tuple[float, float]:
+def replayed_misses(g, base: RamRun, spark: RamRun) -> tuple[ram_tier.DecodeMisses, float]:
     """(misses per decode token, mean expert bytes) of the spark run's tier: the uncapped run's routing
     replayed through the tier's slots and policy, as native runs it."""
     slots = {il: n for il, n, _ in spark.slots}
-    misses = ram_tier.misses_per_token(slots, {il: tuple(p) for il, _, p in spark.slots}, _base_trace(g, base)) or 0.0
-    return misses, sum(g.layers[il].expert_bytes_per_expert for il in slots) / len(slots)
+    misses = ram_tier.decode_misses(slots, {il: tuple(p) for il, _, p in spark.slots}, _base_trace(g, base))
+    return misses or ram_tier.DecodeMisses(0.0, 0.0), sum(g.layers[il].expert_bytes_per_expert for il in slots) / len(slots)
 
 
 def _ahead_replay(g, base: RamRun, spark: RamRun):
@@ -335,7 +340,7 @@ def replayed_bytes(g, base: RamRun, spark: RamRun) -> float | None:
     if spark.config == "spark-ahead":
         return _ahead_replay(g, base, spark).bytes_per_token
     misses, eb = replayed_misses(g, base, spark)
-    return misses * eb
+    return misses.per_token * eb
 
 
 def ahead_gate(g, base: RamRun, disk: "DiskCosts", device: DeviceShape | None) -> int:
@@ -352,7 +357,7 @@ def ahead_gate(g, base: RamRun, disk: "DiskCosts", device: DeviceShape | None) -
 
 def predict_tg(g, base: RamRun, spark: RamRun, disk: "DiskCosts") -> float | None:
     """The cost model's tg for the spark run's tier: the uncapped token, plus its replayed misses
-    (replayed_misses) read at the disk's measured rate; with read-ahead (spark-ahead), the replayed
+    (replayed_misses) read at the disk's measured rate, each step with a miss waiting a read's latency; with read-ahead (spark-ahead), the replayed
     reads ahead and the misses they cover priced by prefetch.predicted_tg."""
     from ..core import prefetch
 
@@ -360,7 +365,7 @@ def predict_tg(g, base: RamRun, spark: RamRun, disk: "DiskCosts") -> float | Non
         return base.tg_tok_s
     if spark.config != "spark-ahead":
         misses, eb = replayed_misses(g, base, spark)
-        return 1.0 / file_tier_tg(1.0 / base.tg_tok_s, misses, eb, disk)
+        return 1.0 / file_tier_tg(1.0 / base.tg_tok_s, misses.per_token, eb, disk, miss_steps_per_token=misses.steps_per_token)
     return 1.0 / prefetch.predicted_tg(_ahead_replay(g, base, spark), 1.0 / base.tg_tok_s, disk, len(g.moe_layers))
 
 
