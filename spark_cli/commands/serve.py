@@ -40,7 +40,8 @@ def serve_cmd(
                                       "header may give besides IP addresses, localhost and --host ('*': any); "
                                       "others are refused (DNS rebinding)"),
     cors: str = typer.Option(None, "--cors", help="comma-separated browser origins allowed to call the API "
-                             "(e.g. http://localhost:3000; '*': any); other cross-origin requests are refused"),
+                             "(e.g. http://localhost:3000; '*': any; localhost: any on this machine, as "
+                             "llama-server's --cors-origins localhost); other cross-origin requests are refused"),
     read_timeout: float = typer.Option(30.0, "--read-timeout", min=0.1, help="seconds a client may take to send "
                                        "a whole request (headers and body) before its connection is closed"),
     max_connections: int = typer.Option(256, "--max-connections", min=1, help="open connections at most "
