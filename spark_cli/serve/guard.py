@@ -114,11 +114,11 @@ class Guard:
             allowed = self.origin_ok(origin, host)
             if scope["method"] == "OPTIONS" and b"access-control-request-method" in headers:
                 # NOTE: a preflight of another origin gets no allow headers: the browser refuses the request
-                allow = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
-                         (b"access-control-allow-methods", ALLOW_METHODS.encode()),
-                         (b"access-control-allow-headers", headers.get(b"access-control-request-headers",
+                allow = [(b"Access-Control-Allow-Origin", origin.encode("latin-1")), (b"Vary", b"Origin"),
+                         (b"Access-Control-Allow-Methods", ALLOW_METHODS.encode()),
+                         (b"Access-Control-Allow-Headers", headers.get(b"access-control-request-headers",
                                                                        ALLOW_HEADERS.encode())),
-                         (b"access-control-max-age", b"600")] if allowed else [(b"vary", b"Origin")]
+                         (b"Access-Control-Max-Age", b"600")] if allowed else [(b"Vary", b"Origin")]
                 await send({"type": "http.response.start", "status": 200,
                             "headers": [*allow, (b"content-length", b"0")]})
                 await send({"type": "http.response.body", "body": b""})
@@ -127,7 +127,8 @@ class Guard:
                 await _error(scope["path"], 403, f"Origin {origin!r} is not allowed (start spark serve with --cors {origin} "
                                   "to allow that site)", "permission_error")(send)
                 return
-            cors_headers = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+            # NOTE: spelled as llama-server spells them (some clients look the names up case-sensitively)
+            cors_headers = [(b"Access-Control-Allow-Origin", origin.encode("latin-1")), (b"Vary", b"Origin")]
         if self.key is not None and scope["path"] not in self.public and not self._key_ok(headers):
             await _error(scope["path"], 401, "Invalid API Key", "authentication_error", cors_headers)(send)
             return
