@@ -37,6 +37,7 @@ UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
 DEFAULT_MODELS_MAX = 4  # llama-server's --models-max
 FAKE_DELAY = 2.0  # seconds LLAMA_SERVER_DEBUG_FAKE_TIMING adds to a load and to a proxied request
 TAIL = 20  # a child's last output lines kept (a failed load says the last one)
+MAX_LINE = 1 << 20  # bytes of a child's output line at most (longer: logged in pieces)
 
 
 @dataclass(frozen=True)
@@ -251,18 +252,23 @@ class Pool:
     async def _watch(self, inst: Instance, proc: asyncio.subprocess.Process) -> None:
         """Forward the child's output to the router's log, then record its exit."""
         assert proc.stdout is not None
-        tag = f"[{inst.port}] "
+        tag, partial = f"[{inst.port}] ", b""
         while True:
             try:
-                line = await proc.stdout.readline()
-            except (OSError, ValueError):
-                line = b""
-            if not line:
+                chunk = await proc.stdout.read(1 << 16)
+            except OSError:
+                chunk = b""
+            lines = (partial + chunk).split(b"\n")
+            partial = lines.pop() if chunk else b""
+            if len(partial) > MAX_LINE:  # NOTE: a child that never ends its line must not grow this without bound
+                lines, partial = [*lines, partial], b""
+            for line in lines:
+                text = line.decode("utf-8", "replace").rstrip().removeprefix("spark serve: ")
+                if text:
+                    inst.tail.append(text)
+                    self.config.log(tag + text)
+            if not chunk:
                 break
-            text = line.decode("utf-8", "replace").rstrip()
-            if text:
-                inst.tail.append(text)
-                self.config.log(tag + text)
         code = await proc.wait()
         if inst.proc is not proc:
             return
