@@ -1,5 +1,6 @@
 """`spark serve [MODEL]`: an OpenAI-compatible server (llama-server's endpoints) on the
-planned placement; the traffic it serves tunes the model's profile."""
+planned placement; the traffic it serves tunes the model's profile. With no MODEL, llama-server's
+router mode (serve_router.py)."""
 
 from __future__ import annotations
 
@@ -138,7 +139,8 @@ def serve_cmd(
                                          "/models/load)"),
     flags: LoadFlags = None,
 ) -> None:
-    """Serve the model over HTTP with OpenAI's API, as llama-server does."""
+    """Serve the model over HTTP with OpenAI's API, as llama-server does; with no MODEL, several models
+    (router mode: a child server per model, loaded when a request names it)."""
     # NOTE: imported here, not at the top: the server stack (starlette, pydantic, jsonschema) costs
     # spark --help about 0.4 s (python -X importtime)
     from ..serve import server
