@@ -62,6 +62,8 @@ class Conversations:
     """X-Conversation-Id -> the model serving it, with a ticket per request: a stop (DELETE
     /v1/stream) forgets the entry, which cancels a request still waiting for its model to load."""
 
+    MAX = 4096  # conversations remembered at most
+
     def __init__(self) -> None:
         self._map: dict[str, tuple[str, int]] = {}
         self._next = 1
@@ -70,7 +72,10 @@ class Conversations:
         if not conv:
             return 0
         ticket, self._next = self._next, self._next + 1
+        self._map.pop(conv, None)
         self._map[conv] = (model, ticket)
+        while len(self._map) > self.MAX:  # NOTE: the oldest conversations go first (best effort, as llama-server's)
+            self._map.pop(next(iter(self._map)))
         return ticket
 
     def alive(self, conv: str, ticket: int) -> bool:
