@@ -10,7 +10,9 @@ pointed at a dead address. Nothing downloads: the shim serves a local Spark test
 preset, the tiny llama with the tokenizer nearest the preset's: the shim's PRESETS, built here
 before the run from local files; or --model for every preset), the
 presets' download pass (ServerPreset.load_all) is skipped, test_speculative's draft model is
-Spark's tiny llama placed where the suite keeps downloads (tmp/), and where the `wget` and `filelock`
+Spark's tiny llama placed where the suite keeps downloads (tmp/), router mode's models (CACHED:
+ggml-org/tinygemma3-GGUF:Q8_0 ...) are the shim's tiny models linked into tmp/ in llama.cpp's cache
+layout (its LLAMA_CACHE, where spark serve's router finds them), and where the `wget` and `filelock`
 packages the suite imports are missing, stand-ins are used (wget.download raises: no network;
 FileLock: a no-op lock, one worker). Each test has --per-test seconds (SIGALRM, a failure), and
 the whole run --total seconds.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import importlib.machinery
 import importlib.util
 import json
@@ -123,15 +126,26 @@ class FileLock:
 # the draft models test_speculative downloads into tmp/, stood in for by Spark's tiny llama (so those
 # tests reach spark serve and say what it lacks: speculative decoding)
 DRAFTS = ("stories15M-q4_0.gguf",)
+# the models router mode's tests (test_router, test_stream, the router presets of test_security) find in
+# llama.cpp's download cache (LLAMA_CACHE=tmp, utils.py's default), as OWNER/NAME:TAG: stood in for by
+# the tiny model the shim serves for that repo's preset (its PRESETS, else DEFAULT_PRESET), placed in
+# llama.cpp's cache layout (models--OWNER--NAME/refs/main, snapshots/COMMIT/NAME-TAG.gguf, a link)
+CACHED = ("ggml-org/tinygemma3-GGUF:Q8_0", "ggml-org/test-model-stories260K:F32",
+          "ggml-org/test-model-stories260K-infill:F32")
+
+
+def load_shim():
+    loader = importlib.machinery.SourceFileLoader("llama_server_shim", str(SHIM))
+    shim = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(shim)
+    return shim
 
 
 def build_preset_models(python: str) -> str:
     """Build (or find cached) the tiny models the shim serves per preset (its PRESETS and DEFAULT_PRESET:
     the tiny llama and its vocab variants, the tiny reranker; tiny_models.py, from local files only);
     "" when done, else why not."""
-    loader = importlib.machinery.SourceFileLoader("llama_server_shim", str(SHIM))
-    shim = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
-    loader.exec_module(shim)
+    shim = load_shim()
     models = sorted({f"{n}:{v or ''}" for n, v in (shim.DEFAULT_PRESET, *shim.PRESETS.values())})
     code = ("import sys; from spark_cli.models.tiny_models import build_tiny_model\n"
             "for m in sys.argv[1:]: build_tiny_model(m.split(':')[0], vocab=m.split(':')[1] or None)\n")
@@ -140,14 +154,43 @@ def build_preset_models(python: str) -> str:
     return "" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["failed"])[-1]
 
 
+def local_models(python: str, presets: list[tuple[str, str | None]]) -> list[Path | None]:
+    """Spark's cached tiny test model of each (name, vocab), when it is there."""
+    code = ("import sys; from spark_cli.files.paths import models_dir; "
+            "from spark_cli.models.tiny_models import tiny_model_name\n"
+            "for m in sys.argv[1:]: print(models_dir() / tiny_model_name(m.split(':')[0], vocab=m.split(':')[1] or None))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    r = subprocess.run([python, "-c", code, *(f"{n}:{v or ''}" for n, v in presets)], capture_output=True, text=True,
+                       env=env)
+    paths = [Path(line) for line in r.stdout.splitlines()] if r.returncode == 0 else []
+    return [p if p.is_file() else None for p in paths] if len(paths) == len(presets) else [None] * len(presets)
+
+
 def local_draft(python: str) -> Path | None:
     """Spark's cached tiny llama test model, when it is there."""
-    code = ("from spark_cli.files.paths import models_dir; from spark_cli.models.tiny_models import tiny_model_name; "
-            "print(models_dir() / tiny_model_name('llama'))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    r = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env)
-    path = Path(r.stdout.strip()) if r.returncode == 0 and r.stdout.strip() else None
-    return path if path is not None and path.is_file() else None
+    return local_models(python, [("llama", None)])[0]
+
+
+def place_cached(python: str, cache: Path) -> list[str]:
+    """Link each CACHED id's stand-in into `cache` in llama.cpp's layout (no copy); the ids placed."""
+    shim = load_shim()
+    wanted = [(name, *name.partition(":")[::2]) for name in CACHED]
+    presets = [shim.PRESETS.get((repo, None), shim.DEFAULT_PRESET) for _, repo, _ in wanted]
+    placed = []
+    for (name, repo, tag), path in zip(wanted, local_models(python, presets)):
+        if path is None:
+            continue
+        folder = cache / ("models--" + repo.replace("/", "--"))
+        commit = hashlib.sha1(repo.encode()).hexdigest()  # NOTE: any 40 hex digits name a snapshot
+        snap = folder / "snapshots" / commit
+        snap.mkdir(parents=True, exist_ok=True)
+        (folder / "refs").mkdir(exist_ok=True)
+        (folder / "refs" / "main").write_text(commit)
+        link = snap / f"{repo.rsplit('/', 1)[1]}-{tag}.gguf"
+        if not link.exists():
+            link.symlink_to(path)
+        placed.append(name)
+    return placed
 
 
 def find_suite() -> Path:
@@ -219,6 +262,7 @@ def run(files, *, suite: Path, per_test: float, total: float, python: str, model
         for name in DRAFTS:  # NOTE: utils.download_file keeps a file already there: no download is tried
             if draft is not None and not (work / "tmp" / name).exists():
                 (work / "tmp" / name).symlink_to(draft)
+        cached = place_cached(python, work / "tmp")
         stubs = missing_modules(python, STUBBED)
         stub_dir = Path(tmp) / "stubs"
         stub_dir.mkdir()
@@ -226,7 +270,9 @@ def run(files, *, suite: Path, per_test: float, total: float, python: str, model
             (stub_dir / f"{name}.py").write_text(WGET if name == "wget" else FILELOCK)
         (work / "_spark_suite_plugin.py").write_text(PLUGIN)
         results = Path(tmp) / "results.json"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "PYTEST_"))}
+        # NOTE: no LLAMA_CACHE: utils.py's default (tmp/) is where the CACHED stand-ins are
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "PYTEST_"))
+               and k not in ("LLAMA_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME")}
         env.update(LLAMA_SERVER_BIN_PATH=str(SHIM), SPARK_SHIM_PYTHON=python, PORT=str(free_port()),
                    PYTHONPATH=os.pathsep.join([str(work), str(stub_dir)]), SPARK_SUITE_RESULTS=str(results),
                    SPARK_SUITE_PER_TEST=str(per_test), PYTHONDONTWRITEBYTECODE="1")
@@ -268,7 +314,8 @@ def run(files, *, suite: Path, per_test: float, total: float, python: str, model
     return {"suite": str(suite), "files": per, "total": tot, "wall_s": round(time.monotonic() - t0, 1),
             "per_test_timeout_s": per_test, "total_timeout_s": total, "cut_short": cut,
             "network": "none (unshare -rn, loopback only)" if net else "proxies to a dead address",
-            "stubs": stubs, "model": model or "tiny llama per preset (the shim's PRESETS)", "pytest_exit": proc.returncode,
+            "stubs": stubs, "model": model or "tiny llama per preset (the shim's PRESETS)", "cached": cached,
+            "pytest_exit": proc.returncode,
             "log_tail": tail}
 
 

@@ -344,10 +344,10 @@ def _run_chat(model, budget, monkeypatch, capsys, tmp_path) -> None:
 
 def _run_serve(model, budget, monkeypatch, capsys, tmp_path) -> None:
     from spark_cli.commands import serve as serve_cmd
-    from spark_cli.serve import server
+    from spark_cli.serve import listen
 
     _fake_device(monkeypatch)
-    monkeypatch.setattr(server, "bind", lambda host, port, **kw: (_ for _ in ()).throw(_Stop("placed")))
+    monkeypatch.setattr(listen, "bind", lambda host, port, **kw: (_ for _ in ()).throw(_Stop("placed")))
     rc, _, err = cli_runner(monkeypatch, capsys, "serve", serve_cmd.register)(
         model, "--vram", budget, "-c", 512, "-ctk", "q8_0", "-ub", 256, "--no-learn")
     assert rc == 1 and "placed" in err, err

@@ -61,14 +61,24 @@ def test_host_origin_cors_and_the_bearer_scheme():
         r = tc.options("/v1/chat/completions", headers={"Origin": "http://localhost:3000",
                                                          "Access-Control-Request-Method": "POST",
                                                          "Access-Control-Request-Headers": "authorization,content-type"})
-        assert r.status_code == 204 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
         assert "POST" in r.headers["access-control-allow-methods"]
         assert "authorization" in r.headers["access-control-allow-headers"].lower()
         r = tc.post("/v1/chat/completions", json=CHAT, headers={**auth, "Origin": "http://localhost:3000"})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        # another origin's preflight: answered (as llama-server's) without the allow headers, so the browser
+        # sends nothing; its request itself is refused
         r = tc.options("/v1/chat/completions", headers={"Origin": "https://evil.example",
                                                          "Access-Control-Request-Method": "POST"})
-        assert r.status_code == 403
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        assert "access-control-allow-methods" not in r.headers
+    with _client(api_key=KEY, cors=("localhost",)) as tc:  # llama-server's --cors-origins localhost
+        for origin, ok in (("http://localhost", True), ("http://127.0.0.1:3000", True), ("http://[::1]:8080", True),
+                           ("http://localhost.evil.com", False), ("http://notlocalhost", False)):
+            r = tc.options("/completions", headers={"Origin": origin, "Access-Control-Request-Method": "POST"})
+            assert r.status_code == 200 and (r.headers.get("access-control-allow-origin") == origin) == ok, origin
+            r = tc.get("/v1/models", headers={"Origin": origin, "Authorization": f"Bearer {KEY}"})
+            assert r.status_code == (200 if ok else 403), origin
     with _client() as tc:  # no key: still no cross-origin POST
         r = tc.post("/v1/chat/completions", content=json.dumps(CHAT),
                     headers={"Origin": "http://attacker.test", "Content-Type": "text/plain"})

@@ -1,5 +1,6 @@
 """`spark serve [MODEL]`: an OpenAI-compatible server (llama-server's endpoints) on the
-planned placement; the traffic it serves tunes the model's profile."""
+planned placement; the traffic it serves tunes the model's profile. With no MODEL, llama-server's
+router mode (serve_router.py)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,17 @@ from ..core.reasoning import MODES as REASONING_MODES, ReasoningDefault
 from ..errors import SparkError, UsageError
 from ..runs import session
 from .common import (CHAT_TEMPLATE_HELP, JINJA_HELP, MISS_PATH_HELP, TEMPLATE_FILE_HELP, chat_templates, err_console, model_flags,
-                     model_or_demo, parse_miss_path)
+                     parse_miss_path)
 from .help import SparkCommand
+from .serve_router import check_router_flags, run_router
 
 
 @model_flags
 def serve_cmd(
-    model: Path = typer.Argument(None, help="GGUF model (default: the built-in demo model)", show_default=False),
+    ctx: typer.Context,
+    model: Path = typer.Argument(None, help="GGUF model; none: router mode, as llama-server's: the models of "
+                                 "--models-dir, --models-preset and llama.cpp's download cache, each served by a "
+                                 "child spark serve started when a request names it", show_default=False),
     plan_path: Path = typer.Option(None, "--plan", help="placement from spark plan -o (default: plan now)"),
     vram_text: str = typer.Option(None, "--vram", help="device budget for planning now, e.g. 16GiB "
                                   "(default: the device's free memory minus a margin)"),
@@ -36,7 +41,8 @@ def serve_cmd(
                                       "header may give besides IP addresses, localhost and --host ('*': any); "
                                       "others are refused (DNS rebinding)"),
     cors: str = typer.Option(None, "--cors", help="comma-separated browser origins allowed to call the API "
-                             "(e.g. http://localhost:3000; '*': any); other cross-origin requests are refused"),
+                             "(e.g. http://localhost:3000; '*': any; localhost: any on this machine, as "
+                             "llama-server's --cors-origins localhost); other cross-origin requests are refused"),
     read_timeout: float = typer.Option(30.0, "--read-timeout", min=0.1, help="seconds a client may take to send "
                                        "a whole request (headers and body) before its connection is closed"),
     max_connections: int = typer.Option(256, "--max-connections", min=1, help="open connections at most "
@@ -118,9 +124,23 @@ def serve_cmd(
     grammar_max_width: int = typer.Option(16, "--grammar-max-width", min=1, help="optional items a grammar may "
                                           "chain (a wide class or . counts 2): each costs the sampler time on "
                                           "every token"),
+    models_dir: Path = typer.Option(None, "--models-dir", help="router mode (no MODEL): a folder of GGUF files, "
+                                    "each NAME.gguf (or folder NAME holding one) served as model NAME, as "
+                                    "llama-server's", show_default=False),
+    models_preset: Path = typer.Option(None, "--models-preset", help="router mode: an INI file of models, "
+                                       "llama-server's: [NAME] sections whose keys are spark serve's flags "
+                                       "(ctx-size = 4096) and the GGUF (model = PATH, or hf-repo = OWNER/NAME[:TAG] "
+                                       "from llama.cpp's cache); [*]: keys for every model", show_default=False),
+    models_max: int = typer.Option(4, "--models-max", min=0, help="router mode: models loaded at once at most "
+                                   "(0: no limit); past it the least recently used idle one is unloaded, and a "
+                                   "request waits in line while every model is busy"),
+    models_autoload: bool = typer.Option(True, "--models-autoload/--no-models-autoload", help="router mode: load a "
+                                         "model when a request names it (--no-models-autoload: a 400 until POST "
+                                         "/models/load)"),
     flags: LoadFlags = None,
 ) -> None:
-    """Serve the model over HTTP with OpenAI's API, as llama-server does."""
+    """Serve the model over HTTP with OpenAI's API, as llama-server does; with no MODEL, several models
+    (router mode: a child server per model, loaded when a request names it)."""
     # NOTE: imported here, not at the top: the server stack (starlette, pydantic, jsonschema) costs
     # spark --help about 0.4 s (python -X importtime)
     from ..serve import server
@@ -146,22 +166,30 @@ def serve_cmd(
     if reasoning_budget > 0:
         raise UsageError(f"--reasoning-budget {reasoning_budget}: spark serve cannot end thinking after a number "
                          "of tokens", hint="give -1 (no limit) or 0 (no thinking), or --reasoning off")
-    templates = chat_templates(template_file, jinja, chat_template)
-    vertex = Vertex.from_env(os.environ)  # AIP_MODE=PREDICTION: Vertex AI's predict route, on AIP_HTTP_PORT
-    if vertex is not None and vertex.port != port:
-        err_console.print(f"[yellow]warning:[/] AIP_MODE=PREDICTION: serving on AIP_HTTP_PORT {vertex.port}, "
-                          f"not --port {port}", soft_wrap=True)
-        port = vertex.port
+    check_router_flags(ctx, model)
     hosts = tuple(h.strip() for h in (allowed_hosts or "").split(",") if h.strip())
     origins = tuple(o.strip() for o in (cors or "").split(",") if o.strip())
     listen = server.hosts(host)
     hosts += tuple(listen[1:])  # NOTE: a Host header may name any address served
     public = [h for h in listen if not is_loopback(h)]
     if not api_key and public:
-        host = ",".join(public)
-        err_console.print(f"[yellow]warning:[/] --host {host} is reachable from other machines and there is no "
-                          "--api-key: anyone who can reach it can use the model", soft_wrap=True)
-    path = model_or_demo(model)
+        err_console.print(f"[yellow]warning:[/] --host {','.join(public)} is reachable from other machines and there "
+                          "is no --api-key: anyone who can reach it can use the model", soft_wrap=True)
+    if model is None:
+        code = run_router(ctx, models_dir=models_dir, models_preset=models_preset, models_max=models_max,
+                          autoload=models_autoload, listen=listen, port=port, api_key=api_key, allowed_hosts=hosts,
+                          cors=origins, read_timeout=read_timeout, max_connections=max_connections)
+        if code:
+            raise SparkError("the router's HTTP server stopped", exit_code=code)
+        err_console.print("stopped")
+        return
+    templates = chat_templates(template_file, jinja, chat_template)
+    vertex = Vertex.from_env(os.environ)  # AIP_MODE=PREDICTION: Vertex AI's predict route, on AIP_HTTP_PORT
+    if vertex is not None and vertex.port != port:
+        err_console.print(f"[yellow]warning:[/] AIP_MODE=PREDICTION: serving on AIP_HTTP_PORT {vertex.port}, "
+                          f"not --port {port}", soft_wrap=True)
+        port = vertex.port
+    path = model
     # NOTE: a dense model only to rerank (no MoE arch in llama.cpp has a classifier head); it generates nothing
     geometry = session.open_geometry(path, require_moe=not ranks(pooling, reranking))
     info = session.load_profile(path, geometry)
@@ -194,8 +222,9 @@ def serve_cmd(
                           f"({n_slots} slot{'s' if n_slots != 1 else ''}, queue {max_queue}; "
                           f"{'learning' if learn else 'not learning'}; Ctrl-C stops)", soft_wrap=True)
 
+    # NOTE: a router's child (SPARK_ROUTER_PORT) stops when the router's end of its stdin closes: no orphans
     out = server.serve(served.state, served.learner, socks, on_ready=ready, read_timeout=read_timeout,
-                max_connections=max_connections)
+                       max_connections=max_connections, watch_stdin=bool(os.environ.get("SPARK_ROUTER_PORT")))
     if out.folded_tokens:
         err_console.print(f"[dim]learned: {out.folded_tokens:.0f} decode tokens folded into "
                           f"{session.profile_path_for(path).name}[/]", soft_wrap=True)

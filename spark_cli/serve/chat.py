@@ -54,7 +54,7 @@ from ..core.gbnf import GrammarError, GrammarLimits, check
 from ..native.grammar import json_schema_gbnf, tool_call_gbnf
 from ..runs.chat_session import Sampling
 from .protocol import (FINISH, ApiError, ChatRequest, Envelope, GenerationRequest, Timings, TokenLogprob, Usage,
-                       event_sse, warn)
+                       build_fingerprint, event_sse, warn)
 from .prepared_chat import OutputSchemas, PreparedChat
 from .worker import Done, Event, Failed, Job, Progress, Started, Text, Worker
 
@@ -115,19 +115,6 @@ class ChatConfig:
         tmpl = templates.pick(with_tools=True)
         return cls(format_for(tmpl.source if tmpl else "", arch), reasoning,
                    template_source="\n".join(templates.templates.values()), **kw)
-
-
-def build_fingerprint() -> str:
-    """Spark's version and the llama.cpp bindings it runs on (llama-server sends its build info)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from .. import __version__
-
-    try:
-        bindings = version("llama_cpp_python")
-    except PackageNotFoundError:
-        bindings = "unknown"
-    return f"spark-{__version__}-llama-cpp-python-{bindings}"
 
 
 def own_grammar(req: GenerationRequest, limits: GrammarLimits = GrammarLimits()) -> str | None:

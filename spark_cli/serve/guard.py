@@ -3,7 +3,10 @@
 1. `Host` must name this server: an IP literal, `localhost`, the `--host` name or one of
    `--allowed-hosts` (a DNS-rebinding page sends its own name);
 2. a browser's cross-origin request (`Origin` of another site) is refused unless `--cors`
-   allows that origin, whose preflight (OPTIONS) is answered here, before the key check;
+   allows that origin (`localhost`: any origin on this machine, as llama-server's
+   --cors-origins localhost); a preflight (OPTIONS) is answered here, before the key check, 200
+   with the allow headers for an allowed origin and without them for another (the browser then
+   sends nothing), as llama-server answers it;
 3. with a key, every path but /health (and Vertex AI's AIP_HEALTH_ROUTE) needs `Authorization: Bearer KEY` (scheme in any case)
    or `x-api-key: KEY` (Anthropic's header).
 
@@ -16,6 +19,7 @@ import ipaddress
 import json
 import secrets
 from typing import Iterable
+from urllib.parse import urlsplit
 
 from . import anthropic
 
@@ -41,6 +45,15 @@ def host_name(value: str) -> str:
     if value.startswith("["):
         return value[1:value.find("]")] if "]" in value else value
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def loopback_origin(origin: str) -> bool:
+    """An origin on this machine: http(s)://localhost, 127.0.0.1 or [::1], any port (llama-server's
+    --cors-origins localhost); not localhost.evil.com."""
+    try:
+        return urlsplit(origin.strip()).hostname in ("localhost", "127.0.0.1", "::1")
+    except ValueError:
+        return False
 
 
 def _is_ip(name: str) -> bool:
@@ -78,7 +91,7 @@ class Guard:
 
     def origin_ok(self, origin: str, host: str | None) -> bool:
         o = origin.strip().rstrip("/").lower()
-        if "*" in self.cors or o in self.cors:
+        if "*" in self.cors or o in self.cors or "localhost" in self.cors and loopback_origin(o):
             return True
         # NOTE: the same origin as the Host the browser sent is not cross-origin
         return host is not None and o.split("://", 1)[-1] == host.strip().lower()
@@ -98,19 +111,24 @@ class Guard:
             return
         cors_headers: list[tuple[bytes, bytes]] = []
         if origin is not None:
-            if not self.origin_ok(origin, host):
+            allowed = self.origin_ok(origin, host)
+            if scope["method"] == "OPTIONS" and b"access-control-request-method" in headers:
+                # NOTE: a preflight of another origin gets no allow headers: the browser refuses the request
+                allow = [(b"Access-Control-Allow-Origin", origin.encode("latin-1")), (b"Vary", b"Origin"),
+                         (b"Access-Control-Allow-Methods", ALLOW_METHODS.encode()),
+                         (b"Access-Control-Allow-Headers", headers.get(b"access-control-request-headers",
+                                                                       ALLOW_HEADERS.encode())),
+                         (b"Access-Control-Max-Age", b"600")] if allowed else [(b"Vary", b"Origin")]
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [*allow, (b"content-length", b"0")]})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            if not allowed:
                 await _error(scope["path"], 403, f"Origin {origin!r} is not allowed (start spark serve with --cors {origin} "
                                   "to allow that site)", "permission_error")(send)
                 return
-            cors_headers = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
-            if scope["method"] == "OPTIONS" and b"access-control-request-method" in headers:
-                await send({"type": "http.response.start", "status": 204, "headers": [
-                    *cors_headers, (b"access-control-allow-methods", ALLOW_METHODS.encode()),
-                    (b"access-control-allow-headers", headers.get(b"access-control-request-headers",
-                                                                  ALLOW_HEADERS.encode())),
-                    (b"access-control-max-age", b"600"), (b"content-length", b"0")]})
-                await send({"type": "http.response.body", "body": b""})
-                return
+            # NOTE: spelled as llama-server spells them (some clients look the names up case-sensitively)
+            cors_headers = [(b"Access-Control-Allow-Origin", origin.encode("latin-1")), (b"Vary", b"Origin")]
         if self.key is not None and scope["path"] not in self.public and not self._key_ok(headers):
             await _error(scope["path"], 401, "Invalid API Key", "authentication_error", cors_headers)(send)
             return

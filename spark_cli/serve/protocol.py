@@ -57,6 +57,19 @@ def unavailable(message: str) -> ApiError:
     return ApiError(503, message, "unavailable_error")
 
 
+def build_fingerprint() -> str:
+    """Spark's version and the llama.cpp bindings it runs on (llama-server sends its build info)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .. import __version__
+
+    try:
+        bindings = version("llama_cpp_python")
+    except PackageNotFoundError:
+        bindings = "unknown"
+    return f"spark-{__version__}-llama-cpp-python-{bindings}"
+
+
 # ---------------------------------------------------------------- requests
 
 
