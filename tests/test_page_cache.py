@@ -82,6 +82,26 @@ def test_fault_costs_count_the_bytes_the_kernel_read(small_model):
 
 
 @pytest.mark.model
+def test_bench_remeasures_the_disk_in_place_of_the_kept_figure(small_model, tmp_path):
+    """A shared disk's speed drifts: remeasure (what spark bench --ram calls) measures now and keeps
+    that figure in place of an older one, which chat and serve then read."""
+    import dataclasses
+    import json
+
+    from spark_cli.core.cost_model import DiskCosts
+    from spark_cli.runs import disk_costs
+
+    stale = DiskCosts(64 << 10, 2, 1.0, 9.0)  # 1 byte/s: no disk is this slow
+    f = disk_costs.cache_file(tmp_path, small_model, stale.read_bytes, stale.depth)
+    f.parent.mkdir(parents=True)
+    f.write_text(json.dumps(dataclasses.asdict(stale)))
+    assert disk_costs.kept(small_model, stale.read_bytes, stale.depth, tmp_path) == stale
+    got = disk_costs.remeasure(small_model, stale.read_bytes, stale.depth, tmp_path)
+    assert got.bytes_per_s > 1e3 and got.latency_s < 9.0
+    assert disk_costs.kept(small_model, stale.read_bytes, stale.depth, tmp_path) == got
+
+
+@pytest.mark.model
 def test_stock_prediction_is_the_uncapped_speed_when_the_cache_holds_every_expert(small_model):
     """ram_bench.predict_stock_tg: a cap that holds every expert predicts the uncapped speed; a cap
     that holds few predicts less, by the bytes the replay reads at the measured fault rate."""

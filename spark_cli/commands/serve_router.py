@@ -133,7 +133,7 @@ def run_router(ctx: Any, *, models_dir: Path | None, models_preset: Path | None,
     def ready() -> None:
         shown = ", ".join(listed[:6]) + (f" and {len(listed) - 6} more" if len(listed) > 6 else "")
         err_console.print(f"spark serve: router on {urls}: {len(listed)} model{'s' if len(listed) != 1 else ''} "
-                          f"({shown or 'none'}; from {where}), at most "
+                          f"({shown or 'none: give a MODEL to serve one, or --models-dir DIR'}; from {where}), at most "
                           f"{models_max if models_max > 0 else 'any number'} loaded at once"
                           f"{'' if autoload else ', loaded by POST /models/load only'}; Ctrl-C stops",
                           soft_wrap=True, markup=False)

@@ -111,15 +111,12 @@ def read_size(g) -> int:
     return max(t.bytes_per_expert for il in g.moe_layers for t in g.layers[il].experts)
 
 
-def ensure(model: Path, read_bytes: int, depth: int, home: Path, faults: bool = False) -> DiskCosts:
-    """The kept figure for this disk, read size and depth, else measured now and kept."""
-    path = cache_file(home, model, read_bytes, depth, faults)
-    got = kept(model, read_bytes, depth, home, faults)
-    if got is not None:
-        return got
+def remeasure(model: Path, read_bytes: int, depth: int, home: Path, faults: bool = False) -> DiskCosts:
+    """Measured now, and kept in place of the figure kept before (a shared virtual disk's speed drifts:
+    spark bench --ram measures it each time, so that its predictions and later runs' decisions use today's)."""
     costs = measure(model, read_bytes, depth, faults=faults)
     try:
-        atomic_write_text(path, json.dumps(asdict(costs)) + "\n")
+        atomic_write_text(cache_file(home, model, read_bytes, depth, faults), json.dumps(asdict(costs)) + "\n")
     except OSError:
         pass  # NOTE: measured again next time
     return costs

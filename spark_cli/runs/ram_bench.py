@@ -261,9 +261,10 @@ def run(model: Path, cap: int | None, *, reps: int = 2, n_prompt: int = 512, n_g
     runs: list[RamRun] = []
     total = reps * len(configs) + 1
     geometry = load_geometry(model)
-    disk = disk_costs.ensure(model, disk_costs.read_size(geometry), disk_costs.READERS, spark_home())
-    faults = disk_costs.ensure(model, disk_costs.read_size(geometry), threads or os.cpu_count() or 1, spark_home(),
-                               faults=True) if "stock" in configs else None
+    # NOTE: measured each time (and kept for chat and serve): the disk's speed drifts on a shared machine
+    disk = disk_costs.remeasure(model, disk_costs.read_size(geometry), disk_costs.READERS, spark_home())
+    faults = disk_costs.remeasure(model, disk_costs.read_size(geometry), threads or os.cpu_count() or 1, spark_home(),
+                                  faults=True) if "stock" in configs else None
     spec = WorkerSpec(str(model), BASE, n_prompt, n_gen, threads, n_ctx, device)
     base = _spawn(None, spec)
     if on_run:
