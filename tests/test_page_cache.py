@@ -115,10 +115,10 @@ def test_stock_prediction_is_the_uncapped_speed_when_the_cache_holds_every_exper
     bill = {"model": g.file_size, "context": 8 << 20, "compute": 8 << 20, "total": g.file_size + (16 << 20)}
     base = ram_bench.RamRun("base", True, tg_tok_s=40.0, trace=trace, rss_runtime=100 << 20, host_bill=bill)
     faults = DiskCosts(4096, 2, 100e6, 0.001)
-    roomy = ram_bench.predict_stock_tg(small_model, g, base, 4 * g.file_size, faults)
-    assert roomy == pytest.approx(40.0)
+    roomy = ram_bench.predict_stock_tg(small_model, g, base, 50.0, 4 * g.file_size, faults)
+    assert roomy == pytest.approx(50.0)  # stock's own uncapped speed, not Spark's traced base's
     tight_cap = (100 << 20) + (16 << 20) + (g.file_size - sum(g.layers[il].expert_bytes for il in g.moe_layers)) \
         + sum(g.layers[il].expert_bytes for il in g.moe_layers) // 4
     read = ram_bench.stock_bytes_per_token(small_model, g, base, tight_cap)
     assert read > 0
-    assert ram_bench.predict_stock_tg(small_model, g, base, tight_cap, faults) == pytest.approx(1 / (1 / 40 + read / 100e6))
+    assert ram_bench.predict_stock_tg(small_model, g, base, 50.0, tight_cap, faults) == pytest.approx(1 / (1 / 50 + read / 100e6))

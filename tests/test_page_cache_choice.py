@@ -48,7 +48,7 @@ def test_narrow_read_around_and_room_for_the_hot_experts_choose_the_mapping(setu
     _window(monkeypatch, 128 << 10)
     _keep(tmp_path, path, g, False, 1e9, disk_costs.READERS)
     _keep(tmp_path, path, g, True, 3e9, 2)
-    d = page_cache_choice.decide(path, g, tier, trace, 40.0, 2, tmp_path)
+    d = page_cache_choice.decide(path, g, tier, trace, 40.0, 40.0, 2, tmp_path)
     assert not d.use_tier, d.line
     assert d.page_cache_tg > d.tier_tg * (1 + page_cache_choice.MIN_GAIN)
     assert "mapped as stock maps it" in d.line and "128 KiB" in d.line
@@ -62,18 +62,21 @@ def test_wide_read_around_keeps_the_tier(setup, tmp_path, monkeypatch):
     _window(monkeypatch, 64 << 20)
     _keep(tmp_path, path, g, False, 1e9, disk_costs.READERS)
     _keep(tmp_path, path, g, True, 1e9, 2)
-    d = page_cache_choice.decide(path, g, tier, trace, 40.0, 2, tmp_path)
+    d = page_cache_choice.decide(path, g, tier, trace, 40.0, 40.0, 2, tmp_path)
     assert d.use_tier, d.line
     assert d.tier_tg > d.page_cache_tg
+    # each is priced from its own uncapped speed: a faster stock raises the mapping's price only
+    faster = page_cache_choice.decide(path, g, tier, trace, 40.0, 80.0, 2, tmp_path)
+    assert faster.tier_tg == d.tier_tg and faster.page_cache_tg > d.page_cache_tg
 
 
 @pytest.mark.model
 def test_a_missing_figure_keeps_the_tier_and_says_how_to_measure_it(setup, tmp_path):
     path, g, tier, trace = setup
     _keep(tmp_path, path, g, False, 1e9, disk_costs.READERS)  # no fault rate kept
-    d = page_cache_choice.decide(path, g, tier, trace, 40.0, 2, tmp_path)
+    d = page_cache_choice.decide(path, g, tier, trace, 40.0, 40.0, 2, tmp_path)
     assert d.use_tier and "spark bench MODEL --ram-residency" in d.line
-    d = page_cache_choice.decide(path, g, tier, None, 40.0, 2, tmp_path)
+    d = page_cache_choice.decide(path, g, tier, None, 40.0, 40.0, 2, tmp_path)
     assert d.use_tier and "spark profile" in d.line
 
 
@@ -131,8 +134,8 @@ def test_a_device_plan_prices_its_host_layers_tier_against_the_page_cache(setup,
     monkeypatch.setattr(session, "resolve_device_ram_tier", lambda *a: tier)
     seen = []
 
-    def decide(model, geometry, t, tr, base_tg, threads, home):
-        seen.append((t, base_tg))
+    def decide(model, geometry, t, tr, base_tg, stock_tg, threads, home):
+        seen.append((t, base_tg, stock_tg))
         return page_cache_choice.TierDecision(False, "RAM tier: off, test", 1.0, 2.0)
 
     monkeypatch.setattr(page_cache_choice, "decide", decide)
@@ -141,7 +144,8 @@ def test_a_device_plan_prices_its_host_layers_tier_against_the_page_cache(setup,
     flags = LoadFlags(rpc=rpc_server.endpoint, ctx_size=512)
     vram = str(planner.fixed_bytes(g, 512) + g.total_expert_bytes // 2 + (8 << 20))
     where = session.resolve_placement(path, g, session.ProfileInfo(path, None), flags, plan_path=None, vram_text=vram)
-    assert seen == [(tier, (where.plan.predicted or {}).get("tg_tok_s"))]
+    priced = (where.plan.predicted or {}).get("tg_tok_s")
+    assert seen == [(tier, priced, priced)]
     assert where.ram is None and where.mapped and "RAM tier: off, test" in where.warnings
     opts = session.with_ram_tier(session.engine_options(path, g, where.plan, flags, n_ctx=where.n_ctx, learn=False),
                                  where.ram, g, where.ahead, where.mapped)

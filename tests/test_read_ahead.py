@@ -90,8 +90,11 @@ def test_stays_off_and_says_which_figure_is_missing(model, tmp_path):
 
 
 def test_the_uncapped_speed_is_kept_per_model_and_threads(tmp_path):
-    read_ahead.keep_uncapped(tmp_path, "f" * 32, 2, 37.5)
+    read_ahead.keep_uncapped(tmp_path, "f" * 32, 2, 37.5, 45.0)
     assert read_ahead.kept_uncapped(tmp_path, "f" * 32, 2) == 37.5
+    assert read_ahead.kept_uncapped(tmp_path, "f" * 32, 2, stock=True) == 45.0
+    read_ahead.keep_uncapped(tmp_path, "f" * 32, 3, 30.0, None)  # stock's not measured: Spark's stands in
+    assert read_ahead.kept_uncapped(tmp_path, "f" * 32, 3, stock=True) == 30.0
     assert read_ahead.kept_uncapped(tmp_path, "f" * 32, 1) is None
     assert read_ahead.kept_uncapped(tmp_path, "e" * 32, 2) is None
 

@@ -147,7 +147,7 @@ def _run_and_show(path: Path, flags: LoadFlags, n_prompt: int, n_gen: int, reps:
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*cols, console=err_console, transient=True) as prog:
         cap = units.fmt_bytes(flags.ram) if flags.ram is not None else f"--ram-residency {residency:g}"
-        task = prog.add_task(f"runs under {cap}", total=reps * len(ram_bench.CONFIGS) + 1)
+        task = prog.add_task(f"runs under {cap}", total=reps * len(ram_bench.CONFIGS) + 2)
 
         def on_run(i: int, n: int, r: ram_bench.RamRun) -> None:
             prog.update(task, completed=i)
@@ -171,8 +171,10 @@ def _run_and_show(path: Path, flags: LoadFlags, n_prompt: int, n_gen: int, reps:
         same = {True: "the same tokens as", False: "OTHER TOKENS THAN", None: "not compared with"}[b.exact_vs_uncapped()]
         faults = (f" ({units.fmt_bytes(int(b.faults.bytes_per_s))}/s faulted through the mapping, {b.faults.depth} "
                   f"threads)" if b.faults is not None else "")
+        stock = (f"; stock uncapped {b.stock_base.tg_tok_s:.2f} tg, {b.stock_base.pp_tok_s:.2f} pp"
+                 if b.stock_base is not None and b.stock_base.ok else "")
         out.print(f"physical limits: uncapped {b.base.tg_tok_s:.2f} tok/s tg, {b.base.pp_tok_s:.2f} pp (Spark, no cap: "
-                  f"{same} the capped runs); the disk {units.fmt_bytes(int(b.disk.bytes_per_s))}/s at "
+                  f"{same} the capped runs){stock}; the disk {units.fmt_bytes(int(b.disk.bytes_per_s))}/s at "
                   f"{units.fmt_bytes(b.disk.read_bytes)} reads, {b.disk.depth} in flight{faults}",
                   soft_wrap=True, markup=False)
     ratios = prediction_ratios(b)

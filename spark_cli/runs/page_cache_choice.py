@@ -72,14 +72,15 @@ def tier(why: str) -> TierDecision:
 
 
 def decide(model: Path, geometry: ModelGeometry, t: ram_tier.RamTier, trace: RoutingTrace | None,
-           base_tg: float | None, threads: int | None, home: Path) -> TierDecision:
-    """The RAM tier, or the mapping where the cost model prices the page cache MIN_GAIN faster on `trace`."""
+           base_tg: float | None, stock_tg: float | None, threads: int | None, home: Path) -> TierDecision:
+    """The RAM tier, or the mapping where the cost model prices the page cache MIN_GAIN faster on `trace`
+    (each from its own uncapped speed: the tier's `base_tg`, the mapping's `stock_tg`)."""
     if trace is None or trace.n_decode == 0:
         return tier("the page cache was not priced: the profile keeps no decode routing steps (spark profile "
                     "MODEL --corpus PATH --gen N records them)")
     disk = disk_costs.kept(model, disk_costs.read_size(geometry), disk_costs.READERS, home)
     faults = fault_costs(model, geometry, threads, home)
-    if disk is None or faults is None or not base_tg:
+    if disk is None or faults is None or not base_tg or not stock_tg:
         return tier("the page cache was not priced: the disk's read and fault rates and the uncapped speed on this "
                     "model and -t are measured by spark bench MODEL --ram-residency 0.6")
     m = ram_tier.replay(t, trace) or ram_tier.DecodeMisses(0.0, 0.0)
@@ -87,7 +88,7 @@ def decide(model: Path, geometry: ModelGeometry, t: ram_tier.RamTier, trace: Rou
                                  miss_steps_per_token=m.steps_per_token)
     read = page_cache_bytes_per_token(model, geometry, [l.il for l in t.layers], trace,
                                       max(0, t.budget - t.resident_bytes))
-    mapped_tg = page_cache_tg(base_tg, read or 0.0, faults)
+    mapped_tg = page_cache_tg(stock_tg, read or 0.0, faults)
     window = page_cache.read_ahead_window(os.stat(model).st_dev)[0]
     prices = (f"the cost model: {tier_tg:.1f} tok/s with the tier, {mapped_tg:.1f} with the page cache at a "
               f"{window >> 10} KiB read-around window")

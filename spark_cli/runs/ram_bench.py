@@ -206,6 +206,7 @@ class RamBench:
     base: RamRun | None = None  # the uncapped run
     disk: "DiskCosts | None" = None
     faults: "DiskCosts | None" = None  # the same reads faulted in through a mapping (stock's misses)
+    stock_base: RamRun | None = None  # stock with no cap: the uncapped speed stock's prediction starts from
 
     def of(self, config: str) -> list[RamRun]:
         return [r for r in self.runs if r.config == config and r.ok]
@@ -227,6 +228,7 @@ class RamBench:
         return {"cap": self.cap, "exact": self.exact(), "tg_ratio": self.ratio("tg_tok_s"),
                 "pp_ratio": self.ratio("pp_tok_s"), "runs": [asdict(r) for r in self.runs],
                 "uncapped": asdict(self.base) if self.base else None,
+                "uncapped_stock": asdict(self.stock_base) if self.stock_base else None,
                 "disk": asdict(self.disk) if self.disk else None, "faults": asdict(self.faults) if self.faults else None}
 
     def exact_vs_uncapped(self) -> bool | None:
@@ -259,7 +261,7 @@ def run(model: Path, cap: int | None, *, reps: int = 2, n_prompt: int = 512, n_g
     (`device`: three tiers, on an RPC device). CgroupError before any run where none can be made."""
     memcg.make(cap or 256 << 20, "spark-bench-check").remove()  # NOTE: refuse before the long work
     runs: list[RamRun] = []
-    total = reps * len(configs) + 1
+    total = reps * len(configs) + 1 + ("stock" in configs)
     geometry = load_geometry(model)
     # NOTE: measured each time (and kept for chat and serve): the disk's speed drifts on a shared machine
     disk = disk_costs.remeasure(model, disk_costs.read_size(geometry), disk_costs.READERS, spark_home())
@@ -269,8 +271,13 @@ def run(model: Path, cap: int | None, *, reps: int = 2, n_prompt: int = 512, n_g
     base = _spawn(None, spec)
     if on_run:
         on_run(1, total, base)
-    if device is None and base.ok and base.tg_tok_s:  # NOTE: chat and serve decide read-ahead with it
-        read_ahead.keep_uncapped(spark_home(), geometry.fingerprint, threads or os.cpu_count() or 1, base.tg_tok_s)
+    # NOTE: stock's own uncapped speed prices stock (Spark's traced base pays a stop per layer that stock does not)
+    stock_base = _spawn(None, dataclasses.replace(spec, config="stock")) if "stock" in configs else None
+    if on_run and stock_base is not None:
+        on_run(2, total, stock_base)
+    if device is None and base.ok and base.tg_tok_s:  # NOTE: chat and serve decide read-ahead and the mapping with them
+        read_ahead.keep_uncapped(spark_home(), geometry.fingerprint, threads or os.cpu_count() or 1, base.tg_tok_s,
+                                 stock_base.tg_tok_s if stock_base is not None and stock_base.ok else None)
     if residency is not None:
         if not base.ok or not base.host_bill:
             raise SparkError(f"--ram-residency: the uncapped run failed ({base.error or 'no dry run'})")
@@ -278,7 +285,8 @@ def run(model: Path, cap: int | None, *, reps: int = 2, n_prompt: int = 512, n_g
     assert cap is not None
     gate = ahead_gate(geometry, base, disk, device)
     # NOTE: stock's prediction depends on the uncapped run and the cap only: replayed once, not per rep
-    stock_tg = predict_stock_tg(model, geometry, base, cap, faults, device) if base.ok and faults is not None else None
+    stock_tg = (predict_stock_tg(model, geometry, base, stock_base.tg_tok_s, cap, faults, device)
+                if base.ok and stock_base is not None and stock_base.ok and faults is not None else None)
     for i in range(reps):
         for config in configs:
             with memcg.make(cap, f"spark-bench-{config}") as cg:
@@ -292,8 +300,8 @@ def run(model: Path, cap: int | None, *, reps: int = 2, n_prompt: int = 512, n_g
                 r.predicted_tg_tok_s = stock_tg
             runs.append(r)
             if on_run:
-                on_run(len(runs) + 1, total, r)
-    return RamBench(cap, runs, base, disk, faults)
+                on_run(len(runs) + 1 + (stock_base is not None), total, r)
+    return RamBench(cap, runs, base, disk, faults, stock_base)
 
 
 def _spawn(cg: "memcg.MemoryCgroup | None", spec: WorkerSpec) -> RamRun:
@@ -392,14 +400,15 @@ def stock_bytes_per_token(model: Path, g, base: RamRun, cap: int, device: Device
                                                         page_cache_bytes(g, base, cap, device))
 
 
-def predict_stock_tg(model: Path, g, base: RamRun, cap: int, faults: "DiskCosts",
+def predict_stock_tg(model: Path, g, base: RamRun, stock_tg: float, cap: int, faults: "DiskCosts",
                      device: DeviceShape | None = None) -> float | None:
-    """The cost model's tg for stock under `cap`: the uncapped token, plus stock_bytes_per_token read at
-    the rate measured faulting through a mapping (disk_costs, faults: read-around included)."""
-    if not base.tg_tok_s:
+    """The cost model's tg for stock under `cap`: stock's uncapped token (`stock_tg`), plus
+    stock_bytes_per_token (the base run's routing) read at the rate measured faulting through a
+    mapping (disk_costs, faults: read-around included)."""
+    if not stock_tg:
         return None
     read = stock_bytes_per_token(model, g, base, cap, device)
-    return None if read is None else page_cache_choice.page_cache_tg(base.tg_tok_s, read, faults)
+    return None if read is None else page_cache_choice.page_cache_tg(stock_tg, read, faults)
 
 
 def _parse(config: str, p: subprocess.CompletedProcess) -> RamRun:

@@ -42,37 +42,41 @@ class UncappedSpeed:
 
     fingerprint: str
     threads: int
-    tg_tok_s: float
+    tg_tok_s: float  # Spark's (its RAM tier's shape, every expert in RAM)
+    stock_tg_tok_s: float | None = None  # stock's, the model mapped (None: kept before it was measured)
 
 
 def _uncapped_file(home: Path, fingerprint: str, threads: int) -> Path:
     return home / "calibration" / f"uncapped-{fingerprint[:16]}-t{threads}.json"
 
 
-def keep_uncapped(home: Path, fingerprint: str, threads: int, tg_tok_s: float) -> None:
+def keep_uncapped(home: Path, fingerprint: str, threads: int, tg_tok_s: float, stock_tg_tok_s: float | None) -> None:
     """Keep what `spark bench --ram` measured uncapped, for later runs' decisions (best effort)."""
     try:
         atomic_write_text(_uncapped_file(home, fingerprint, threads),
-                          json.dumps(asdict(UncappedSpeed(fingerprint, threads, tg_tok_s))) + "\n")
+                          json.dumps(asdict(UncappedSpeed(fingerprint, threads, tg_tok_s, stock_tg_tok_s))) + "\n")
     except OSError:
         pass  # NOTE: decided without it next time (read-ahead off), and measured again by the next bench
 
 
-def kept_uncapped(home: Path, fingerprint: str, threads: int) -> float | None:
-    """The kept uncapped tok/s of this model at `threads` (None: never measured)."""
+def kept_uncapped(home: Path, fingerprint: str, threads: int, stock: bool = False) -> float | None:
+    """The kept uncapped tok/s of this model at `threads`, Spark's (`stock`: stock's; Spark's where
+    only that was kept); None: never measured."""
     try:
         d = UncappedSpeed(**json.loads(_uncapped_file(home, fingerprint, threads).read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    return d.tg_tok_s if d.fingerprint == fingerprint and d.tg_tok_s > 0 else None
+    tg = d.stock_tg_tok_s if stock and d.stock_tg_tok_s else d.tg_tok_s
+    return tg if d.fingerprint == fingerprint and tg > 0 else None
 
 
-def uncapped_tg(home: Path, fingerprint: str, plan, threads: int | None) -> float | None:
+def uncapped_tg(home: Path, fingerprint: str, plan, threads: int | None, stock: bool = False) -> float | None:
     """The uncapped token's speed a decision prices with: a device plan's priced tg, else the CPU speed
-    spark bench --ram kept for this model at `threads` (None: all cores, as -t defaults)."""
+    spark bench --ram kept for this model at `threads` (None: all cores, as -t defaults): Spark's, or
+    with `stock` stock's (what a run that maps the file as stock does runs at)."""
     if plan is not None:
         return (plan.predicted or {}).get("tg_tok_s")
-    return kept_uncapped(home, fingerprint, threads or os.cpu_count() or 1)
+    return kept_uncapped(home, fingerprint, threads or os.cpu_count() or 1, stock)
 
 
 def off(why: str) -> AheadDecision:

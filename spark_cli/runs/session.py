@@ -483,7 +483,8 @@ def resolve_tier_choice(model: Path, geometry: ModelGeometry, info: ProfileInfo,
         return page_cache_choice.tier("--ram: the mapping's page cache would not keep to it")
     trace = info.profile.recent_trace() if info.profile is not None else None
     base = read_ahead.uncapped_tg(spark_home(), geometry.fingerprint, plan, flags.threads)
-    return page_cache_choice.decide(model, geometry, tier, trace, base, flags.threads, spark_home())
+    stock = read_ahead.uncapped_tg(spark_home(), geometry.fingerprint, plan, flags.threads, stock=True)
+    return page_cache_choice.decide(model, geometry, tier, trace, base, stock, flags.threads, spark_home())
 
 
 def resolve_read_ahead(model: Path, geometry: ModelGeometry, info: ProfileInfo, flags: LoadFlags,
