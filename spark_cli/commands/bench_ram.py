@@ -147,7 +147,7 @@ def _run_and_show(path: Path, flags: LoadFlags, n_prompt: int, n_gen: int, reps:
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*cols, console=err_console, transient=True) as prog:
         cap = units.fmt_bytes(flags.ram) if flags.ram is not None else f"--ram-residency {residency:g}"
-        task = prog.add_task(f"runs under {cap}", total=reps * len(ram_bench.CONFIGS) + 2)
+        task = prog.add_task(f"runs under {cap}", total=ram_bench.total_runs(reps, ram_bench.CONFIGS))
 
         def on_run(i: int, n: int, r: ram_bench.RamRun) -> None:
             prog.update(task, completed=i)

@@ -283,7 +283,7 @@ def compare_ram(model: Path, sizes: Sizes, out_json: Path) -> tuple[str, SparkEr
     try:
         with Progress(*cols, console=err_console, transient=True) as prog:
             task = prog.add_task(f"runs under the cap for {RAM_RESIDENCY:.0%} of the experts in RAM",
-                                 total=sizes.ram_reps * len(RAM_CONFIGS) + 1)
+                                 total=ram_bench.total_runs(sizes.ram_reps, RAM_CONFIGS))
 
             def on_run(i: int, n: int, r: ram_bench.RamRun) -> None:
                 prog.update(task, completed=i)

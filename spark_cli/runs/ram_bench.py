@@ -252,6 +252,12 @@ def residency_cap(g, base: RamRun, share: float, device: DeviceShape | None = No
     return int(base.rss_runtime + fixed + ram_tier.stage_bytes(g, layers) + share * moved)
 
 
+def total_runs(reps: int, configs: Sequence[str]) -> int:
+    """The runs a bench makes: Spark's uncapped base, stock's (when stock is compared), then each
+    configuration `reps` times."""
+    return 1 + ("stock" in configs) + reps * len(configs)
+
+
 def run(model: Path, cap: int | None, *, reps: int = 2, n_prompt: int = 512, n_gen: int = 48,
         threads: int | None = None, n_ctx: int = 512, configs: Sequence[str] = CONFIGS,
         device: DeviceShape | None = None, residency: float | None = None,
@@ -261,7 +267,7 @@ def run(model: Path, cap: int | None, *, reps: int = 2, n_prompt: int = 512, n_g
     (`device`: three tiers, on an RPC device). CgroupError before any run where none can be made."""
     memcg.make(cap or 256 << 20, "spark-bench-check").remove()  # NOTE: refuse before the long work
     runs: list[RamRun] = []
-    total = reps * len(configs) + 1 + ("stock" in configs)
+    total = total_runs(reps, configs)
     geometry = load_geometry(model)
     # NOTE: measured each time (and kept for chat and serve): the disk's speed drifts on a shared machine
     disk = disk_costs.remeasure(model, disk_costs.read_size(geometry), disk_costs.READERS, spark_home())
