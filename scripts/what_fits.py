@@ -27,6 +27,7 @@ Usage: .venv/bin/python scripts/what_fits.py [--vram 8,12,16,24] [-c 8192] [--fi
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -122,7 +123,7 @@ class RamAssumptions:
         return max(0, ram - self.os_ram)
 
     def disk(self, g: ModelGeometry) -> DiskCosts:
-        """The assumed disk as file_tier_tg reads it (latency_s: one read alone, which it does not use)."""
+        """The assumed disk as file_tier_tg reads it (latency_s 0: no wait per step beyond the bytes assumed)."""
         return DiskCosts(disk_costs.read_size(g), READERS, self.disk_gb_s * 1e9, 0.0)
 
     def line(self) -> str:
@@ -150,6 +151,13 @@ class RamCell:
 
     def file_bytes_per_token(self) -> float:
         return self.misses * ram_tier.mean_expert_bytes(self.tier) if self.tier is not None else 0.0
+
+
+def uniform_miss_steps(g: ModelGeometry, tier: ram_tier.RamTier) -> float:
+    """Layer steps per decode token with at least one miss under uniform routing: a layer with s of n
+    experts in slots routes its k experts all from them with chance C(s, k) / C(n, k) (ASSUMED routing)."""
+    k, n = g.n_expert_used, g.n_expert
+    return sum(1.0 - math.comb(l.n_slots, k) / math.comb(n, k) for l in tier.layers)
 
 
 def uniform_misses(g: ModelGeometry, tier: ram_tier.RamTier | None) -> float:
@@ -183,7 +191,8 @@ def ram_cell(g: ModelGeometry, vram: int, ram: int, n_ctx: int, assume: RamAssum
     misses = uniform_misses(g, tier)
     tg = None
     if predict is not None:
-        tg = three_tier_tg(plan, misses, tier, assume.disk(g)) if tier is not None else plan.predicted["tg_tok_s"]
+        tg = (three_tier_tg(plan, ram_tier.DecodeMisses(misses, uniform_miss_steps(g, tier)), tier, assume.disk(g))
+              if tier is not None else plan.predicted["tg_tok_s"])
     return RamCell(ram, budget, plan=plan, tier=tier, device=device, in_ram=in_ram, in_file=in_file,
                    ram_used=ram_used(g, plan, tier), misses=misses, tg=tg)
 
