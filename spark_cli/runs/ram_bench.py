@@ -372,8 +372,9 @@ def ahead_gate(g, base: RamRun, disk: "DiskCosts", device: DeviceShape | None) -
 
 def predict_tg(g, base: RamRun, spark: RamRun, disk: "DiskCosts") -> float | None:
     """The cost model's tg for the spark run's tier: the uncapped token, plus its replayed misses
-    (replayed_misses) read at the disk's measured rate, each step with a miss waiting a read's latency; with read-ahead (spark-ahead), the replayed
-    reads ahead and the misses they cover priced by prefetch.predicted_tg."""
+    (replayed_misses) read at the disk's measured rate, each step with a miss waiting a read's latency;
+    with read-ahead (spark-ahead), the replayed reads ahead and the misses they cover priced by
+    prefetch.predicted_tg."""
     from ..core import prefetch
 
     if not spark.slots:
