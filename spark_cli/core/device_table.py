@@ -11,7 +11,7 @@ experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s an
                                  * (REF_GB_S / B) ** layer_scaling
     a host layer adds        = stop + host_layer_us + k * expert / host_rate - k * expert / (B * device_efficiency)
     prompt, all on the card  = (device_bytes + moe_layers * prompt_moe_bytes) / (F * share * prompt_bytes_per_tflop_us)
-    a host layer adds (prompt) = its experts uploaded over the link for each ubatch of UBATCH tokens
+    a host layer adds (prompt) = its experts uploaded over the link once per ubatch (-ub, default 512 tokens)
 
 - device_efficiency: the share of the bandwidth a decode token's weight reads get;
 - layer_us, moe_layer_us, recurrent_layer_us: what bandwidth does not explain, per block and token
@@ -43,6 +43,7 @@ from importlib import resources
 from ..errors import UsageError
 from .cost_model import DeviceCosts
 from .gguf_info import ModelGeometry
+from .options import DEFAULT_UBATCH
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,11 +55,10 @@ LINK_EFFICIENCY = 0.8  # share of the link a pinned upload gets
 HOST_GB_S_PER_CORE = 12.0  # what one core's matmul streams at most
 DEFAULT_HOST_GB_S = 60.0  # dual-channel DDR5
 DEFAULT_HOST_CORES = 8  # a figure that names no CPU
-UBATCH = 512  # llama.cpp's default ubatch: a prompt step uploads a host layer's experts once per ubatch
 REF_GB_S = 1000.0  # the card the block figures are given for
 BAND = (0.8, 1.25)  # predicted over reported: inside counts as reproduced
 ASSUMPTIONS = (f"uploads at {LINK_EFFICIENCY:.0%} of the link, at most {HOST_GB_S_PER_CORE:g} GB/s a CPU core, "
-               f"a prompt's host layers uploaded once per {UBATCH}-token ubatch")
+               "a prompt's host layers uploaded once per ubatch")
 
 
 def _data(name: str) -> dict:
@@ -227,10 +227,10 @@ def prompt_us(c: Card, w: Workload, f: Fit) -> float:
     return (w.device_bytes + w.moe_layers * f.prompt_moe_bytes) / (c.fp32_tflops * share * f.prompt_bytes_per_tflop_us)
 
 
-def host_layer_prompt_us(c: Card, w: Workload) -> float:
-    """What a host layer adds to a prompt token: its experts uploaded once per ubatch (an assumption:
-    llama.cpp runs a large batch's host experts on the card, uploading them)."""
-    return w.layer_expert_bytes / (c.link_gb_s * LINK_EFFICIENCY * 1e3) / UBATCH
+def host_layer_prompt_us(c: Card, w: Workload, ubatch: int = DEFAULT_UBATCH) -> float:
+    """What a host layer adds to a prompt token: its experts uploaded once per ubatch of `ubatch`
+    tokens (an assumption: llama.cpp runs a large batch's host experts on the card, uploading them)."""
+    return w.layer_expert_bytes / (c.link_gb_s * LINK_EFFICIENCY * 1e3) / ubatch
 
 
 def tg_tok_s(c: Card, w: Workload, n_host: int, f: Fit, host: Host) -> float:
@@ -238,10 +238,11 @@ def tg_tok_s(c: Card, w: Workload, n_host: int, f: Fit, host: Host) -> float:
     return 1e6 / (decode_us(c, w, f) + n_host * host_layer_us(c, w, f, host))
 
 
-def pp_tok_s(c: Card, w: Workload, n_host: int, f: Fit) -> float | None:
-    """Predicted prompt tok/s of stock's placement with `n_host` host layers (None: not predicted)."""
+def pp_tok_s(c: Card, w: Workload, n_host: int, f: Fit, ubatch: int = DEFAULT_UBATCH) -> float | None:
+    """Predicted prompt tok/s of stock's placement with `n_host` host layers at -ub `ubatch` (None:
+    not predicted)."""
     base = prompt_us(c, w, f)
-    return 1e6 / (base + n_host * host_layer_prompt_us(c, w)) if base > 0 else None
+    return 1e6 / (base + n_host * host_layer_prompt_us(c, w, ubatch)) if base > 0 else None
 
 
 def predicted_costs(c: Card, g: ModelGeometry, host_gb_s: float = DEFAULT_HOST_GB_S,
@@ -294,11 +295,13 @@ class Figure:
     split: str  # fit | held-out
     url: str
     layers: int = 0  # dense only
+    embd_bytes: float = 0.0  # dense only: the untied token embeddings, which a token does not read
     pp_tok_s: float | None = None
     host_gb_s: float | None = None
     host_cores: int | None = None
     tg_test: str = ""
     pp_test: str = ""
+    ubatch: int = DEFAULT_UBATCH  # -ub of the prompt figure
 
     def host(self) -> Host:
         return Host(self.host_gb_s or DEFAULT_HOST_GB_S, self.host_cores or DEFAULT_HOST_CORES)
@@ -306,7 +309,7 @@ class Figure:
     def workload(self, geometry: ModelGeometry | None) -> Workload:
         """The run's workload: a fixture's shapes at the reported size, or a dense model's size."""
         if self.model == "dense":
-            return Workload(self.size_bytes, self.layers)
+            return Workload(self.size_bytes - self.embd_bytes, self.layers)
         if geometry is None:
             raise ValueError(f"public_measurements.toml: {self.id}: needs the geometry of {self.model}")
         return Workload.rescaled(geometry, self.size_bytes)
@@ -320,6 +323,23 @@ def _size(d: dict, fid: str) -> float:
     raise ValueError(f"public_measurements.toml: {fid}: no size_gib or size_gb")
 
 
+def _embd_bytes(d: dict, fid: str) -> float:
+    """A dense figure's token embeddings: llama.cpp reads one row of them a token (get_rows), so they
+    are not a token's weight reads, unless the output shares them (`tied`). Sized by gguf's block
+    table from the model's vocabulary, width and the tensor's type (an untied token_embd keeps the
+    file's type in llama.cpp's Q4_0 and Q4_K_M recipes: llama-quant.cpp)."""
+    if d.get("tied", False):
+        return 0.0
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[str(d["embd_type"]).upper()]]
+        return int(d["vocab"]) * int(d["n_embd"]) / block * size
+    except KeyError as e:
+        raise ValueError(f"public_measurements.toml: {fid}: a dense figure needs vocab, n_embd and embd_type "
+                         f"(a ggml type), or tied = true ({e})") from None
+
+
 def figures() -> list[Figure]:
     """Every bundled public figure (ValueError on a malformed row)."""
     out = []
@@ -329,10 +349,12 @@ def figures() -> list[Figure]:
             raise ValueError(f"public_measurements.toml: {fid}: split, or layers for a dense model")
         out.append(Figure(fid, str(d["card"]), str(d["model"]), _size(d, fid), int(d["n_cpu_moe"]),
                           float(d["tg_tok_s"]), str(d["split"]), str(d["url"]), int(d.get("layers", 0)),
+                          _embd_bytes(d, fid) if d["model"] == "dense" else 0.0,
                           float(d["pp_tok_s"]) if "pp_tok_s" in d else None,
                           float(d["host_gb_s"]) if "host_gb_s" in d else None,
                           int(d["host_cores"]) if "host_cores" in d else None,
-                          str(d.get("tg_test", "")), str(d.get("pp_test", ""))))
+                          str(d.get("tg_test", "")), str(d.get("pp_test", "")),
+                          int(d.get("ubatch", DEFAULT_UBATCH))))
     return out
 
 
@@ -353,6 +375,6 @@ def check(fig: Figure, geometry: ModelGeometry | None, f: Fit | None = None) -> 
     """`fig` predicted with the fit: the ratios of predicted to reported."""
     f = f or fitted()
     c, w = card(fig.card), fig.workload(geometry)
-    pp = pp_tok_s(c, w, fig.n_cpu_moe, f) if fig.pp_tok_s else None
+    pp = pp_tok_s(c, w, fig.n_cpu_moe, f, fig.ubatch) if fig.pp_tok_s else None
     return Check(fig, tg_tok_s(c, w, fig.n_cpu_moe, f, fig.host()) / fig.tg_tok_s,
                  pp / fig.pp_tok_s if pp and fig.pp_tok_s else None)
