@@ -161,3 +161,34 @@ def test_a_client_of_a_stand_in_on_this_machine_spins_briefly(monkeypatch, endpo
         monkeypatch.setenv("GOMP_SPINCOUNT", user)
     rpc.spin_briefly_beside(endpoints)
     assert os.environ.get("GOMP_SPINCOUNT") == (str(rpc.STAND_IN_SPINCOUNT) if want == "stand-in" else want)
+
+
+def test_a_chatty_child_does_not_block_on_its_stderr():
+    """`rpc.drain` reads a child's stderr as it comes: a child that writes more than the pipe holds
+    (64 KiB) still runs to its end, and the last lines are kept for an error message."""
+    import subprocess
+    import sys
+
+    from spark_cli.native.rpc import drain
+
+    code = "import sys\nfor i in range(4000): print('x' * 60, i, file=sys.stderr)\nprint('the last line', file=sys.stderr)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
+    thread, last = drain(proc.stderr)
+    assert proc.wait(timeout=60) == 0  # 250 KB through a 64 KiB pipe
+    thread.join(timeout=10)
+    proc.stderr.close()
+    assert not thread.is_alive() and last[-1] == "the last line" and len(last) == 50
+
+
+def test_a_server_that_cannot_start_says_why_in_one_line(rpc_server):
+    """A server that exits at start is one error naming its endpoint and its own last stderr line,
+    read through the drain; a port another server holds is refused before starting, not mistaken
+    for ours."""
+    from spark_cli.native.rpc import RpcServer
+
+    with pytest.raises(SparkError, match=r"rpc server on 127\.0\.0\.1:\d+ exited at start: .*--mem") as e:
+        RpcServer(threads=1, mem=-5).start(timeout=60)
+    assert "\n" not in str(e.value)
+    host, port = rpc_server.endpoint.rsplit(":", 1)
+    with pytest.raises(SparkError, match=rf"rpc server on {host}:{port}: the port is in use"):
+        RpcServer(host=host, port=int(port), threads=1).start(timeout=30)

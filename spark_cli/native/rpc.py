@@ -13,8 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import IO
 
 from ..errors import DeviceError, NativeError, SparkError, UsageError
 from . import faults, llama_lib
@@ -178,6 +181,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def drain(pipe: IO[bytes], keep: int = 50) -> tuple[threading.Thread, deque[str]]:
+    """Read `pipe` to its end in a daemon thread, keeping its last `keep` lines: a child whose
+    stderr nobody reads blocks once the pipe's buffer (64 KiB) is full."""
+    last: deque[str] = deque(maxlen=keep)
+
+    def run() -> None:
+        for raw in iter(pipe.readline, b""):
+            last.append(raw.decode(errors="replace").rstrip())
+
+    t = threading.Thread(target=run, name="rpc-server-stderr", daemon=True)
+    t.start()
+    return t, last
+
+
 @dataclass
 class RpcServer:
     """An RPC server in a subprocess on 127.0.0.1; stop() leaves no process behind."""
@@ -187,6 +204,7 @@ class RpcServer:
     threads: int | None = None
     mem: int | None = None  # bytes its device reports free and total (None: the host's RAM)
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    _stderr: tuple[threading.Thread, deque[str]] | None = field(default=None, repr=False)
 
     @property
     def endpoint(self) -> str:
@@ -194,6 +212,8 @@ class RpcServer:
 
     def start(self, timeout: float = 60.0) -> "RpcServer":
         self.port = self.port or free_port(self.host)
+        if _reachable(self.endpoint, timeout=0.5):  # else the wait below would find that server, not ours
+            raise SparkError(f"rpc server on {self.endpoint}: the port is in use", hint="choose another port")
         cmd = [sys.executable, "-m", "spark_cli.native.rpc_main", "--host", self.host, "--port", str(self.port)]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
@@ -201,10 +221,12 @@ class RpcServer:
             cmd += ["--mem", str(self.mem)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True, preexec_fn=_die_with_parent)
+        self._stderr = drain(self.proc.stderr)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                err = (self.proc.stderr.read() or b"").decode(errors="replace").strip().splitlines()
+                self._stderr[0].join(timeout=5)
+                err = [line for line in self._stderr[1] if line.strip()]
                 raise SparkError(f"rpc server on {self.endpoint} exited at start: {err[-1] if err else self.proc.returncode}")
             if _reachable(self.endpoint, timeout=0.5):
                 return self
@@ -225,6 +247,9 @@ class RpcServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
+        if self._stderr is not None:
+            self._stderr[0].join(timeout=5)  # the pipe ends with the process
+            self._stderr = None
         if self.proc.stderr:
             self.proc.stderr.close()
         self.proc = None
