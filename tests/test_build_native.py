@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -172,3 +173,23 @@ def test_build_starts_from_an_empty_spark_home(tmp_path, monkeypatch):
     with pytest.raises(bn.BuildError, match="stop before pip"):
         bn.build(tmp_path / "venv")
     assert (tmp_path / "home" / "native" / "src" / "cpu" / "vendor" / "llama.cpp" / "src" / "llama-expert-cache.cpp").exists()
+
+
+def test_ci_runs_the_cuda_compile_tier_which_a_machine_without_nvcc_skips(tmp_path):
+    """.ci/run has the CUDA compile tier; without nvcc on PATH the tier says so and fails nothing
+    (it neither bootstraps nor builds)."""
+    import shutil
+
+    root = REPO
+    ci = (root / ".ci" / "run").read_text()
+    assert any("scripts/test_cuda_build" in l for l in ci.splitlines() if not l.lstrip().startswith("#"))
+    assert os.access(root / "scripts" / "test_cuda_build", os.X_OK)
+    bindir = tmp_path / "bin"  # the tools the script needs, nvcc not among them
+    bindir.mkdir()
+    for tool in ("bash", "dirname", "env"):
+        os.symlink(shutil.which(tool), bindir / tool)
+    r = subprocess.run([str(bindir / "bash"), str(root / "scripts" / "test_cuda_build")], capture_output=True,
+                       text=True, env={"PATH": str(bindir)}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip() == ("cuda tier: no nvcc on PATH: not run (install the CUDA toolkit to compile the "
+                                "CUDA flavour)")
