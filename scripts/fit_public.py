@@ -7,7 +7,7 @@ The fit minimises the squared log of predicted over reported: decode constants o
 decode figure, prompt constants on every fitted prompt figure (Nelder-Mead; positive constants,
 efficiencies at most 1). Held-out figures are never seen by it.
 
-Usage: .venv/bin/python scripts/fit_public.py [--write] [--markdown]
+Usage: .venv/bin/python scripts/fit_public.py [--write] [--markdown] [--png PATH]
 """
 
 from __future__ import annotations
@@ -129,6 +129,52 @@ def summary(figs, geos, f: dt.Fit) -> list[str]:
     return out
 
 
+def chart(figs, geos, f: dt.Fit, path: Path) -> int:
+    """Predicted over reported for every figure, as a PNG (atomically): decode and prompt, fitted and
+    held out, all on the card and with --n-cpu-moe apart, the band shaded. Returns the points drawn."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from spark_cli.files.atomic import atomic_write_bytes
+
+    checks = [dt.check(x, geos.get(x.model), f) for x in figs]
+    order = sorted(range(len(checks)), key=lambda i: (checks[i].figure.split != "fit",
+                                                      bool(checks[i].figure.n_cpu_moe), i))
+    fig = Figure(figsize=(11, 4.8), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    lo, hi = dt.BAND
+    ax.axhspan(lo, hi, color="0.9", zorder=0, label=f"band {lo}-{hi}")
+    ax.axhline(1.0, color="0.6", lw=0.8, zorder=1)
+    drawn = 0
+    for x, i in enumerate(order):
+        c = checks[i]
+        colour = "tab:blue" if c.figure.split == "fit" else "tab:red"
+        ax.scatter([x], [c.tg_ratio], marker="o" if not c.figure.n_cpu_moe else "s", color=colour, zorder=3)
+        drawn += 1
+        if c.pp_ratio is not None:
+            ax.scatter([x], [c.pp_ratio], marker="^", facecolors="none", edgecolors=colour, zorder=3)
+            drawn += 1
+    for label, kw in (("fit", dict(color="tab:blue")), ("held-out", dict(color="tab:red")),
+                      ("tg, all on the card", dict(color="0.3", marker="o")),
+                      ("tg, --n-cpu-moe", dict(color="0.3", marker="s")),
+                      ("pp", dict(facecolors="none", edgecolors="0.3", marker="^"))):
+        ax.scatter([], [], label=label, **kw)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(order)))
+    ax.set_xticklabels([checks[i].figure.id for i in order], rotation=90, fontsize=6)
+    ax.set_ylabel("predicted / reported tok/s")
+    ax.set_title(f"spark plan --predict-for against {len(figs)} public llama.cpp figures")
+    ax.legend(fontsize=7, ncol=3, loc="upper left")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(path, buf.getvalue(), "--png")
+    return drawn
+
+
 def write(f: dt.Fit) -> None:
     text = DATA.read_text()
     head = text[:text.index(MARK)]
@@ -142,7 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true", help="replace the data file's [fit] table")
     ap.add_argument("--markdown", action="store_true", help="print the table of every figure")
+    ap.add_argument("--png", type=Path, help="draw predicted over reported for every figure here")
     a = ap.parse_args(argv)
+    if a.png:
+        from spark_cli.errors import SparkError
+        from spark_cli.files.atomic import check_output
+
+        try:
+            check_output(a.png, "--png", make_parent=True)  # before the fit's half minute
+        except SparkError as e:
+            print(f"fit_public: {e.one_line()}", file=sys.stderr)
+            return 2
     figs = dt.figures()
     geos = {m: load_geometry(build_fixture(m)) for m in {x.model for x in figs if x.model != "dense"}}
     f = fit(figs, geos, dt.fitted())
@@ -152,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(table(figs, geos, f)))
     if a.write:
         write(f)
+    if a.png:
+        print(f"wrote {a.png} ({chart(figs, geos, f, a.png)} points)")
     return 0
 
 

@@ -177,3 +177,16 @@ def test_a_larger_ubatch_uploads_a_prompts_host_layers_less_often(geos) -> None:
     assert dt.pp_tok_s(card, w, 0, fit, 2048) == dt.pp_tok_s(card, w, 0, fit)
     ub = {f.id: f.ubatch for f in dt.figures()}
     assert 512 in ub.values() and any(u > 512 for u in ub.values())  # the data file's -ub is read
+
+
+def test_the_fit_script_draws_every_ratio_and_refuses_a_bad_png_path_first(geos, tmp_path, capsys) -> None:
+    spec = importlib.util.spec_from_file_location("fit_public", ROOT / "scripts" / "fit_public.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    figs, out = dt.figures(), tmp_path / "fit.png"
+    drawn = mod.chart(figs, geos, dt.fitted(), out)
+    assert drawn == len(figs) + sum(1 for f in figs if f.pp_tok_s)  # a decode point each, a prompt point where reported
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert mod.main(["--png", str(tmp_path)]) == 2  # a folder: refused before the fit runs
+    err = capsys.readouterr().err
+    assert err.startswith("fit_public: --png ") and "is a directory" in err and err.count("\n") == 1
