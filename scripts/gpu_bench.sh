@@ -14,18 +14,22 @@
 #      run(command="bash scripts/gpu_bench.sh stage2", carry=["build/gpu-bundle/stage2"], timeout_s=600)
 #    stage1 (~20 s): checks, unpacks, configures llama.cpp with CMake (CUDA sm_90, RPC, cuBLAS
 #    from the toolkit or else from pip's nvidia-cublas wheel) and starts the build in its own
-#    process session. stage2: joins the GGUF, builds the upcycled demo model (E=64, top-4,
-#    ~3 GiB) while the build runs, waits for the build (until SPARK_GPU_WAIT s into the call; if
-#    it is not done, call stage2 again at once: it resumes), then runs spark bench with a budget that
-#    holds 60% of the expert bytes (--residency 0.6, the ceiling measured as a reference) and
-#    prints the table last. JSON, PNG and logs go to $OUT (the device tool brings them back).
+#    process session. stage2: joins the GGUF, waits for the build (until SPARK_GPU_WAIT s into
+#    the call; if it is not done, call stage2 again at once: it resumes), builds the upcycled
+#    demo model (E=64, top-4, ~3 GiB; its fit router runs SmolLM2 through the built library),
+#    then runs spark bench with a budget that holds 60% of the expert bytes (--residency 0.6,
+#    the ceiling measured as a reference) and prints the table last. JSON, PNG and logs go to
+#    $OUT (the device tool brings them back).
 #    `bash scripts/gpu_bench.sh all` does both stages in one call where one carry can hold both.
 # 3. Then, on the same warm machine: run(command="bash scripts/gpu_check.sh", timeout_s=600)
 #    (= gpu_bench.sh check): cached vs all-resident logits for prompts of 1/4/12/20/40 tokens
 #    and 64 decode tokens at S = P + k, for each miss path, CUDA graphs on and off, with stock
 #    --cpu-moe as the bound, and the decode graph's split count (scripts/gpu_check.py).
-#    Expected device time: machine start 1-2 min, stage1 ~20 s, stage2 ~6-8 min (CUDA build
-#    ~4 min on 16 cores: the whole build took 3,620 CPU-seconds on the CPU machine, docs/cuda.md; bench ~2 min).
+#    Expected device time: machine start 1-2 min, stage1 ~20 s, stage2 ~7-9 min (CUDA build
+#    ~4 min on 16 cores: the whole build took 3,620 CPU-seconds on the CPU machine, docs/cuda.md;
+#    then the demo model ~1 min: E=16 took 39 s on 2 cores; bench ~2 min).
+#    Rehearsed on the CPU machine with SPARK_GPU_CUDA=0 SPARK_GPU_E=16 (tests/test_gpu_scripts.py
+#    keeps the scripts' Python and bench flags in step with the code).
 #
 # Knobs (environment): SPARK_GPU_WORK (default /tmp/spark-gpu), SPARK_GPU_CUDA=0 (CPU-only
 # rehearsal: builds without CUDA and benches on a local RPC stand-in), SPARK_GPU_ARCH (90),
@@ -192,7 +196,7 @@ use_build() {  # point llama_cpp's bindings (they load lib/ beside them) at the 
     # shellcheck disable=SC1091
     . "$WORK/env.sh"
     export LLAMA_CPP_LIB_PATH=$WORK/build/bin LD_LIBRARY_PATH=$WORK/build/bin:${LD_LIBRARY_PATH:-}
-    "$PY" -c "from spark_cli.native import llama_lib as l; print('devices:', ', '.join(f'{d.name} ({d.type})' for d in l.devices(memory=True)))" ||
+    "$PY" -c "from spark_cli.native.devices import listed; print('devices:', ', '.join(f'{d.name} ({d.type}, {d.free / 2**30:.1f} of {d.total / 2**30:.1f} GiB free)' for d in listed([])))" ||
         die "the built libraries do not load"
 }
 
@@ -246,9 +250,15 @@ cmd_stage2() {
         mv "$gguf.tmp" "$gguf"
         timing "join GGUF" $((SECONDS - t))
     fi
+    t=$SECONDS
+    wait_build
+    [ $((SECONDS - t)) -gt 2 ] && timing "waiting for the build" $((SECONDS - t))
+    use_build
     if [ ! -f "$WORK/model.path" ]; then
+        # NOTE: after the build, not beside it: the fit router runs dense SmolLM2 through the built
+        # library to capture each layer's FFN input (models/demo_router.py; a few thousand tokens)
         t=$SECONDS
-        log "building the demo model E=$E k=$K (beside the llama.cpp build) ..."
+        log "building the demo model E=$E k=$K ..."
         "$PY" -c "from spark_cli.models.demo_model import build_demo_model; print(build_demo_model($E, $K))" \
             >"$WORK/model.path.tmp" 2>"$WORK/model.log" || { cat "$WORK/model.log" >&2; die "demo model build failed"; }
         mv "$WORK/model.path.tmp" "$WORK/model.path"
@@ -256,11 +266,6 @@ cmd_stage2() {
     fi
     model=$(cat "$WORK/model.path")
     log "model: $model ($(du -h "$model" | cut -f1))"
-    t=$SECONDS
-    wait_build
-    [ $((SECONDS - t)) -gt 2 ] && timing "waiting for the build" $((SECONDS - t))
-
-    use_build
     local extra=()
     [ "$CUDA" = 1 ] || extra+=(--rpc auto)
     if "$PY" -c 'import matplotlib' 2>/dev/null; then
