@@ -130,7 +130,13 @@ def main() -> int:
     print(text)
     if args.json:
         args.json.write_text(text + "\n")
-    libs = result["libs"]
+    libs, nd = result["libs"], result["no_driver"]
+    print(f"cuda tier: build {result.get('build', {}).get('seconds', '-')} s; libggml-cuda.so "
+          f"{libs['sizes_mib'].get('libggml-cuda.so', '-')} MiB; CUDA symbols "
+          f"{all(libs.get('cuda_symbols', {}).values()) if libs.get('cuda_symbols') else False}; expert-cache API "
+          f"missing {libs['expert_cache_api']['missing']}; links the driver {libs.get('links_driver')}; "
+          f"unresolved {libs.get('unresolved')}; devices exit {nd['devices_rc']}, chat exit {nd['chat_rc']}",
+          file=sys.stderr)  # the one line CI's tier shows
     ok = (libs.get("cuda_library") and all(libs["cuda_symbols"].values()) and not libs["links_driver"]
           and not libs["unresolved"] and not libs["expert_cache_api"]["missing"]
           and result["no_driver"]["devices_rc"] == 0 and result["no_driver"]["chat_rc"] in (0, None))
