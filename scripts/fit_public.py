@@ -7,6 +7,11 @@ The fit minimises the squared log of predicted over reported: decode constants o
 decode figure, prompt constants on every fitted prompt figure (Nelder-Mead; positive constants,
 efficiencies at most 1). Held-out figures are never seen by it.
 
+It also checks the model with each rig's host calibrated, as `spark bench`'s CPU calibration gives a
+user's own host: an --n-cpu-moe figure of a rig with others (one source, card and stated host
+bandwidth) is predicted with the CPU expert rate that best fits the rig's other figures (leave one
+out), so the only thing taken from the rig is its CPU's rate, never the figure itself.
+
 Usage: .venv/bin/python scripts/fit_public.py [--write] [--markdown] [--png PATH]
 """
 
@@ -107,6 +112,12 @@ def table(figs, geos, f: dt.Fit) -> list[str]:
     return rows
 
 
+def calibrated_table(rows: list[tuple[dt.Figure, float, float]]) -> list[str]:
+    out = ["", "| figure | split | host's CPU expert rate fitted to the rig's other figures | predicted / reported tg |",
+           "|---|---|---|---|"]
+    return out + [f"| {x.id} | {x.split} | {rate:.1f} GB/s | {r:.2f} |" for x, rate, r in rows]
+
+
 def _inside(cs: list[dt.Check]) -> str:
     """How many of the checks' ratios (decode, and prompt where reported) are inside the band."""
     ratios = [c.tg_ratio for c in cs] + [c.pp_ratio for c in cs if c.pp_ratio is not None]
@@ -129,9 +140,61 @@ def summary(figs, geos, f: dt.Fit) -> list[str]:
     return out
 
 
+def rigs(figs) -> list[list[dt.Figure]]:
+    """The --n-cpu-moe figures by rig (one source, card and stated host bandwidth), rigs of two or more."""
+    by: dict[tuple, list[dt.Figure]] = {}
+    for x in figs:
+        if x.n_cpu_moe:
+            by.setdefault((x.url, x.card, x.host_gb_s), []).append(x)
+    return [xs for xs in by.values() if len(xs) > 1]
+
+
+def host_rate(figs, geos, f: dt.Fit) -> float:
+    """The CPU expert rate (GB/s) that best fits these figures of one rig (least squared log ratio)."""
+    def err(rate: float) -> float:
+        return sum(math.log(dt.tg_tok_s(dt.card(x.card), x.workload(geos.get(x.model)), x.n_cpu_moe, f,
+                                        dt.Host(measured_gb_s=rate)) / x.tg_tok_s) ** 2 for x in figs)
+
+    grid = np.exp(np.linspace(math.log(1.0), math.log(400.0), 241))
+    best = min(grid, key=err)
+    lo, hi = best / 1.03, best * 1.03  # then golden section between the neighbours
+    for _ in range(40):
+        a, b = hi - (hi - lo) / 1.618034, lo + (hi - lo) / 1.618034
+        lo, hi = (lo, b) if err(a) < err(b) else (a, hi)
+    return (lo + hi) / 2
+
+
+def calibrated(figs, geos, f: dt.Fit) -> list[tuple[dt.Figure, float, float]]:
+    """Each --n-cpu-moe figure of a rig with others, its decode predicted with the host's CPU expert rate
+    fitted to the rig's other figures (leave one out), as `spark bench` calibrates a user's own CPU:
+    (figure, that rate, predicted over reported)."""
+    out = []
+    for xs in rigs(figs):
+        for i, x in enumerate(xs):
+            rate = host_rate(xs[:i] + xs[i + 1:], geos, f)
+            tg = dt.tg_tok_s(dt.card(x.card), x.workload(geos.get(x.model)), x.n_cpu_moe, f,
+                             dt.Host(measured_gb_s=rate))
+            out.append((x, rate, tg / x.tg_tok_s))
+    return out
+
+
+def calibrated_summary(rows: list[tuple[dt.Figure, float, float]]) -> list[str]:
+    """Per split: how many decode ratios are inside the band with the host calibrated."""
+    lo, hi = dt.BAND
+    out = []
+    for split in ("fit", "held-out"):
+        rs = [r for x, _, r in rows if x.split == split]
+        inside = sum(1 for r in rs if lo <= r <= hi)
+        span = f" ({min(rs):.2f}-{max(rs):.2f})" if rs else ""
+        out.append(f"{split}, --n-cpu-moe with the host calibrated from the rig's other figures: "
+                    f"{inside} of {len(rs)} within {lo}-{hi}{span}")
+    return out
+
+
 def chart(figs, geos, f: dt.Fit, path: Path) -> int:
     """Predicted over reported for every figure, as a PNG (atomically): decode and prompt, fitted and
-    held out, all on the card and with --n-cpu-moe apart, the band shaded. Returns the points drawn."""
+    held out, all on the card and with --n-cpu-moe apart, an offload figure's decode again with its
+    rig's host calibrated (`calibrated`), the band shaded. Returns the points drawn."""
     import io
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -140,6 +203,7 @@ def chart(figs, geos, f: dt.Fit, path: Path) -> int:
     from spark_cli.files.atomic import atomic_write_bytes
 
     checks = [dt.check(x, geos.get(x.model), f) for x in figs]
+    calibrated_ratio = {x.id: r for x, _, r in calibrated(figs, geos, f)}
     order = sorted(range(len(checks)), key=lambda i: (checks[i].figure.split != "fit",
                                                       bool(checks[i].figure.n_cpu_moe), i))
     fig = Figure(figsize=(11, 4.8), dpi=100)
@@ -157,10 +221,14 @@ def chart(figs, geos, f: dt.Fit, path: Path) -> int:
         if c.pp_ratio is not None:
             ax.scatter([x], [c.pp_ratio], marker="^", facecolors="none", edgecolors=colour, zorder=3)
             drawn += 1
+        if c.figure.id in calibrated_ratio:
+            ax.scatter([x], [calibrated_ratio[c.figure.id]], marker="x", color=colour, zorder=3)
+            drawn += 1
     for label, kw in (("fit", dict(color="tab:blue")), ("held-out", dict(color="tab:red")),
                       ("tg, all on the card", dict(color="0.3", marker="o")),
                       ("tg, --n-cpu-moe", dict(color="0.3", marker="s")),
-                      ("pp", dict(facecolors="none", edgecolors="0.3", marker="^"))):
+                      ("pp", dict(facecolors="none", edgecolors="0.3", marker="^")),
+                      ("tg, --n-cpu-moe, host calibrated from the rig's other figures", dict(color="0.3", marker="x"))):
         ax.scatter([], [], label=label, **kw)
     ax.set_yscale("log")
     ax.set_xticks(range(len(order)))
@@ -204,8 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     f = fit(figs, geos, dt.fitted())
     print("\n".join(f"{fl.name} = {getattr(f, fl.name):.6g}" for fl in dataclasses.fields(f)))
     print("\n".join(summary(figs, geos, f)))
+    rows = calibrated(figs, geos, f)
+    print("\n".join(calibrated_summary(rows)))
     if a.markdown:
         print("\n".join(table(figs, geos, f)))
+        print("\n".join(calibrated_table(rows)))
     if a.write:
         write(f)
     if a.png:

@@ -25,6 +25,13 @@ from spark_cli.runs import host_calibration
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _fit_script():
+    spec = importlib.util.spec_from_file_location("fit_public", ROOT / "scripts" / "fit_public.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(scope="module")
 def geos(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("fixtures")
@@ -71,9 +78,7 @@ def test_the_fit_reproduces_its_fitted_figures_within_the_band(geos) -> None:
 
 
 def test_the_stored_constants_are_what_the_fit_script_makes(geos) -> None:
-    spec = importlib.util.spec_from_file_location("fit_public", ROOT / "scripts" / "fit_public.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _fit_script()
     got, kept = mod.fit(dt.figures(), geos, dt.fitted()), dt.fitted()
     for f in dataclasses.fields(dt.Fit):
         assert getattr(got, f.name) == pytest.approx(getattr(kept, f.name), rel=2e-3, abs=1e-3), f.name
@@ -90,6 +95,8 @@ def test_the_docs_table_is_the_data_files(geos) -> None:
         assert cells[4] == f"{c.tg_ratio:.2f}", (f.id, cells[4], c.tg_ratio)
         assert cells[5] == (f"{c.pp_ratio:.2f}" if c.pp_ratio is not None else "-"), (f.id, cells[5])
         assert cells[6] == f.split and cells[7] == f.url, f.id
+    for x, rate, r in _fit_script().calibrated(dt.figures(), geos, dt.fitted()):
+        assert f"| {x.id} | {x.split} | {rate:.1f} GB/s | {r:.2f} |" in doc, f"docs/cost-model.md: {x.id} calibrated"
 
 
 def test_slower_host_or_more_host_layers_predict_slower_decode(geos) -> None:
@@ -162,8 +169,9 @@ def test_a_dense_figure_reads_all_but_its_untied_token_embeddings() -> None:
     with pytest.raises(ValueError, match="embd_type"):
         dt._embd_bytes({"vocab": 32000, "n_embd": 4096, "embd_type": "q4_9"}, "x")
     dense = [f for f in dt.figures() if f.model == "dense"]
-    assert dense and all(0 < f.embd_bytes < f.size_bytes / 10 for f in dense)
-    f = dense[0]
+    untied = [f for f in dense if f.embd_bytes > 0]  # the rest share them with the output (tied = true)
+    assert len(untied) >= 5 and all(f.embd_bytes < f.size_bytes / 10 for f in untied)
+    f = untied[0]
     assert f.workload(None).device_bytes == f.size_bytes - f.embd_bytes
 
 
@@ -180,13 +188,46 @@ def test_a_larger_ubatch_uploads_a_prompts_host_layers_less_often(geos) -> None:
 
 
 def test_the_fit_script_draws_every_ratio_and_refuses_a_bad_png_path_first(geos, tmp_path, capsys) -> None:
-    spec = importlib.util.spec_from_file_location("fit_public", ROOT / "scripts" / "fit_public.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _fit_script()
     figs, out = dt.figures(), tmp_path / "fit.png"
     drawn = mod.chart(figs, geos, dt.fitted(), out)
-    assert drawn == len(figs) + sum(1 for f in figs if f.pp_tok_s)  # a decode point each, a prompt point where reported
+    # a decode point each, a prompt point where reported, a calibrated-host decode point for a rig's offload figure
+    assert drawn == len(figs) + sum(1 for f in figs if f.pp_tok_s) + len(mod.calibrated(figs, geos, dt.fitted()))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert mod.main(["--png", str(tmp_path)]) == 2  # a folder: refused before the fit runs
     err = capsys.readouterr().err
     assert err.startswith("fit_public: --png ") and "is a directory" in err and err.count("\n") == 1
+
+
+def test_a_rigs_cpu_rate_is_recovered_from_its_other_figures_and_a_lone_figure_is_left_out(geos) -> None:
+    """Figures made by the model at a planted host rate: leave-one-out calibration finds the rate from
+    the rest and predicts each figure back; a rig of one figure, or another host, is not calibrated."""
+    mod, fit, g = _fit_script(), dt.fitted(), geos["qwen3.6-35b-a3b-q4_k_m"]
+    card, planted = dt.card("rtx-5080"), 37.0
+
+    def fig(fid: str, n: int, url: str = "https://example.org/rig", host_gb_s: float | None = 76.8) -> dt.Figure:
+        w = dt.Workload.rescaled(g, g.file_size)
+        tg = dt.tg_tok_s(card, w, n, fit, dt.Host(measured_gb_s=planted))
+        return dt.Figure(fid, "rtx-5080", "qwen3.6-35b-a3b-q4_k_m", g.file_size, n, tg, "held-out", url,
+                         host_gb_s=host_gb_s)
+
+    figs = [fig("a", 10), fig("b", 20), fig("c", 40), fig("lone", 20, "https://example.org/other"),
+            fig("other-host", 20, host_gb_s=64.0), fig("resident", 0)]
+    rows = mod.calibrated(figs, {"qwen3.6-35b-a3b-q4_k_m": g}, fit)
+    assert [x.id for x, _, _ in rows] == ["a", "b", "c"]
+    for _, rate, ratio in rows:
+        assert rate == pytest.approx(planted, rel=0.01) and ratio == pytest.approx(1.0, abs=0.01)
+    slower = [dataclasses.replace(x, tg_tok_s=x.tg_tok_s * (0.7 if x.id == "c" else 1.0)) for x in figs]
+    off = {x.id: r for x, _, r in mod.calibrated(slower, {"qwen3.6-35b-a3b-q4_k_m": g}, fit)}
+    assert off["c"] > 1.3  # a figure its rig's rate does not explain is not hidden by the calibration
+
+
+def test_with_the_hosts_cpu_calibrated_every_offload_rig_figure_is_inside_the_band(geos) -> None:
+    """The check that stands for a user's own machine (spark bench calibrates its CPU): every
+    --n-cpu-moe figure of a rig with several, predicted with the rate fitted to the rig's others."""
+    mod = _fit_script()
+    rows = mod.calibrated(dt.figures(), geos, dt.fitted())
+    lo, hi = dt.BAND
+    assert len(rows) >= 20 and sum(1 for x, _, _ in rows if x.split == "held-out") >= 15
+    assert [(x.id, round(r, 2)) for x, _, r in rows if not lo <= r <= hi] == []
+    assert len({(x.url, x.card) for x, _, _ in rows}) >= 6  # rigs, not one rig's sweep
