@@ -33,10 +33,10 @@ from spark_cli.models.fixtures import build_fixture  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent / "spark_cli" / "data" / "public_measurements.toml"
 MARK = "# ---- fitted by scripts/fit_public.py"
-TG = ("device_efficiency", "layer_us", "moe_layer_us", "recurrent_layer_us", "layer_scaling", "host_efficiency",
-      "host_layer_us")
+TG = ("device_efficiency", "layer_us", "moe_layer_us", "recurrent_layer_us", "layer_scaling", "host_layer_us")
 PP = ("prompt_bytes_per_tflop_us", "prompt_moe_bytes", "prompt_amd_share")
-BOUNDED = {"device_efficiency", "host_efficiency", "prompt_amd_share"}  # at most 1
+BOUNDED = {"device_efficiency", "prompt_amd_share"}  # at most 1
+RATE_RANGE = (0.5, 1000.0)  # GB/s: the CPU expert rates a figure may imply
 
 
 def nelder_mead(fun, x0: np.ndarray, iters: int = 4000, tol: float = 1e-10) -> np.ndarray:
@@ -78,23 +78,67 @@ def _params(names, x: np.ndarray) -> dict[str, float]:
 
 
 def fit(figs, geos, start: dt.Fit) -> dt.Fit:
-    train = [f for f in figs if f.split == "fit"]
+    """The constants from the "fit" figures. Decode: the card's constants on every all-on-card figure
+    and every --n-cpu-moe figure of a rig with several, each rig's CPU rate fitted beside them (its
+    CPU is not the model's to know); then the host's two constants from the rates the fitted figures
+    imply (`host_prior`). Prompt: on every fitted prompt figure."""
+    train = [x for x in figs if x.split == "fit"]
+    prep = {x.id: (dt.card(x.card), x.workload(geos.get(x.model))) for x in train}
+    resident, groups = [x for x in train if not x.n_cpu_moe], rigs(train)
 
-    def loss(names, x, phase):
-        fit_ = dataclasses.replace(start, **_params(names, x))
-        err = 0.0
-        for f in train:
-            c = dt.check(f, geos.get(f.model), fit_)
-            r = c.tg_ratio if phase == "tg" else c.pp_ratio
-            if r is not None:
-                err += math.log(r) ** 2
+    def loss_tg(v: np.ndarray) -> float:
+        f_ = dataclasses.replace(start, **_params(TG, v[:len(TG)]))
+        err = sum(math.log(dt.tg_tok_s(*prep[x.id], 0, f_, dt.Host()) / x.tg_tok_s) ** 2 for x in resident)
+        for rate, xs in zip(np.exp(v[len(TG):]), groups):
+            err += sum(math.log(dt.tg_tok_s(*prep[x.id], x.n_cpu_moe, f_, dt.Host(measured_gb_s=rate)) / x.tg_tok_s)
+                       ** 2 for x in xs)
         return err
 
-    x_tg = nelder_mead(lambda x: loss(TG, x, "tg"), np.log([0.7, 30.0, 50.0, 50.0, 0.5, 0.6, 50.0]))
-    got = dataclasses.replace(start, **_params(TG, x_tg))
-    x_pp = nelder_mead(lambda x: loss(PP, x, "pp"), np.log([100.0, 1e7, 0.7]))
-    got = dataclasses.replace(got, **_params(PP, x_pp))
+    v = np.log([0.7, 30.0, 50.0, 50.0, 0.5, 50.0] + [40.0] * len(groups))
+    for _ in range(2):  # Nelder-Mead, restarted once from where it stopped
+        v = nelder_mead(loss_tg, v, iters=20000)
+    got = dataclasses.replace(start, **_params(TG, v[:len(TG)]))
+    got = dataclasses.replace(got, **host_prior(train, prep, got))
+
+    def loss_pp(v: np.ndarray) -> float:
+        f_ = dataclasses.replace(got, **_params(PP, v))
+        return sum(math.log(r) ** 2 for r in (dt.check(x, geos.get(x.model), f_).pp_ratio for x in train)
+                   if r is not None)
+
+    got = dataclasses.replace(got, **_params(PP, nelder_mead(loss_pp, np.log([100.0, 1e7, 0.7]))))
     return dataclasses.replace(got, n_fit=len(train), n_held_out=len(figs) - len(train))
+
+
+def implied_rate(x: dt.Figure, card: dt.Card, w: dt.Workload, f: dt.Fit) -> float:
+    """The CPU expert rate (GB/s) at which the model gives an --n-cpu-moe figure's decode exactly
+    (bisection; clamped to RATE_RANGE)."""
+    lo, hi = (math.log(r) for r in RATE_RANGE)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        tg = dt.tg_tok_s(card, w, x.n_cpu_moe, f, dt.Host(measured_gb_s=math.exp(mid)))
+        lo, hi = (mid, hi) if tg < x.tg_tok_s else (lo, mid)
+    return math.exp((lo + hi) / 2)
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(map(math.log, xs)) / len(xs))
+
+
+def host_prior(train, prep, f: dt.Fit) -> dict[str, float]:
+    """The host's constants for a CPU Spark has not measured, from the rates the fitted --n-cpu-moe
+    figures imply under `f`'s card constants: a rig's rate is its figures' geometric mean (one source,
+    card and stated host bandwidth); `unstated_host_gb_s` is every rig's geometric mean (the rate that
+    minimises the squared log error over them), `host_efficiency` the geometric mean share of the
+    stated bandwidth where one is (at most 1)."""
+    by: dict[tuple, list[float]] = {}
+    for x in train:
+        if x.n_cpu_moe:
+            by.setdefault((x.url, x.card, x.host_gb_s), []).append(implied_rate(x, *prep[x.id], f))
+    rig = {k: _geomean(v) for k, v in by.items()}
+    stated = [r / k[2] for k, r in rig.items() if k[2]]
+    if not rig or not stated:
+        raise ValueError("the fit needs --n-cpu-moe figures, some with the host's bandwidth stated")
+    return {"unstated_host_gb_s": _geomean(list(rig.values())), "host_efficiency": min(_geomean(stated), 1.0)}
 
 
 def table(figs, geos, f: dt.Fit) -> list[str]:

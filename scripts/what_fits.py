@@ -20,7 +20,7 @@ assumed disk (--disk-gbs) and an assumed uniform routing. The RAM the weights ma
 --os-ram GiB (assumed: the OS and the run's host buffers).
 
 Usage: .venv/bin/python scripts/what_fits.py [--vram 8,12,16,24] [-c 8192] [--fixtures a,b] [--out-dir DIR]
-       [--predict-for CARD] [--cold-hit 0.1] [--host-bandwidth 60] [--host-cores 8]
+       [--predict-for CARD] [--cold-hit 0.1] [--host-bandwidth GB/s] [--host-cores 8]
        [--ram 32,64,128 [--os-ram 4] [--disk-gbs 3]]
 """
 
@@ -269,7 +269,8 @@ def main_parser() -> argparse.ArgumentParser:
                     "plans (none: placed by hits alone)")
     ap.add_argument("--cold-hit", type=float, default=0.2, help="assumed share of routed experts a cached layer "
                     "misses with k slots (no profile)")
-    ap.add_argument("--host-bandwidth", type=float, default=device_table.DEFAULT_HOST_GB_S, help="host GB/s")
+    ap.add_argument("--host-bandwidth", type=float, default=None, help="host GB/s (default: not given, the "
+                    "CPU rate of the public measurements' hosts)")
     ap.add_argument("--host-cores", type=int, default=8, help="host CPU cores")
     ap.add_argument("--ram", default=None, help="RAM sizes in GiB, comma-separated: print the three-tier table "
                     "(device, RAM, file) for each --vram budget instead")
@@ -300,9 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     if assume is not None:
         print(assume.line() + "\n")
     if predict is not None:
-        print(f"predicted from published figures, not measured: {predict['card'].describe()}; host "
-              f"{a.host_bandwidth:g} GB/s, {a.host_cores} cores; assumed cold-hit {a.cold_hit:g} at k slots; "
-              f"{device_table.ASSUMPTIONS}\n")
+        host = device_table.Host(a.host_bandwidth, a.host_cores).describe(device_table.fitted())
+        print(f"predicted from published figures, not measured: {predict['card'].describe()}; {host}; "
+              f"assumed cold-hit {a.cold_hit:g} at k slots; {device_table.ASSUMPTIONS}\n")
     print(f"n_ctx {a.ctx}, f16 KV cache, n_ubatch 512, no routing profile (uniform prior)\n")
     if assume is not None:
         rams = [int(float(x) * GiB) for x in a.ram.split(",")]

@@ -187,6 +187,20 @@ def test_a_larger_ubatch_uploads_a_prompts_host_layers_less_often(geos) -> None:
     assert 512 in ub.values() and any(u > 512 for u in ub.values())  # the data file's -ub is read
 
 
+def test_a_prompt_shorter_than_its_ubatch_is_one_ubatch(geos) -> None:
+    """pp512 at -ub 2048 uploads a host layer once for 512 tokens, as pp512 at -ub 512 does; pp4096
+    at -ub 2048 once for 2048; the data file's prompt lengths are read (default: llama-bench's 512)."""
+    g = geos["qwen3-30b-a3b-q4_k_m"]
+    base = dt.Figure("x", "rtx-4070-ti-super", "qwen3-30b-a3b-q4_k_m", g.file_size, 12, 80.0, "held-out",
+                     "https://example.org", pp_tok_s=1800.0, ubatch=2048)
+    long = dataclasses.replace(base, prompt_tokens=4096)
+    short = dataclasses.replace(base, ubatch=512)
+    assert base.prompt_ubatch() == 512 and long.prompt_ubatch() == 2048
+    assert dt.check(base, g).pp_ratio == dt.check(short, g).pp_ratio < dt.check(long, g).pp_ratio
+    lengths = {f.prompt_tokens for f in dt.figures() if f.pp_tok_s}
+    assert 512 in lengths and any(n > 512 for n in lengths) and any(n < 512 for n in lengths)
+
+
 def test_the_fit_script_draws_every_ratio_and_refuses_a_bad_png_path_first(geos, tmp_path, capsys) -> None:
     mod = _fit_script()
     figs, out = dt.figures(), tmp_path / "fit.png"

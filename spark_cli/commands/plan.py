@@ -153,12 +153,13 @@ def _check_prediction_flags(objective: str, predict_for: str | None, host_bandwi
 
 def predict_host(host_bandwidth: float | None, host_cores: int | None) -> device_table.Host:
     """The host beside a --predict-for card: the flags where given, else this CPU as Spark has
-    calibrated it (runs/host_calibration.py), else the default bandwidth and this machine's cores."""
+    calibrated it (runs/host_calibration.py), else a host whose bandwidth is not given (the public rigs'
+    CPU rate: device_table.Fit.unstated_host_gb_s) and this machine's cores."""
     if host_bandwidth is None and host_cores is None:
         measured = host_calibration.measured_host(spark_home())
         if measured is not None:
             return measured
-    return device_table.Host(host_bandwidth or device_table.DEFAULT_HOST_GB_S, host_cores or os.cpu_count() or 1)
+    return device_table.Host(host_bandwidth, host_cores or os.cpu_count() or 1)
 
 
 def _costs(card, geometry, devs: list, flags: LoadFlags, host: device_table.Host | None):
@@ -202,8 +203,8 @@ def plan_cmd(
                                     "from its published figures (e.g. rtx-4060-ti-16gb; an unknown name lists "
                                     "them); --vram defaults to its memory"),
     host_bandwidth: float = typer.Option(None, "--host-bandwidth", help="with --predict-for: the host's memory "
-                                         "bandwidth in GB/s (default: this CPU as Spark calibrated it, else 60: "
-                                         "dual-channel DDR5)"),
+                                         "bandwidth in GB/s (default: this CPU as Spark calibrated it, else the "
+                                         "CPU rate of the public measurements' hosts)"),
     host_cores: int = typer.Option(None, "--host-cores", help="with --predict-for: the host's CPU cores "
                                    "(default: this machine's)"),
     cold_hit: float = typer.Option(None, "--cold-hit", help="without a profile: the share of routed experts "

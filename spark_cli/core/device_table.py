@@ -20,7 +20,8 @@ experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s an
   card takes longer for them by (REF_GB_S / B) ** layer_scaling;
 - host_rate: GB/s the CPU's expert matmuls stream at: measured on this machine where Spark has
   calibrated its CPU (runs/host_calibration.py), else host_efficiency of the host's memory
-  bandwidth (--host-bandwidth, default 60), at most HOST_GB_S_PER_CORE a core;
+  bandwidth where it is given (--host-bandwidth), else unstated_host_gb_s (what the public rigs'
+  CPUs streamed at: their geometric mean), at most HOST_GB_S_PER_CORE a core;
 - host_layer_us: what a host layer's hand-over costs besides its stop (the graph split: activations
   down, the result up, the CPU threads woken);
 - prompt_bytes_per_tflop_us, prompt_moe_bytes: a prompt token is compute-bound; a MoE layer costs
@@ -31,7 +32,8 @@ A public figure on another quantization of a fixture's shapes (Workload.rescaled
 experts so the file has the reported size and keeps the rest as the fixture's.
 
 The fitted constants are the [fit] table of data/public_measurements.toml, made by
-scripts/fit_public.py from the figures marked "fit"; the "held-out" figures check them. Vendor
+scripts/fit_public.py from the figures marked "fit" (the card's constants with each rig's CPU rate
+fitted beside them, then the host's from those rates); the "held-out" figures check them. Vendor
 figures and the stop, link and per-core figures below are assumptions, stated in the output."""
 
 from __future__ import annotations
@@ -53,7 +55,6 @@ else:  # pragma: no cover
 PCIE_GB_S_PER_LANE = {3: 0.985, 4: 1.969, 5: 3.938}  # one direction, after encoding
 LINK_EFFICIENCY = 0.8  # share of the link a pinned upload gets
 HOST_GB_S_PER_CORE = 12.0  # what one core's matmul streams at most
-DEFAULT_HOST_GB_S = 60.0  # dual-channel DDR5
 DEFAULT_HOST_CORES = 8  # a figure that names no CPU
 REF_GB_S = 1000.0  # the card the block figures are given for
 BAND = (0.8, 1.25)  # predicted over reported: inside counts as reproduced
@@ -116,8 +117,9 @@ class Fit:
     moe_layer_us: float
     recurrent_layer_us: float
     layer_scaling: float  # the block figures are for a REF_GB_S card, times (REF_GB_S / B) ** this
-    host_efficiency: float
+    host_efficiency: float  # the share of a stated host bandwidth the CPU's experts stream at
     host_layer_us: float
+    unstated_host_gb_s: float  # what the CPU's experts stream at beside a host whose bandwidth is not given
     prompt_bytes_per_tflop_us: float
     prompt_moe_bytes: float
     prompt_amd_share: float
@@ -134,8 +136,8 @@ class Fit:
                 f"{self.device_efficiency:.0%} of the card's bandwidth, {self.layer_us:.0f} us a block, "
                 f"{self.moe_layer_us:.0f} us more a MoE layer, {self.recurrent_layer_us:.0f} us more a recurrent one "
                 f"(on a {REF_GB_S:g} GB/s card; x (1000 / GB/s)^{self.layer_scaling:.2f} on others), "
-                f"the CPU at {self.host_efficiency:.0%} of the host's bandwidth, {self.host_layer_us:.0f} us a host "
-                f"layer's hand-over")
+                f"{self.host_layer_us:.0f} us a host layer's hand-over; the CPU's experts at "
+                f"{self.host_efficiency:.0%} of a host bandwidth given, {self.unstated_host_gb_s:.0f} GB/s where none is")
 
 
 def fitted() -> Fit:
@@ -186,9 +188,10 @@ class Workload:
 
 @dataclass(frozen=True)
 class Host:
-    """The CPU beside the card: its expert rate measured here, or its memory bandwidth and cores."""
+    """The CPU beside the card: its expert rate measured here, or its memory bandwidth (None: not
+    given) and cores."""
 
-    gb_s: float = DEFAULT_HOST_GB_S
+    gb_s: float | None = None
     cores: int = DEFAULT_HOST_CORES
     measured_gb_s: float | None = None  # GB/s a missed expert streams at on this CPU (Spark's calibration)
     measured_source: str = ""
@@ -197,12 +200,14 @@ class Host:
         """GB/s the CPU's expert matmuls stream at."""
         if self.measured_gb_s is not None:
             return self.measured_gb_s
-        return min(self.gb_s * f.host_efficiency, self.cores * HOST_GB_S_PER_CORE)
+        base = f.unstated_host_gb_s if self.gb_s is None else self.gb_s * f.host_efficiency
+        return min(base, self.cores * HOST_GB_S_PER_CORE)
 
     def describe(self, f: Fit) -> str:
         if self.measured_gb_s is not None:
             return f"host measured: {self.measured_gb_s:.1f} GB/s for the CPU's experts ({self.measured_source})"
-        return f"host {self.gb_s:g} GB/s, {self.cores} cores: {self.rate(f):.1f} GB/s for the CPU's experts"
+        bandwidth = "bandwidth not given" if self.gb_s is None else f"{self.gb_s:g} GB/s"
+        return f"host {bandwidth}, {self.cores} cores: {self.rate(f):.1f} GB/s for the CPU's experts"
 
 
 def decode_us(c: Card, w: Workload, f: Fit) -> float:
@@ -245,7 +250,7 @@ def pp_tok_s(c: Card, w: Workload, n_host: int, f: Fit, ubatch: int = DEFAULT_UB
     return 1e6 / (base + n_host * host_layer_prompt_us(c, w, ubatch)) if base > 0 else None
 
 
-def predicted_costs(c: Card, g: ModelGeometry, host_gb_s: float = DEFAULT_HOST_GB_S,
+def predicted_costs(c: Card, g: ModelGeometry, host_gb_s: float | None = None,
                     host_cores: int = DEFAULT_HOST_CORES, host: Host | None = None,
                     fit: Fit | None = None) -> DeviceCosts:
     """The cost model's figures for `g` on card `c` beside this host (`host` overrides the
@@ -271,8 +276,9 @@ def provenance(c: Card, h: Host, f: Fit | None = None) -> list[str]:
         if h.measured_gb_s is not None else \
         ("nothing: the host below is the flags' or the defaults (without --host-bandwidth and --host-cores, a CPU "
          "calibration kept under $SPARK_HOME/calibration by `spark bench` is used)")
+    bandwidth = "bandwidth not given (the public rigs' CPU rate)" if h.gb_s is None else f"{h.gb_s:g} GB/s"
     host = "" if h.measured_gb_s is not None else \
-        f"; the host's {h.gb_s:g} GB/s and {h.cores} cores (--host-bandwidth, --host-cores)"
+        f"; the host's {bandwidth} and {h.cores} cores (--host-bandwidth, --host-cores)"
     return [f"measured: {measured}",
             f"fitted from public reports: {f.describe()} (data/public_measurements.toml)",
             f"assumed: {c.name}'s vendor bandwidth {c.memory_gb_s:g} GB/s, {c.fp32_tflops:g} FP32 TFLOPS and "
@@ -302,9 +308,15 @@ class Figure:
     tg_test: str = ""
     pp_test: str = ""
     ubatch: int = DEFAULT_UBATCH  # -ub of the prompt figure
+    prompt_tokens: int = 512  # the prompt figure's length (llama-bench's default pp512)
+
+    def prompt_ubatch(self) -> int:
+        """Tokens a prompt figure's host layers are uploaded once for: its ubatch, or the whole prompt
+        where that is shorter (a 512-token prompt at -ub 2048 is one ubatch of 512)."""
+        return min(self.ubatch, self.prompt_tokens)
 
     def host(self) -> Host:
-        return Host(self.host_gb_s or DEFAULT_HOST_GB_S, self.host_cores or DEFAULT_HOST_CORES)
+        return Host(self.host_gb_s, self.host_cores or DEFAULT_HOST_CORES)
 
     def workload(self, geometry: ModelGeometry | None) -> Workload:
         """The run's workload: a fixture's shapes at the reported size, or a dense model's size."""
@@ -354,7 +366,7 @@ def figures() -> list[Figure]:
                           float(d["host_gb_s"]) if "host_gb_s" in d else None,
                           int(d["host_cores"]) if "host_cores" in d else None,
                           str(d.get("tg_test", "")), str(d.get("pp_test", "")),
-                          int(d.get("ubatch", DEFAULT_UBATCH))))
+                          int(d.get("ubatch", DEFAULT_UBATCH)), int(d.get("prompt_tokens", 512))))
     return out
 
 
@@ -375,6 +387,6 @@ def check(fig: Figure, geometry: ModelGeometry | None, f: Fit | None = None) -> 
     """`fig` predicted with the fit: the ratios of predicted to reported."""
     f = f or fitted()
     c, w = card(fig.card), fig.workload(geometry)
-    pp = pp_tok_s(c, w, fig.n_cpu_moe, f, fig.ubatch) if fig.pp_tok_s else None
+    pp = pp_tok_s(c, w, fig.n_cpu_moe, f, fig.prompt_ubatch()) if fig.pp_tok_s else None
     return Check(fig, tg_tok_s(c, w, fig.n_cpu_moe, f, fig.host()) / fig.tg_tok_s,
                  pp / fig.pp_tok_s if pp and fig.pp_tok_s else None)
