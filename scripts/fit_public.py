@@ -3,9 +3,12 @@
 figures marked "fit" in spark_cli/data/public_measurements.toml, and print predicted over reported for
 every figure, fitted and held out. With --write the [fit] table of the data file is replaced.
 
-The fit minimises the squared log of predicted over reported: decode constants on every fitted
-decode figure, prompt constants on every fitted prompt figure (Nelder-Mead; positive constants,
-efficiencies at most 1). Held-out figures are never seen by it.
+The fit minimises the squared log of predicted over reported (Nelder-Mead; positive constants,
+efficiencies at most 1), in two stages for decode, since a host's CPU is not the model's to know:
+the card's constants on every fitted all-on-card figure and every fitted --n-cpu-moe figure of a rig
+with several, each rig's CPU rate a free constant beside them (a rig's lone figure does not enter);
+then the host's constants from the rate each fitted --n-cpu-moe figure implies (`host_prior`). The
+prompt constants on every fitted prompt figure. Held-out figures are never seen by it.
 
 It also checks the model with each rig's host calibrated, as `spark bench`'s CPU calibration gives a
 user's own host: an --n-cpu-moe figure of a rig with others (one source, card and stated host

@@ -1,8 +1,9 @@
 """`spark plan --predict-for` against public measurements (core/device_table.py,
 data/public_measurements.toml): every figure cites its source and names a known card and model, the
-fitted constants reproduce the fitted figures within the band and are what the fit script makes
-from them, docs/cost-model.md's table is the data file's, a CPU calibration kept under SPARK_HOME
-replaces the default host, and the command prints prompt speed and where each figure comes from."""
+fitted constants reproduce the fitted figures on the card within the band, and every offload rig's
+figures with its CPU calibrated, and are what the fit script makes from them; docs/cost-model.md's
+tables are the data file's, a CPU calibration kept under SPARK_HOME replaces the unmeasured host,
+and the command prints prompt speed and where each figure comes from."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def test_the_fit_reproduces_its_fitted_figures_on_the_card_within_the_band(geos)
     """On the card, at most one fitted ratio in eight is outside the band (one rig's ROCm decode, an
     RDNA1 card's decode and prompt, a 4090's Vulkan decode of gpt-oss-20b: one bandwidth share and one AMD
     prompt share cannot hold them), and none is far outside it. A host's CPU is not the model's to
-    know: its figures are checked with the host calibrated (below)."""
+    know: offload decode is checked with the host calibrated (below); an offload prompt, priced by
+    the uploads over the link and not by the CPU, within 2x."""
     lo, hi = dt.BAND
     fit = dt.fitted()
     train = [f for f in dt.figures() if f.split == "fit"]
@@ -77,18 +79,22 @@ def test_the_fit_reproduces_its_fitted_figures_on_the_card_within_the_band(geos)
     assert len(ratios) >= 30 and len(outside) <= len(ratios) // 8, outside  # at most one in eight
     assert all(lo / 1.2 <= r <= hi * 1.2 for _, r in ratios), ratios
     assert sum(1 for f in train if f.pp_tok_s) >= 3  # the prompt constants have figures to stand on
+    offload_pp = [(f.id, round(dt.check(f, geos.get(f.model), fit).pp_ratio, 2))
+                  for f in train if f.n_cpu_moe and f.pp_tok_s]
+    assert len(offload_pp) >= 10 and all(0.5 <= r <= 2.0 for _, r in offload_pp), offload_pp
 
 
 def test_an_unmeasured_host_gets_the_rate_the_fitted_rigs_imply(geos) -> None:
-    """`unstated_host_gb_s` is the geometric mean of the rates the fitted --n-cpu-moe rigs imply
-    (inside their spread), and `host_efficiency` a share of a stated bandwidth below 1."""
+    """`unstated_host_gb_s` is the geometric mean of the rates the fitted --n-cpu-moe rigs imply (a
+    lone figure's rig too), whose spread (docs/cost-model.md: 8-81 GB/s) no one constant holds, and
+    `host_efficiency` a share of a stated bandwidth below 1."""
     mod, fit = _fit_script(), dt.fitted()
     by: dict[tuple, list[float]] = {}
     for x in (x for x in dt.figures() if x.split == "fit" and x.n_cpu_moe):
         by.setdefault((x.url, x.card, x.host_gb_s), []).append(
             mod.implied_rate(x, dt.card(x.card), x.workload(geos.get(x.model)), fit))
     rigs = [mod._geomean(v) for v in by.values()]
-    assert len(rigs) >= 8 and min(rigs) < fit.unstated_host_gb_s < max(rigs)
+    assert len(rigs) >= 10 and max(rigs) / min(rigs) > 8
     assert fit.unstated_host_gb_s == pytest.approx(mod._geomean(rigs), rel=0.01)
     assert 0.2 < fit.host_efficiency < 1.0
     assert dt.Host().rate(fit) == pytest.approx(min(fit.unstated_host_gb_s, 8 * dt.HOST_GB_S_PER_CORE))
