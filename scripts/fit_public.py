@@ -133,11 +133,7 @@ def host_prior(train, prep, f: dt.Fit) -> dict[str, float]:
     card and stated host bandwidth); `unstated_host_gb_s` is every rig's geometric mean (the rate that
     minimises the squared log error over them), `host_efficiency` the geometric mean share of the
     stated bandwidth where one is (at most 1)."""
-    by: dict[tuple, list[float]] = {}
-    for x in train:
-        if x.n_cpu_moe:
-            by.setdefault((x.url, x.card, x.host_gb_s), []).append(implied_rate(x, *prep[x.id], f))
-    rig = {k: _geomean(v) for k, v in by.items()}
+    rig = {k: _geomean([implied_rate(x, *prep[x.id], f) for x in xs]) for k, xs in _by_rig(train).items()}
     stated = [r / k[2] for k, r in rig.items() if k[2]]
     if not rig or not stated:
         raise ValueError("the fit needs --n-cpu-moe figures, some with the host's bandwidth stated")
@@ -187,20 +183,27 @@ def summary(figs, geos, f: dt.Fit) -> list[str]:
     return out
 
 
-def rigs(figs) -> list[list[dt.Figure]]:
-    """The --n-cpu-moe figures by rig (one source, card and stated host bandwidth), rigs of two or more."""
+def _by_rig(figs) -> dict[tuple, list[dt.Figure]]:
+    """The --n-cpu-moe figures by rig: one source, card and stated host bandwidth."""
     by: dict[tuple, list[dt.Figure]] = {}
     for x in figs:
         if x.n_cpu_moe:
             by.setdefault((x.url, x.card, x.host_gb_s), []).append(x)
-    return [xs for xs in by.values() if len(xs) > 1]
+    return by
+
+
+def rigs(figs) -> list[list[dt.Figure]]:
+    """The --n-cpu-moe figures of every rig with two or more."""
+    return [xs for xs in _by_rig(figs).values() if len(xs) > 1]
 
 
 def host_rate(figs, geos, f: dt.Fit) -> float:
     """The CPU expert rate (GB/s) that best fits these figures of one rig (least squared log ratio)."""
+    prepared = [(x, dt.card(x.card), x.workload(geos.get(x.model))) for x in figs]
+
     def err(rate: float) -> float:
-        return sum(math.log(dt.tg_tok_s(dt.card(x.card), x.workload(geos.get(x.model)), x.n_cpu_moe, f,
-                                        dt.Host(measured_gb_s=rate)) / x.tg_tok_s) ** 2 for x in figs)
+        return sum(math.log(dt.tg_tok_s(c, w, x.n_cpu_moe, f, dt.Host(measured_gb_s=rate)) / x.tg_tok_s) ** 2
+                   for x, c, w in prepared)
 
     grid = np.exp(np.linspace(math.log(1.0), math.log(400.0), 241))
     best = min(grid, key=err)
@@ -238,10 +241,11 @@ def calibrated_summary(rows: list[tuple[dt.Figure, float, float]]) -> list[str]:
     return out
 
 
-def chart(figs, geos, f: dt.Fit, path: Path) -> int:
+def chart(figs, geos, f: dt.Fit, path: Path, rows: list[tuple[dt.Figure, float, float]] | None = None) -> int:
     """Predicted over reported for every figure, as a PNG (atomically): decode and prompt, fitted and
     held out, all on the card and with --n-cpu-moe apart, an offload figure's decode again with its
-    rig's host calibrated (`calibrated`), the band shaded. Returns the points drawn."""
+    rig's host calibrated (`calibrated`, or `rows` where the caller has them), the band shaded.
+    Returns the points drawn."""
     import io
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -250,7 +254,7 @@ def chart(figs, geos, f: dt.Fit, path: Path) -> int:
     from spark_cli.files.atomic import atomic_write_bytes
 
     checks = [dt.check(x, geos.get(x.model), f) for x in figs]
-    calibrated_ratio = {x.id: r for x, _, r in calibrated(figs, geos, f)}
+    calibrated_ratio = {x.id: r for x, _, r in (rows if rows is not None else calibrated(figs, geos, f))}
     order = sorted(range(len(checks)), key=lambda i: (checks[i].figure.split != "fit",
                                                       bool(checks[i].figure.n_cpu_moe), i))
     fig = Figure(figsize=(11, 4.8), dpi=100)
@@ -327,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.write:
         write(f)
     if a.png:
-        print(f"wrote {a.png} ({chart(figs, geos, f, a.png)} points)")
+        print(f"wrote {a.png} ({chart(figs, geos, f, a.png, rows)} points)")
     return 0
 
 

@@ -89,11 +89,9 @@ def test_an_unmeasured_host_gets_the_rate_the_fitted_rigs_imply(geos) -> None:
     lone figure's rig too), whose spread (docs/cost-model.md: 8-81 GB/s) no one constant holds, and
     `host_efficiency` a share of a stated bandwidth below 1."""
     mod, fit = _fit_script(), dt.fitted()
-    by: dict[tuple, list[float]] = {}
-    for x in (x for x in dt.figures() if x.split == "fit" and x.n_cpu_moe):
-        by.setdefault((x.url, x.card, x.host_gb_s), []).append(
-            mod.implied_rate(x, dt.card(x.card), x.workload(geos.get(x.model)), fit))
-    rigs = [mod._geomean(v) for v in by.values()]
+    train = [x for x in dt.figures() if x.split == "fit"]
+    rigs = [mod._geomean([mod.implied_rate(x, dt.card(x.card), x.workload(geos.get(x.model)), fit) for x in xs])
+            for xs in mod._by_rig(train).values()]
     assert len(rigs) >= 10 and max(rigs) / min(rigs) > 8
     assert fit.unstated_host_gb_s == pytest.approx(mod._geomean(rigs), rel=0.01)
     assert 0.2 < fit.host_efficiency < 1.0
