@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from ..core import device_table, plan_file, planner
 from ..core.cost_model import OBJECTIVES
+from ..core.gguf_info import ModelGeometry
 from ..core.options import LoadFlags, context_size
 from ..core.planner import AUTO_POLICY, held_out_check, replay_path, replayed_miss
 from ..core.profile import RoutingProfile
@@ -151,12 +152,14 @@ def _check_prediction_flags(objective: str, predict_for: str | None, host_bandwi
     return card
 
 
-def predict_host(host_bandwidth: float | None, host_cores: int | None) -> device_table.Host:
+def predict_host(host_bandwidth: float | None, host_cores: int | None,
+                 geometry: ModelGeometry | None = None) -> device_table.Host:
     """The host beside a --predict-for card: the flags where given, else this CPU as Spark has
-    calibrated it (runs/host_calibration.py), else a host whose bandwidth is not given (the public rigs'
-    CPU rate: device_table.Fit.unstated_host_gb_s) and this machine's cores."""
+    calibrated it (runs/host_calibration.py; carried over to `geometry`'s expert types), else a host
+    whose bandwidth is not given (the public rigs' CPU rate: device_table.Fit.unstated_host_gb_s) and
+    this machine's cores."""
     if host_bandwidth is None and host_cores is None:
-        measured = host_calibration.measured_host(spark_home())
+        measured = host_calibration.measured_host(spark_home(), geometry)
         if measured is not None:
             return measured
     return device_table.Host(host_bandwidth, host_cores or os.cpu_count() or 1)
@@ -261,7 +264,7 @@ def plan_cmd(
                               expect_shape=(geometry.n_layer, geometry.n_expert)) if trace_path else None
     info, routing = _routing(info, geometry, trace, trace_path)
     # NOTE: the same request chat and serve make for --vram (session.resolve_placement)
-    host = predict_host(host_bandwidth, host_cores) if card is not None else None
+    host = predict_host(host_bandwidth, host_cores, geometry) if card is not None else None
     costs = _costs(card, geometry, devs, flags, host)
     req = session.plan_request(info, budget.bytes, ctx, trace=trace, policy=pol, miss_path=miss_choice,
                                split=session.resolve_split(flags, budget), costs=costs, objective=objective,

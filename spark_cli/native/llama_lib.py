@@ -100,7 +100,7 @@ def load() -> SimpleNamespace:
     llama = lc._lib
 
     vp, sz = ctypes.c_void_p, ctypes.c_size_t
-    ns = SimpleNamespace(lc=lc, libdir=libdir, llama=llama, rpc_available=rpc is not None)
+    ns = SimpleNamespace(lc=lc, libdir=libdir, llama=llama, base_lib=base, cpu_lib=cpu, rpc_available=rpc is not None)
     ns.dev_count = _fn(ggml, "ggml_backend_dev_count", sz, [])
     ns.dev_get = _fn(ggml, "ggml_backend_dev_get", vp, [sz])
     ns.dev_by_name = _fn(ggml, "ggml_backend_dev_by_name", vp, [ctypes.c_char_p])

@@ -3,7 +3,12 @@ the rate (GB/s) at which a missed expert's weights stream through the CPU's matm
 figures `spark bench` keeps under $SPARK_HOME/calibration (device-costs-*.json: the cost model's
 CPU miss cost; else miss-path-*.json: the miss-path calibration's CPU cost per expert) and the
 bytes of one expert of the model they were measured on (its GGUF under $SPARK_HOME/models, found by
-fingerprint). The newest kept file whose model is found wins. None where nothing is kept."""
+fingerprint). The newest kept file whose model is found wins. None where nothing is kept.
+
+A prediction for another model whose experts are of other types (the demo's are Q4_1, a user's
+Q4_K_M or IQ3_XXS) scales that rate by this CPU's ggml matmul rates of the two models' expert types
+(native/cpu_matmul.py): the calibration says how fast this CPU's miss path runs, the types how much
+work a byte of each model's experts is."""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from pathlib import Path
 
 from ..core.device_table import Host
 from ..core.gguf_info import ModelGeometry, load_geometry
+from ..errors import NativeError
+from ..native import cpu_matmul
 
 
 @dataclass(frozen=True)
@@ -56,14 +63,42 @@ def _models(home: Path) -> dict[str, ModelGeometry]:
 
 
 def _expert_bytes(g: ModelGeometry, layer: int | None) -> float:
+    return sum(expert_mix(g, layer).values())
+
+
+def _moe_layers(g: ModelGeometry, layer: int | None):
     moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
     if layer is not None:
         moe = [l for l in moe if l.index == layer] or moe
-    return statistics.fmean(l.expert_bytes_per_expert for l in moe) if moe else 0.0
+    return moe
 
 
-def measured_host(home: Path) -> Host | None:
-    """This CPU's measured expert rate as a device_table.Host (None: no usable calibration kept)."""
+def expert_mix(g: ModelGeometry, layer: int | None = None) -> dict[str, float]:
+    """Bytes of one expert by ggml type: the mean over the model's MoE layers (or `layer`'s)."""
+    moe = _moe_layers(g, layer)
+    mix: dict[str, float] = {}
+    for l in moe:
+        for t in l.experts:
+            mix[t.ggml_type] = mix.get(t.ggml_type, 0.0) + t.bytes_per_expert / len(moe)
+    return mix
+
+
+def type_scale(calibrated: dict[str, float], target: dict[str, float], threads: int,
+               rate=cpu_matmul.expert_rate) -> float | None:
+    """How much faster this CPU streams `target`'s experts than `calibrated`'s, a byte for a byte
+    (None: a type ggml could not time)."""
+    a = cpu_matmul.mix_rate(calibrated, threads, rate)
+    b = cpu_matmul.mix_rate(target, threads, rate)
+    return b / a if a and b else None
+
+
+def _types(mix: dict[str, float]) -> str:
+    return "/".join(sorted(mix, key=mix.get, reverse=True))
+
+
+def measured_host(home: Path, target: ModelGeometry | None = None, rate=cpu_matmul.expert_rate) -> Host | None:
+    """This CPU's measured expert rate as a device_table.Host, for `target`'s experts where given
+    (None: no usable calibration kept)."""
     cal = home / "calibration"
     files = sorted((p for pat in ("device-costs-*.json", "miss-path-*.json") for p in cal.glob(pat)),
                    key=lambda p: p.stat().st_mtime, reverse=True) if cal.is_dir() else []
@@ -76,7 +111,22 @@ def measured_host(home: Path) -> Host | None:
         nbytes = _expert_bytes(g, f.layer) if g is not None else 0.0
         if nbytes > 0:
             gb_s = nbytes / f.cpu_us / 1e3
-            return Host(cores=f.threads, measured_gb_s=gb_s,
-                        measured_source=f"{f.path.name}: {f.cpu_us:.0f} us per {nbytes / 2**20:.1f} MiB expert of "
-                                        f"{Path(g.path).name} on {f.threads} thread{'s' if f.threads != 1 else ''}")
+            source = (f"{f.path.name}: {f.cpu_us:.0f} us per {nbytes / 2**20:.1f} MiB expert of "
+                      f"{Path(g.path).name} on {f.threads} thread{'s' if f.threads != 1 else ''}")
+            if target is not None and target.fingerprint != g.fingerprint:
+                gb_s, source = _for_target(gb_s, source, expert_mix(g, f.layer), expert_mix(target), f.threads, rate)
+            return Host(cores=f.threads, measured_gb_s=gb_s, measured_source=source)
     return None
+
+
+def _for_target(gb_s: float, source: str, calibrated: dict[str, float], target: dict[str, float], threads: int,
+                rate) -> tuple[float, str]:
+    """The calibrated rate carried over to the target's expert types, and what was done."""
+    try:
+        scale = type_scale(calibrated, target, threads, rate)
+    except NativeError as e:
+        return gb_s, f"{source}; not scaled to this model's {_types(target)} experts ({e})"
+    if scale is None:
+        return gb_s, f"{source}; not scaled to this model's {_types(target)} experts (a type ggml cannot time)"
+    return gb_s * scale, (f"{source}, x{scale:.2f} for this model's {_types(target)} experts over its "
+                          f"{_types(calibrated)} (this CPU's ggml mul_mat_id by type)")
