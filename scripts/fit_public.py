@@ -37,7 +37,7 @@ from spark_cli.models.fixtures import build_fixture  # noqa: E402
 DATA = Path(__file__).resolve().parent.parent / "spark_cli" / "data" / "public_measurements.toml"
 MARK = "# ---- fitted by scripts/fit_public.py"
 TG = ("device_efficiency", "layer_us", "moe_layer_us", "recurrent_layer_us", "layer_scaling", "host_layer_us")
-PP = ("prompt_bytes_per_tflop_us", "prompt_moe_bytes", "prompt_amd_share")
+PP = ("prompt_bytes_per_tflop_us", "prompt_moe_bytes", "prompt_amd_share", "prompt_tile_tokens")
 BOUNDED = {"device_efficiency", "prompt_amd_share"}  # at most 1
 RATE_RANGE = (0.5, 1000.0)  # GB/s: the CPU expert rates a figure may imply
 
@@ -108,7 +108,7 @@ def fit(figs, geos, start: dt.Fit) -> dt.Fit:
         return sum(math.log(r) ** 2 for r in (dt.check(x, geos.get(x.model), f_).pp_ratio for x in train)
                    if r is not None)
 
-    got = dataclasses.replace(got, **_params(PP, nelder_mead(loss_pp, np.log([100.0, 1e7, 0.7]))))
+    got = dataclasses.replace(got, **_params(PP, nelder_mead(loss_pp, np.log([600000.0, 1e8, 0.5, 64.0]), iters=20000)))
     return dataclasses.replace(got, n_fit=len(train), n_held_out=len(figs) - len(train))
 
 

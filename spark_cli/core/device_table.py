@@ -10,7 +10,9 @@ experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s an
                                + (layers * layer_us + moe_layers * moe_layer_us + recurrent_layers * recurrent_layer_us)
                                  * (REF_GB_S / B) ** layer_scaling
     a host layer adds        = stop + host_layer_us + k * expert / host_rate - k * expert / (B * device_efficiency)
-    prompt, all on the card  = (device_bytes + moe_layers * prompt_moe_bytes) / (F * share * prompt_bytes_per_tflop_us)
+    prompt, all on the card  = (device_bytes + moe_layers * (prompt_moe_bytes + idle_tile_bytes))
+                               / (F * share * prompt_bytes_per_tflop_us)
+    idle_tile_bytes          = k * expert * max(0, prompt_tile_tokens / (ubatch * k / n_expert) - 1)
     a host layer adds (prompt) = its experts uploaded over the link once per ubatch (-ub, default 512 tokens)
 
 - device_efficiency: the share of the bandwidth a decode token's weight reads get;
@@ -25,8 +27,11 @@ experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s an
 - host_layer_us: what a host layer's hand-over costs besides its stop (the graph split: activations
   down, the result up, the CPU threads woken);
 - prompt_bytes_per_tflop_us, prompt_moe_bytes: a prompt token is compute-bound; a MoE layer costs
-  as much as that many more bytes of weights (routing, per-expert batches); share: 1 on NVIDIA
-  cards, prompt_amd_share on AMD's (whose FP32 figure counts dual issue).
+  as much as that many more bytes of weights (routing, sorting tokens by expert); share: 1 on NVIDIA
+  cards, prompt_amd_share on AMD's (whose FP32 figure counts dual issue);
+- prompt_tile_tokens: an expert's matmul runs in tiles of about this many tokens, so an expert that
+  gets fewer of a ubatch's tokens (ubatch * k / n_expert on average: 16 for Qwen3.6's 256 experts at
+  -ub 512, 64 for gpt-oss-20b's 32) still pays for a whole tile (idle_tile_bytes).
 
 A public figure on another quantization of a fixture's shapes (Workload.rescaled) scales the routed
 experts so the file has the reported size and keeps the rest as the fixture's.
@@ -123,6 +128,7 @@ class Fit:
     prompt_bytes_per_tflop_us: float
     prompt_moe_bytes: float
     prompt_amd_share: float
+    prompt_tile_tokens: float
     n_fit: int = 0  # figures it was fitted to
     n_held_out: int = 0  # figures kept out of the fit
 
@@ -224,12 +230,23 @@ def host_layer_us(c: Card, w: Workload, f: Fit, host: Host) -> float:
         k_bytes / (c.memory_gb_s * f.device_efficiency * 1e3)
 
 
-def prompt_us(c: Card, w: Workload, f: Fit) -> float:
-    """A prompt token with every expert on the card (0: the card's compute is not known)."""
+def idle_tile_bytes(w: Workload, f: Fit, ubatch: int = DEFAULT_UBATCH) -> float:
+    """What a MoE layer's part-filled tiles cost a prompt token, in bytes of weights: each expert
+    gets ubatch * k / n_expert of a ubatch's tokens on average and pays for prompt_tile_tokens."""
+    if not w.k or w.expert_bytes <= 0:
+        return 0.0
+    per_expert = ubatch * w.k / (w.layer_expert_bytes / w.expert_bytes)
+    return w.k * w.expert_bytes * max(0.0, f.prompt_tile_tokens / per_expert - 1.0)
+
+
+def prompt_us(c: Card, w: Workload, f: Fit, ubatch: int = DEFAULT_UBATCH) -> float:
+    """A prompt token with every expert on the card, in ubatches of `ubatch` tokens (0: the card's
+    compute is not known)."""
     if c.fp32_tflops <= 0:
         return 0.0
     share = f.prompt_amd_share if c.vendor == "amd" else 1.0
-    return (w.device_bytes + w.moe_layers * f.prompt_moe_bytes) / (c.fp32_tflops * share * f.prompt_bytes_per_tflop_us)
+    moe = w.moe_layers * (f.prompt_moe_bytes + idle_tile_bytes(w, f, ubatch))
+    return (w.device_bytes + moe) / (c.fp32_tflops * share * f.prompt_bytes_per_tflop_us)
 
 
 def host_layer_prompt_us(c: Card, w: Workload, ubatch: int = DEFAULT_UBATCH) -> float:
@@ -246,7 +263,7 @@ def tg_tok_s(c: Card, w: Workload, n_host: int, f: Fit, host: Host) -> float:
 def pp_tok_s(c: Card, w: Workload, n_host: int, f: Fit, ubatch: int = DEFAULT_UBATCH) -> float | None:
     """Predicted prompt tok/s of stock's placement with `n_host` host layers at -ub `ubatch` (None:
     not predicted)."""
-    base = prompt_us(c, w, f)
+    base = prompt_us(c, w, f, ubatch)
     return 1e6 / (base + n_host * host_layer_prompt_us(c, w, ubatch)) if base > 0 else None
 
 
