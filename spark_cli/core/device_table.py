@@ -269,17 +269,17 @@ def pp_tok_s(c: Card, w: Workload, n_host: int, f: Fit, ubatch: int = DEFAULT_UB
 
 def predicted_costs(c: Card, g: ModelGeometry, host_gb_s: float | None = None,
                     host_cores: int = DEFAULT_HOST_CORES, host: Host | None = None,
-                    fit: Fit | None = None) -> DeviceCosts:
+                    fit: Fit | None = None, ubatch: int = DEFAULT_UBATCH) -> DeviceCosts:
     """The cost model's figures for `g` on card `c` beside this host (`host` overrides the
-    bandwidth and cores, e.g. with a measured rate)."""
+    bandwidth and cores, e.g. with a measured rate), a prompt in ubatches of `ubatch` tokens (-ub)."""
     f = fit or fitted()
     h = host or Host(host_gb_s, host_cores)
     w = Workload.of(g)
     rate = h.rate(f) * 1e3  # bytes per us
-    pp_host = host_layer_prompt_us(c, w) if c.fp32_tflops > 0 else 0.0
+    pp_host = host_layer_prompt_us(c, w, ubatch) if c.fp32_tflops > 0 else 0.0
     return DeviceCosts(device=c.name, source=f"published figures: {c.describe()} and a fit to {f.n_fit} public "
                        f"measurements; {h.describe(f)}", threads=0, base_tg_us=decode_us(c, w, f),
-                       base_pp_us=prompt_us(c, w, f), stop_us=c.stop_us,
+                       base_pp_us=prompt_us(c, w, f, ubatch), stop_us=c.stop_us,
                        host_tg_us=max(host_layer_us(c, w, f, h), 0.0), host_pp_us=pp_host, cached_pp_us=pp_host,
                        miss_cpu_us=w.expert_bytes / rate,
                        miss_upload_us=w.expert_bytes / (c.link_gb_s * LINK_EFFICIENCY * 1e3),
