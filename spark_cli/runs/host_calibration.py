@@ -83,8 +83,14 @@ def expert_mix(g: ModelGeometry, layer: int | None = None) -> dict[str, float]:
     return mix
 
 
+def same_types(a: dict[str, float], b: dict[str, float], tolerance: float = 0.02) -> bool:
+    """Whether two models' experts are the same work a byte: the same types in the same shares."""
+    ta, tb = sum(a.values()), sum(b.values())
+    return set(a) == set(b) and all(abs(a[t] / ta - b[t] / tb) <= tolerance for t in a)
+
+
 def type_scale(calibrated: dict[str, float], target: dict[str, float], threads: int,
-               rate=cpu_matmul.expert_rate) -> float | None:
+               rate: cpu_matmul.RateFn = cpu_matmul.expert_rate) -> float | None:
     """How much faster this CPU streams `target`'s experts than `calibrated`'s, a byte for a byte
     (None: a type ggml could not time)."""
     a = cpu_matmul.mix_rate(calibrated, threads, rate)
@@ -96,7 +102,8 @@ def _types(mix: dict[str, float]) -> str:
     return "/".join(sorted(mix, key=mix.get, reverse=True))
 
 
-def measured_host(home: Path, target: ModelGeometry | None = None, rate=cpu_matmul.expert_rate) -> Host | None:
+def measured_host(home: Path, target: ModelGeometry | None = None,
+                  rate: cpu_matmul.RateFn = cpu_matmul.expert_rate) -> Host | None:
     """This CPU's measured expert rate as a device_table.Host, for `target`'s experts where given
     (None: no usable calibration kept)."""
     cal = home / "calibration"
@@ -113,14 +120,15 @@ def measured_host(home: Path, target: ModelGeometry | None = None, rate=cpu_matm
             gb_s = nbytes / f.cpu_us / 1e3
             source = (f"{f.path.name}: {f.cpu_us:.0f} us per {nbytes / 2**20:.1f} MiB expert of "
                       f"{Path(g.path).name} on {f.threads} thread{'s' if f.threads != 1 else ''}")
-            if target is not None and target.fingerprint != g.fingerprint:
-                gb_s, source = _for_target(gb_s, source, expert_mix(g, f.layer), expert_mix(target), f.threads, rate)
+            mix, target_mix = expert_mix(g, f.layer), expert_mix(target) if target is not None else {}
+            if target_mix and not same_types(mix, target_mix):
+                gb_s, source = _for_target(gb_s, source, mix, target_mix, f.threads, rate)
             return Host(cores=f.threads, measured_gb_s=gb_s, measured_source=source)
     return None
 
 
 def _for_target(gb_s: float, source: str, calibrated: dict[str, float], target: dict[str, float], threads: int,
-                rate) -> tuple[float, str]:
+                rate: cpu_matmul.RateFn) -> tuple[float, str]:
     """The calibrated rate carried over to the target's expert types, and what was done."""
     try:
         scale = type_scale(calibrated, target, threads, rate)
