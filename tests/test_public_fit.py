@@ -47,7 +47,8 @@ def plan(monkeypatch, capsys):
 def test_every_figure_cites_a_source_and_names_a_known_card_and_model(geos) -> None:
     figs, cards = dt.figures(), dt.cards()
     assert len(figs) >= 15 and len({f.url for f in figs}) >= 10
-    assert "fit" in {f.split for f in figs} <= {"fit", "held-out"}
+    splits = {f.split for f in figs}
+    assert "fit" in splits and splits <= {"fit", "held-out"}
     for f in figs:
         assert f.url.startswith("https://"), f.id
         assert f.card in cards and cards[f.card].fp32_tflops > 0, f.id
