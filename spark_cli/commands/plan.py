@@ -12,7 +12,7 @@ from rich.markup import escape
 from ..core import device_table, plan_file, planner
 from ..core.cost_model import OBJECTIVES
 from ..core.gguf_info import ModelGeometry
-from ..core.options import DEFAULT_UBATCH, LoadFlags, context_size
+from ..core.options import LoadFlags, context_size
 from ..core.planner import AUTO_POLICY, held_out_check, replay_path, replayed_miss
 from ..core.profile import RoutingProfile
 from ..core.simulator import DEFAULT_POLICY, ONLINE_POLICIES, canonical_policy, cold_hit_rate
@@ -169,8 +169,7 @@ def _costs(card, geometry, devs: list, flags: LoadFlags, host: device_table.Host
     """The device costs a plan is priced with: a card's published figures (--predict-for), else those
     `spark bench` measured for the device, model and -t; None: placed by hits alone."""
     if card is not None:
-        ubatch = min(flags.ubatch_size or DEFAULT_UBATCH, flags.batch_size)  # llama.cpp: -ub at most -b
-        return device_table.predicted_costs(card, geometry, host=host, ubatch=ubatch)
+        return device_table.predicted_costs(card, geometry, host=host, ubatch=session.ubatch_size(flags))
     if not devs and (flags.device or flags.rpc):  # --no-measure: the device named is still the one priced
         devs = _devices(flags, None, True)
     return session.kept_costs(devs, geometry, flags)
