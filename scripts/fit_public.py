@@ -36,9 +36,10 @@ from spark_cli.models.fixtures import build_fixture  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent / "spark_cli" / "data" / "public_measurements.toml"
 MARK = "# ---- fitted by scripts/fit_public.py"
-TG = ("device_efficiency", "layer_us", "moe_layer_us", "recurrent_layer_us", "layer_scaling", "host_layer_us")
-PP = ("prompt_bytes_per_tflop_us", "prompt_moe_bytes", "prompt_amd_share", "prompt_tile_tokens")
-BOUNDED = {"device_efficiency", "prompt_amd_share"}  # at most 1
+TG = ("device_efficiency", "layer_us", "moe_layer_us", "recurrent_layer_us", "layer_scaling", "host_layer_us",
+      "rocm_bandwidth_share")
+PP = ("prompt_bytes_per_tflop_us", "prompt_moe_bytes", "prompt_amd_share", "prompt_tile_tokens", "prompt_rocm_share")
+BOUNDED = {"device_efficiency", "prompt_amd_share", "prompt_rocm_share"}  # at most 1
 RATE_RANGE = (0.5, 1000.0)  # GB/s: the CPU expert rates a figure may imply
 
 
@@ -86,7 +87,7 @@ def fit(figs, geos, start: dt.Fit) -> dt.Fit:
     CPU is not the model's to know); then the host's two constants from the rates the fitted figures
     imply (`host_prior`). Prompt: on every fitted prompt figure."""
     train = [x for x in figs if x.split == "fit"]
-    prep = {x.id: (dt.card(x.card), x.workload(geos.get(x.model))) for x in train}
+    prep = {x.id: (x.device(), x.workload(geos.get(x.model))) for x in train}
     resident, groups = [x for x in train if not x.n_cpu_moe], rigs(train)
 
     def loss_tg(v: np.ndarray) -> float:
@@ -97,7 +98,7 @@ def fit(figs, geos, start: dt.Fit) -> dt.Fit:
                        ** 2 for x in xs)
         return err
 
-    v = np.log([0.7, 30.0, 50.0, 50.0, 0.5, 50.0] + [40.0] * len(groups))
+    v = np.log([0.7, 30.0, 50.0, 50.0, 0.5, 50.0, 1.0] + [40.0] * len(groups))
     for _ in range(2):  # Nelder-Mead, restarted once from where it stopped
         v = nelder_mead(loss_tg, v, iters=20000)
     got = dataclasses.replace(start, **_params(TG, v[:len(TG)]))
@@ -108,7 +109,7 @@ def fit(figs, geos, start: dt.Fit) -> dt.Fit:
         return sum(math.log(r) ** 2 for r in (dt.check(x, geos.get(x.model), f_).pp_ratio for x in train)
                    if r is not None)
 
-    got = dataclasses.replace(got, **_params(PP, nelder_mead(loss_pp, np.log([600000.0, 1e8, 0.5, 64.0]), iters=20000)))
+    got = dataclasses.replace(got, **_params(PP, nelder_mead(loss_pp, np.log([600000.0, 1e8, 0.5, 64.0, 0.5]), iters=20000)))
     return dataclasses.replace(got, n_fit=len(train), n_held_out=len(figs) - len(train))
 
 
@@ -199,7 +200,7 @@ def rigs(figs) -> list[list[dt.Figure]]:
 
 def host_rate(figs, geos, f: dt.Fit) -> float:
     """The CPU expert rate (GB/s) that best fits these figures of one rig (least squared log ratio)."""
-    prepared = [(x, dt.card(x.card), x.workload(geos.get(x.model))) for x in figs]
+    prepared = [(x, x.device(), x.workload(geos.get(x.model))) for x in figs]
 
     def err(rate: float) -> float:
         return sum(math.log(dt.tg_tok_s(c, w, x.n_cpu_moe, f, dt.Host(measured_gb_s=rate)) / x.tg_tok_s) ** 2
@@ -222,7 +223,7 @@ def calibrated(figs, geos, f: dt.Fit) -> list[tuple[dt.Figure, float, float]]:
     for xs in rigs(figs):
         for i, x in enumerate(xs):
             rate = host_rate(xs[:i] + xs[i + 1:], geos, f)
-            tg = dt.tg_tok_s(dt.card(x.card), x.workload(geos.get(x.model)), x.n_cpu_moe, f,
+            tg = dt.tg_tok_s(x.device(), x.workload(geos.get(x.model)), x.n_cpu_moe, f,
                              dt.Host(measured_gb_s=rate))
             out.append((x, rate, tg / x.tg_tok_s))
     return out

@@ -97,7 +97,7 @@ def test_an_unmeasured_host_gets_the_rate_the_fitted_rigs_imply(geos) -> None:
     `host_efficiency` a share of a stated bandwidth below 1."""
     mod, fit = _fit_script(), dt.fitted()
     train = [x for x in dt.figures() if x.split == "fit"]
-    rigs = [mod._geomean([mod.implied_rate(x, dt.card(x.card), x.workload(geos.get(x.model)), fit) for x in xs])
+    rigs = [mod._geomean([mod.implied_rate(x, x.device(), x.workload(geos.get(x.model)), fit) for x in xs])
             for xs in mod._by_rig(train).values()]
     assert len(rigs) >= 10 and max(rigs) / min(rigs) > 8
     assert fit.unstated_host_gb_s == pytest.approx(mod._geomean(rigs), rel=0.01)

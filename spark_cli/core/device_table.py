@@ -6,16 +6,17 @@ measured expert rate, turned into the cost model's figures (core/cost_model.py p
 The model, per token of a model whose decode reads `device_bytes` (non-expert weights and k routed
 experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s and F FP32 TFLOPS:
 
-    decode, all on the card  = device_bytes / (B * device_efficiency) + stop
+    decode, all on the card  = device_bytes / (B * efficiency) + stop
                                + (layers * layer_us + moe_layers * moe_layer_us + recurrent_layers * recurrent_layer_us)
                                  * (REF_GB_S / B) ** layer_scaling
-    a host layer adds        = stop + host_layer_us + k * expert / host_rate - k * expert / (B * device_efficiency)
+    a host layer adds        = stop + host_layer_us + k * expert / host_rate - k * expert / (B * efficiency)
     prompt, all on the card  = (device_bytes + moe_layers * (prompt_moe_bytes + idle_tile_bytes))
                                / (F * share * prompt_bytes_per_tflop_us)
     idle_tile_bytes          = k * expert * max(0, prompt_tile_tokens / (ubatch * k / n_expert) - 1)
     a host layer adds (prompt) = its experts uploaded over the link once per ubatch (-ub, default 512 tokens)
 
-- device_efficiency: the share of the bandwidth a decode token's weight reads get;
+- efficiency: the share of the bandwidth a decode token's weight reads get: device_efficiency, times
+  rocm_bandwidth_share on AMD's ROCm backend (a figure measured there);
 - layer_us, moe_layer_us, recurrent_layer_us: what bandwidth does not explain, per block and token
   (kernel launches and their gaps, attention, norms), more for a MoE layer (router, top-k, the expert
   matmuls by id) and a recurrent one (the delta-net state update), on a REF_GB_S card; a slower
@@ -28,10 +29,14 @@ experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s an
   down, the result up, the CPU threads woken);
 - prompt_bytes_per_tflop_us, prompt_moe_bytes: a prompt token is compute-bound; a MoE layer costs
   as much as that many more bytes of weights (routing, sorting tokens by expert); share: 1 on NVIDIA
-  cards, prompt_amd_share on AMD's (whose FP32 figure counts dual issue);
+  cards, on AMD's (whose FP32 figure counts dual issue) prompt_amd_share with llama.cpp's Vulkan
+  backend and prompt_rocm_share with its ROCm one (rocBLAS and its own matrix kernels);
 - prompt_tile_tokens: an expert's matmul runs in tiles of about this many tokens, so an expert that
   gets fewer of a ubatch's tokens (ubatch * k / n_expert on average: 16 for Qwen3.6's 256 experts at
   -ub 512, 64 for gpt-oss-20b's 32) still pays for a whole tile (idle_tile_bytes).
+
+A card is priced for the llama.cpp backend Spark builds for it (scripts/build_native.py: CUDA on
+NVIDIA, Vulkan on AMD and Intel); a public figure, for the backend it was measured on.
 
 A public figure on another quantization of a fixture's shapes (Workload.rescaled) scales the routed
 experts so the file has the reported size and keeps the rest as the fixture's.
@@ -44,7 +49,8 @@ figures and the stop, link and per-core figures below are assumptions, stated in
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, fields
+import re
+from dataclasses import dataclass, fields, replace
 from importlib import resources
 
 from ..errors import UsageError
@@ -62,6 +68,8 @@ LINK_EFFICIENCY = 0.8  # share of the link a pinned upload gets
 HOST_GB_S_PER_CORE = 12.0  # what one core's matmul streams at most
 DEFAULT_HOST_CORES = 8  # a figure that names no CPU
 REF_GB_S = 1000.0  # the card the block figures are given for
+SPARK_BACKEND = {"nvidia": "cuda", "amd": "vulkan", "intel": "vulkan"}  # what scripts/build_native.py builds
+BACKENDS = {"cuda": "CUDA", "rocm": "ROCm", "vulkan": "Vulkan", "sycl": "SYCL", "metal": "Metal"}  # llama-bench's names
 BAND = (0.8, 1.25)  # predicted over reported: inside counts as reproduced
 ASSUMPTIONS = (f"uploads at {LINK_EFFICIENCY:.0%} of the link, at most {HOST_GB_S_PER_CORE:g} GB/s a CPU core, "
                "a prompt's host layers uploaded once per ubatch")
@@ -81,10 +89,16 @@ class Card:
     stop_us: float
     second_queue: bool = True  # uploads run beside compute (CUDA, ROCm, Vulkan; not over RPC)
     fp32_tflops: float = 0.0  # 0: not known (no prompt prediction)
-    vendor: str = "nvidia"  # nvidia | amd
+    vendor: str = "nvidia"  # nvidia | amd | intel
+    backend: str = ""  # llama.cpp's backend it runs (a BACKENDS key); "" : the one Spark builds for the vendor
+
+    def runs(self) -> str:
+        """The llama.cpp backend it is priced for."""
+        return self.backend or SPARK_BACKEND[self.vendor]
 
     def describe(self) -> str:
-        return f"{self.name} ({self.vram_gib:g} GiB, {self.memory_gb_s:g} GB/s, link {self.link_gb_s:.1f} GB/s)"
+        return (f"{self.name} ({self.vram_gib:g} GiB, {self.memory_gb_s:g} GB/s, link {self.link_gb_s:.1f} GB/s, "
+                f"llama.cpp's {BACKENDS[self.runs()]} backend)")
 
 
 def _link(d: dict, key: str) -> float:
@@ -96,10 +110,17 @@ def _link(d: dict, key: str) -> float:
     return PCIE_GB_S_PER_LANE[gen] * lanes
 
 
+def _vendor(d: dict, key: str) -> str:
+    vendor = str(d.get("vendor", "nvidia"))
+    if vendor not in SPARK_BACKEND:
+        raise ValueError(f"device_profiles.toml: cards.{key}.vendor: {vendor!r} is not one of {', '.join(SPARK_BACKEND)}")
+    return vendor
+
+
 def cards() -> dict[str, Card]:
     """Every card of the bundled table, by --predict-for name."""
     return {k: Card(k, str(d["name"]), float(d["vram_gib"]), float(d["memory_gb_s"]), _link(d, k), float(d["stop_us"]),
-                    bool(d.get("second_queue", True)), float(d.get("fp32_tflops", 0.0)), str(d.get("vendor", "nvidia")))
+                    bool(d.get("second_queue", True)), float(d.get("fp32_tflops", 0.0)), _vendor(d, k))
             for k, d in _data("device_profiles.toml")["cards"].items()}
 
 
@@ -127,8 +148,10 @@ class Fit:
     unstated_host_gb_s: float  # what the CPU's experts stream at beside a host whose bandwidth is not given
     prompt_bytes_per_tflop_us: float
     prompt_moe_bytes: float
-    prompt_amd_share: float
+    prompt_amd_share: float  # AMD's share with llama.cpp's Vulkan backend
     prompt_tile_tokens: float
+    rocm_bandwidth_share: float  # on AMD's ROCm backend, decode reads at this times device_efficiency
+    prompt_rocm_share: float  # AMD's share with llama.cpp's ROCm backend
     n_fit: int = 0  # figures it was fitted to
     n_held_out: int = 0  # figures kept out of the fit
 
@@ -139,7 +162,8 @@ class Fit:
 
     def describe(self) -> str:
         return (f"fitted to {self.n_fit} public llama.cpp figures ({self.n_held_out} more held out): decode reads at "
-                f"{self.device_efficiency:.0%} of the card's bandwidth, {self.layer_us:.0f} us a block, "
+                f"{self.device_efficiency:.0%} of the card's bandwidth ({self.device_efficiency * self.rocm_bandwidth_share:.0%}"
+                f" with ROCm), {self.layer_us:.0f} us a block, "
                 f"{self.moe_layer_us:.0f} us more a MoE layer, {self.recurrent_layer_us:.0f} us more a recurrent one "
                 f"(on a {REF_GB_S:g} GB/s card; x (1000 / GB/s)^{self.layer_scaling:.2f} on others), "
                 f"{self.host_layer_us:.0f} us a host layer's hand-over; the CPU's experts at "
@@ -164,28 +188,35 @@ class Workload:
     layer_expert_bytes: float = 0.0  # one MoE layer's routed experts, all of them (mean)
 
     @classmethod
-    def of(cls, g: ModelGeometry, expert_scale: float = 1.0) -> "Workload":
-        """A model's workload; `expert_scale`: another quantization of the same shapes whose routed
-        experts take that many times the bytes (the rest as the fixture's: see `rescaled`)."""
+    def of(cls, g: ModelGeometry, expert_scale: float = 1.0, rest_scale: float = 1.0) -> "Workload":
+        """A model's workload; `expert_scale`, `rest_scale`: another quantization of the same shapes
+        whose routed experts, and whose other weights, take that many times the bytes (`rescaled`)."""
         moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
         bpe = sum(l.expert_bytes_per_expert for l in moe) / max(len(moe), 1) * expert_scale
         per_layer = sum(l.expert_bytes for l in moe) / max(len(moe), 1) * expert_scale
-        nonexpert = g.device_global_bytes + sum(l.nonexpert_bytes for l in g.layers if not l.is_nextn)
+        nonexpert = (g.device_global_bytes + sum(l.nonexpert_bytes for l in g.layers if not l.is_nextn)) * rest_scale
         k = g.n_expert_used
         return cls(nonexpert + len(moe) * k * bpe, sum(1 for l in g.layers if not l.is_nextn), len(moe),
                    sum(1 for r in g.recurrent_layers if r), k, bpe, per_layer)
 
     @classmethod
-    def rescaled(cls, g: ModelGeometry, size_bytes: float) -> "Workload":
+    def rescaled(cls, g: ModelGeometry, size_bytes: float, lands_on: str = "experts") -> "Workload":
         """The workload of another quantization of `g`'s shapes, `size_bytes` on disk. The difference
         from the fixture's file lands on the routed experts: low-bit MoE quantizations (Unsloth's UD,
         mudler's APEX) shrink the experts and keep attention, shared experts, embeddings and output
         at 3-8 bits (e.g. APEX Nano: IQ2_XXS/IQ2_S/Q3_K experts, Q3_K/Q4_K attention, Q4_K/Q5_K shared
         experts, https://github.com/mudler/apex-quant/tree/main/configs), so scaling every byte would
-        shrink a token's non-expert reads with them."""
+        shrink a token's non-expert reads with them. `lands_on="rest"`: a file that keeps the
+        fixture's experts and stores the rest at another width (gpt-oss's "BF16" files: MXFP4 experts,
+        BF16 attention, embeddings and output)."""
         experts = sum(l.expert_bytes for l in g.layers if l.is_moe and not l.is_nextn)
         if experts <= 0:
             raise ValueError("a rescaled workload needs routed experts")
+        if lands_on == "rest":
+            scale = (size_bytes - experts) / (g.file_size - experts)
+            if scale <= 0:
+                raise ValueError(f"{size_bytes / 1e9:.2f} GB is less than the fixture's routed experts")
+            return cls.of(g, rest_scale=scale)
         scale = (size_bytes - (g.file_size - experts)) / experts
         if scale <= 0:
             raise ValueError(f"{size_bytes / 1e9:.2f} GB is less than the fixture's non-expert bytes")
@@ -216,10 +247,22 @@ class Host:
         return f"host {bandwidth}, {self.cores} cores: {self.rate(f):.1f} GB/s for the CPU's experts"
 
 
+def efficiency(c: Card, f: Fit) -> float:
+    """The share of the card's bandwidth a decode token's weight reads get on its backend."""
+    return f.device_efficiency * (f.rocm_bandwidth_share if c.runs() == "rocm" else 1.0)
+
+
+def prompt_share(c: Card, f: Fit) -> float:
+    """The share of the card's FP32 figure a prompt gets, by vendor and backend."""
+    if c.vendor != "amd":
+        return 1.0
+    return f.prompt_rocm_share if c.runs() == "rocm" else f.prompt_amd_share
+
+
 def decode_us(c: Card, w: Workload, f: Fit) -> float:
     """A decode token with every expert on the card."""
     blocks = w.layers * f.layer_us + w.moe_layers * f.moe_layer_us + w.recurrent_layers * f.recurrent_layer_us
-    return w.device_bytes / (c.memory_gb_s * f.device_efficiency * 1e3) + c.stop_us + \
+    return w.device_bytes / (c.memory_gb_s * efficiency(c, f) * 1e3) + c.stop_us + \
         blocks * (REF_GB_S / c.memory_gb_s) ** f.layer_scaling
 
 
@@ -227,7 +270,7 @@ def host_layer_us(c: Card, w: Workload, f: Fit, host: Host) -> float:
     """What a host layer (stock --n-cpu-moe's) adds to a decode token (< 0: the CPU is faster)."""
     k_bytes = w.k * w.expert_bytes
     return c.stop_us + f.host_layer_us + k_bytes / (host.rate(f) * 1e3) - \
-        k_bytes / (c.memory_gb_s * f.device_efficiency * 1e3)
+        k_bytes / (c.memory_gb_s * efficiency(c, f) * 1e3)
 
 
 def idle_tile_bytes(w: Workload, f: Fit, ubatch: int = DEFAULT_UBATCH) -> float:
@@ -244,9 +287,8 @@ def prompt_us(c: Card, w: Workload, f: Fit, ubatch: int = DEFAULT_UBATCH) -> flo
     compute is not known)."""
     if c.fp32_tflops <= 0:
         return 0.0
-    share = f.prompt_amd_share if c.vendor == "amd" else 1.0
     moe = w.moe_layers * (f.prompt_moe_bytes + idle_tile_bytes(w, f, ubatch))
-    return (w.device_bytes + moe) / (c.fp32_tflops * share * f.prompt_bytes_per_tflop_us)
+    return (w.device_bytes + moe) / (c.fp32_tflops * prompt_share(c, f) * f.prompt_bytes_per_tflop_us)
 
 
 def host_layer_prompt_us(c: Card, w: Workload, ubatch: int = DEFAULT_UBATCH) -> float:
@@ -326,6 +368,12 @@ class Figure:
     pp_test: str = ""
     ubatch: int = DEFAULT_UBATCH  # -ub of the prompt figure
     prompt_tokens: int = 512  # the prompt figure's length (llama-bench's default pp512)
+    backend: str = ""  # the llama.cpp backend it ran (a BACKENDS key; "": the one Spark builds)
+    size_lands_on: str = "experts"  # where its file's size differs from the fixture's: "experts" | "rest"
+
+    def device(self) -> Card:
+        """The card as the figure ran it: on its backend."""
+        return replace(card(self.card), backend=self.backend)
 
     def prompt_ubatch(self) -> int:
         """Tokens a prompt figure's host layers are uploaded once for: its ubatch, or the whole prompt
@@ -341,7 +389,7 @@ class Figure:
             return Workload(self.size_bytes - self.embd_bytes, self.layers)
         if geometry is None:
             raise ValueError(f"public_measurements.toml: {self.id}: needs the geometry of {self.model}")
-        return Workload.rescaled(geometry, self.size_bytes)
+        return Workload.rescaled(geometry, self.size_bytes, self.size_lands_on)
 
 
 def _size(d: dict, fid: str) -> float:
@@ -350,6 +398,24 @@ def _size(d: dict, fid: str) -> float:
     if "size_gb" in d:
         return float(d["size_gb"]) * 1e9
     raise ValueError(f"public_measurements.toml: {fid}: no size_gib or size_gb")
+
+
+def _lands_on(d: dict, fid: str) -> str:
+    where = str(d.get("size_lands_on", "experts"))
+    if where not in ("experts", "rest"):
+        raise ValueError(f"public_measurements.toml: {fid}: size_lands_on must be \"experts\" or \"rest\"")
+    return where
+
+
+def _backend(d: dict, fid: str) -> str:
+    """The backend a figure ran: its `backend` text's first word, as llama-bench's backend column
+    names it (HIP is ROCm's)."""
+    word = re.match(r"[A-Za-z]*", str(d.get("backend", ""))).group(0).lower()
+    word = "rocm" if word == "hip" else word
+    if word not in BACKENDS:
+        raise ValueError(f"public_measurements.toml: {fid}: backend must start with one of "
+                         f"{', '.join(BACKENDS.values())} (llama-bench's backend column)")
+    return word
 
 
 def _embd_bytes(d: dict, fid: str) -> float:
@@ -383,7 +449,8 @@ def figures() -> list[Figure]:
                           float(d["host_gb_s"]) if "host_gb_s" in d else None,
                           int(d["host_cores"]) if "host_cores" in d else None,
                           str(d.get("tg_test", "")), str(d.get("pp_test", "")),
-                          int(d.get("ubatch", DEFAULT_UBATCH)), int(d.get("prompt_tokens", 512))))
+                          int(d.get("ubatch", DEFAULT_UBATCH)), int(d.get("prompt_tokens", 512)),
+                          _backend(d, fid), _lands_on(d, fid)))
     return out
 
 
@@ -403,7 +470,7 @@ class Check:
 def check(fig: Figure, geometry: ModelGeometry | None, f: Fit | None = None) -> Check:
     """`fig` predicted with the fit: the ratios of predicted to reported."""
     f = f or fitted()
-    c, w = card(fig.card), fig.workload(geometry)
+    c, w = fig.device(), fig.workload(geometry)
     pp = pp_tok_s(c, w, fig.n_cpu_moe, f, fig.prompt_ubatch()) if fig.pp_tok_s else None
     return Check(fig, tg_tok_s(c, w, fig.n_cpu_moe, f, fig.host()) / fig.tg_tok_s,
                  pp / fig.pp_tok_s if pp and fig.pp_tok_s else None)
