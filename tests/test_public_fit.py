@@ -289,3 +289,48 @@ def test_with_the_hosts_cpu_calibrated_every_offload_rig_figure_is_inside_the_ba
     assert len(rows) >= 25
     assert [(x.id, round(r, 2)) for x, _, r in rows if not lo <= r <= hi] == []
     assert len({(x.url, x.card) for x, _, _ in rows}) >= 6  # rigs, not one rig's sweep
+
+
+def test_a_figures_backend_is_read_from_llama_benchs_name_and_a_bad_one_is_refused() -> None:
+    """Every figure's backend text starts with llama-bench's name for it (HIP is ROCm's); a row
+    whose text names none is refused with its id."""
+    assert {f.backend for f in dt.figures()} >= {"cuda", "rocm", "vulkan"}
+    assert dt._backend({"backend": "HIP (ROCm)"}, "x") == "rocm"
+    assert dt._backend({"backend": "Vulkan (RADV), -ngl 99"}, "x") == "vulkan"
+    for bad in ({"backend": "OpenCL, -ngl 99"}, {}):
+        with pytest.raises(ValueError, match="p99-card"):
+            dt._backend(bad, "p99-card")
+
+
+def test_an_amd_card_is_priced_for_sparks_vulkan_build_and_a_rocm_figure_with_rocms_constants(geos) -> None:
+    """`--predict-for` prices an AMD card for the backend scripts/build_native.py builds there
+    (Vulkan), NVIDIA's for CUDA; a public ROCm figure takes ROCm's fitted decode efficiency and prompt
+    share, so its prediction moves the way those constants say."""
+    fit, g = dt.fitted(), geos["qwen3-30b-a3b-q4_k_m"]
+    amd, nvidia = dt.card("rx-7900-xtx"), dt.card("rtx-3090")
+    assert (amd.runs(), nvidia.runs()) == ("vulkan", "cuda") and "Vulkan backend" in amd.describe()
+    rocm = dataclasses.replace(amd, backend="rocm")
+    as_built, on_vulkan, on_rocm = (dt.predicted_costs(c, g, fit=fit)
+                                    for c in (amd, dataclasses.replace(amd, backend="vulkan"), rocm))
+    assert as_built == on_vulkan
+    assert (on_rocm.base_tg_us > on_vulkan.base_tg_us) == (fit.rocm_bandwidth_share < 1)
+    assert (on_rocm.base_pp_us < on_vulkan.base_pp_us) == (fit.prompt_rocm_share > fit.prompt_amd_share)
+    w = dt.Workload.of(g)
+    assert dt.prompt_us(rocm, w, fit) * fit.prompt_rocm_share == pytest.approx(
+        dt.prompt_us(amd, w, fit) * fit.prompt_amd_share)
+    fig = next(f for f in dt.figures() if f.backend == "rocm" and f.card == "rx-7900-xtx")
+    assert fig.device().runs() == "rocm" and dt.check(fig, None, fit).tg_ratio == pytest.approx(
+        dt.tg_tok_s(rocm, fig.workload(None), 0, fit, fig.host()) / fig.tg_tok_s)
+
+
+def test_a_file_that_keeps_the_experts_takes_its_extra_bytes_on_the_rest(geos) -> None:
+    """gpt-oss's "BF16" files keep MXFP4 experts and widen everything else: the size's difference
+    lands on the weights every token reads, not on the experts it reads k of n of."""
+    g = geos["gpt-oss-20b-mxfp4"]
+    base, size = dt.Workload.of(g), g.file_size * 1.14
+    rest, experts = dt.Workload.rescaled(g, size, "rest"), dt.Workload.rescaled(g, size)
+    assert rest.expert_bytes == pytest.approx(base.expert_bytes) and experts.expert_bytes > base.expert_bytes
+    assert rest.device_bytes > experts.device_bytes > base.device_bytes
+    assert {f.size_lands_on for f in dt.figures() if "bf16" in f.id.lower()} == {"rest"}
+    with pytest.raises(ValueError, match="routed experts"):
+        dt.Workload.rescaled(g, g.file_size * 0.5, "rest")
