@@ -88,7 +88,7 @@ def fit(figs, geos, start: dt.Fit) -> dt.Fit:
     imply (`host_prior`). Prompt: on every fitted prompt figure."""
     train = [x for x in figs if x.split == "fit"]
     prep = {x.id: (x.device(), x.workload(geos.get(x.model))) for x in train}
-    resident, groups = [x for x in train if not x.n_cpu_moe], rigs(train)
+    resident, groups = [x for x in train if not x.n_cpu_moe and x.tg_tok_s], rigs(train)
 
     def loss_tg(v: np.ndarray) -> float:
         f_ = dataclasses.replace(start, **_params(TG, v[:len(TG)]))
@@ -149,10 +149,10 @@ def table(figs, geos, f: dt.Fit) -> list[str]:
         c = dt.check(fig, geos.get(fig.model), f)
         place = f"--n-cpu-moe {fig.n_cpu_moe}" if fig.n_cpu_moe else "all on the card"
         model = "dense" if fig.model == "dense" else fig.model
-        rep = f"{fig.tg_tok_s:g}" + (f" / {fig.pp_tok_s:g}" if fig.pp_tok_s else "")
-        pp = f"{c.pp_ratio:.2f}" if c.pp_ratio is not None else "-"
+        rep = (f"{fig.tg_tok_s:g}" if fig.tg_tok_s else "-") + (f" / {fig.pp_tok_s:g}" if fig.pp_tok_s else "")
+        tg, pp = (f"{r:.2f}" if r is not None else "-" for r in (c.tg_ratio, c.pp_ratio))
         rows.append(f"| {fig.id} | {fig.card} | {model}, {fig.size_bytes / 1e9:.1f} GB, {place} | {rep} | "
-                    f"{c.tg_ratio:.2f} | {pp} | {fig.split} | {fig.url} |")
+                    f"{tg} | {pp} | {fig.split} | {fig.url} |")
     return rows
 
 
@@ -164,7 +164,7 @@ def calibrated_table(rows: list[tuple[dt.Figure, float, float]]) -> list[str]:
 
 def _inside(cs: list[dt.Check]) -> str:
     """How many of the checks' ratios (decode, and prompt where reported) are inside the band."""
-    ratios = [c.tg_ratio for c in cs] + [c.pp_ratio for c in cs if c.pp_ratio is not None]
+    ratios = [c.tg_ratio for c in cs if c.tg_ratio is not None] + [c.pp_ratio for c in cs if c.pp_ratio is not None]
     if not ratios:
         return "no figures"
     lo, hi = dt.BAND
@@ -185,10 +185,10 @@ def summary(figs, geos, f: dt.Fit) -> list[str]:
 
 
 def _by_rig(figs) -> dict[tuple, list[dt.Figure]]:
-    """The --n-cpu-moe figures by rig: one source, card and stated host bandwidth."""
+    """The --n-cpu-moe decode figures by rig: one source, card and stated host bandwidth."""
     by: dict[tuple, list[dt.Figure]] = {}
     for x in figs:
-        if x.n_cpu_moe:
+        if x.n_cpu_moe and x.tg_tok_s:
             by.setdefault((x.url, x.card, x.host_gb_s), []).append(x)
     return by
 
@@ -268,8 +268,9 @@ def chart(figs, geos, f: dt.Fit, path: Path, rows: list[tuple[dt.Figure, float, 
     for x, i in enumerate(order):
         c = checks[i]
         colour = "tab:blue" if c.figure.split == "fit" else "tab:red"
-        ax.scatter([x], [c.tg_ratio], marker="o" if not c.figure.n_cpu_moe else "s", color=colour, zorder=3)
-        drawn += 1
+        if c.tg_ratio is not None:
+            ax.scatter([x], [c.tg_ratio], marker="o" if not c.figure.n_cpu_moe else "s", color=colour, zorder=3)
+            drawn += 1
         if c.pp_ratio is not None:
             ax.scatter([x], [c.pp_ratio], marker="^", facecolors="none", edgecolors=colour, zorder=3)
             drawn += 1

@@ -53,7 +53,7 @@ def test_every_figure_cites_a_source_and_names_a_known_card_and_model(geos) -> N
         assert f.url.startswith("https://"), f.id
         assert f.card in cards and cards[f.card].fp32_tflops > 0, f.id
         assert f.model == "dense" or f.model in FIXTURES, f.id
-        assert f.tg_tok_s > 0 and f.size_bytes > 0, f.id
+        assert (f.tg_tok_s or f.pp_tok_s or 0) > 0 and f.size_bytes > 0, f.id
         if f.model != "dense":
             assert 0 <= f.n_cpu_moe <= len(geos[f.model].moe_layers), f.id
     by_url: dict[str, set[str]] = {}
@@ -77,7 +77,7 @@ def test_the_fit_reproduces_its_fitted_figures_on_the_card_within_the_band(geos)
     tg, pp = [], []
     for f in (f for f in train if not f.n_cpu_moe):
         c = dt.check(f, geos.get(f.model), fit)
-        tg.append((f, c.tg_ratio))
+        tg += [(f, c.tg_ratio)] if c.tg_ratio is not None else []
         pp += [(f, c.pp_ratio)] if c.pp_ratio is not None else []
     for ratios, share in ((tg, 4 / 5), (pp, 2 / 3)):
         outside = [(f.id, round(r, 2)) for f, r in ratios if not lo <= r <= hi]
@@ -121,7 +121,7 @@ def test_the_docs_table_is_the_data_files(geos) -> None:
         assert row, f"docs/cost-model.md has no row for {f.id}"
         cells = [c.strip() for c in row.group(0).strip("|").split("|")]
         c = dt.check(f, geos.get(f.model), dt.fitted())
-        assert cells[4] == f"{c.tg_ratio:.2f}", (f.id, cells[4], c.tg_ratio)
+        assert cells[4] == (f"{c.tg_ratio:.2f}" if c.tg_ratio is not None else "-"), (f.id, cells[4], c.tg_ratio)
         assert cells[5] == (f"{c.pp_ratio:.2f}" if c.pp_ratio is not None else "-"), (f.id, cells[5])
         assert cells[6] == f.split and cells[7] == f.url, f.id
     for x, rate, r in _fit_script().calibrated(dt.figures(), geos, dt.fitted()):
@@ -247,8 +247,9 @@ def test_the_fit_script_draws_every_ratio_and_refuses_a_bad_png_path_first(geos,
     mod = _fit_script()
     figs, out = dt.figures(), tmp_path / "fit.png"
     drawn = mod.chart(figs, geos, dt.fitted(), out)
-    # a decode point each, a prompt point where reported, a calibrated-host decode point for a rig's offload figure
-    assert drawn == len(figs) + sum(1 for f in figs if f.pp_tok_s) + len(mod.calibrated(figs, geos, dt.fitted()))
+    # a decode and a prompt point where reported, a calibrated-host decode point for a rig's offload figure
+    assert drawn == sum(1 for f in figs if f.tg_tok_s) + sum(1 for f in figs if f.pp_tok_s) + \
+        len(mod.calibrated(figs, geos, dt.fitted()))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert mod.main(["--png", str(tmp_path)]) == 2  # a folder: refused before the fit runs
     err = capsys.readouterr().err
@@ -334,3 +335,23 @@ def test_a_file_that_keeps_the_experts_takes_its_extra_bytes_on_the_rest(geos) -
     assert {f.size_lands_on for f in dt.figures() if "bf16" in f.id.lower()} == {"rest"}
     with pytest.raises(ValueError, match="routed experts"):
         dt.Workload.rescaled(g, g.file_size * 0.5, "rest")
+
+
+def test_a_prompt_only_figure_is_checked_on_its_prompt_and_a_row_with_neither_is_refused(monkeypatch, geos) -> None:
+    """A llama-bench -n 0 table gives prompt speed alone: such a figure is checked on its prompt, and
+    left out of the decode fit; a row with neither speed is refused with its id."""
+    row = {"id": "p99-prompt-only", "card": "rtx-4090", "model": "qwen3-30b-a3b-q4_k_m", "size_gib": 17.28,
+           "n_cpu_moe": 0, "pp_tok_s": 5000.0, "split": "held-out", "url": "https://example.org",
+           "backend": "CUDA"}
+    fit = dt.fitted()
+    bundled = dt._data
+    monkeypatch.setattr(dt, "_data", lambda name: {"figure": [row]} if name == "public_measurements.toml" else bundled(name))
+    (fig,) = dt.figures()
+    c = dt.check(fig, geos["qwen3-30b-a3b-q4_k_m"], fit)
+    assert fig.tg_tok_s is None and c.tg_ratio is None and c.pp_ratio > 0 and c.ratios() == [c.pp_ratio]
+    mod = _fit_script()
+    assert mod._by_rig([dataclasses.replace(fig, n_cpu_moe=10)]) == {}  # no decode: no host rate from it
+    assert mod.table([fig], geos, fit)[-1].split(" | ")[3:5] == ["- / 5000", "-"]
+    del row["pp_tok_s"]
+    with pytest.raises(ValueError, match="p99-prompt-only: neither tg_tok_s nor pp_tok_s"):
+        dt.figures()
