@@ -109,7 +109,8 @@ def fit(figs, geos, start: dt.Fit) -> dt.Fit:
         return sum(math.log(r) ** 2 for r in (dt.check(x, geos.get(x.model), f_).pp_ratio for x in train)
                    if r is not None)
 
-    got = dataclasses.replace(got, **_params(PP, nelder_mead(loss_pp, np.log([600000.0, 1e8, 0.5, 64.0, 0.5]), iters=20000)))
+    pp = nelder_mead(loss_pp, np.log([600000.0, 1e8, 0.5, 64.0, 0.5]), iters=20000)
+    got = dataclasses.replace(got, **_params(PP, pp))
     return dataclasses.replace(got, n_fit=len(train), n_held_out=len(figs) - len(train))
 
 

@@ -345,7 +345,8 @@ def test_a_prompt_only_figure_is_checked_on_its_prompt_and_a_row_with_neither_is
            "backend": "CUDA"}
     fit = dt.fitted()
     bundled = dt._data
-    monkeypatch.setattr(dt, "_data", lambda name: {"figure": [row]} if name == "public_measurements.toml" else bundled(name))
+    monkeypatch.setattr(dt, "_data",
+                        lambda name: {"figure": [row]} if name == "public_measurements.toml" else bundled(name))
     (fig,) = dt.figures()
     c = dt.check(fig, geos["qwen3-30b-a3b-q4_k_m"], fit)
     assert fig.tg_tok_s is None and c.tg_ratio is None and c.pp_ratio > 0 and c.ratios() == [c.pp_ratio]

@@ -48,8 +48,8 @@ figures and the stop, link and per-core figures below are assumptions, stated in
 
 from __future__ import annotations
 
-import sys
 import re
+import sys
 from dataclasses import dataclass, fields, replace
 from importlib import resources
 
@@ -90,7 +90,7 @@ class Card:
     second_queue: bool = True  # uploads run beside compute (CUDA, ROCm, Vulkan; not over RPC)
     fp32_tflops: float = 0.0  # 0: not known (no prompt prediction)
     vendor: str = "nvidia"  # nvidia | amd | intel
-    backend: str = ""  # llama.cpp's backend it runs (a BACKENDS key); "" : the one Spark builds for the vendor
+    backend: str = ""  # llama.cpp's backend it runs (a BACKENDS key; "": the one Spark builds for the vendor)
 
     def runs(self) -> str:
         """The llama.cpp backend it is priced for."""
@@ -113,7 +113,8 @@ def _link(d: dict, key: str) -> float:
 def _vendor(d: dict, key: str) -> str:
     vendor = str(d.get("vendor", "nvidia"))
     if vendor not in SPARK_BACKEND:
-        raise ValueError(f"device_profiles.toml: cards.{key}.vendor: {vendor!r} is not one of {', '.join(SPARK_BACKEND)}")
+        raise ValueError(f"device_profiles.toml: cards.{key}.vendor: {vendor!r} is not one of "
+                         f"{', '.join(SPARK_BACKEND)}")
     return vendor
 
 
@@ -162,8 +163,8 @@ class Fit:
 
     def describe(self) -> str:
         return (f"fitted to {self.n_fit} public llama.cpp figures ({self.n_held_out} more held out): decode reads at "
-                f"{self.device_efficiency:.0%} of the card's bandwidth ({self.device_efficiency * self.rocm_bandwidth_share:.0%}"
-                f" with ROCm), {self.layer_us:.0f} us a block, "
+                f"{self.device_efficiency:.0%} of the card's bandwidth "
+                f"({self.device_efficiency * self.rocm_bandwidth_share:.0%} with ROCm), {self.layer_us:.0f} us a block, "
                 f"{self.moe_layer_us:.0f} us more a MoE layer, {self.recurrent_layer_us:.0f} us more a recurrent one "
                 f"(on a {REF_GB_S:g} GB/s card; x (1000 / GB/s)^{self.layer_scaling:.2f} on others), "
                 f"{self.host_layer_us:.0f} us a host layer's hand-over; the CPU's experts at "
@@ -445,7 +446,8 @@ def figures() -> list[Figure]:
         if "tg_tok_s" not in d and "pp_tok_s" not in d:
             raise ValueError(f"public_measurements.toml: {fid}: neither tg_tok_s nor pp_tok_s")
         out.append(Figure(fid, str(d["card"]), str(d["model"]), _size(d, fid), int(d["n_cpu_moe"]),
-                          float(d["tg_tok_s"]) if "tg_tok_s" in d else None, str(d["split"]), str(d["url"]), int(d.get("layers", 0)),
+                          float(d["tg_tok_s"]) if "tg_tok_s" in d else None, str(d["split"]), str(d["url"]),
+                          int(d.get("layers", 0)),
                           _embd_bytes(d, fid) if d["model"] == "dense" else 0.0,
                           float(d["pp_tok_s"]) if "pp_tok_s" in d else None,
                           float(d["host_gb_s"]) if "host_gb_s" in d else None,
