@@ -181,6 +181,7 @@ def test_predict_for_prints_prompt_speed_and_where_each_figure_comes_from(tmp_pa
     assert float(cells[3]) > 0 and float(cells[4]) > 0, row  # tg and pp tok/s
     for kind in ("measured:", "fitted from public reports:", "assumed:"):
         assert kind in out, kind
+    assert "llama.cpp's CUDA backend (the one Spark builds for NVIDIA cards)" in " ".join(out.split())
     rc, out, err = plan(model, "--predict-for", "rtx-5060-ti-16gb", "-c", "32768", "--json", "--host-bandwidth", "60")
     assert rc == 0, err
     alts = {a["name"]: a for a in json.loads(out)["predicted"]["alternatives"]}
@@ -296,11 +297,12 @@ def test_a_figures_backend_is_read_from_llama_benchs_name_and_a_bad_one_is_refus
     """Every figure's backend text starts with llama-bench's name for it (HIP is ROCm's); a row
     whose text names none is refused with its id."""
     assert {f.backend for f in dt.figures()} >= {"cuda", "rocm", "vulkan"}
-    assert dt._backend({"backend": "HIP (ROCm)"}, "x") == "rocm"
-    assert dt._backend({"backend": "Vulkan (RADV), -ngl 99"}, "x") == "vulkan"
-    for bad in ({"backend": "OpenCL, -ngl 99"}, {}):
-        with pytest.raises(ValueError, match="p99-card"):
-            dt._backend(bad, "p99-card")
+    assert dt._backend({"backend": "HIP (ROCm)"}, "x", "amd") == "rocm"
+    assert dt._backend({"backend": "Vulkan (RADV), -ngl 99"}, "x", "amd") == "vulkan"
+    for bad, why in (({"backend": "OpenCL, -ngl 99"}, "'OpenCL, -ngl 99' must start with"), ({}, "no backend"),
+                     ({"backend": "ROCm 6.4"}, "ROCm does not run on NVIDIA cards")):
+        with pytest.raises(ValueError, match=f"p99-card: .*{why}"):
+            dt._backend(bad, "p99-card", "nvidia")
 
 
 def test_an_amd_card_is_priced_for_sparks_vulkan_build_and_a_rocm_figure_with_rocms_constants(geos) -> None:
@@ -353,6 +355,13 @@ def test_a_prompt_only_figure_is_checked_on_its_prompt_and_a_row_with_neither_is
     mod = _fit_script()
     assert mod._by_rig([dataclasses.replace(fig, n_cpu_moe=10)]) == {}  # no decode: no host rate from it
     assert mod.table([fig], geos, fit)[-1].split(" | ")[3:5] == ["- / 5000", "-"]
+    good = dict(row)
+    for change, why in (({"pp_tok_s": 0.0}, "above 0"), ({"card": "rtx-9999"}, "'rtx-9999' is not in"),
+                        ({"size_gib": 0.1}, "less than the fixture's non-expert bytes")):
+        row.update(change)
+        with pytest.raises(ValueError, match=f"p99-prompt-only: .*{why}"):
+            dt.figures()[0].workload(geos["qwen3-30b-a3b-q4_k_m"])
+        row.update(good)
     del row["pp_tok_s"]
     with pytest.raises(ValueError, match="p99-prompt-only: neither tg_tok_s nor pp_tok_s"):
         dt.figures()

@@ -36,7 +36,9 @@ experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s an
   -ub 512, 64 for gpt-oss-20b's 32) still pays for a whole tile (idle_tile_bytes).
 
 A card is priced for the llama.cpp backend Spark builds for it (scripts/build_native.py: CUDA on
-NVIDIA, Vulkan on AMD and Intel); a public figure, for the backend it was measured on.
+NVIDIA, Vulkan on AMD and Intel); a public figure, for the backend it was measured on where the fit
+tells backends apart: AMD's ROCm from its Vulkan. NVIDIA's Vulkan figures are priced as CUDA (the
+fitted ones decode at 0.96 of that on average) and Intel's SYCL as Vulkan.
 
 A public figure on another quantization of a fixture's shapes (Workload.rescaled) scales the routed
 experts so the file has the reported size and keeps the rest as the fixture's.
@@ -69,6 +71,7 @@ HOST_GB_S_PER_CORE = 12.0  # what one core's matmul streams at most
 DEFAULT_HOST_CORES = 8  # a figure that names no CPU
 REF_GB_S = 1000.0  # the card the block figures are given for
 SPARK_BACKEND = {"nvidia": "cuda", "amd": "vulkan", "intel": "vulkan"}  # what scripts/build_native.py builds
+VENDORS = {"nvidia": "NVIDIA", "amd": "AMD", "intel": "Intel"}
 BACKENDS = {"cuda": "CUDA", "rocm": "ROCm", "vulkan": "Vulkan", "sycl": "SYCL", "metal": "Metal"}  # llama-bench's names
 BAND = (0.8, 1.25)  # predicted over reported: inside counts as reproduced
 ASSUMPTIONS = (f"uploads at {LINK_EFFICIENCY:.0%} of the link, at most {HOST_GB_S_PER_CORE:g} GB/s a CPU core, "
@@ -163,8 +166,7 @@ class Fit:
 
     def describe(self) -> str:
         return (f"fitted to {self.n_fit} public llama.cpp figures ({self.n_held_out} more held out): decode reads at "
-                f"{self.device_efficiency:.0%} of the card's bandwidth "
-                f"({self.device_efficiency * self.rocm_bandwidth_share:.0%} with ROCm), {self.layer_us:.0f} us a block, "
+                f"{self.device_efficiency:.0%} of the card's bandwidth, {self.layer_us:.0f} us a block, "
                 f"{self.moe_layer_us:.0f} us more a MoE layer, {self.recurrent_layer_us:.0f} us more a recurrent one "
                 f"(on a {REF_GB_S:g} GB/s card; x (1000 / GB/s)^{self.layer_scaling:.2f} on others), "
                 f"{self.host_layer_us:.0f} us a host layer's hand-over; the CPU's experts at "
@@ -250,7 +252,7 @@ class Host:
 
 def efficiency(c: Card, f: Fit) -> float:
     """The share of the card's bandwidth a decode token's weight reads get on its backend."""
-    return f.device_efficiency * (f.rocm_bandwidth_share if c.runs() == "rocm" else 1.0)
+    return min(1.0, f.device_efficiency * (f.rocm_bandwidth_share if c.runs() == "rocm" else 1.0))
 
 
 def prompt_share(c: Card, f: Fit) -> float:
@@ -342,7 +344,8 @@ def provenance(c: Card, h: Host, f: Fit | None = None) -> list[str]:
     return [f"measured: {measured}",
             f"fitted from public reports: {f.describe()} (data/public_measurements.toml)",
             f"assumed: {c.name}'s vendor bandwidth {c.memory_gb_s:g} GB/s, {c.fp32_tflops:g} FP32 TFLOPS and "
-            f"link {c.link_gb_s:.1f} GB/s, a {c.stop_us:g} us stop{host}; {ASSUMPTIONS}"]
+            f"link {c.link_gb_s:.1f} GB/s, a {c.stop_us:g} us stop, llama.cpp's {BACKENDS[c.runs()]} backend"
+            f"{'' if c.backend else f' (the one Spark builds for {VENDORS[c.vendor]} cards)'}{host}; {ASSUMPTIONS}"]
 
 
 # ---------------------------------------------------------------- the public figures
@@ -390,7 +393,10 @@ class Figure:
             return Workload(self.size_bytes - self.embd_bytes, self.layers)
         if geometry is None:
             raise ValueError(f"public_measurements.toml: {self.id}: needs the geometry of {self.model}")
-        return Workload.rescaled(geometry, self.size_bytes, self.size_lands_on)
+        try:
+            return Workload.rescaled(geometry, self.size_bytes, self.size_lands_on)
+        except ValueError as e:
+            raise ValueError(f"public_measurements.toml: {self.id}: {e}") from None
 
 
 def _size(d: dict, fid: str) -> float:
@@ -408,14 +414,23 @@ def _lands_on(d: dict, fid: str) -> str:
     return where
 
 
-def _backend(d: dict, fid: str) -> str:
+BACKEND_VENDORS = {"cuda": {"nvidia"}, "rocm": {"amd"}, "vulkan": {"nvidia", "amd", "intel"}, "sycl": {"intel"},
+                   "metal": set()}  # the cards each backend runs on
+
+
+def _backend(d: dict, fid: str, vendor: str) -> str:
     """The backend a figure ran: its `backend` text's first word, as llama-bench's backend column
-    names it (HIP is ROCm's)."""
-    word = re.match(r"[A-Za-z]*", str(d.get("backend", ""))).group(0).lower()
+    names it (HIP is ROCm's), one that runs on the card's vendor."""
+    if "backend" not in d:
+        raise ValueError(f"public_measurements.toml: {fid}: no backend (the llama-bench backend column's word)")
+    word = re.match(r"[A-Za-z]*", str(d["backend"])).group(0).lower()
     word = "rocm" if word == "hip" else word
     if word not in BACKENDS:
-        raise ValueError(f"public_measurements.toml: {fid}: backend must start with one of "
-                         f"{', '.join(BACKENDS.values())} (llama-bench's backend column)")
+        raise ValueError(f"public_measurements.toml: {fid}: backend {d['backend']!r} must start with one of "
+                         f"{', '.join(BACKENDS.values())} or HIP (llama-bench's backend column)")
+    if vendor not in BACKEND_VENDORS[word]:
+        raise ValueError(f"public_measurements.toml: {fid}: backend {BACKENDS[word]} does not run on "
+                         f"{VENDORS[vendor]} cards")
     return word
 
 
@@ -438,13 +453,17 @@ def _embd_bytes(d: dict, fid: str) -> float:
 
 def figures() -> list[Figure]:
     """Every bundled public figure (ValueError on a malformed row)."""
-    out = []
+    out, known = [], cards()
     for d in _data("public_measurements.toml")["figure"]:
         fid = str(d["id"])
+        if str(d["card"]) not in known:
+            raise ValueError(f"public_measurements.toml: {fid}: card {d['card']!r} is not in device_profiles.toml")
         if d["split"] not in ("fit", "held-out") or (d["model"] == "dense") != ("layers" in d):
             raise ValueError(f"public_measurements.toml: {fid}: split, or layers for a dense model")
         if "tg_tok_s" not in d and "pp_tok_s" not in d:
             raise ValueError(f"public_measurements.toml: {fid}: neither tg_tok_s nor pp_tok_s")
+        if any(float(d[k]) <= 0 for k in ("tg_tok_s", "pp_tok_s") if k in d):
+            raise ValueError(f"public_measurements.toml: {fid}: tg_tok_s and pp_tok_s must be above 0")
         out.append(Figure(fid, str(d["card"]), str(d["model"]), _size(d, fid), int(d["n_cpu_moe"]),
                           float(d["tg_tok_s"]) if "tg_tok_s" in d else None, str(d["split"]), str(d["url"]),
                           int(d.get("layers", 0)),
@@ -454,7 +473,7 @@ def figures() -> list[Figure]:
                           int(d["host_cores"]) if "host_cores" in d else None,
                           str(d.get("tg_test", "")), str(d.get("pp_test", "")),
                           int(d.get("ubatch", DEFAULT_UBATCH)), int(d.get("prompt_tokens", 512)),
-                          _backend(d, fid), _lands_on(d, fid)))
+                          _backend(d, fid, known[str(d["card"])].vendor), _lands_on(d, fid)))
     return out
 
 
@@ -468,10 +487,6 @@ class Check:
 
     def ratios(self) -> list[float]:
         return [r for r in (self.tg_ratio, self.pp_ratio) if r is not None]
-
-    def inside(self) -> bool:
-        lo, hi = BAND
-        return all(lo <= r <= hi for r in self.ratios())
 
 
 def check(fig: Figure, geometry: ModelGeometry | None, f: Fit | None = None) -> Check:
