@@ -38,7 +38,7 @@ experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s an
 A card is priced for the llama.cpp backend Spark builds for it (scripts/build_native.py: CUDA on
 NVIDIA, Vulkan on AMD and Intel); a public figure, for the backend it was measured on where the fit
 tells backends apart: AMD's ROCm from its Vulkan. NVIDIA's Vulkan figures are priced as CUDA (the
-fitted ones decode at 0.96 of that on average) and Intel's SYCL as Vulkan.
+eight fitted ones decode at 1.00 of that on average, CUDA's own at 0.96) and Intel's SYCL as Vulkan.
 
 A public figure on another quantization of a fixture's shapes (Workload.rescaled) scales the routed
 experts so the file has the reported size and keeps the rest as the fixture's.
