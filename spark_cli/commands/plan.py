@@ -202,8 +202,8 @@ def plan_cmd(
                                   "in time: decode (tg) or prompt (pp)"),
     predict_for: str = typer.Option(None, "--predict-for", help="price the plan for a card that is not at hand, "
                                     "from its published figures (e.g. rtx-4060-ti-16gb; an unknown name lists "
-                                    "them), on the backend Spark builds there (CUDA on NVIDIA, Vulkan on AMD and Intel); "
-                                    "--vram defaults to its memory"),
+                                    "them), on the backend Spark builds there (CUDA on NVIDIA, Vulkan on AMD and "
+                                    "Intel); --vram defaults to its memory"),
     host_bandwidth: float = typer.Option(None, "--host-bandwidth", help="with --predict-for: the host's memory "
                                          "bandwidth in GB/s (default: this CPU as Spark calibrated it, else the "
                                          "CPU rate of the public measurements' hosts)"),

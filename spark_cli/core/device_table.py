@@ -50,6 +50,7 @@ figures and the stop, link and per-core figures below are assumptions, stated in
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from dataclasses import dataclass, fields, replace
@@ -78,7 +79,9 @@ ASSUMPTIONS = (f"uploads at {LINK_EFFICIENCY:.0%} of the link, at most {HOST_GB_
                "a prompt's host layers uploaded once per ubatch")
 
 
+@functools.lru_cache(maxsize=None)
 def _data(name: str) -> dict:
+    """A bundled table, parsed once (a fit prices every figure's card thousands of times; read only)."""
     return tomllib.loads(resources.files("spark_cli").joinpath(f"data/{name}").read_text())
 
 
