@@ -297,6 +297,65 @@ def chart(figs, geos, f: dt.Fit, path: Path, rows: list[tuple[dt.Figure, float, 
     return drawn
 
 
+@dataclasses.dataclass(frozen=True)
+class Replicate:
+    """Two reports of one configuration from different sources: how far public figures disagree
+    with each other, whatever a model predicts."""
+
+    kind: str  # "tg" | "pp"
+    a: dt.Figure
+    b: dt.Figure
+
+    def spread(self) -> float:
+        """The faster report over the slower one (>= 1)."""
+        x, y = (getattr(fig, f"{self.kind}_tok_s") for fig in (self.a, self.b))
+        return max(x, y) / min(x, y)
+
+
+def _configuration(x: dt.Figure, kind: str) -> tuple:
+    """What makes two reports the same run: card, backend, model and file size (to 1%), placement, and
+    for a prompt its ubatch and length."""
+    prompt = (x.prompt_ubatch(), x.prompt_tokens) if kind == "pp" else ()
+    return (x.card, x.device().runs(), x.model, x.layers, x.n_cpu_moe, round(math.log(x.size_bytes) / 0.01)) + prompt
+
+
+def replicates(figs) -> list[Replicate]:
+    """Every pair of figures of one configuration (`_configuration`) read from different sources."""
+    out = []
+    for kind in ("tg", "pp"):
+        by: dict[tuple, list[dt.Figure]] = {}
+        for x in figs:
+            if getattr(x, f"{kind}_tok_s"):
+                by.setdefault(_configuration(x, kind), []).append(x)
+        out += [Replicate(kind, a, b) for xs in by.values() for i, a in enumerate(xs) for b in xs[i + 1:]
+                if a.url.split("#")[0] != b.url.split("#")[0]]
+    return out
+
+
+def replicate_summary(pairs: list[Replicate]) -> list[str]:
+    """Per kind: the pairs' spread, the scatter of one report it implies (a log-normal error per report,
+    sigma^2 = mean(log spread^2) / 2), and the share of reports a model that knew each configuration's
+    true speed would still find inside the band at that scatter."""
+    lo, hi = dt.BAND
+    out = []
+    for kind, name in (("tg", "decode"), ("pp", "prompt")):
+        s = sorted(p.spread() for p in pairs if p.kind == kind)
+        if not s:
+            continue
+        sigma = math.sqrt(sum(math.log(x) ** 2 for x in s) / len(s) / 2)
+        z = min(math.log(hi), -math.log(lo)) / sigma
+        out.append(f"{name}: {len(s)} pairs of reports of one configuration from different sources, the faster "
+                   f"{s[0]:.2f}-{s[-1]:.2f}x the slower (median {s[len(s) // 2]:.2f}x): one report's scatter "
+                   f"{sigma:.3f} (log), so an exact model would find about {math.erf(z / math.sqrt(2)):.0%} of "
+                   f"reports within {lo}-{hi}")
+    return out
+
+
+def replicate_table(pairs: list[Replicate]) -> list[str]:
+    out = ["", "| kind | figure | other report of its configuration | faster over slower |", "|---|---|---|---|"]
+    return out + [f"| {p.kind} | {p.a.id} | {p.b.id} | {p.spread():.2f} |" for p in pairs]
+
+
 def write(f: dt.Fit) -> None:
     text = DATA.read_text()
     head = text[:text.index(MARK)]
@@ -328,9 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(summary(figs, geos, f)))
     rows = calibrated(figs, geos, f)
     print("\n".join(calibrated_summary(rows)))
+    pairs = replicates(figs)
+    print("\n".join(replicate_summary(pairs)))
     if a.markdown:
         print("\n".join(table(figs, geos, f)))
         print("\n".join(calibrated_table(rows)))
+        print("\n".join(replicate_table(pairs)))
     if a.write:
         write(f)
     if a.png:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _fit_script():
     spec = importlib.util.spec_from_file_location("fit_public", ROOT / "scripts" / "fit_public.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -365,3 +368,24 @@ def test_a_prompt_only_figure_is_checked_on_its_prompt_and_a_row_with_neither_is
     del row["pp_tok_s"]
     with pytest.raises(ValueError, match="p99-prompt-only: neither tg_tok_s nor pp_tok_s"):
         dt.figures()
+
+
+def test_two_reports_of_one_configuration_from_different_sources_are_paired_and_their_spread_read() -> None:
+    """The noise floor: two figures of one card, backend, model, size, placement (and for a prompt its
+    ubatch) from different sources pair up; one source's own figures, another size or another ubatch
+    do not."""
+    mod = _fit_script()
+    base = dt.Figure(id="a", card="rtx-4090", model="qwen3-30b-a3b-q4_k_m", size_bytes=17.28 * 2**30, n_cpu_moe=0,
+                     tg_tok_s=100.0, split="fit", url="https://example.org/1", pp_tok_s=4000.0)
+    other = dataclasses.replace(base, id="b", url="https://example.org/2#c", tg_tok_s=125.0, pp_tok_s=3200.0)
+    same_source = dataclasses.replace(base, id="c", url="https://example.org/1#x", tg_tok_s=80.0)
+    bigger = dataclasses.replace(base, id="d", url="https://example.org/3", size_bytes=base.size_bytes * 1.05)
+    other_ub = dataclasses.replace(other, id="e", url="https://example.org/4", tg_tok_s=None, ubatch=256)
+    pairs = mod.replicates([base, other, same_source, bigger, other_ub])
+    got = sorted((p.kind, p.a.id, p.b.id, round(p.spread(), 3)) for p in pairs)
+    assert got == [("pp", "a", "b", 1.25), ("pp", "b", "c", 1.25), ("tg", "a", "b", 1.25), ("tg", "b", "c", 1.562)]
+    lines = mod.replicate_summary(pairs)
+    assert lines[0].startswith("decode: 2 pairs") and "1.25-1.56x" in lines[0]
+    sigma = math.sqrt((math.log(1.25) ** 2 + math.log(1.5625) ** 2) / 2 / 2)
+    share = math.erf(math.log(1.25) / sigma / math.sqrt(2))
+    assert f"scatter {sigma:.3f}" in lines[0] and f"about {share:.0%} of" in lines[0]
