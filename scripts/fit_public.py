@@ -332,27 +332,48 @@ def replicates(figs) -> list[Replicate]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """One kind's pairs of reports: how far apart, and what that leaves a model."""
+
+    name: str  # decode | prompt
+    spreads: list[float]  # each pair's faster over slower, sorted
+
+    def sigma(self) -> float:
+        """One report's scatter (log), under a log-normal error per report: sigma^2 = mean(log^2) / 2."""
+        return math.sqrt(sum(math.log(x) ** 2 for x in self.spreads) / len(self.spreads) / 2)
+
+    def exact_inside(self) -> float:
+        """The share of reports a model that knew each configuration's true speed would find in the band."""
+        lo, hi = dt.BAND
+        return math.erf(min(math.log(hi), -math.log(lo)) / self.sigma() / math.sqrt(2))
+
+    def median(self) -> float:
+        return self.spreads[len(self.spreads) // 2]
+
+
+def spreads(pairs: list[Replicate]) -> list[Spread]:
+    out = [Spread(name, sorted(p.spread() for p in pairs if p.kind == kind))
+           for kind, name in (("tg", "decode"), ("pp", "prompt"))]
+    return [s for s in out if s.spreads]
+
+
 def replicate_summary(pairs: list[Replicate]) -> list[str]:
-    """Per kind: the pairs' spread, the scatter of one report it implies (a log-normal error per report,
-    sigma^2 = mean(log spread^2) / 2), and the share of reports a model that knew each configuration's
-    true speed would still find inside the band at that scatter."""
+    """Per kind: the pairs' spread, the scatter of one report it implies, and the share of reports a
+    model that knew each configuration's true speed would still find inside the band at that scatter."""
     lo, hi = dt.BAND
-    out = []
-    for kind, name in (("tg", "decode"), ("pp", "prompt")):
-        s = sorted(p.spread() for p in pairs if p.kind == kind)
-        if not s:
-            continue
-        sigma = math.sqrt(sum(math.log(x) ** 2 for x in s) / len(s) / 2)
-        z = min(math.log(hi), -math.log(lo)) / sigma
-        out.append(f"{name}: {len(s)} pairs of reports of one configuration from different sources, the faster "
-                   f"{s[0]:.2f}-{s[-1]:.2f}x the slower (median {s[len(s) // 2]:.2f}x): one report's scatter "
-                   f"{sigma:.3f} (log), so an exact model would find about {math.erf(z / math.sqrt(2)):.0%} of "
-                   f"reports within {lo}-{hi}")
-    return out
+    return [f"{s.name}: {len(s.spreads)} pairs of reports of one configuration from different sources, the "
+            f"faster {s.spreads[0]:.2f}-{s.spreads[-1]:.2f}x the slower (median {s.median():.2f}x): one report's "
+            f"scatter {s.sigma():.3f} (log), so an exact model would find about {s.exact_inside():.0%} of reports "
+            f"within {lo}-{hi}" for s in spreads(pairs)]
 
 
 def replicate_table(pairs: list[Replicate]) -> list[str]:
-    out = ["", "| kind | figure | other report of its configuration | faster over slower |", "|---|---|---|---|"]
+    out = ["", "| kind | pairs | faster over slower | one report's scatter (log) | an exact model inside the band |",
+           "|---|---|---|---|---|"]
+    out += [f"| {s.name} | {len(s.spreads)} | {s.spreads[0]:.2f}-{s.spreads[-1]:.2f} (median {s.median():.2f}) | "
+            f"{s.sigma():.3f} | about {s.exact_inside():.0%} |" for s in spreads(pairs)]
+    out += ["", "| kind | figure | other report of its configuration | faster over slower |", "|---|---|---|---|"]
     return out + [f"| {p.kind} | {p.a.id} | {p.b.id} | {p.spread():.2f} |" for p in pairs]
 
 

@@ -127,8 +127,11 @@ def test_the_docs_table_is_the_data_files(geos) -> None:
         assert cells[4] == (f"{c.tg_ratio:.2f}" if c.tg_ratio is not None else "-"), (f.id, cells[4], c.tg_ratio)
         assert cells[5] == (f"{c.pp_ratio:.2f}" if c.pp_ratio is not None else "-"), (f.id, cells[5])
         assert cells[6] == f.split and cells[7] == f.url, f.id
-    for x, rate, r in _fit_script().calibrated(dt.figures(), geos, dt.fitted()):
+    mod = _fit_script()
+    for x, rate, r in mod.calibrated(dt.figures(), geos, dt.fitted()):
         assert f"| {x.id} | {x.split} | {rate:.1f} GB/s | {r:.2f} |" in doc, f"docs/cost-model.md: {x.id} calibrated"
+    for row in mod.replicate_table(mod.replicates(dt.figures())):
+        assert row in doc.splitlines(), f"docs/cost-model.md lacks the replicate row {row!r}"
 
 
 def test_slower_host_or_more_host_layers_predict_slower_decode(geos) -> None:
