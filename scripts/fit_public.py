@@ -15,7 +15,11 @@ user's own host: an --n-cpu-moe figure of a rig with others (one source, card an
 bandwidth) is predicted with the CPU expert rate that best fits the rig's other figures (leave one
 out), so the only thing taken from the rig is its CPU's rate, never the figure itself.
 
-Usage: .venv/bin/python scripts/fit_public.py [--write] [--markdown] [--png PATH]
+With --records only each card's record is rewritten (how close the stored constants come on the
+card's figures all on the card, on the backend Spark builds for it), which `spark plan --predict-for`
+prints; after figures are added without a refit.
+
+Usage: .venv/bin/python scripts/fit_public.py [--write | --records] [--markdown] [--png PATH]
 """
 
 from __future__ import annotations
@@ -377,18 +381,41 @@ def replicate_table(pairs: list[Replicate]) -> list[str]:
     return out + [f"| {p.kind} | {p.a.id} | {p.b.id} | {p.spread():.2f} |" for p in pairs]
 
 
-def write(f: dt.Fit) -> None:
+def card_records(figs, geos, f: dt.Fit) -> dict[str, list[dt.Record]]:
+    """Per card: predicted over reported for its figures all on the card and on the backend Spark builds
+    for it (what `--predict-for` prices), decode and prompt, fitted and held out alike."""
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for x in figs:
+        if x.n_cpu_moe or x.device().runs() != dt.card(x.card).runs():
+            continue
+        c = dt.check(x, geos.get(x.model), f)
+        for kind, r in (("tg", c.tg_ratio), ("pp", c.pp_ratio)):
+            if r is not None:
+                ratios.setdefault(x.card, {}).setdefault(kind, []).append(r)
+    lo, hi = dt.BAND
+    return {card: [dt.Record(kind, min(rs), max(rs), sum(lo <= r <= hi for r in rs), len(rs))
+                   for kind, rs in by.items()] for card, by in sorted(ratios.items())}
+
+
+def write(f: dt.Fit, records: dict[str, list[dt.Record]]) -> None:
+    """The [fit] table and each card's [checked] record under MARK, the figures above it kept."""
     text = DATA.read_text()
     head = text[:text.index(MARK)]
     body = "\n".join(f"{fl.name} = {getattr(f, fl.name)!r}" if isinstance(getattr(f, fl.name), int)
                      else f"{fl.name} = {getattr(f, fl.name):.6g}" for fl in dataclasses.fields(f))
+    checked = "".join(f"\n[checked.{card}]\n" + "".join(f"{r.kind} = [{r.lo:.2f}, {r.hi:.2f}, {r.inside}, {r.n}]\n"
+                                                         for r in rs) for card, rs in records.items())
     DATA.write_text(head + MARK + " from the \"fit\" figures (do not edit by hand below this line)\n[fit]\n"
-                    + body + "\n")
+                    + body + "\n" + ("\n# each card's figures all on the card, on the backend Spark builds for it: "
+                                     "predicted over reported, lowest, highest, inside the band, figures\n" if checked
+                                     else "") + checked)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--write", action="store_true", help="replace the data file's [fit] table")
+    ap.add_argument("--write", action="store_true", help="replace the data file's [fit] table and card records")
+    ap.add_argument("--records", action="store_true",
+                    help="rewrite only each card's [checked] record, from the stored constants (no refit)")
     ap.add_argument("--markdown", action="store_true", help="print the table of every figure")
     ap.add_argument("--png", type=Path, help="draw predicted over reported for every figure here")
     a = ap.parse_args(argv)
@@ -403,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     figs = dt.figures()
     geos = {m: load_geometry(build_fixture(m)) for m in {x.model for x in figs if x.model != "dense"}}
+    if a.records:
+        write(dt.fitted(), card_records(figs, geos, dt.fitted()))
+        print(f"wrote {DATA}'s card records from the stored constants")
+        return 0
     f = fit(figs, geos, dt.fitted())
     print("\n".join(f"{fl.name} = {getattr(f, fl.name):.6g}" for fl in dataclasses.fields(f)))
     print("\n".join(summary(figs, geos, f)))
@@ -415,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(calibrated_table(rows)))
         print("\n".join(replicate_table(pairs)))
     if a.write:
-        write(f)
+        write(f, card_records(figs, geos, f))
     if a.png:
         print(f"wrote {a.png} ({chart(figs, geos, f, a.png, rows)} points)")
     return 0

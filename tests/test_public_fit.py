@@ -185,7 +185,7 @@ def test_predict_for_prints_prompt_speed_and_where_each_figure_comes_from(tmp_pa
     row = next(l for l in out.splitlines() if "stock --n-cpu-moe" in l and "GiB" in l)
     cells = [c.strip() for c in row.strip("│ ").split("│")]
     assert float(cells[3]) > 0 and float(cells[4]) > 0, row  # tg and pp tok/s
-    for kind in ("measured:", "fitted from public reports:", "assumed:"):
+    for kind in ("measured:", "fitted from public reports:", "assumed:", "checked against public figures"):
         assert kind in out, kind
     assert "llama.cpp's CUDA backend (the one Spark builds for NVIDIA cards)" in " ".join(out.split())
     rc, out, err = plan(model, "--predict-for", "rtx-5060-ti-16gb", "-c", "32768", "--json", "--host-bandwidth", "60")
@@ -392,3 +392,28 @@ def test_two_reports_of_one_configuration_from_different_sources_are_paired_and_
     sigma = math.sqrt((math.log(1.25) ** 2 + math.log(1.5625) ** 2) / 2 / 2)
     share = math.erf(math.log(1.25) / sigma / math.sqrt(2))
     assert f"scatter {sigma:.3f}" in lines[0] and f"about {share:.0%} of" in lines[0]
+
+
+def test_each_cards_public_record_is_what_the_script_makes_from_the_stored_constants(geos) -> None:
+    """`--predict-for` says how close the model came on the card's own public figures: the stored
+    records are the script's from the stored constants, over the figures all on the card and on the
+    backend Spark builds for it; a card with none says so."""
+    mod = _fit_script()
+    figs = dt.figures()
+    made = mod.card_records(figs, geos, dt.fitted())
+    for key, c in dt.cards().items():
+        rounded = [dataclasses.replace(r, lo=round(r.lo, 2), hi=round(r.hi, 2)) for r in made.get(key, [])]
+        assert dt.records(c) == rounded, key
+    lo, hi = dt.BAND
+    cuda = [dt.check(x, geos.get(x.model)).tg_ratio for x in figs
+            if x.card == "rtx-5090" and not x.n_cpu_moe and x.device().runs() == "cuda" and x.tg_tok_s]
+    (tg,) = [r for r in dt.records(dt.card("rtx-5090")) if r.kind == "tg"]
+    assert tg.n == len(cuda) and tg.inside == sum(lo <= r <= hi for r in cuda)  # its Vulkan figures do not count
+    vulkan = next(x for x in figs if x.card == "rtx-5090" and x.device().runs() == "vulkan" and not x.n_cpu_moe)
+    assert mod.card_records([vulkan], geos, dt.fitted()) == {}
+    line = dt.checked_line(dt.card("h100-pcie-80gb"))
+    assert line.startswith("checked against public figures on this card with llama.cpp's CUDA backend")
+    assert "decode" in line and "prompt" in line and "within 0.8-1.25" in line
+    bare = [k for k, c in dt.cards().items() if not dt.records(c)]
+    assert bare, "every card has public figures: the 'no public figure' line is untested"
+    assert dt.checked_line(dt.card(bare[0])).startswith("checked: no public figure on this card")

@@ -182,6 +182,30 @@ def fitted() -> Fit:
 
 
 @dataclass(frozen=True)
+class Record:
+    """How the fitted model did on one card's public figures of one kind (all on the card, on the
+    backend Spark builds for it): predicted over reported, lowest and highest, and how many inside BAND."""
+
+    kind: str  # "tg" | "pp"
+    lo: float
+    hi: float
+    inside: int
+    n: int
+
+    def describe(self) -> str:
+        what = "decode" if self.kind == "tg" else "prompt"
+        span = f"{self.lo:.2f}" if self.n == 1 else f"{self.lo:.2f}-{self.hi:.2f}"
+        return f"{what} {span} ({self.inside} of {self.n} within {BAND[0]}-{BAND[1]})"
+
+
+def records(c: Card) -> list[Record]:
+    """The card's public record (data/public_measurements.toml's [checked], written by
+    scripts/fit_public.py with the fit): decode and prompt, where it has figures."""
+    got = _data("public_measurements.toml").get("checked", {}).get(c.key, {})
+    return [Record(kind, float(v[0]), float(v[1]), int(v[2]), int(v[3])) for kind, v in got.items()]
+
+
+@dataclass(frozen=True)
 class Workload:
     """What one token of a model reads and runs, as the formulas take it."""
 
@@ -348,7 +372,18 @@ def provenance(c: Card, h: Host, f: Fit | None = None) -> list[str]:
             f"fitted from public reports: {f.describe()} (data/public_measurements.toml)",
             f"assumed: {c.name}'s vendor bandwidth {c.memory_gb_s:g} GB/s, {c.fp32_tflops:g} FP32 TFLOPS and "
             f"link {c.link_gb_s:.1f} GB/s, a {c.stop_us:g} us stop, llama.cpp's {BACKENDS[c.runs()]} backend"
-            f"{'' if c.backend else f' (the one Spark builds for {VENDORS[c.vendor]} cards)'}{host}; {ASSUMPTIONS}"]
+            f"{'' if c.backend else f' (the one Spark builds for {VENDORS[c.vendor]} cards)'}{host}; {ASSUMPTIONS}",
+            checked_line(c)]
+
+
+def checked_line(c: Card) -> str:
+    """How far the model's predictions were from what people measured on this card, or that none did."""
+    got = records(c)
+    where = f"on this card with llama.cpp's {BACKENDS[c.runs()]} backend, all on the card"
+    if not got:
+        return f"checked: no public figure {where}: nothing shows how close this card's prediction comes"
+    return (f"checked against public figures {where}: predicted over reported "
+            f"{', '.join(r.describe() for r in got)} (docs/cost-model.md)")
 
 
 # ---------------------------------------------------------------- the public figures
