@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Fit `spark plan --predict-for`'s constants (core/device_table.py's module docstring) to the public
 figures marked "fit" in spark_cli/data/public_measurements.toml, and print predicted over reported for
-every figure, fitted and held out. With --write the [fit] table of the data file is replaced.
+every figure, fitted and held out. With --write the [fit] table of the data file is replaced, and each
+card's [checked] record with it.
 
 The fit minimises the squared log of predicted over reported (Nelder-Mead; positive constants,
 efficiencies at most 1), in two stages for decode, since a host's CPU is not the model's to know:
@@ -27,10 +28,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
+import statistics
 import sys
 from pathlib import Path
 
 import numpy as np
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -312,73 +320,130 @@ class Replicate:
 
     def spread(self) -> float:
         """The faster report over the slower one (>= 1)."""
-        x, y = (getattr(fig, f"{self.kind}_tok_s") for fig in (self.a, self.b))
+        x, y = (_speed(fig, self.kind) for fig in (self.a, self.b))
         return max(x, y) / min(x, y)
 
 
+def _speed(x: dt.Figure, kind: str) -> float:
+    return x.tg_tok_s if kind == "tg" else x.pp_tok_s
+
+
+def _source(x: dt.Figure) -> str:
+    """A figure's source: its url without the anchor (a thread, a page, a repository folder)."""
+    return x.url.split("#")[0]
+
+
+def _test(x: dt.Figure, kind: str) -> str | None:
+    """The llama-bench test that measured a figure's kind ("tg128", "pp512"); None for another tool."""
+    m = re.match(rf"llama-bench ({kind}\d+)\b", x.tg_test if kind == "tg" else x.pp_test)
+    return m.group(1) if m else None
+
+
 def _configuration(x: dt.Figure, kind: str) -> tuple:
-    """What makes two reports the same run: card, backend, model and file size (to 1%), placement, and
-    for a prompt its ubatch and length."""
-    prompt = (x.prompt_ubatch(), x.prompt_tokens) if kind == "pp" else ()
-    return (x.card, x.device().runs(), x.model, x.layers, x.n_cpu_moe, round(math.log(x.size_bytes) / 0.01)) + prompt
+    """What two reports must share, besides a file size within SIZE_TOLERANCE, to be of one run: card,
+    backend, model's shapes, llama-bench test, placement (and for --n-cpu-moe the host as given), and for
+    a prompt its ubatch."""
+    host = (x.host_gb_s, x.host_cores) if x.n_cpu_moe else ()
+    prompt = (x.prompt_ubatch(),) if kind == "pp" else ()
+    return (x.card, x.device().runs(), x.model, x.layers, _test(x, kind), x.n_cpu_moe) + host + prompt
 
 
-def replicates(figs) -> list[Replicate]:
-    """Every pair of figures of one configuration (`_configuration`) read from different sources."""
+SIZE_TOLERANCE = 0.01  # two files of one configuration: sizes within 1% (log)
+
+
+def configurations(figs, kind: str) -> list[list[dt.Figure]]:
+    """The figures of `kind` measured by llama-bench, by configuration: `_configuration` alike and each
+    file within SIZE_TOLERANCE of the configuration's smallest."""
+    by: dict[tuple, list[dt.Figure]] = {}
+    for x in figs:
+        if _speed(x, kind) and _test(x, kind):
+            by.setdefault(_configuration(x, kind), []).append(x)
     out = []
-    for kind in ("tg", "pp"):
-        by: dict[tuple, list[dt.Figure]] = {}
-        for x in figs:
-            if getattr(x, f"{kind}_tok_s"):
-                by.setdefault(_configuration(x, kind), []).append(x)
-        out += [Replicate(kind, a, b) for xs in by.values() for i, a in enumerate(xs) for b in xs[i + 1:]
-                if a.url.split("#")[0] != b.url.split("#")[0]]
+    for xs in by.values():
+        xs = sorted(xs, key=lambda x: x.size_bytes)
+        while xs:
+            same = [x for x in xs if math.log(x.size_bytes / xs[0].size_bytes) <= SIZE_TOLERANCE]
+            out.append(same)
+            xs = xs[len(same):]
     return out
 
 
+def replicates(figs) -> list[Replicate]:
+    """Every pair of figures of one configuration (`configurations`) read from different sources."""
+    return [Replicate(kind, a, b) for kind in ("tg", "pp") for xs in configurations(figs, kind)
+            for i, a in enumerate(xs) for b in xs[i + 1:] if _source(a) != _source(b)]
+
+
 @dataclasses.dataclass(frozen=True)
-class Spread:
-    """One kind's pairs of reports: how far apart, and what that leaves a model."""
+class Scatter:
+    """One kind's reports of configurations that two or more sources measured: how far they disagree,
+    and what that leaves a model."""
 
     name: str  # decode | prompt
-    spreads: list[float]  # each pair's faster over slower, sorted
-
-    def sigma(self) -> float:
-        """One report's scatter (log), under a log-normal error per report: sigma^2 = mean(log^2) / 2."""
-        return math.sqrt(sum(math.log(x) ** 2 for x in self.spreads) / len(self.spreads) / 2)
+    pair_spreads: list[float]  # each pair's faster over slower, sorted
+    sigma: float  # one report's scatter (log): pooled over configurations, a source's reports averaged
 
     def exact_inside(self) -> float:
-        """The share of reports a model that knew each configuration's true speed would find in the band."""
+        """The share of reports a model that knew each configuration's true speed would find in the band,
+        under a log-normal error per report."""
+        if self.sigma == 0:
+            return 1.0
         lo, hi = dt.BAND
-        return math.erf(min(math.log(hi), -math.log(lo)) / self.sigma() / math.sqrt(2))
+        return 0.5 * (math.erf(math.log(hi) / (self.sigma * math.sqrt(2)))
+                      - math.erf(math.log(lo) / (self.sigma * math.sqrt(2))))
 
-    def median(self) -> float:
-        return self.spreads[len(self.spreads) // 2]
-
-
-def spreads(pairs: list[Replicate]) -> list[Spread]:
-    out = [Spread(name, sorted(p.spread() for p in pairs if p.kind == kind))
-           for kind, name in (("tg", "decode"), ("pp", "prompt"))]
-    return [s for s in out if s.spreads]
+    def cells(self) -> list[str]:
+        s = self.pair_spreads
+        return [self.name, str(len(s)), f"{s[0]:.2f}-{s[-1]:.2f}", f"{statistics.median(s):.2f}",
+                f"{self.sigma:.3f}", f"{self.exact_inside():.0%}"]
 
 
-def replicate_summary(pairs: list[Replicate]) -> list[str]:
+def pooled_sigma(groups: list[list[float]]) -> float:
+    """The scatter of one report (log) from groups of reports of one configuration, one value a source:
+    the squared deviations from each group's mean over the groups' degrees of freedom."""
+    dev = sum((math.log(v) - sum(map(math.log, g)) / len(g)) ** 2 for g in groups for v in g)
+    dof = sum(len(g) - 1 for g in groups)
+    return math.sqrt(dev / dof) if dof else 0.0
+
+
+def scatters(figs) -> list[Scatter]:
+    """Per kind, over every configuration two or more sources measured (a source's figures of one
+    configuration count once, at their geometric mean)."""
+    out = []
+    pairs = replicates(figs)
+    for kind, name in (("tg", "decode"), ("pp", "prompt")):
+        groups = []
+        for xs in configurations(figs, kind):
+            by: dict[str, list[float]] = {}
+            for x in xs:
+                by.setdefault(_source(x), []).append(_speed(x, kind))
+            if len(by) > 1:
+                groups.append([math.exp(sum(map(math.log, v)) / len(v)) for v in by.values()])
+        spread = sorted(p.spread() for p in pairs if p.kind == kind)
+        if spread:
+            out.append(Scatter(name, spread, pooled_sigma(groups)))
+    return out
+
+
+def replicate_summary(figs) -> list[str]:
     """Per kind: the pairs' spread, the scatter of one report it implies, and the share of reports a
     model that knew each configuration's true speed would still find inside the band at that scatter."""
     lo, hi = dt.BAND
-    return [f"{s.name}: {len(s.spreads)} pairs of reports of one configuration from different sources, the "
-            f"faster {s.spreads[0]:.2f}-{s.spreads[-1]:.2f}x the slower (median {s.median():.2f}x): one report's "
-            f"scatter {s.sigma():.3f} (log), so an exact model would find about {s.exact_inside():.0%} of reports "
-            f"within {lo}-{hi}" for s in spreads(pairs)]
+    out = []
+    for sc in scatters(figs):
+        name, n, span, median, sigma, share = sc.cells()
+        out.append(f"{name}: {n} pairs of reports of one configuration from different sources, the faster {span}x "
+                   f"the slower (median {median}x): one report's scatter {sigma} (log), so an exact model would "
+                   f"find about {share} of reports within {lo}-{hi}")
+    return out
 
 
-def replicate_table(pairs: list[Replicate]) -> list[str]:
-    out = ["", "| kind | pairs | faster over slower | one report's scatter (log) | an exact model inside the band |",
-           "|---|---|---|---|---|"]
-    out += [f"| {s.name} | {len(s.spreads)} | {s.spreads[0]:.2f}-{s.spreads[-1]:.2f} (median {s.median():.2f}) | "
-            f"{s.sigma():.3f} | about {s.exact_inside():.0%} |" for s in spreads(pairs)]
+def replicate_table(figs) -> list[str]:
+    out = ["", "| kind | pairs | faster over slower | median | one report's scatter (log) | an exact model inside "
+           "the band |", "|---|---|---|---|---|---|"]
+    out += ["| " + " | ".join(sc.cells()[:5] + [f"about {sc.cells()[5]}"]) + " |" for sc in scatters(figs)]
     out += ["", "| kind | figure | other report of its configuration | faster over slower |", "|---|---|---|---|"]
-    return out + [f"| {p.kind} | {p.a.id} | {p.b.id} | {p.spread():.2f} |" for p in pairs]
+    return out + [f"| {p.kind} | {p.a.id} | {p.b.id} | {p.spread():.2f} |" for p in replicates(figs)]
 
 
 def card_records(figs, geos, f: dt.Fit) -> dict[str, list[dt.Record]]:
@@ -397,28 +462,44 @@ def card_records(figs, geos, f: dt.Fit) -> dict[str, list[dt.Record]]:
                    for kind, rs in by.items()] for card, by in sorted(ratios.items())}
 
 
-def write(f: dt.Fit, records: dict[str, list[dt.Record]]) -> None:
-    """The [fit] table and each card's [checked] record under MARK, the figures above it kept."""
-    text = DATA.read_text()
-    head = text[:text.index(MARK)]
-    body = "\n".join(f"{fl.name} = {getattr(f, fl.name)!r}" if isinstance(getattr(f, fl.name), int)
-                     else f"{fl.name} = {getattr(f, fl.name):.6g}" for fl in dataclasses.fields(f))
-    checked = "".join(f"\n[checked.{card}]\n" + "".join(f"{r.kind} = [{r.lo:.2f}, {r.hi:.2f}, {r.inside}, {r.n}]\n"
-                                                         for r in rs) for card, rs in records.items())
-    DATA.write_text(head + MARK + " from the \"fit\" figures (do not edit by hand below this line)\n[fit]\n"
-                    + body + "\n" + ("\n# each card's figures all on the card, on the backend Spark builds for it: "
-                                     "predicted over reported, lowest, highest, inside the band, figures\n" if checked
-                                     else "") + checked)
+def _fit_text(f: dt.Fit) -> str:
+    """The [fit] table as the data file keeps it (six significant digits)."""
+    return "[fit]\n" + "".join(f"{fl.name} = {getattr(f, fl.name)!r}\n" if isinstance(getattr(f, fl.name), int)
+                               else f"{fl.name} = {getattr(f, fl.name):.6g}\n" for fl in dataclasses.fields(f))
+
+
+def _records_text(records: dict[str, list[dt.Record]]) -> str:
+    """Each card's [checked] record as the data file keeps it."""
+    if not records:
+        return ""
+    return ("\n# each card's figures all on the card, on the backend Spark builds for it: predicted over reported, "
+            "lowest, highest, inside the band, figures\n" +
+            "".join(f"\n[checked.{card}]\n" + "".join(f"{r.kind} = [{r.lo:.2f}, {r.hi:.2f}, {r.inside}, {r.n}]\n"
+                                                     for r in rs) for card, rs in records.items()))
+
+
+def write(f: dt.Fit, figs, geos) -> None:
+    """The [fit] table and each card's [checked] record under MARK, the figures above it kept. The records
+    are priced with the constants as stored (rounded), so that they are what a reader of the file gets."""
+    text = _fit_text(f)
+    stored = dt.Fit.from_dict(tomllib.loads(text)["fit"])
+    head = DATA.read_text()
+    head = head[:head.index(MARK)]
+    DATA.write_text(head + MARK + " from the \"fit\" figures (do not edit by hand below this line)\n" + text
+                    + _records_text(card_records(figs, geos, stored)))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--write", action="store_true", help="replace the data file's [fit] table and card records")
-    ap.add_argument("--records", action="store_true",
-                    help="rewrite only each card's [checked] record, from the stored constants (no refit)")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--write", action="store_true", help="replace the data file's [fit] table and card records")
+    how.add_argument("--records", action="store_true",
+                     help="rewrite only each card's [checked] record, from the stored constants (no refit); alone")
     ap.add_argument("--markdown", action="store_true", help="print the table of every figure")
     ap.add_argument("--png", type=Path, help="draw predicted over reported for every figure here")
     a = ap.parse_args(argv)
+    if a.records and (a.markdown or a.png):
+        ap.error("--records rewrites the card records only: give it alone")
     if a.png:
         from spark_cli.errors import SparkError
         from spark_cli.files.atomic import check_output
@@ -431,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     figs = dt.figures()
     geos = {m: load_geometry(build_fixture(m)) for m in {x.model for x in figs if x.model != "dense"}}
     if a.records:
-        write(dt.fitted(), card_records(figs, geos, dt.fitted()))
+        write(dt.fitted(), figs, geos)
         print(f"wrote {DATA}'s card records from the stored constants")
         return 0
     f = fit(figs, geos, dt.fitted())
@@ -439,14 +520,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(summary(figs, geos, f)))
     rows = calibrated(figs, geos, f)
     print("\n".join(calibrated_summary(rows)))
-    pairs = replicates(figs)
-    print("\n".join(replicate_summary(pairs)))
+    print("\n".join(replicate_summary(figs)))
     if a.markdown:
         print("\n".join(table(figs, geos, f)))
         print("\n".join(calibrated_table(rows)))
-        print("\n".join(replicate_table(pairs)))
+        print("\n".join(replicate_table(figs)))
     if a.write:
-        write(f, card_records(figs, geos, f))
+        write(f, figs, geos)
     if a.png:
         print(f"wrote {a.png} ({chart(figs, geos, f, a.png, rows)} points)")
     return 0

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -130,8 +131,11 @@ def test_the_docs_table_is_the_data_files(geos) -> None:
     mod = _fit_script()
     for x, rate, r in mod.calibrated(dt.figures(), geos, dt.fitted()):
         assert f"| {x.id} | {x.split} | {rate:.1f} GB/s | {r:.2f} |" in doc, f"docs/cost-model.md: {x.id} calibrated"
-    for row in mod.replicate_table(mod.replicates(dt.figures())):
+    table = mod.replicate_table(dt.figures())
+    for row in table:
         assert row in doc.splitlines(), f"docs/cost-model.md lacks the replicate row {row!r}"
+    pairs = [l for l in doc.splitlines() if re.match(r"\| (tg|pp) \| ", l)]
+    assert pairs == [l for l in table if re.match(r"\| (tg|pp) \| ", l)], "docs/cost-model.md: stale replicate rows"
 
 
 def test_slower_host_or_more_host_layers_predict_slower_decode(geos) -> None:
@@ -185,7 +189,7 @@ def test_predict_for_prints_prompt_speed_and_where_each_figure_comes_from(tmp_pa
     row = next(l for l in out.splitlines() if "stock --n-cpu-moe" in l and "GiB" in l)
     cells = [c.strip() for c in row.strip("│ ").split("│")]
     assert float(cells[3]) > 0 and float(cells[4]) > 0, row  # tg and pp tok/s
-    for kind in ("measured:", "fitted from public reports:", "assumed:", "checked against public figures"):
+    for kind in ("measured:", "fitted from public reports:", "assumed:", "checked against the public figures"):
         assert kind in out, kind
     assert "llama.cpp's CUDA backend (the one Spark builds for NVIDIA cards)" in " ".join(out.split())
     rc, out, err = plan(model, "--predict-for", "rtx-5060-ti-16gb", "-c", "32768", "--json", "--host-bandwidth", "60")
@@ -374,24 +378,36 @@ def test_a_prompt_only_figure_is_checked_on_its_prompt_and_a_row_with_neither_is
 
 
 def test_two_reports_of_one_configuration_from_different_sources_are_paired_and_their_spread_read() -> None:
-    """The noise floor: two figures of one card, backend, model, size, placement (and for a prompt its
-    ubatch) from different sources pair up; one source's own figures, another size or another ubatch
-    do not."""
+    """The noise floor: llama-bench figures of one card, backend, model, test, placement (with its host) and
+    ubatch, files within 1%, from different sources, pair up; one source's own figures, another size,
+    backend, test, ubatch or host do not, nor another tool's figure. The scatter pools configurations,
+    a source's figures counted once."""
     mod = _fit_script()
     base = dt.Figure(id="a", card="rtx-4090", model="qwen3-30b-a3b-q4_k_m", size_bytes=17.28 * 2**30, n_cpu_moe=0,
-                     tg_tok_s=100.0, split="fit", url="https://example.org/1", pp_tok_s=4000.0)
-    other = dataclasses.replace(base, id="b", url="https://example.org/2#c", tg_tok_s=125.0, pp_tok_s=3200.0)
+                     tg_tok_s=100.0, split="fit", url="https://example.org/1", pp_tok_s=4000.0,
+                     tg_test="llama-bench tg128", pp_test="llama-bench pp512")
+    other = dataclasses.replace(base, id="b", url="https://example.org/2#c", tg_tok_s=125.0, pp_tok_s=3200.0,
+                                size_bytes=base.size_bytes * 1.005)
     same_source = dataclasses.replace(base, id="c", url="https://example.org/1#x", tg_tok_s=80.0)
-    bigger = dataclasses.replace(base, id="d", url="https://example.org/3", size_bytes=base.size_bytes * 1.05)
-    other_ub = dataclasses.replace(other, id="e", url="https://example.org/4", tg_tok_s=None, ubatch=256)
-    pairs = mod.replicates([base, other, same_source, bigger, other_ub])
-    got = sorted((p.kind, p.a.id, p.b.id, round(p.spread(), 3)) for p in pairs)
+    others = [dataclasses.replace(base, id=f"x{i}", url=f"https://example.org/x{i}", **change) for i, change in
+              enumerate([{"size_bytes": base.size_bytes * 1.05}, {"backend": "vulkan"},
+                         {"tg_test": "llama-bench tg512", "pp_test": "llama-bench pp2048"}, {"ubatch": 256,
+                          "tg_tok_s": None}, {"tg_test": "llama-server generation", "pp_tok_s": None}])]
+    pairs = mod.replicates([base, other, same_source] + others)
+    got = sorted((p.kind, *sorted((p.a.id, p.b.id)), round(p.spread(), 3)) for p in pairs)
     assert got == [("pp", "a", "b", 1.25), ("pp", "b", "c", 1.25), ("tg", "a", "b", 1.25), ("tg", "b", "c", 1.562)]
-    lines = mod.replicate_summary(pairs)
-    assert lines[0].startswith("decode: 2 pairs") and "1.25-1.56x" in lines[0]
-    sigma = math.sqrt((math.log(1.25) ** 2 + math.log(1.5625) ** 2) / 2 / 2)
-    share = math.erf(math.log(1.25) / sigma / math.sqrt(2))
-    assert f"scatter {sigma:.3f}" in lines[0] and f"about {share:.0%} of" in lines[0]
+    hosts = [dataclasses.replace(base, id=f"h{i}", url=f"https://example.org/h{i}", n_cpu_moe=20, host_gb_s=gb)
+             for i, gb in enumerate((60.0, 60.0, 90.0))]
+    assert [(p.a.id, p.b.id) for p in mod.replicates(hosts) if p.kind == "tg"] == [("h0", "h1")]
+    (tg, pp) = mod.scatters([base, other, same_source])
+    # decode: source 1 at sqrt(100 * 80) = 89.44, source 2 at 125: log(125 / 89.44) / 2 = 0.1674 from the mean
+    # each, over one degree of freedom: 0.2367; within log(1.25) = 0.2231: erf(0.2231 / 0.2367 / sqrt(2)) = 0.654
+    assert (tg.name, round(tg.sigma, 4), round(tg.exact_inside(), 3)) == ("decode", 0.2367, 0.654)
+    assert statistics.median(tg.pair_spreads) == pytest.approx(1.40625)  # the two middle ones' mean
+    assert (pp.name, round(pp.sigma, 4)) == ("prompt", 0.1578)  # log(1.25) / sqrt(2)
+    line = mod.replicate_summary([base, other, same_source])[0]
+    assert line.startswith("decode: 2 pairs") and "1.25-1.56x" in line and "median 1.41x" in line and "65%" in line
+    assert mod.Scatter("decode", [1.0], 0.0).exact_inside() == 1.0  # identical reports: no scatter
 
 
 def test_each_cards_public_record_is_what_the_script_makes_from_the_stored_constants(geos) -> None:
@@ -401,6 +417,7 @@ def test_each_cards_public_record_is_what_the_script_makes_from_the_stored_const
     mod = _fit_script()
     figs = dt.figures()
     made = mod.card_records(figs, geos, dt.fitted())
+    assert sorted(dt.all_records()) == sorted(made)  # no record of a card without figures, none missing
     for key, c in dt.cards().items():
         rounded = [dataclasses.replace(r, lo=round(r.lo, 2), hi=round(r.hi, 2)) for r in made.get(key, [])]
         assert dt.records(c) == rounded, key
@@ -412,8 +429,22 @@ def test_each_cards_public_record_is_what_the_script_makes_from_the_stored_const
     vulkan = next(x for x in figs if x.card == "rtx-5090" and x.device().runs() == "vulkan" and not x.n_cpu_moe)
     assert mod.card_records([vulkan], geos, dt.fitted()) == {}
     line = dt.checked_line(dt.card("h100-pcie-80gb"))
-    assert line.startswith("checked against public figures on this card with llama.cpp's CUDA backend")
+    assert line.startswith("checked against the public figures with every weight on NVIDIA H100 PCIe 80GB and "
+                           "llama.cpp's CUDA backend (fitted and held out)")
     assert "decode" in line and "prompt" in line and "within 0.8-1.25" in line
     bare = [k for k, c in dt.cards().items() if not dt.records(c)]
     assert bare, "every card has public figures: the 'no public figure' line is untested"
-    assert dt.checked_line(dt.card(bare[0])).startswith("checked: no public figure on this card")
+    assert dt.checked_line(dt.card(bare[0])).startswith("checked: no public figure with every weight on")
+
+
+def test_a_malformed_or_stray_card_record_is_refused_naming_it(monkeypatch) -> None:
+    bundled = dt._data
+    for checked, why in (({"rtx-4090": {"tg": [1.0, 0.9, 1, 2]}}, "checked.rtx-4090.tg: .* lowest <= highest"),
+                         ({"rtx-4090": {"tg": [1.0, 1.1, 3, 2]}}, "inside <= figures"),
+                         ({"rtx-4090": {"tg": [1.0, 1.1]}}, r"must be \[lowest, highest, inside, figures\]"),
+                         ({"rtx-4090": {"decode": [1.0, 1.1, 1, 2]}}, "the kind must be tg or pp"),
+                         ({"rtx-9999": {"tg": [1.0, 1.1, 1, 2]}}, "checked.rtx-9999: not a card")):
+        data = dict(bundled("public_measurements.toml"), checked=checked)
+        monkeypatch.setattr(dt, "_data", lambda name, d=data: d if name == "public_measurements.toml" else bundled(name))
+        with pytest.raises(ValueError, match=f"public_measurements.toml: .*{why}"):
+            dt.records(dt.card("rtx-4090"))

@@ -184,7 +184,8 @@ def fitted() -> Fit:
 @dataclass(frozen=True)
 class Record:
     """How the fitted model did on one card's public figures of one kind (all on the card, on the
-    backend Spark builds for it): predicted over reported, lowest and highest, and how many inside BAND."""
+    backend Spark builds for it; fitted and held out alike): predicted over reported, lowest and
+    highest, and how many inside BAND."""
 
     kind: str  # "tg" | "pp"
     lo: float
@@ -194,15 +195,36 @@ class Record:
 
     def describe(self) -> str:
         what = "decode" if self.kind == "tg" else "prompt"
-        span = f"{self.lo:.2f}" if self.n == 1 else f"{self.lo:.2f}-{self.hi:.2f}"
-        return f"{what} {span} ({self.inside} of {self.n} within {BAND[0]}-{BAND[1]})"
+        lo, hi = f"{self.lo:.2f}", f"{self.hi:.2f}"
+        return f"{what} {lo if lo == hi else f'{lo}-{hi}'} ({self.inside} of {self.n} within {BAND[0]}-{BAND[1]})"
+
+
+def _record(key: str, kind: str, v: object) -> Record:
+    """One [checked] row, checked: kind tg or pp, [lowest, highest, inside, figures]."""
+    where = f"public_measurements.toml: checked.{key}.{kind}"
+    if kind not in ("tg", "pp"):
+        raise ValueError(f"{where}: the kind must be tg or pp")
+    if not (isinstance(v, list) and len(v) == 4 and all(isinstance(x, (int, float)) for x in v)):
+        raise ValueError(f"{where}: must be [lowest, highest, inside, figures], got {v!r}")
+    r = Record(kind, float(v[0]), float(v[1]), int(v[2]), int(v[3]))
+    if not (0 < r.lo <= r.hi and 0 <= r.inside <= r.n and r.n > 0):
+        raise ValueError(f"{where}: {v!r} is not a lowest <= highest ratio with 0 <= inside <= figures")
+    return r
+
+
+def all_records() -> dict[str, list[Record]]:
+    """Every card's public record (data/public_measurements.toml's [checked], written by
+    scripts/fit_public.py with the fit), by --predict-for name; a record of an unknown card is refused."""
+    got = _data("public_measurements.toml").get("checked", {})
+    unknown = sorted(set(got) - set(_data("device_profiles.toml")["cards"]))
+    if unknown:
+        raise ValueError(f"public_measurements.toml: checked.{unknown[0]}: not a card of device_profiles.toml")
+    return {key: [_record(key, kind, v) for kind, v in rows.items()] for key, rows in got.items()}
 
 
 def records(c: Card) -> list[Record]:
-    """The card's public record (data/public_measurements.toml's [checked], written by
-    scripts/fit_public.py with the fit): decode and prompt, where it has figures."""
-    got = _data("public_measurements.toml").get("checked", {}).get(c.key, {})
-    return [Record(kind, float(v[0]), float(v[1]), int(v[2]), int(v[3])) for kind, v in got.items()]
+    """The card's public record: decode and prompt, where it has figures."""
+    return all_records().get(c.key, [])
 
 
 @dataclass(frozen=True)
@@ -379,10 +401,10 @@ def provenance(c: Card, h: Host, f: Fit | None = None) -> list[str]:
 def checked_line(c: Card) -> str:
     """How far the model's predictions were from what people measured on this card, or that none did."""
     got = records(c)
-    where = f"on this card with llama.cpp's {BACKENDS[c.runs()]} backend, all on the card"
+    where = f"with every weight on {c.name} and llama.cpp's {BACKENDS[c.runs()]} backend"
     if not got:
         return f"checked: no public figure {where}: nothing shows how close this card's prediction comes"
-    return (f"checked against public figures {where}: predicted over reported "
+    return (f"checked against the public figures {where} (fitted and held out): predicted over reported "
             f"{', '.join(r.describe() for r in got)} (docs/cost-model.md)")
 
 
