@@ -43,6 +43,8 @@ else:  # pragma: no cover
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from spark_cli.core import device_table as dt  # noqa: E402
+from spark_cli.errors import SparkError  # noqa: E402
+from spark_cli.files.atomic import atomic_write_bytes, atomic_write_text, check_output  # noqa: E402
 from spark_cli.core.gguf_info import load_geometry  # noqa: E402
 from spark_cli.models.fixtures import build_fixture  # noqa: E402
 
@@ -265,8 +267,6 @@ def chart(figs, geos, f: dt.Fit, path: Path, rows: list[tuple[dt.Figure, float, 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from spark_cli.files.atomic import atomic_write_bytes
-
     checks = [dt.check(x, geos.get(x.model), f) for x in figs]
     calibrated_ratio = {x.id: r for x, _, r in (rows if rows is not None else calibrated(figs, geos, f))}
     order = sorted(range(len(checks)), key=lambda i: (checks[i].figure.split != "fit",
@@ -370,7 +370,7 @@ def configurations(figs, kind: str) -> list[list[dt.Figure]]:
 
 def replicates(figs) -> list[Replicate]:
     """Every pair of figures of one configuration (`configurations`) read from different sources."""
-    return [Replicate(kind, a, b) for kind in ("tg", "pp") for xs in configurations(figs, kind)
+    return [Replicate(kind, a, b) for kind in dt.KINDS for xs in configurations(figs, kind)
             for i, a in enumerate(xs) for b in xs[i + 1:] if _source(a) != _source(b)]
 
 
@@ -411,14 +411,14 @@ def scatters(figs) -> list[Scatter]:
     configuration count once, at their geometric mean)."""
     out = []
     pairs = replicates(figs)
-    for kind, name in (("tg", "decode"), ("pp", "prompt")):
+    for kind, name in dt.KINDS.items():
         groups = []
         for xs in configurations(figs, kind):
             by: dict[str, list[float]] = {}
             for x in xs:
                 by.setdefault(_source(x), []).append(_speed(x, kind))
             if len(by) > 1:
-                groups.append([math.exp(sum(map(math.log, v)) / len(v)) for v in by.values()])
+                groups.append([_geomean(v) for v in by.values()])
         spread = sorted(p.spread() for p in pairs if p.kind == kind)
         if spread:
             out.append(Scatter(name, spread, pooled_sigma(groups)))
@@ -441,7 +441,9 @@ def replicate_summary(figs) -> list[str]:
 def replicate_table(figs) -> list[str]:
     out = ["", "| kind | pairs | faster over slower | median | one report's scatter (log) | an exact model inside "
            "the band |", "|---|---|---|---|---|---|"]
-    out += ["| " + " | ".join(sc.cells()[:5] + [f"about {sc.cells()[5]}"]) + " |" for sc in scatters(figs)]
+    for sc in scatters(figs):
+        *cells, share = sc.cells()
+        out.append("| " + " | ".join(cells + [f"about {share}"]) + " |")
     out += ["", "| kind | figure | other report of its configuration | faster over slower |", "|---|---|---|---|"]
     return out + [f"| {p.kind} | {p.a.id} | {p.b.id} | {p.spread():.2f} |" for p in replicates(figs)]
 
@@ -485,8 +487,8 @@ def write(f: dt.Fit, figs, geos) -> None:
     stored = dt.Fit.from_dict(tomllib.loads(text)["fit"])
     head = DATA.read_text()
     head = head[:head.index(MARK)]
-    DATA.write_text(head + MARK + " from the \"fit\" figures (do not edit by hand below this line)\n" + text
-                    + _records_text(card_records(figs, geos, stored)))
+    atomic_write_text(DATA, head + MARK + " from the \"fit\" figures (do not edit by hand below this line)\n" + text
+                      + _records_text(card_records(figs, geos, stored)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -501,9 +503,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.records and (a.markdown or a.png):
         ap.error("--records rewrites the card records only: give it alone")
     if a.png:
-        from spark_cli.errors import SparkError
-        from spark_cli.files.atomic import check_output
-
         try:
             check_output(a.png, "--png", make_parent=True)  # before the fit's half minute
         except SparkError as e:

@@ -4,8 +4,8 @@ Exit codes (the table lives here and in docs/design.md):
   0 ok · 1 SparkError (other) · 2 usage: a flag the parser or a command refuses (UsageError,
   click's own usage errors) · 3 ModelFileError · 4 PlanError · 5 ProfileError (corpus,
   profile, trace) · 6 NativeError · 7 DeviceError · 8 DownloadError · 130 interrupted
-OutputError (a refused output path) is a usage error (2); SaveError, LockTimeout and DeviceLostError
-(a device or RPC server lost mid-run) exit 1. EXIT_CODES lists the types with a code of their own.
+OutputError (a refused output path) is a usage error (2); SaveError, LockTimeout, DeviceLostError
+(a device or RPC server lost mid-run) and BundledDataError (a malformed table in spark_cli/data) exit 1. EXIT_CODES lists the types with a code of their own.
 """
 
 from __future__ import annotations
@@ -91,6 +91,13 @@ class DeviceLostError(SparkError):
     """The device or RPC server went away during a run (faults.keeper's abort path exits 1)."""
 
     exit_code = 1
+
+
+class BundledDataError(SparkError, ValueError):
+    """A table shipped with Spark (spark_cli/data/*.toml) is malformed: a damaged or hand-edited install."""
+
+    def __init__(self, message: str):
+        super().__init__(message, hint="reinstall Spark, or undo the edit to the bundled table")
 
 
 class InternalError(SparkError):

@@ -437,7 +437,7 @@ def test_each_cards_public_record_is_what_the_script_makes_from_the_stored_const
     assert dt.checked_line(dt.card(bare[0])).startswith("checked: no public figure with every weight on")
 
 
-def test_a_malformed_or_stray_card_record_is_refused_naming_it(monkeypatch) -> None:
+def test_a_malformed_or_stray_card_record_is_refused_naming_it(monkeypatch, tmp_path, plan) -> None:
     bundled = dt._data
     for checked, why in (({"rtx-4090": {"tg": [1.0, 0.9, 1, 2]}}, "checked.rtx-4090.tg: .* lowest <= highest"),
                          ({"rtx-4090": {"tg": [1.0, 1.1, 3, 2]}}, "inside <= figures"),
@@ -448,3 +448,8 @@ def test_a_malformed_or_stray_card_record_is_refused_naming_it(monkeypatch) -> N
         monkeypatch.setattr(dt, "_data", lambda name, d=data: d if name == "public_measurements.toml" else bundled(name))
         with pytest.raises(ValueError, match=f"public_measurements.toml: .*{why}"):
             dt.records(dt.card("rtx-4090"))
+    monkeypatch.setenv("SPARK_HOME", str(tmp_path / "home"))  # the last table, through spark plan's error boundary
+    rc, out, err = plan(build_fixture("qwen3-30b-a3b-q4_k_m", out_dir=tmp_path / "models"), "--predict-for", "rtx-4090")
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert rc == 1 and "Traceback" not in err + out and len(lines) == 1, err
+    assert "checked.rtx-9999: not a card" in lines[0] and "reinstall Spark" in lines[0]

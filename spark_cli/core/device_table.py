@@ -56,7 +56,7 @@ import sys
 from dataclasses import dataclass, fields, replace
 from importlib import resources
 
-from ..errors import UsageError
+from ..errors import BundledDataError, UsageError
 from .cost_model import DeviceCosts
 from .gguf_info import ModelGeometry
 from .options import DEFAULT_UBATCH
@@ -75,6 +75,7 @@ SPARK_BACKEND = {"nvidia": "cuda", "amd": "vulkan", "intel": "vulkan"}  # what s
 VENDORS = {"nvidia": "NVIDIA", "amd": "AMD", "intel": "Intel"}
 BACKENDS = {"cuda": "CUDA", "rocm": "ROCm", "vulkan": "Vulkan", "sycl": "SYCL", "metal": "Metal"}  # llama-bench's names
 BAND = (0.8, 1.25)  # predicted over reported: inside counts as reproduced
+KINDS = {"tg": "decode", "pp": "prompt"}  # a figure's two speeds, as llama-bench names them and in words
 ASSUMPTIONS = (f"uploads at {LINK_EFFICIENCY:.0%} of the link, at most {HOST_GB_S_PER_CORE:g} GB/s a CPU core, "
                "a prompt's host layers uploaded once per ubatch")
 
@@ -112,14 +113,14 @@ def _link(d: dict, key: str) -> float:
         return float(d["link_gb_s"])
     gen, lanes = int(d["pcie_gen"]), int(d["pcie_lanes"])
     if gen not in PCIE_GB_S_PER_LANE:
-        raise ValueError(f"device_profiles.toml: cards.{key}.pcie_gen: {gen} is not one of 3, 4, 5")
+        raise BundledDataError(f"device_profiles.toml: cards.{key}.pcie_gen: {gen} is not one of 3, 4, 5")
     return PCIE_GB_S_PER_LANE[gen] * lanes
 
 
 def _vendor(d: dict, key: str) -> str:
     vendor = str(d.get("vendor", "nvidia"))
     if vendor not in SPARK_BACKEND:
-        raise ValueError(f"device_profiles.toml: cards.{key}.vendor: {vendor!r} is not one of "
+        raise BundledDataError(f"device_profiles.toml: cards.{key}.vendor: {vendor!r} is not one of "
                          f"{', '.join(SPARK_BACKEND)}")
     return vendor
 
@@ -194,21 +195,20 @@ class Record:
     n: int
 
     def describe(self) -> str:
-        what = "decode" if self.kind == "tg" else "prompt"
         lo, hi = f"{self.lo:.2f}", f"{self.hi:.2f}"
-        return f"{what} {lo if lo == hi else f'{lo}-{hi}'} ({self.inside} of {self.n} within {BAND[0]}-{BAND[1]})"
+        return f"{KINDS[self.kind]} {lo if lo == hi else f'{lo}-{hi}'} ({self.inside} of {self.n} within {BAND[0]}-{BAND[1]})"
 
 
 def _record(key: str, kind: str, v: object) -> Record:
     """One [checked] row, checked: kind tg or pp, [lowest, highest, inside, figures]."""
     where = f"public_measurements.toml: checked.{key}.{kind}"
-    if kind not in ("tg", "pp"):
-        raise ValueError(f"{where}: the kind must be tg or pp")
+    if kind not in KINDS:
+        raise BundledDataError(f"{where}: the kind must be tg or pp")
     if not (isinstance(v, list) and len(v) == 4 and all(isinstance(x, (int, float)) for x in v)):
-        raise ValueError(f"{where}: must be [lowest, highest, inside, figures], got {v!r}")
+        raise BundledDataError(f"{where}: must be [lowest, highest, inside, figures], got {v!r}")
     r = Record(kind, float(v[0]), float(v[1]), int(v[2]), int(v[3]))
     if not (0 < r.lo <= r.hi and 0 <= r.inside <= r.n and r.n > 0):
-        raise ValueError(f"{where}: {v!r} is not a lowest <= highest ratio with 0 <= inside <= figures")
+        raise BundledDataError(f"{where}: {v!r} is not a lowest <= highest ratio with 0 <= inside <= figures")
     return r
 
 
@@ -218,7 +218,7 @@ def all_records() -> dict[str, list[Record]]:
     got = _data("public_measurements.toml").get("checked", {})
     unknown = sorted(set(got) - set(_data("device_profiles.toml")["cards"]))
     if unknown:
-        raise ValueError(f"public_measurements.toml: checked.{unknown[0]}: not a card of device_profiles.toml")
+        raise BundledDataError(f"public_measurements.toml: checked.{unknown[0]}: not a card of device_profiles.toml")
     return {key: [_record(key, kind, v) for kind, v in rows.items()] for key, rows in got.items()}
 
 
