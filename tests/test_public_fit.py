@@ -225,6 +225,48 @@ def test_a_dense_figure_reads_all_but_its_untied_token_embeddings() -> None:
     assert f.workload(None).device_bytes == f.size_bytes - f.embd_bytes
 
 
+def test_a_prompt_is_priced_by_its_weights_not_their_bytes(monkeypatch, geos) -> None:
+    """A prompt token's work is the weights of the matrices it multiplies, whatever their type: a
+    fixture's from its tensor shapes, another quantization of it the same; a dense model's from
+    params_b less its token embeddings and output (tied: one matrix); Llama 3 8B in F16 prompts as
+    fast as in Q4_K_M and decodes slower; a dense row without params_b is refused naming it, one
+    with a prompt alone needs no size, one with a decode does."""
+    g = geos["qwen3.6-35b-a3b-q4_k_m"]
+    w = dt.Workload.of(g)
+    blocks = [l for l in g.layers if not l.is_nextn]
+    for l in blocks:
+        for t in l.experts:  # ggml's ne0 x ne1 a slice: Q4_K and Q6_K take 144 and 210 bytes a 256
+            assert 0.55 <= t.bytes_per_expert / t.params_per_expert <= 0.83, t.name
+    assert w.prompt_params == sum(l.matrix_params for l in blocks) + w.moe_layers * w.k * w.expert_params
+    assert 2.0e9 < w.prompt_params < 3.0e9  # Qwen3.6-35B-A3B: ~3B active, the embeddings and output not
+    smaller = dt.Workload.rescaled(g, g.file_size * 0.7)
+    card, fit = dt.card("rtx-4090"), dt.fitted()
+    assert smaller.prompt_params == w.prompt_params and smaller.device_bytes < w.device_bytes
+    assert dt.pp_tok_s(card, smaller, 0, fit) == dt.pp_tok_s(card, w, 0, fit)
+    assert dt.tg_tok_s(card, smaller, 0, fit, dt.Host()) > dt.tg_tok_s(card, w, 0, fit, dt.Host())
+    llama = {"card": "rtx-4090", "model": "dense", "layers": 32, "params_b": 8.03, "vocab": 128256,
+             "n_embd": 4096, "n_cpu_moe": 0, "tg_tok_s": 100.0, "pp_tok_s": 5000.0, "split": "held-out",
+             "url": "https://example.org", "backend": "CUDA"}
+    rows = [dict(llama, id="f16", size_gib=14.96, embd_type="f16"),
+            dict(llama, id="q4", size_gib=4.58, embd_type="q4_K"),
+            dict(llama, id="tied", size_gib=4.58, tied=True),
+            {k: v for k, v in dict(llama, id="prompt-only", embd_type="q4_K").items() if k != "tg_tok_s"}]
+    bundled = dt._data
+    monkeypatch.setattr(dt, "_data",
+                        lambda name: {"figure": rows} if name == "public_measurements.toml" else bundled(name))
+    f16, q4, tied, prompt_only = (dt.check(f, None, fit) for f in dt.figures())
+    assert f16.figure.prompt_params == pytest.approx(8.03e9 - 2 * 128256 * 4096)
+    assert tied.figure.prompt_params == pytest.approx(8.03e9 - 128256 * 4096)
+    assert f16.pp_ratio == q4.pp_ratio == prompt_only.pp_ratio > 0 and f16.tg_ratio < q4.tg_ratio
+    assert prompt_only.figure.size_bytes == 0 and prompt_only.tg_ratio is None
+    rows[:] = [{k: v for k, v in rows[1].items() if k != "params_b"}]
+    with pytest.raises(ValueError, match="q4: a dense figure needs params_b"):
+        dt.figures()
+    rows[:] = [{k: v for k, v in dict(llama, id="no-size", embd_type="q4_K").items()}]
+    with pytest.raises(ValueError, match="no-size: no size_gib or size_gb"):
+        dt.figures()
+
+
 def test_a_larger_ubatch_uploads_a_prompts_host_layers_less_often(geos) -> None:
     """A prompt uploads each host layer's experts once per ubatch: at -ub 2048 a host layer costs a
     quarter of what it does at the default 512, and all on the card -ub changes nothing."""
@@ -234,8 +276,8 @@ def test_a_larger_ubatch_uploads_a_prompts_host_layers_less_often(geos) -> None:
     assert dt.pp_tok_s(card, w, 12, fit, 2048) > dt.pp_tok_s(card, w, 12, fit) > 0
     q = dt.Workload.of(geos["qwen3.6-35b-a3b-q4_k_m"])  # 256 experts: 16 tokens each of 512, 64 of 2048
     assert dt.pp_tok_s(card, q, 0, fit, 2048) > dt.pp_tok_s(card, q, 0, fit) > 0  # fuller tiles
-    dense = dt.Workload(4e9, 32)
-    assert dt.pp_tok_s(card, dense, 0, fit, 2048) == dt.pp_tok_s(card, dense, 0, fit)
+    dense = dt.Workload(4e9, 32, prompt_params=7e9)
+    assert dt.pp_tok_s(card, dense, 0, fit, 2048) == dt.pp_tok_s(card, dense, 0, fit) > 0
     ub = {f.id: f.ubatch for f in dt.figures()}
     assert 512 in ub.values() and any(u > 512 for u in ub.values())  # the data file's -ub is read
 

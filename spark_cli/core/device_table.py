@@ -10,9 +10,9 @@ experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s an
                                + (layers * layer_us + moe_layers * moe_layer_us + recurrent_layers * recurrent_layer_us)
                                  * (REF_GB_S / B) ** layer_scaling
     a host layer adds        = stop + host_layer_us + k * expert / host_rate - k * expert / (B * efficiency)
-    prompt, all on the card  = (device_bytes + moe_layers * (prompt_moe_bytes + idle_tile_bytes))
-                               / (F * share * prompt_bytes_per_tflop_us)
-    idle_tile_bytes          = k * expert * max(0, prompt_tile_tokens / (ubatch * k / n_expert) - 1)
+    prompt, all on the card  = (prompt_params + moe_layers * (prompt_moe_params + idle_tile_params))
+                               / (F * share * prompt_params_per_tflop_us)
+    idle_tile_params         = k * expert_params * max(0, prompt_tile_tokens / (ubatch * k / n_expert) - 1)
     a host layer adds (prompt) = its experts uploaded over the link once per ubatch (-ub, default 512 tokens)
 
 - efficiency: the share of the bandwidth a decode token's weight reads get: device_efficiency, times
@@ -27,13 +27,16 @@ experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s an
   CPUs streamed at: their geometric mean), at most HOST_GB_S_PER_CORE a core;
 - host_layer_us: what a host layer's hand-over costs besides its stop (the graph split: activations
   down, the result up, the CPU threads woken);
-- prompt_bytes_per_tflop_us, prompt_moe_bytes: a prompt token is compute-bound; a MoE layer costs
-  as much as that many more bytes of weights (routing, sorting tokens by expert); share: 1 on NVIDIA
+- prompt_params_per_tflop_us, prompt_moe_params: a prompt token is compute-bound, its work the
+  weights (elements, not bytes: an F16 file is no more work than its Q4_K_M) of the matrices it
+  multiplies (prompt_params: not the token embeddings, nor the output matrix, which llama-bench's
+  prompt test runs for the last token only); a MoE layer costs as much as that many more weights
+  (routing, sorting tokens by expert); share: 1 on NVIDIA
   cards, on AMD's (whose FP32 figure counts dual issue) prompt_amd_share with llama.cpp's Vulkan
   backend and prompt_rocm_share with its ROCm one (rocBLAS and its own matrix kernels);
 - prompt_tile_tokens: an expert's matmul runs in tiles of about this many tokens, so an expert that
   gets fewer of a ubatch's tokens (ubatch * k / n_expert on average: 16 for Qwen3.6's 256 experts at
-  -ub 512, 64 for gpt-oss-20b's 32) still pays for a whole tile (idle_tile_bytes).
+  -ub 512, 64 for gpt-oss-20b's 32) still pays for a whole tile (idle_tile_params).
 
 A card is priced for the llama.cpp backend Spark builds for it (scripts/build_native.py: CUDA on
 NVIDIA, Vulkan on AMD and Intel); a public figure, for the backend it was measured on where the fit
@@ -154,8 +157,8 @@ class Fit:
     host_efficiency: float  # the share of a stated host bandwidth the CPU's experts stream at
     host_layer_us: float
     unstated_host_gb_s: float  # what the CPU's experts stream at beside a host whose bandwidth is not given
-    prompt_bytes_per_tflop_us: float
-    prompt_moe_bytes: float
+    prompt_params_per_tflop_us: float
+    prompt_moe_params: float
     prompt_amd_share: float  # AMD's share with llama.cpp's Vulkan backend
     prompt_tile_tokens: float
     rocm_bandwidth_share: float  # on AMD's ROCm backend, decode reads at this times device_efficiency
@@ -238,18 +241,23 @@ class Workload:
     k: int = 0  # routed experts per token and MoE layer
     expert_bytes: float = 0.0  # one routed expert (mean over MoE layers)
     layer_expert_bytes: float = 0.0  # one MoE layer's routed experts, all of them (mean)
+    prompt_params: float = 0.0  # a prompt token's matrix weights (elements): every block's, k experts a MoE layer
+    expert_params: float = 0.0  # one routed expert's weights (mean over MoE layers)
 
     @classmethod
     def of(cls, g: ModelGeometry, expert_scale: float = 1.0, rest_scale: float = 1.0) -> "Workload":
         """A model's workload; `expert_scale`, `rest_scale`: another quantization of the same shapes
         whose routed experts, and whose other weights, take that many times the bytes (`rescaled`)."""
-        moe = [l for l in g.layers if l.is_moe and not l.is_nextn]
+        blocks = [l for l in g.layers if not l.is_nextn]
+        moe = [l for l in blocks if l.is_moe]
         bpe = sum(l.expert_bytes_per_expert for l in moe) / max(len(moe), 1) * expert_scale
         per_layer = sum(l.expert_bytes for l in moe) / max(len(moe), 1) * expert_scale
-        nonexpert = (g.device_global_bytes + sum(l.nonexpert_bytes for l in g.layers if not l.is_nextn)) * rest_scale
+        nonexpert = (g.device_global_bytes + sum(l.nonexpert_bytes for l in blocks)) * rest_scale
         k = g.n_expert_used
-        return cls(nonexpert + len(moe) * k * bpe, sum(1 for l in g.layers if not l.is_nextn), len(moe),
-                   sum(1 for r in g.recurrent_layers if r), k, bpe, per_layer)
+        ppe = sum(l.expert_params_per_expert for l in moe) / max(len(moe), 1)
+        matrices = sum(l.matrix_params for l in blocks)
+        return cls(nonexpert + len(moe) * k * bpe, len(blocks), len(moe), sum(1 for r in g.recurrent_layers if r), k,
+                   bpe, per_layer, matrices + len(moe) * k * ppe, ppe)
 
     @classmethod
     def rescaled(cls, g: ModelGeometry, size_bytes: float, lands_on: str = "experts") -> "Workload":
@@ -325,22 +333,22 @@ def host_layer_us(c: Card, w: Workload, f: Fit, host: Host) -> float:
         k_bytes / (c.memory_gb_s * efficiency(c, f) * 1e3)
 
 
-def idle_tile_bytes(w: Workload, f: Fit, ubatch: int = DEFAULT_UBATCH) -> float:
-    """What a MoE layer's part-filled tiles cost a prompt token, in bytes of weights: each expert
-    gets ubatch * k / n_expert of a ubatch's tokens on average and pays for prompt_tile_tokens."""
+def idle_tile_params(w: Workload, f: Fit, ubatch: int = DEFAULT_UBATCH) -> float:
+    """What a MoE layer's part-filled tiles cost a prompt token, in weights: each expert gets
+    ubatch * k / n_expert of a ubatch's tokens on average and pays for prompt_tile_tokens."""
     if not w.k or w.expert_bytes <= 0:
         return 0.0
     per_expert = ubatch * w.k / (w.layer_expert_bytes / w.expert_bytes)
-    return w.k * w.expert_bytes * max(0.0, f.prompt_tile_tokens / per_expert - 1.0)
+    return w.k * w.expert_params * max(0.0, f.prompt_tile_tokens / per_expert - 1.0)
 
 
 def prompt_us(c: Card, w: Workload, f: Fit, ubatch: int = DEFAULT_UBATCH) -> float:
     """A prompt token with every expert on the card, in ubatches of `ubatch` tokens (0: the card's
-    compute is not known)."""
-    if c.fp32_tflops <= 0:
+    compute, or the model's weight count, is not known)."""
+    if c.fp32_tflops <= 0 or w.prompt_params <= 0:
         return 0.0
-    moe = w.moe_layers * (f.prompt_moe_bytes + idle_tile_bytes(w, f, ubatch))
-    return (w.device_bytes + moe) / (c.fp32_tflops * prompt_share(c, f) * f.prompt_bytes_per_tflop_us)
+    moe = w.moe_layers * (f.prompt_moe_params + idle_tile_params(w, f, ubatch))
+    return (w.prompt_params + moe) / (c.fp32_tflops * prompt_share(c, f) * f.prompt_params_per_tflop_us)
 
 
 def host_layer_prompt_us(c: Card, w: Workload, ubatch: int = DEFAULT_UBATCH) -> float:
@@ -434,6 +442,7 @@ class Figure:
     prompt_tokens: int = 512  # the prompt figure's length (llama-bench's default pp512)
     backend: str = ""  # the llama.cpp backend it ran (a BACKENDS key; "": the one Spark builds)
     size_lands_on: str = "experts"  # where its file's size differs from the fixture's: "experts" | "rest"
+    prompt_params: float = 0.0  # dense only: a prompt token's matrix weights (all but embeddings and output)
 
     def device(self) -> Card:
         """The card as the figure ran it: on its backend."""
@@ -450,9 +459,11 @@ class Figure:
     def workload(self, geometry: ModelGeometry | None) -> Workload:
         """The run's workload: a fixture's shapes at the reported size, or a dense model's size."""
         if self.model == "dense":
-            return Workload(self.size_bytes - self.embd_bytes, self.layers)
+            return Workload(self.size_bytes - self.embd_bytes, self.layers, prompt_params=self.prompt_params)
         if geometry is None:
             raise ValueError(f"public_measurements.toml: {self.id}: needs the geometry of {self.model}")
+        if not self.size_bytes:
+            return Workload.of(geometry)
         try:
             return Workload.rescaled(geometry, self.size_bytes, self.size_lands_on)
         except ValueError as e:
@@ -460,11 +471,15 @@ class Figure:
 
 
 def _size(d: dict, fid: str) -> float:
+    """The file's size in bytes; 0 where a source does not give it and the figure needs none: a
+    fixture's own quantization, or a dense model's prompt alone (priced by its weight count)."""
     if "size_gib" in d:
         return float(d["size_gib"]) * 2 ** 30
     if "size_gb" in d:
         return float(d["size_gb"]) * 1e9
-    raise ValueError(f"public_measurements.toml: {fid}: no size_gib or size_gb")
+    if d["model"] == "dense" and "tg_tok_s" in d:
+        raise ValueError(f"public_measurements.toml: {fid}: no size_gib or size_gb (a dense decode needs it)")
+    return 0.0
 
 
 def _lands_on(d: dict, fid: str) -> str:
@@ -511,6 +526,20 @@ def _embd_bytes(d: dict, fid: str) -> float:
                          f"(a ggml type), or tied = true ({e})") from None
 
 
+def _prompt_params(d: dict, fid: str) -> float:
+    """A dense figure's prompt work in weights: its parameter count (params_b, llama-bench's params
+    column) less the token embeddings (one row read a token) and the output matrix (llama-bench's
+    prompt test asks for the last token's logits only), which a tied model shares with them."""
+    try:
+        params, embd = float(d["params_b"]) * 1e9, int(d["vocab"]) * int(d["n_embd"])
+    except KeyError as e:
+        raise ValueError(f"public_measurements.toml: {fid}: a dense figure needs params_b, vocab and n_embd ({e})") from None
+    left = params - embd * (1 if d.get("tied", False) else 2)
+    if left <= 0:
+        raise ValueError(f"public_measurements.toml: {fid}: params_b leaves no weights beside the embeddings")
+    return left
+
+
 def figures() -> list[Figure]:
     """Every bundled public figure (ValueError on a malformed row)."""
     out, known = [], cards()
@@ -533,7 +562,8 @@ def figures() -> list[Figure]:
                           int(d["host_cores"]) if "host_cores" in d else None,
                           str(d.get("tg_test", "")), str(d.get("pp_test", "")),
                           int(d.get("ubatch", DEFAULT_UBATCH)), int(d.get("prompt_tokens", 512)),
-                          _backend(d, fid, known[str(d["card"])].vendor), _lands_on(d, fid)))
+                          _backend(d, fid, known[str(d["card"])].vendor), _lands_on(d, fid),
+                          _prompt_params(d, fid) if d["model"] == "dense" else 0.0))
     return out
 
 

@@ -10,6 +10,7 @@ Split models (`-00001-of-00003.gguf`) are read shard by shard.
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 import re
@@ -37,6 +38,7 @@ class ExpertTensor:
     n_bytes: int
     bytes_per_expert: int
     n_expert: int
+    params_per_expert: int = 0  # weights (elements) of one expert's slice
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,11 @@ class LayerGeometry:
     other_bytes: int  # attention, norms, router, expert biases, ...
     expert_bias_bytes: int = 0  # part of other_bytes; --n-cpu-moe moves them to the CPU too
     is_nextn: bool = False  # MTP block: in the file, not loaded by llama.cpp by default
+    matrix_params: int = 0  # weights (elements) of its non-expert matrices: attention, shared experts, router
+
+    @property
+    def expert_params_per_expert(self) -> int:
+        return sum(t.params_per_expert for t in self.experts)
 
     @property
     def n_expert(self) -> int:
@@ -329,7 +336,7 @@ def _geometry(path: Path, shards: list[_Shard], require_moe: bool) -> ModelGeome
             index=i, is_moe=bool(scan.experts[i]), experts=tuple(scan.experts[i]),
             expert_bytes_per_expert=sum(e.bytes_per_expert for e in scan.experts[i]),
             shared_bytes=scan.shared[i], other_bytes=scan.other[i], expert_bias_bytes=scan.bias[i],
-            is_nextn=i >= n_layer - n_nextn,
+            is_nextn=i >= n_layer - n_nextn, matrix_params=scan.matrix[i],
         )
         for i in range(n_layer)
     )
@@ -380,6 +387,7 @@ class _Scan:
     shared: list[int]
     other: list[int]
     bias: list[int]
+    matrix: list[int]
     global_bytes: int = 0
     token_embd: int = 0
     has_output: bool = False
@@ -388,8 +396,7 @@ class _Scan:
 
 
 def _scan_tensors(path: Path, arch: str, fam: Family | None, tensors: list, n_layer: int) -> _Scan:
-    s = _Scan(hashlib.sha256(arch.encode()), [[] for _ in range(n_layer)], [0] * n_layer, [0] * n_layer,
-              [0] * n_layer)
+    s = _Scan(hashlib.sha256(arch.encode()), [[] for _ in range(n_layer)], *([0] * n_layer for _ in range(4)))
     for _, t in tensors:
         name, ttype, nbytes, shape = t.name, t.ggml_type, t.n_bytes, list(t.shape)
         s.layout.update(f"\n{name}:{shape}:{ttype}".encode())
@@ -412,16 +419,19 @@ def _scan_tensors(path: Path, arch: str, fam: Family | None, tensors: list, n_la
             n_exp = shape[2]
             if n_exp <= 0 or nbytes % n_exp:
                 raise ModelFileError(f"{path}: expert tensor {name}: {nbytes} bytes not divisible by {n_exp} experts")
-            s.experts[il].append(ExpertTensor(name, kind, ttype, nbytes, nbytes // n_exp, n_exp))
+            s.experts[il].append(ExpertTensor(name, kind, ttype, nbytes, nbytes // n_exp, n_exp, shape[0] * shape[1]))
             ff = shape[0] if kind == "down" else shape[1] // (2 if kind == "gate_up" else 1)
             s.n_ff_exp = max(s.n_ff_exp, ff)
         elif _EXPERT_BIAS_RE.search(name):
             s.other[il] += nbytes
             s.bias[il] += nbytes
-        elif GENERIC_SHARED_PATTERN.search(name) or (fam is not None and fam.is_shared(name)):
-            s.shared[il] += nbytes
         else:
-            s.other[il] += nbytes
+            if GENERIC_SHARED_PATTERN.search(name) or (fam is not None and fam.is_shared(name)):
+                s.shared[il] += nbytes
+            else:
+                s.other[il] += nbytes
+            if len(shape) >= 2 and shape[1] > 1 and name.endswith(".weight"):  # a matrix, not a norm or bias
+                s.matrix[il] += math.prod(shape)
     return s
 
 
