@@ -166,7 +166,8 @@ def table(figs, geos, f: dt.Fit) -> list[str]:
         model = "dense" if fig.model == "dense" else fig.model
         rep = (f"{fig.tg_tok_s:g}" if fig.tg_tok_s else "-") + (f" / {fig.pp_tok_s:g}" if fig.pp_tok_s else "")
         tg, pp = (f"{r:.2f}" if r is not None else "-" for r in (c.tg_ratio, c.pp_ratio))
-        rows.append(f"| {fig.id} | {fig.card} | {model}, {fig.size_bytes / 1e9:.1f} GB, {place} | {rep} | "
+        size = f"{fig.size_bytes / 1e9:.1f} GB" if fig.size_bytes else "size not given"
+        rows.append(f"| {fig.id} | {fig.card} | {model}, {size}, {place} | {rep} | "
                     f"{tg} | {pp} | {fig.split} | {fig.url} |")
     return rows
 
@@ -353,10 +354,11 @@ SIZE_TOLERANCE = 0.01  # two files of one configuration: sizes within 1% (log)
 
 def configurations(figs, kind: str) -> list[list[dt.Figure]]:
     """The figures of `kind` measured by llama-bench, by configuration: `_configuration` alike and each
-    file within SIZE_TOLERANCE of the configuration's smallest."""
+    file within SIZE_TOLERANCE of the configuration's smallest (a figure whose size is not given is
+    of no configuration: its file is not known)."""
     by: dict[tuple, list[dt.Figure]] = {}
     for x in figs:
-        if _speed(x, kind) and _test(x, kind):
+        if _speed(x, kind) and _test(x, kind) and x.size_bytes > 0:
             by.setdefault(_configuration(x, kind), []).append(x)
     out = []
     for xs in by.values():

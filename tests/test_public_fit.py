@@ -57,7 +57,8 @@ def test_every_figure_cites_a_source_and_names_a_known_card_and_model(geos) -> N
         assert f.url.startswith("https://"), f.id
         assert f.card in cards and cards[f.card].fp32_tflops > 0, f.id
         assert f.model == "dense" or f.model in FIXTURES, f.id
-        assert (f.tg_tok_s or f.pp_tok_s or 0) > 0 and f.size_bytes > 0, f.id
+        assert (f.tg_tok_s or f.pp_tok_s or 0) > 0 and (f.size_bytes > 0 or not f.tg_tok_s), f.id
+        assert f.model != "dense" or f.prompt_params > 0, f.id  # its weights, which price its prompt
         if f.model != "dense":
             assert 0 <= f.n_cpu_moe <= len(geos[f.model].moe_layers), f.id
     by_url: dict[str, set[str]] = {}
@@ -421,8 +422,8 @@ def test_a_prompt_only_figure_is_checked_on_its_prompt_and_a_row_with_neither_is
 
 def test_two_reports_of_one_configuration_from_different_sources_are_paired_and_their_spread_read() -> None:
     """The noise floor: llama-bench figures of one card, backend, model, test, placement (with its host) and
-    ubatch, files within 1%, from different sources, pair up; one source's own figures, another size,
-    backend, test, ubatch or host do not, nor another tool's figure. The scatter pools configurations,
+    ubatch, files within 1%, from different sources, pair up; one source's own figures, another size
+    or none given, backend, test, ubatch or host do not, nor another tool's figure. The scatter pools configurations,
     a source's figures counted once."""
     mod = _fit_script()
     base = dt.Figure(id="a", card="rtx-4090", model="qwen3-30b-a3b-q4_k_m", size_bytes=17.28 * 2**30, n_cpu_moe=0,
@@ -432,7 +433,7 @@ def test_two_reports_of_one_configuration_from_different_sources_are_paired_and_
                                 size_bytes=base.size_bytes * 1.005)
     same_source = dataclasses.replace(base, id="c", url="https://example.org/1#x", tg_tok_s=80.0)
     others = [dataclasses.replace(base, id=f"x{i}", url=f"https://example.org/x{i}", **change) for i, change in
-              enumerate([{"size_bytes": base.size_bytes * 1.05}, {"backend": "vulkan"},
+              enumerate([{"size_bytes": base.size_bytes * 1.05}, {"size_bytes": 0.0}, {"backend": "vulkan"},
                          {"tg_test": "llama-bench tg512", "pp_test": "llama-bench pp2048"}, {"ubatch": 256,
                           "tg_tok_s": None}, {"tg_test": "llama-server generation", "pp_tok_s": None}])]
     pairs = mod.replicates([base, other, same_source] + others)

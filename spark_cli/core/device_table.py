@@ -510,8 +510,8 @@ def _backend(d: dict, fid: str, vendor: str) -> str:
 
 
 def _embd_bytes(d: dict, fid: str) -> float:
-    """A dense figure's token embeddings: llama.cpp reads one row of them a token (get_rows), so they
-    are not a token's weight reads, unless the output shares them (`tied`). Sized by gguf's block
+    """A dense decode figure's token embeddings: llama.cpp reads one row of them a token (get_rows), so
+    they are not a token's weight reads, unless the output shares them (`tied`). Sized by gguf's block
     table from the model's vocabulary, width and the tensor's type (an untied token_embd keeps the
     file's type in llama.cpp's Q4_0 and Q4_K_M recipes: llama-quant.cpp)."""
     if d.get("tied", False):
@@ -556,7 +556,7 @@ def figures() -> list[Figure]:
         out.append(Figure(fid, str(d["card"]), str(d["model"]), _size(d, fid), int(d["n_cpu_moe"]),
                           float(d["tg_tok_s"]) if "tg_tok_s" in d else None, str(d["split"]), str(d["url"]),
                           int(d.get("layers", 0)),
-                          _embd_bytes(d, fid) if d["model"] == "dense" else 0.0,
+                          _embd_bytes(d, fid) if d["model"] == "dense" and "tg_tok_s" in d else 0.0,
                           float(d["pp_tok_s"]) if "pp_tok_s" in d else None,
                           float(d["host_gb_s"]) if "host_gb_s" in d else None,
                           int(d["host_cores"]) if "host_cores" in d else None,
