@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from spark_cli.core.gguf_info import ExpertTensor, LayerGeometry, ModelGeometry
 
 MiB = 1 << 20
+Q8_0_BLOCK, Q8_0_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]  # every hand-made weight is Q8_0
+
+
+def _weights(n_bytes: int) -> int:
+    return n_bytes // Q8_0_BYTES * Q8_0_BLOCK
 
 
 def make_geometry(n_layer: int = 4, n_expert: int = 8, k: int = 2, bpe: int | Sequence[int] = 10 * MiB,
@@ -23,13 +30,15 @@ def make_geometry(n_layer: int = 4, n_expert: int = 8, k: int = 2, bpe: int | Se
         b = bpes[i]
         experts = (
             ExpertTensor(f"blk.{i}.ffn_gate_up_exps.weight", "gate_up", "Q8_0", (b - b // 3) * n_expert,
-                         b - b // 3, n_expert),
-            ExpertTensor(f"blk.{i}.ffn_down_exps.weight", "down", "Q8_0", (b // 3) * n_expert, b // 3, n_expert),
+                         b - b // 3, n_expert, _weights(b - b // 3)),
+            ExpertTensor(f"blk.{i}.ffn_down_exps.weight", "down", "Q8_0", (b // 3) * n_expert, b // 3, n_expert,
+                         _weights(b // 3)),
         ) if moe else ()
         layers.append(LayerGeometry(
             index=i, is_moe=moe, experts=experts, expert_bytes_per_expert=b if moe else 0,
             shared_bytes=shared if moe else 0, other_bytes=other + (bias if moe else 0),
-            expert_bias_bytes=bias if moe else 0, is_nextn=i >= n_layer - nextn))
+            expert_bias_bytes=bias if moe else 0, is_nextn=i >= n_layer - nextn,
+            matrix_params=_weights(other + (shared if moe else 0))))
     return ModelGeometry(
         path="/models/hand.gguf", arch="qwen3moe", n_layer=n_layer, n_expert=n_expert, n_expert_used=k,
         n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, key_length=head_dim, value_length=head_dim,
