@@ -51,9 +51,10 @@ from spark_cli.models.fixtures import build_fixture  # noqa: E402
 DATA = Path(__file__).resolve().parent.parent / "spark_cli" / "data" / "public_measurements.toml"
 MARK = "# ---- fitted by scripts/fit_public.py"
 TG = ("device_efficiency", "layer_us", "moe_layer_us", "recurrent_layer_us", "layer_scaling", "host_layer_us",
-      "rocm_bandwidth_share")
-PP = ("prompt_params_per_tflop_us", "prompt_moe_params", "prompt_amd_share", "prompt_tile_tokens", "prompt_rocm_share")
-BOUNDED = {"device_efficiency", "prompt_amd_share", "prompt_rocm_share"}  # at most 1
+      "rocm_bandwidth_share", "hbm_bandwidth_share")
+PP = ("prompt_params_per_tflop_us", "prompt_moe_params", "prompt_amd_share", "prompt_tile_tokens", "prompt_rocm_share",
+      "prompt_hbm_share")
+BOUNDED = {"device_efficiency", "prompt_amd_share", "prompt_rocm_share", "hbm_bandwidth_share"}  # at most 1
 RATE_RANGE = (0.5, 1000.0)  # GB/s: the CPU expert rates a figure may imply
 
 
@@ -112,7 +113,7 @@ def fit(figs, geos, start: dt.Fit) -> dt.Fit:
                        ** 2 for x in xs)
         return err
 
-    v = np.log([0.7, 30.0, 50.0, 50.0, 0.5, 50.0, 1.0] + [40.0] * len(groups))
+    v = np.log([0.7, 30.0, 50.0, 50.0, 0.5, 50.0, 1.0, 0.7] + [40.0] * len(groups))
     for _ in range(2):  # Nelder-Mead, restarted once from where it stopped
         v = nelder_mead(loss_tg, v, iters=20000)
     got = dataclasses.replace(start, **_params(TG, v[:len(TG)]))
@@ -123,7 +124,7 @@ def fit(figs, geos, start: dt.Fit) -> dt.Fit:
         return sum(math.log(r) ** 2 for r in (dt.check(x, geos.get(x.model), f_).pp_ratio for x in train)
                    if r is not None)
 
-    pp = nelder_mead(loss_pp, np.log([1e6, 1e8, 0.5, 64.0, 0.5]), iters=20000)
+    pp = nelder_mead(loss_pp, np.log([1e6, 1e8, 0.5, 64.0, 0.5, 2.0]), iters=20000)
     got = dataclasses.replace(got, **_params(PP, pp))
     return dataclasses.replace(got, n_fit=len(train), n_held_out=len(figs) - len(train))
 

@@ -16,7 +16,9 @@ experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s an
     a host layer adds (prompt) = its experts uploaded over the link once per ubatch (-ub, default 512 tokens)
 
 - efficiency: the share of the bandwidth a decode token's weight reads get: device_efficiency, times
-  rocm_bandwidth_share on AMD's ROCm backend (a figure measured there);
+  rocm_bandwidth_share on AMD's ROCm backend (a figure measured there), times hbm_bandwidth_share on
+  an HBM card (the data-centre parts: llama.cpp's decode kernels read their 2-5 TB/s memory at about
+  half the rate they read GDDR at, an 8B model and a 70B one alike);
 - layer_us, moe_layer_us, recurrent_layer_us: what bandwidth does not explain, per block and token
   (kernel launches and their gaps, attention, norms), more for a MoE layer (router, top-k, the expert
   matmuls by id) and a recurrent one (the delta-net state update), on a REF_GB_S card; a slower
@@ -33,7 +35,8 @@ experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s an
   prompt test runs for the last token only); a MoE layer costs as much as that many more weights
   (routing, sorting tokens by expert); share: 1 on NVIDIA
   cards, on AMD's (whose FP32 figure counts dual issue) prompt_amd_share with llama.cpp's Vulkan
-  backend and prompt_rocm_share with its ROCm one (rocBLAS and its own matrix kernels);
+  backend and prompt_rocm_share with its ROCm one (rocBLAS and its own matrix kernels); times
+  prompt_hbm_share on an HBM card (whose tensor cores the FP32 figure leaves out);
 - prompt_tile_tokens: an expert's matmul runs in tiles of about this many tokens, so an expert that
   gets fewer of a ubatch's tokens (ubatch * k / n_expert on average: 16 for Qwen3.6's 256 experts at
   -ub 512, 64 for gpt-oss-20b's 32) still pays for a whole tile (idle_tile_params).
@@ -76,6 +79,7 @@ DEFAULT_HOST_CORES = 8  # a figure that names no CPU
 REF_GB_S = 1000.0  # the card the block figures are given for
 SPARK_BACKEND = {"nvidia": "cuda", "amd": "vulkan", "intel": "vulkan"}  # what scripts/build_native.py builds
 VENDORS = {"nvidia": "NVIDIA", "amd": "AMD", "intel": "Intel"}
+MEMORIES = {"gddr": "GDDR", "hbm": "HBM"}  # the card's memory (device_profiles.toml's memory)
 BACKENDS = {"cuda": "CUDA", "rocm": "ROCm", "vulkan": "Vulkan", "sycl": "SYCL", "metal": "Metal"}  # llama-bench's names
 BAND = (0.8, 1.25)  # predicted over reported: inside counts as reproduced
 KINDS = {"tg": "decode", "pp": "prompt"}  # a figure's two speeds, as llama-bench names them and in words
@@ -100,6 +104,7 @@ class Card:
     second_queue: bool = True  # uploads run beside compute (CUDA, ROCm, Vulkan; not over RPC)
     fp32_tflops: float = 0.0  # 0: not known (no prompt prediction)
     vendor: str = "nvidia"  # nvidia | amd | intel
+    memory: str = "gddr"  # gddr | hbm (the data-centre parts')
     backend: str = ""  # llama.cpp's backend it runs (a BACKENDS key; "": the one Spark builds for the vendor)
 
     def runs(self) -> str:
@@ -107,7 +112,7 @@ class Card:
         return self.backend or SPARK_BACKEND[self.vendor]
 
     def describe(self) -> str:
-        return (f"{self.name} ({self.vram_gib:g} GiB, {self.memory_gb_s:g} GB/s, link {self.link_gb_s:.1f} GB/s, "
+        return (f"{self.name} ({self.vram_gib:g} GiB {MEMORIES[self.memory]}, {self.memory_gb_s:g} GB/s, link {self.link_gb_s:.1f} GB/s, "
                 f"llama.cpp's {BACKENDS[self.runs()]} backend)")
 
 
@@ -128,10 +133,18 @@ def _vendor(d: dict, key: str) -> str:
     return vendor
 
 
+def _memory(d: dict, key: str) -> str:
+    memory = str(d.get("memory", "gddr"))
+    if memory not in MEMORIES:
+        raise BundledDataError(f"device_profiles.toml: cards.{key}.memory: {memory!r} is not one of "
+                               f"{', '.join(MEMORIES)}")
+    return memory
+
+
 def cards() -> dict[str, Card]:
     """Every card of the bundled table, by --predict-for name."""
     return {k: Card(k, str(d["name"]), float(d["vram_gib"]), float(d["memory_gb_s"]), _link(d, k), float(d["stop_us"]),
-                    bool(d.get("second_queue", True)), float(d.get("fp32_tflops", 0.0)), _vendor(d, k))
+                    bool(d.get("second_queue", True)), float(d.get("fp32_tflops", 0.0)), _vendor(d, k), _memory(d, k))
             for k, d in _data("device_profiles.toml")["cards"].items()}
 
 
@@ -163,6 +176,8 @@ class Fit:
     prompt_tile_tokens: float
     rocm_bandwidth_share: float  # on AMD's ROCm backend, decode reads at this times device_efficiency
     prompt_rocm_share: float  # AMD's share with llama.cpp's ROCm backend
+    hbm_bandwidth_share: float = 1.0  # on an HBM card, decode reads at this times device_efficiency
+    prompt_hbm_share: float = 1.0  # an HBM card's prompt share of its FP32 figure (its tensor cores)
     n_fit: int = 0  # figures it was fitted to
     n_held_out: int = 0  # figures kept out of the fit
 
@@ -176,7 +191,8 @@ class Fit:
                 f"{self.device_efficiency:.0%} of the card's bandwidth, {self.layer_us:.0f} us a block, "
                 f"{self.moe_layer_us:.0f} us more a MoE layer, {self.recurrent_layer_us:.0f} us more a recurrent one "
                 f"(on a {REF_GB_S:g} GB/s card; x (1000 / GB/s)^{self.layer_scaling:.2f} on others), "
-                f"{self.host_layer_us:.0f} us a host layer's hand-over; the CPU's experts at "
+                f"{self.host_layer_us:.0f} us a host layer's hand-over, {self.hbm_bandwidth_share:.0%} of that "
+                f"bandwidth share on an HBM card; the CPU's experts at "
                 f"{self.host_efficiency:.0%} of a host bandwidth given, {self.unstated_host_gb_s:.0f} GB/s where none is")
 
 
@@ -308,15 +324,17 @@ class Host:
 
 
 def efficiency(c: Card, f: Fit) -> float:
-    """The share of the card's bandwidth a decode token's weight reads get on its backend."""
-    return min(1.0, f.device_efficiency * (f.rocm_bandwidth_share if c.runs() == "rocm" else 1.0))
+    """The share of the card's bandwidth a decode token's weight reads get on its backend and memory."""
+    return min(1.0, f.device_efficiency * (f.rocm_bandwidth_share if c.runs() == "rocm" else 1.0)
+               * (f.hbm_bandwidth_share if c.memory == "hbm" else 1.0))
 
 
 def prompt_share(c: Card, f: Fit) -> float:
-    """The share of the card's FP32 figure a prompt gets, by vendor and backend."""
+    """The share of the card's FP32 figure a prompt gets, by vendor, backend and memory."""
+    hbm = f.prompt_hbm_share if c.memory == "hbm" else 1.0
     if c.vendor != "amd":
-        return 1.0
-    return f.prompt_rocm_share if c.runs() == "rocm" else f.prompt_amd_share
+        return hbm
+    return hbm * (f.prompt_rocm_share if c.runs() == "rocm" else f.prompt_amd_share)
 
 
 def decode_us(c: Card, w: Workload, f: Fit) -> float:
