@@ -22,6 +22,7 @@ from conftest import cli_runner
 
 from spark_cli.commands import plan as plan_cmd
 from spark_cli.core import device_table as dt
+from spark_cli.errors import BundledDataError
 from spark_cli.core.gguf_info import load_geometry
 from spark_cli.models.fixtures import FIXTURES, build_fixture
 from spark_cli.runs import host_calibration
@@ -496,3 +497,31 @@ def test_a_malformed_or_stray_card_record_is_refused_naming_it(monkeypatch, tmp_
     lines = [l for l in err.splitlines() if l.strip()]
     assert rc == 1 and "Traceback" not in err + out and len(lines) == 1, err
     assert "checked.rtx-9999: not a card" in lines[0] and "reinstall Spark" in lines[0]
+
+
+def test_an_hbm_card_reads_at_its_fitted_share_and_pays_the_reference_cards_block_costs(geos) -> None:
+    """An HBM card (device_profiles.toml's memory) decodes its weights at hbm_bandwidth_share of a GDDR
+    card's share of the same bandwidth, pays the block costs of the REF_GB_S card however wide its memory,
+    and gets prompt_hbm_share of its FP32 figure; the same card as GDDR is priced as before the field."""
+    fit, g = dt.fitted(), geos["qwen3.6-35b-a3b-q4_k_m"]
+    hbm = dt.card("h200")
+    gddr = dataclasses.replace(hbm, memory="gddr")
+    assert hbm.memory == "hbm" and "HBM" in hbm.describe() and dt.card("rtx-4090").memory == "gddr"
+    assert 0 < fit.hbm_bandwidth_share < 1 and fit.prompt_hbm_share > 0
+    assert dt.efficiency(hbm, fit) == pytest.approx(dt.efficiency(gddr, fit) * fit.hbm_bandwidth_share)
+    assert dt.layer_scale(hbm, fit) == 1.0
+    assert dt.layer_scale(gddr, fit) == pytest.approx((dt.REF_GB_S / hbm.memory_gb_s) ** fit.layer_scaling)
+    w = dt.Workload.of(g)
+    blocks = w.layers * fit.layer_us + w.moe_layers * fit.moe_layer_us + w.recurrent_layers * fit.recurrent_layer_us
+    reads = w.device_bytes / (hbm.memory_gb_s * 1e3)
+    assert dt.decode_us(hbm, w, fit) == pytest.approx(reads / dt.efficiency(hbm, fit) + hbm.stop_us + blocks)
+    assert dt.decode_us(gddr, w, fit) < dt.decode_us(hbm, w, fit)
+    assert dt.prompt_us(gddr, w, fit) == pytest.approx(dt.prompt_us(hbm, w, fit) * fit.prompt_hbm_share)
+    hbm_figures = [f for f in dt.figures() if f.device().memory == "hbm" and f.split == "fit" and f.tg_tok_s]
+    assert hbm_figures, "the fit has HBM figures to set the share from"
+
+
+def test_a_card_of_an_unknown_memory_type_is_refused_with_its_key() -> None:
+    assert dt._memory({"memory": "hbm"}, "x") == "hbm" and dt._memory({}, "x") == "gddr"
+    with pytest.raises(BundledDataError, match="cards.p99-card.memory: 'ddr5' is not one of gddr, hbm"):
+        dt._memory({"memory": "ddr5"}, "p99-card")

@@ -8,7 +8,8 @@ experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s an
 
     decode, all on the card  = device_bytes / (B * efficiency) + stop
                                + (layers * layer_us + moe_layers * moe_layer_us + recurrent_layers * recurrent_layer_us)
-                                 * (REF_GB_S / B) ** layer_scaling
+                                 * layer_scale
+    layer_scale              = (REF_GB_S / B) ** layer_scaling on a GDDR card, 1 on an HBM card
     a host layer adds        = stop + host_layer_us + k * expert / host_rate - k * expert / (B * efficiency)
     prompt, all on the card  = (prompt_params + moe_layers * (prompt_moe_params + idle_tile_params))
                                / (F * share * prompt_params_per_tflop_us)
@@ -22,7 +23,9 @@ experts per MoE layer) through `layers` blocks, on a card of bandwidth B GB/s an
 - layer_us, moe_layer_us, recurrent_layer_us: what bandwidth does not explain, per block and token
   (kernel launches and their gaps, attention, norms), more for a MoE layer (router, top-k, the expert
   matmuls by id) and a recurrent one (the delta-net state update), on a REF_GB_S card; a slower
-  card takes longer for them by (REF_GB_S / B) ** layer_scaling;
+  GDDR card takes longer for them by (REF_GB_S / B) ** layer_scaling (a consumer card's bandwidth
+  goes with its generation and clocks); an HBM card takes the REF_GB_S card's (its 2-5 TB/s come from
+  wide memory, not from faster kernels: its clocks are 1.4-2 GHz);
 - host_rate: GB/s the CPU's expert matmuls stream at: measured on this machine where Spark has
   calibrated its CPU (runs/host_calibration.py), else host_efficiency of the host's memory
   bandwidth where it is given (--host-bandwidth), else unstated_host_gb_s (what the public rigs'
@@ -166,7 +169,7 @@ class Fit:
     layer_us: float
     moe_layer_us: float
     recurrent_layer_us: float
-    layer_scaling: float  # the block figures are for a REF_GB_S card, times (REF_GB_S / B) ** this
+    layer_scaling: float  # the block figures are for a REF_GB_S card, times (REF_GB_S / B) ** this on GDDR
     host_efficiency: float  # the share of a stated host bandwidth the CPU's experts stream at
     host_layer_us: float
     unstated_host_gb_s: float  # what the CPU's experts stream at beside a host whose bandwidth is not given
@@ -190,7 +193,7 @@ class Fit:
         return (f"fitted to {self.n_fit} public llama.cpp figures ({self.n_held_out} more held out): decode reads at "
                 f"{self.device_efficiency:.0%} of the card's bandwidth, {self.layer_us:.0f} us a block, "
                 f"{self.moe_layer_us:.0f} us more a MoE layer, {self.recurrent_layer_us:.0f} us more a recurrent one "
-                f"(on a {REF_GB_S:g} GB/s card; x (1000 / GB/s)^{self.layer_scaling:.2f} on others), "
+                f"(on a {REF_GB_S:g} GB/s card and on an HBM card; x (1000 / GB/s)^{self.layer_scaling:.2f} on other GDDR cards), "
                 f"{self.host_layer_us:.0f} us a host layer's hand-over, {self.hbm_bandwidth_share:.0%} of that "
                 f"bandwidth share on an HBM card; the CPU's experts at "
                 f"{self.host_efficiency:.0%} of a host bandwidth given, {self.unstated_host_gb_s:.0f} GB/s where none is")
@@ -337,11 +340,15 @@ def prompt_share(c: Card, f: Fit) -> float:
     return hbm * (f.prompt_rocm_share if c.runs() == "rocm" else f.prompt_amd_share)
 
 
+def layer_scale(c: Card, f: Fit) -> float:
+    """What the block figures (given for a REF_GB_S card) are multiplied by on this card."""
+    return 1.0 if c.memory == "hbm" else (REF_GB_S / c.memory_gb_s) ** f.layer_scaling
+
+
 def decode_us(c: Card, w: Workload, f: Fit) -> float:
     """A decode token with every expert on the card."""
     blocks = w.layers * f.layer_us + w.moe_layers * f.moe_layer_us + w.recurrent_layers * f.recurrent_layer_us
-    return w.device_bytes / (c.memory_gb_s * efficiency(c, f) * 1e3) + c.stop_us + \
-        blocks * (REF_GB_S / c.memory_gb_s) ** f.layer_scaling
+    return w.device_bytes / (c.memory_gb_s * efficiency(c, f) * 1e3) + c.stop_us + blocks * layer_scale(c, f)
 
 
 def host_layer_us(c: Card, w: Workload, f: Fit, host: Host) -> float:
