@@ -128,20 +128,21 @@ def _link(d: dict, key: str) -> float:
     return PCIE_GB_S_PER_LANE[gen] * lanes
 
 
+def _choice(d: dict, key: str, field: str, default: str, allowed) -> str:
+    """A card's named choice (vendor, memory), checked against what the model knows."""
+    value = str(d.get(field, default))
+    if value not in allowed:
+        raise BundledDataError(f"device_profiles.toml: cards.{key}.{field}: {value!r} is not one of "
+                               f"{', '.join(allowed)}")
+    return value
+
+
 def _vendor(d: dict, key: str) -> str:
-    vendor = str(d.get("vendor", "nvidia"))
-    if vendor not in SPARK_BACKEND:
-        raise BundledDataError(f"device_profiles.toml: cards.{key}.vendor: {vendor!r} is not one of "
-                         f"{', '.join(SPARK_BACKEND)}")
-    return vendor
+    return _choice(d, key, "vendor", "nvidia", SPARK_BACKEND)
 
 
 def _memory(d: dict, key: str) -> str:
-    memory = str(d.get("memory", "gddr"))
-    if memory not in MEMORIES:
-        raise BundledDataError(f"device_profiles.toml: cards.{key}.memory: {memory!r} is not one of "
-                               f"{', '.join(MEMORIES)}")
-    return memory
+    return _choice(d, key, "memory", "gddr", MEMORIES)
 
 
 def cards() -> dict[str, Card]:
