@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +20,28 @@ NO_REPACK_WHY = "AMX repacking segfaults upstream (ggml-org/llama.cpp#20824)"
 # suite (every cached test would pay for it, and SPARK_HOME is often a temp folder), on in its own tests
 # (tests/test_self_check.py). Set here, so subprocesses of spark inherit it.
 os.environ["SPARK_SELF_CHECK"] = "0"
+
+# What Spark builds and downloads once (shared with the user's SPARK_HOME, so a run of the suite builds
+# nothing twice); everything else it keeps there is state a run measures or leaves behind.
+SHARED_HOME_FOLDERS = ("downloads", "models", "native", "venvs", "vulkan")
+
+
+def _own_spark_home() -> tuple[Path, Path]:
+    """Give the suite a SPARK_HOME of its own, so what its runs measure under a loaded machine (CPU,
+    disk and device calibrations: `spark plan --predict-for` and the RAM tier read them) and what
+    they leave (recovered files, pending profiles) never reach the user's; its SHARED_HOME_FOLDERS
+    link to the user's. Set here, so subprocesses of spark inherit it. -> (the user's, the suite's)."""
+    user = Path(os.environ.get("SPARK_HOME") or Path.home() / ".cache" / "spark").expanduser()
+    own = Path(tempfile.mkdtemp(prefix="spark-test-home-"))
+    for name in SHARED_HOME_FOLDERS:
+        (user / name).mkdir(parents=True, exist_ok=True)
+        (own / name).symlink_to(user / name, target_is_directory=True)
+    os.environ["SPARK_HOME"] = str(own)
+    atexit.register(shutil.rmtree, own, ignore_errors=True)
+    return user, own
+
+
+USER_SPARK_HOME, SUITE_SPARK_HOME = _own_spark_home()
 
 
 def _cuda_present() -> bool:
