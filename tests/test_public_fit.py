@@ -525,3 +525,47 @@ def test_a_card_of_an_unknown_memory_type_is_refused_with_its_key() -> None:
     assert dt._memory({"memory": "hbm"}, "x") == "hbm" and dt._memory({}, "x") == "gddr"
     with pytest.raises(BundledDataError, match="cards.p99-card.memory: 'ddr5' is not one of gddr, hbm"):
         dt._memory({"memory": "ddr5"}, "p99-card")
+
+
+def test_a_card_without_figures_of_a_kind_is_shown_its_class_record(geos) -> None:
+    """Where a card has no public figure of a kind, `--predict-for` shows how close the model came on
+    the other cards of its class (vendor, backend, memory; for a prompt, int8 matrix units): their
+    records pooled, as the script makes them from the figures; cards without int8 matrix units are a
+    prompt class of their own, and a card that has both kinds shows only its own."""
+    made = _fit_script().card_records(dt.figures(), geos, dt.fitted())
+    table = dt.cards()
+
+    def pooled(c: dt.Card, kind: str) -> tuple[float, float, int, int]:
+        rs = [r for key, rows in made.items() if key != c.key for r in rows
+              if r.kind == kind and dt.card_class(table[key], kind) == dt.card_class(c, kind)]
+        return (round(min(r.lo for r in rs), 2), round(max(r.hi for r in rs), 2), sum(r.inside for r in rs),
+                sum(r.n for r in rs))
+
+    bare = dt.card("rx-7800-xt")  # an AMD card Spark builds Vulkan for, with no public figure of its own
+    assert not dt.records(bare)
+    line = dt.checked_line(bare)
+    for kind, words in (("tg", "AMD GDDR cards on llama.cpp's Vulkan backend, decode"),
+                        ("pp", "AMD GDDR cards with int8 matrix units on llama.cpp's Vulkan backend, prompt")):
+        r, n = dt.class_record(bare, kind)
+        assert (r.lo, r.hi, r.inside, r.n) == pooled(bare, kind)
+        assert f"on {n} other {words} {r.lo:.2f}-{r.hi:.2f} ({r.inside} of {r.n} within 0.8-1.25)" in line
+    assert "rx-5700-xt" in made and not table["rx-5700-xt"].int8_matrix  # in the decode class, not the prompt one
+    assert dt.card_class(table["rx-5700-xt"], "tg") == dt.card_class(bare, "tg")
+    assert dt.card_class(table["rx-5700-xt"], "pp") != dt.card_class(bare, "pp")
+
+    p40 = dt.card("tesla-p40")
+    r, _ = dt.class_record(p40, "pp")
+    assert (r.lo, r.hi, r.inside, r.n) == pooled(p40, "pp")
+    assert r.n == sum(x.n for key, rows in made.items() for x in rows if x.kind == "pp" and key != "tesla-p40"
+                      and dt.card_class(table[key], "pp") == ("nvidia", "cuda", "gddr", False))
+    half = dt.card("h100-sxm5-80gb")  # decode figures of its own, no prompt one
+    assert {r.kind for r in dt.records(half)} == {"tg"}
+    assert "no prompt figure on it; on " in dt.checked_line(half) and "HBM cards with int8 matrix units" in \
+        dt.checked_line(half)
+    assert "other" not in dt.checked_line(dt.card("rtx-4090"))  # both kinds of its own
+
+
+def test_a_cards_flag_that_is_not_true_or_false_is_refused_with_its_key() -> None:
+    assert dt._flag({}, "x", "int8_matrix", True) is True and dt._flag({"int8_matrix": False}, "x", "int8_matrix", True) is False
+    with pytest.raises(BundledDataError, match="cards.p99-card.int8_matrix: 'no' is not true or false"):
+        dt._flag({"int8_matrix": "no"}, "p99-card", "int8_matrix", True)

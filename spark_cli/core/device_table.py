@@ -109,6 +109,7 @@ class Card:
     vendor: str = "nvidia"  # nvidia | amd | intel
     memory: str = "gddr"  # gddr | hbm (the data-centre parts')
     backend: str = ""  # llama.cpp's backend it runs (a BACKENDS key; "": the one Spark builds for the vendor)
+    int8_matrix: bool = True  # int8 matrix units, which llama.cpp's quantized prompt kernels run on
 
     def runs(self) -> str:
         """The llama.cpp backend it is priced for."""
@@ -145,10 +146,18 @@ def _memory(d: dict, key: str) -> str:
     return _choice(d, key, "memory", "gddr", MEMORIES)
 
 
+def _flag(d: dict, key: str, field: str, default: bool) -> bool:
+    value = d.get(field, default)
+    if not isinstance(value, bool):
+        raise BundledDataError(f"device_profiles.toml: cards.{key}.{field}: {value!r} is not true or false")
+    return value
+
+
 def cards() -> dict[str, Card]:
     """Every card of the bundled table, by --predict-for name."""
     return {k: Card(k, str(d["name"]), float(d["vram_gib"]), float(d["memory_gb_s"]), _link(d, k), float(d["stop_us"]),
-                    bool(d.get("second_queue", True)), float(d.get("fp32_tflops", 0.0)), _vendor(d, k), _memory(d, k))
+                    _flag(d, k, "second_queue", True), float(d.get("fp32_tflops", 0.0)), _vendor(d, k), _memory(d, k),
+                    int8_matrix=_flag(d, k, "int8_matrix", True))
             for k, d in _data("device_profiles.toml")["cards"].items()}
 
 
@@ -248,6 +257,29 @@ def all_records() -> dict[str, list[Record]]:
 def records(c: Card) -> list[Record]:
     """The card's public record: decode and prompt, where it has figures."""
     return all_records().get(c.key, [])
+
+
+def card_class(c: Card, kind: str) -> tuple:
+    """What makes cards alike for a kind of figure: vendor, backend and memory; for a prompt, also
+    whether it has int8 matrix units (its kernels run on them)."""
+    return (c.vendor, c.runs(), c.memory) + ((c.int8_matrix,) if kind == "pp" else ())
+
+
+def describe_class(c: Card, kind: str) -> str:
+    units = "" if kind != "pp" else " with int8 matrix units" if c.int8_matrix else " without int8 matrix units"
+    return f"{VENDORS[c.vendor]} {MEMORIES[c.memory]} cards{units} on llama.cpp's {BACKENDS[c.runs()]} backend"
+
+
+def class_record(c: Card, kind: str) -> tuple[Record, int] | None:
+    """The public record of the other cards of `c`'s class for `kind`, pooled (lowest, highest, inside,
+    figures), and how many cards it pools (None: none has figures of that kind)."""
+    table = cards()
+    got = [r for key, rs in all_records().items() if key != c.key and key in table
+           and card_class(table[key], kind) == card_class(c, kind) for r in rs if r.kind == kind]
+    if not got:
+        return None
+    return Record(kind, min(r.lo for r in got), max(r.hi for r in got), sum(r.inside for r in got),
+                  sum(r.n for r in got)), len(got)
 
 
 @dataclass(frozen=True)
@@ -436,10 +468,16 @@ def checked_line(c: Card) -> str:
     """How far the model's predictions were from what people measured on this card, or that none did."""
     got = records(c)
     where = f"with every weight on {c.name} and llama.cpp's {BACKENDS[c.runs()]} backend"
-    if not got:
-        return f"checked: no public figure {where}: nothing shows how close this card's prediction comes"
-    return (f"checked against the public figures {where} (fitted and held out): predicted over reported "
-            f"{', '.join(r.describe() for r in got)} (docs/cost-model.md)")
+    own = f"checked against the public figures {where} (fitted and held out): predicted over reported " \
+        f"{', '.join(r.describe() for r in got)}" if got else f"checked: no public figure {where}"
+    missing = [k for k in KINDS if k not in {r.kind for r in got}]
+    pooled = [(k, p) for k in missing for p in [class_record(c, k)] if p is not None]
+    others = "; ".join(f"on {n} other {describe_class(c, k)}, {r.describe()}" for k, (r, n) in pooled)
+    if not got and not pooled:
+        return f"{own}: nothing shows how close this card's prediction comes"
+    if pooled:
+        own += f"{f', no {KINDS[pooled[0][0]]} figure on it' if got else ''}; {others}"
+    return f"{own} (docs/cost-model.md)"
 
 
 # ---------------------------------------------------------------- the public figures
