@@ -569,3 +569,42 @@ def test_a_cards_flag_that_is_not_true_or_false_is_refused_with_its_key() -> Non
     assert dt._flag({}, "x", "int8_matrix", True) is True and dt._flag({"int8_matrix": False}, "x", "int8_matrix", True) is False
     with pytest.raises(BundledDataError, match="cards.p99-card.int8_matrix: 'no' is not true or false"):
         dt._flag({"int8_matrix": "no"}, "p99-card", "int8_matrix", True)
+
+
+def test_the_link_a_cards_slot_gives_it_prices_a_prompts_host_layers(tmp_path, monkeypatch, plan, geos) -> None:
+    """A board may link a card at fewer lanes or an older generation than the card has: --pcie GENxLANES
+    (and a figure's pcie_gen and pcie_lanes, where its source states them) price a prompt's host-layer
+    uploads at that link; stated in the output, refused when malformed or without --predict-for."""
+    own = dt.card("radeon-ai-pro-r9700")
+    slot = own.on_link(*dt.parse_pcie("4.0x8"), "--pcie 4.0x8")
+    assert own.link_gb_s == pytest.approx(dt.pcie_gb_s(5, 16)) and slot.link_gb_s == pytest.approx(dt.pcie_gb_s(4, 8))
+    w, fit = dt.Workload.of(geos["qwen3.6-35b-a3b-q4_k_m"]), dt.fitted()
+    assert dt.pp_tok_s(slot, w, 0, fit) == dt.pp_tok_s(own, w, 0, fit)  # all on the card: the link is idle
+    assert dt.pp_tok_s(slot, w, 40, fit) < dt.pp_tok_s(own, w, 40, fit)
+    assert dt.host_layer_prompt_us(slot, w) == pytest.approx(dt.host_layer_prompt_us(own, w) * 4)
+    stated = [x for x in dt.figures() if x.link_gb_s]
+    assert stated and all(x.device().link_gb_s == x.link_gb_s != dt.card(x.card).link_gb_s for x in stated)
+    for text in ("4x3", "6x8", "x8", "pcie4"):
+        with pytest.raises(ValueError):
+            dt.parse_pcie(text)
+    with pytest.raises(BundledDataError, match="public_measurements.toml: p99: pcie_gen and pcie_lanes: pcie_lanes missing"):
+        dt._stated_link({"pcie_gen": 4}, "p99")
+    assert dt._stated_link({}, "p99") == 0.0
+
+    monkeypatch.setenv("SPARK_HOME", str(tmp_path / "home"))
+    model = build_fixture("qwen3.6-35b-a3b-q4_k_m", out_dir=tmp_path / "models")
+    pp = {}
+    for extra in ((), ("--pcie", "3x8")):
+        rc, out, err = plan(model, "--predict-for", "rtx-4060-ti-16gb", "-c", "32768", "--json", "--host-bandwidth",
+                            "60", *extra)
+        assert rc == 0, err
+        pp[extra] = {a["name"]: a.get("pp_tok_s") for a in json.loads(out)["predicted"]["alternatives"]}
+    assert 0 < pp[("--pcie", "3x8")]["cpu-moe"] < pp[()]["cpu-moe"]  # the 4060 Ti's own x8 is PCIe 4.0
+    monkeypatch.setenv("COLUMNS", "200")
+    rc, out, err = plan(model, "--predict-for", "rtx-4060-ti-16gb", "-c", "32768", "--pcie", "3x8")
+    assert rc == 0 and "link 7.9 GB/s (--pcie 3x8)" in " ".join(out.split()), err
+    for args, why in ((("--predict-for", "rtx-4060-ti-16gb", "--pcie", "4x3"), "--pcie: '4x3': 3 lanes is not one of"),
+                      (("--vram", "16GiB", "--pcie", "4x8"), "--pcie: only with --predict-for")):
+        rc, out, err = plan(model, *args)
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert rc == 2 and len(lines) == 1 and why in lines[0] and "Traceback" not in err + out, err

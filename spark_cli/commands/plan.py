@@ -129,7 +129,7 @@ def _devices(flags: LoadFlags, vram_text: str | None, measure: bool) -> list:
 
 
 def _check_prediction_flags(objective: str, predict_for: str | None, host_bandwidth: float | None,
-                            host_cores: int | None, cold_hit: float | None):
+                            host_cores: int | None, cold_hit: float | None, pcie: str | None = None):
     """The flags of a plan priced in time, checked before the model is read; the --predict-for card."""
 
     if objective not in OBJECTIVES:
@@ -137,7 +137,7 @@ def _check_prediction_flags(objective: str, predict_for: str | None, host_bandwi
     if cold_hit is not None and not 0.0 <= cold_hit <= 1.0:
         raise UsageError(f"--cold-hit: {cold_hit:g} is not a share", hint="give a number from 0 to 1, e.g. 0.1")
     if predict_for is None:
-        for flag, v in (("--host-bandwidth", host_bandwidth), ("--host-cores", host_cores)):
+        for flag, v in (("--host-bandwidth", host_bandwidth), ("--host-cores", host_cores), ("--pcie", pcie)):
             if v is not None:
                 raise UsageError(f"{flag}: only with --predict-for", hint="name the card: --predict-for NAME")
         return None
@@ -146,6 +146,12 @@ def _check_prediction_flags(objective: str, predict_for: str | None, host_bandwi
     if host_cores is not None and host_cores < 1:
         raise UsageError(f"--host-cores: {host_cores}", hint="give a core count of 1 or more")
     card = device_table.card(predict_for)
+    if pcie is not None:
+        try:
+            card = card.on_link(*device_table.parse_pcie(pcie), f"--pcie {pcie}")
+        except ValueError as e:
+            raise UsageError(f"--pcie: {pcie!r}: {e}", hint="give the link the card's slot runs at as GENxLANES, "
+                             "e.g. 4x8 for PCIe 4.0 x8; nvidia-smi -q or lspci -vv shows it") from None
     if objective == "prompt" and card.fp32_tflops <= 0:
         raise UsageError(f"--objective prompt: {predict_for} has no compute figure to predict prompt speed from",
                          hint="measure it on the card with spark bench, or use --objective decode")
@@ -209,6 +215,9 @@ def plan_cmd(
                                          "CPU rate of the public measurements' hosts)"),
     host_cores: int = typer.Option(None, "--host-cores", help="with --predict-for: the host's CPU cores "
                                    "(default: this machine's)"),
+    pcie: str = typer.Option(None, "--pcie", help="with --predict-for: the PCIe link the card's slot gives it, "
+                             "GENxLANES, e.g. 4x8 (default: the card's own; a board's second slot often has "
+                             "fewer lanes, and --n-cpu-moe's prompt uploads go over it)"),
     cold_hit: float = typer.Option(None, "--cold-hit", help="without a profile: the share of routed experts "
                                    "a cached layer misses with k slots, assumed (0-1; default: the uniform "
                                    "prior's)"),
@@ -227,7 +236,7 @@ def plan_cmd(
     if pol not in ONLINE_POLICIES + (AUTO_POLICY,):
         raise UsageError(f"--policy {policy}: a cache cannot run it", hint=f"use one of {', '.join(ONLINE_POLICIES)}")
     miss_choice = parse_miss_path(miss_path)
-    card = _check_prediction_flags(objective, predict_for, host_bandwidth, host_cores, cold_hit)
+    card = _check_prediction_flags(objective, predict_for, host_bandwidth, host_cores, cold_hit, pcie)
     if card is not None:
         measure = False
         vram_text = vram_text or f"{card.vram_gib:g}GiB"

@@ -76,6 +76,7 @@ else:  # pragma: no cover
     import tomli as tomllib  # type: ignore[no-redef]
 
 PCIE_GB_S_PER_LANE = {3: 0.985, 4: 1.969, 5: 3.938}  # one direction, after encoding
+PCIE_LANES = (1, 2, 4, 8, 16)
 LINK_EFFICIENCY = 0.8  # share of the link a pinned upload gets
 HOST_GB_S_PER_CORE = 12.0  # what one core's matmul streams at most
 DEFAULT_HOST_CORES = 8  # a figure that names no CPU
@@ -110,6 +111,12 @@ class Card:
     memory: str = "gddr"  # gddr | hbm (the data-centre parts')
     backend: str = ""  # llama.cpp's backend it runs (a BACKENDS key; "": the one Spark builds for the vendor)
     int8_matrix: bool = True  # int8 matrix units, which llama.cpp's quantized prompt kernels run on
+    link_given: str = ""  # where link_gb_s comes from when not the card's own (e.g. "--pcie 4x8")
+
+    def on_link(self, gen: int, lanes: int, given: str) -> "Card":
+        """The card on a slot that links it at PCIe `gen` x`lanes` (a board may give it fewer lanes
+        or an older generation than the card has)."""
+        return replace(self, link_gb_s=pcie_gb_s(gen, lanes), link_given=given)
 
     def runs(self) -> str:
         """The llama.cpp backend it is priced for."""
@@ -120,13 +127,43 @@ class Card:
                 f"llama.cpp's {BACKENDS[self.runs()]} backend)")
 
 
-def _link(d: dict, key: str) -> float:
-    if "link_gb_s" in d:
-        return float(d["link_gb_s"])
-    gen, lanes = int(d["pcie_gen"]), int(d["pcie_lanes"])
+def pcie_gb_s(gen: int, lanes: int) -> float:
+    """A PCIe link's GB/s in one direction (ValueError naming what is wrong with it)."""
     if gen not in PCIE_GB_S_PER_LANE:
-        raise BundledDataError(f"device_profiles.toml: cards.{key}.pcie_gen: {gen} is not one of 3, 4, 5")
+        raise ValueError(f"PCIe generation {gen} is not one of {', '.join(map(str, PCIE_GB_S_PER_LANE))}")
+    if lanes not in PCIE_LANES:
+        raise ValueError(f"{lanes} lanes is not one of {', '.join(map(str, PCIE_LANES))}")
     return PCIE_GB_S_PER_LANE[gen] * lanes
+
+
+def parse_pcie(text: str) -> tuple[int, int]:
+    """A link as people write it, GENxLANES (4x8, 4.0x8, gen4 x8: PCIe 4.0 x8) -> (gen, lanes); ValueError
+    where it is not one."""
+    m = re.fullmatch(r"\s*(?:gen\s*)?(\d+)(?:\.0)?\s*x\s*(\d+)\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError("not GENxLANES")
+    gen, lanes = int(m.group(1)), int(m.group(2))
+    pcie_gb_s(gen, lanes)
+    return gen, lanes
+
+
+def _pcie(d: dict, where: str) -> float:
+    """A row's pcie_gen and pcie_lanes as GB/s; a missing or impossible one is refused naming the row."""
+    try:
+        return pcie_gb_s(int(d["pcie_gen"]), int(d["pcie_lanes"]))
+    except (KeyError, TypeError, ValueError) as e:
+        why = f"{e.args[0]} missing" if isinstance(e, KeyError) else e
+        raise BundledDataError(f"{where}: pcie_gen and pcie_lanes: {why}") from None
+
+
+def _link(d: dict, key: str) -> float:
+    """A card's link: link_gb_s, or its PCIe generation and lanes."""
+    return float(d["link_gb_s"]) if "link_gb_s" in d else _pcie(d, f"device_profiles.toml: cards.{key}")
+
+
+def _stated_link(d: dict, fid: str) -> float:
+    """The link a figure's source says the card's slot gave it (0: not stated)."""
+    return _pcie(d, f"public_measurements.toml: {fid}") if "pcie_gen" in d or "pcie_lanes" in d else 0.0
 
 
 def _choice(d: dict, key: str, field: str, default: str, allowed) -> str:
@@ -155,7 +192,8 @@ def _flag(d: dict, key: str, field: str, default: bool) -> bool:
 
 def cards() -> dict[str, Card]:
     """Every card of the bundled table, by --predict-for name."""
-    return {k: Card(k, str(d["name"]), float(d["vram_gib"]), float(d["memory_gb_s"]), _link(d, k), float(d["stop_us"]),
+    return {k: Card(k, str(d["name"]), float(d["vram_gib"]), float(d["memory_gb_s"]),
+                    _link(d, k), float(d["stop_us"]),
                     _flag(d, k, "second_queue", True), float(d.get("fp32_tflops", 0.0)), _vendor(d, k), _memory(d, k),
                     int8_matrix=_flag(d, k, "int8_matrix", True))
             for k, d in _data("device_profiles.toml")["cards"].items()}
@@ -459,7 +497,8 @@ def provenance(c: Card, h: Host, f: Fit | None = None) -> list[str]:
     return [f"measured: {measured}",
             f"fitted from public reports: {f.describe()} (data/public_measurements.toml)",
             f"assumed: {c.name}'s vendor bandwidth {c.memory_gb_s:g} GB/s, {c.fp32_tflops:g} FP32 TFLOPS and "
-            f"link {c.link_gb_s:.1f} GB/s, a {c.stop_us:g} us stop, llama.cpp's {BACKENDS[c.runs()]} backend"
+            f"link {c.link_gb_s:.1f} GB/s ({c.link_given or 'its own: --pcie GENxLANES for the one its slot gives it'}), "
+            f"a {c.stop_us:g} us stop, llama.cpp's {BACKENDS[c.runs()]} backend"
             f"{'' if c.backend else f' (the one Spark builds for {VENDORS[c.vendor]} cards)'}{host}; {ASSUMPTIONS}",
             checked_line(c)]
 
@@ -507,10 +546,12 @@ class Figure:
     backend: str = ""  # the llama.cpp backend it ran (a BACKENDS key; "": the one Spark builds)
     size_lands_on: str = "experts"  # where its file's size differs from the fixture's: "experts" | "rest"
     prompt_params: float = 0.0  # dense only: a prompt token's matrix weights (all but embeddings and output)
+    link_gb_s: float = 0.0  # the link the source says its slot gave the card (0: not stated: the card's own)
 
     def device(self) -> Card:
-        """The card as the figure ran it: on its backend."""
-        return replace(card(self.card), backend=self.backend)
+        """The card as the figure ran it: on its backend, and on its slot's link where the source states it."""
+        c = replace(card(self.card), backend=self.backend)
+        return replace(c, link_gb_s=self.link_gb_s, link_given="the source's") if self.link_gb_s else c
 
     def prompt_ubatch(self) -> int:
         """Tokens a prompt figure's host layers are uploaded once for: its ubatch, or the whole prompt
@@ -627,7 +668,8 @@ def figures() -> list[Figure]:
                           str(d.get("tg_test", "")), str(d.get("pp_test", "")),
                           int(d.get("ubatch", DEFAULT_UBATCH)), int(d.get("prompt_tokens", 512)),
                           _backend(d, fid, known[str(d["card"])].vendor), _lands_on(d, fid),
-                          _prompt_params(d, fid) if d["model"] == "dense" else 0.0))
+                          _prompt_params(d, fid) if d["model"] == "dense" else 0.0,
+                          _stated_link(d, fid)))
     return out
 
 
