@@ -20,7 +20,7 @@ assumed disk (--disk-gbs) and an assumed uniform routing. The RAM the weights ma
 --os-ram GiB (assumed: the OS and the run's host buffers).
 
 Usage: .venv/bin/python scripts/what_fits.py [--vram 8,12,16,24] [-c 8192] [--fixtures a,b] [--out-dir DIR]
-       [--predict-for CARD] [--cold-hit 0.1] [--host-bandwidth GB/s] [--host-cores 8]
+       [--predict-for CARD] [--cold-hit 0.1] [--host-bandwidth GB/s] [--host-cores 8] [--pcie 4x8]
        [--ram 32,64,128 [--os-ram 4] [--disk-gbs 3]]
 """
 
@@ -272,6 +272,8 @@ def main_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-bandwidth", type=float, default=None, help="host GB/s (default: not given, the "
                     "CPU rate of the public measurements' hosts)")
     ap.add_argument("--host-cores", type=int, default=8, help="host CPU cores")
+    ap.add_argument("--pcie", default=None, help="the link the card's slot gives it, GENxLANES, e.g. 4x8 "
+                    "(default: the card's own)")
     ap.add_argument("--ram", default=None, help="RAM sizes in GiB, comma-separated: print the three-tier table "
                     "(device, RAM, file) for each --vram budget instead")
     ap.add_argument("--os-ram", type=float, default=4.0, help="GiB of the RAM assumed taken by the OS and the run's "
@@ -285,8 +287,13 @@ def predict_settings(a: argparse.Namespace) -> dict | None:
     """--predict-for and the host it assumes (None: --predict-for none)."""
     if a.predict_for == "none":
         return None
-    return {"card": device_table.card(a.predict_for), "cold_hit": a.cold_hit, "host_gb_s": a.host_bandwidth,
-            "host_cores": a.host_cores}
+    card = device_table.card(a.predict_for)
+    if a.pcie is not None:
+        try:
+            card = card.on_link(*device_table.parse_pcie(a.pcie), f"--pcie {a.pcie}")
+        except ValueError as e:
+            raise SystemExit(f"what_fits.py: --pcie {a.pcie!r}: {e}; give GENxLANES, e.g. 4x8") from None
+    return {"card": card, "cold_hit": a.cold_hit, "host_gb_s": a.host_bandwidth, "host_cores": a.host_cores}
 
 
 def assumptions(a: argparse.Namespace) -> RamAssumptions | None:

@@ -118,3 +118,13 @@ def test_the_docs_first_table_is_what_the_script_prints(wf, tmp_path, capsys) ->
     name = "gpt-oss-20b-mxfp4"
     assert wf.main(["--fixtures", name, "--out-dir", str(tmp_path)]) == 0
     _assert_rows_in_doc(capsys.readouterr().out.splitlines(), FIXTURES[name].title)
+
+
+def test_pcie_gives_the_card_its_slots_link_and_a_bad_one_is_one_line(wf) -> None:
+    a = wf.main_parser().parse_args(["--predict-for", "rtx-4060-ti-16gb", "--pcie", "3x8"])
+    card = wf.predict_settings(a)["card"]
+    assert card.link_gb_s == pytest.approx(8 * 0.985) and card.link_given == "--pcie 3x8"
+    assert wf.predict_settings(wf.main_parser().parse_args(["--predict-for", "rtx-4060-ti-16gb"]))["card"].link_gb_s \
+        == pytest.approx(8 * 1.969)
+    with pytest.raises(SystemExit, match="--pcie '4x3': 3 lanes is not one of"):
+        wf.predict_settings(wf.main_parser().parse_args(["--predict-for", "rtx-4060-ti-16gb", "--pcie", "4x3"]))
