@@ -290,7 +290,7 @@ def predict_settings(a: argparse.Namespace) -> dict | None:
     card = device_table.card(a.predict_for)
     if a.pcie is not None:
         try:
-            card = card.on_link(*device_table.parse_pcie(a.pcie), f"--pcie {a.pcie}")
+            card = card.on_pcie(a.pcie)
         except ValueError as e:
             raise SystemExit(f"what_fits.py: --pcie {a.pcie!r}: {e}; give GENxLANES, e.g. 4x8") from None
     return {"card": card, "cold_hit": a.cold_hit, "host_gb_s": a.host_bandwidth, "host_cores": a.host_cores}

@@ -31,7 +31,9 @@ def _own_spark_home() -> tuple[Path, Path]:
     disk and device calibrations: `spark plan --predict-for` and the RAM tier read them) and what
     they leave (recovered files, pending profiles) never reach the user's; its SHARED_HOME_FOLDERS
     link to the user's. Set here, so subprocesses of spark inherit it. -> (the user's, the suite's)."""
-    user = Path(os.environ.get("SPARK_HOME") or Path.home() / ".cache" / "spark").expanduser()
+    from spark_cli.files.paths import spark_home
+
+    user = spark_home()
     own = Path(tempfile.mkdtemp(prefix="spark-test-home-"))
     for name in SHARED_HOME_FOLDERS:
         (user / name).mkdir(parents=True, exist_ok=True)

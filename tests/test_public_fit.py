@@ -576,7 +576,7 @@ def test_the_link_a_cards_slot_gives_it_prices_a_prompts_host_layers(tmp_path, m
     (and a figure's pcie_gen and pcie_lanes, where its source states them) price a prompt's host-layer
     uploads at that link; stated in the output, refused when malformed or without --predict-for."""
     own = dt.card("radeon-ai-pro-r9700")
-    slot = own.on_link(*dt.parse_pcie("4.0x8"), "--pcie 4.0x8")
+    slot = own.on_pcie("4.0x8")
     assert own.link_gb_s == pytest.approx(dt.pcie_gb_s(5, 16)) and slot.link_gb_s == pytest.approx(dt.pcie_gb_s(4, 8))
     w, fit = dt.Workload.of(geos["qwen3.6-35b-a3b-q4_k_m"]), dt.fitted()
     assert dt.pp_tok_s(slot, w, 0, fit) == dt.pp_tok_s(own, w, 0, fit)  # all on the card: the link is idle

@@ -148,7 +148,7 @@ def _check_prediction_flags(objective: str, predict_for: str | None, host_bandwi
     card = device_table.card(predict_for)
     if pcie is not None:
         try:
-            card = card.on_link(*device_table.parse_pcie(pcie), f"--pcie {pcie}")
+            card = card.on_pcie(pcie)
         except ValueError as e:
             raise UsageError(f"--pcie: {pcie!r}: {e}", hint="give the link the card's slot runs at as GENxLANES, "
                              "e.g. 4x8 for PCIe 4.0 x8; nvidia-smi -q or lspci -vv shows it") from None

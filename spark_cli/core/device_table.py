@@ -113,10 +113,10 @@ class Card:
     int8_matrix: bool = True  # int8 matrix units, which llama.cpp's quantized prompt kernels run on
     link_given: str = ""  # where link_gb_s comes from when not the card's own (e.g. "--pcie 4x8")
 
-    def on_link(self, gen: int, lanes: int, given: str) -> "Card":
-        """The card on a slot that links it at PCIe `gen` x`lanes` (a board may give it fewer lanes
-        or an older generation than the card has)."""
-        return replace(self, link_gb_s=pcie_gb_s(gen, lanes), link_given=given)
+    def on_pcie(self, text: str) -> "Card":
+        """The card on a slot that links it at `text`, --pcie's GENxLANES (a board may give it fewer
+        lanes or an older generation than the card has); ValueError where `text` is not a link."""
+        return replace(self, link_gb_s=pcie_gb_s(*parse_pcie(text)), link_given=f"--pcie {text}")
 
     def runs(self) -> str:
         """The llama.cpp backend it is priced for."""
@@ -312,7 +312,7 @@ def class_record(c: Card, kind: str) -> tuple[Record, int] | None:
     """The public record of the other cards of `c`'s class for `kind`, pooled (lowest, highest, inside,
     figures), and how many cards it pools (None: none has figures of that kind)."""
     table = cards()
-    got = [r for key, rs in all_records().items() if key != c.key and key in table
+    got = [r for key, rs in all_records().items() if key != c.key
            and card_class(table[key], kind) == card_class(c, kind) for r in rs if r.kind == kind]
     if not got:
         return None
